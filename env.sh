@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates (once) and activates the project's virtual environment in .venv.
+# torch is installed first, pinned to the CPU build, so that no CUDA build is pulled in.
+# Source it: `. ./env.sh`. MMPACK_VENV overrides the location.
+set -euo pipefail
+venv="${MMPACK_VENV:-.venv}"
+stamp="$venv/.mmpack-installed"
+if [ ! -x "$venv/bin/python" ]; then
+  python3.11 -m venv "$venv" 2>/dev/null || python3 -m venv "$venv"
+fi
+# shellcheck disable=SC1091
+. "$venv/bin/activate"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "[env] installing into $venv (torch CPU build first) ..."
+  python -m pip install -q --upgrade pip
+  python -m pip install -q torch==2.13.0
+  python -m pip install -q -e ".[test,bench,energon]"
+  touch "$stamp"
+fi
+set +euo pipefail

@@ -1,0 +1,1 @@
+"""mmpack offline_packing."""

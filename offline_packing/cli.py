@@ -1,0 +1,48 @@
+"""The `mmpack` console script: dispatches to one module per subcommand.
+
+Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int` (the exit code).
+Modules are imported lazily so that `mmpack stats` does not pay for importing the packer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "pack": ("offline_packing.pack_cli", "pack raw multimodal samples into a sharded packed dataset"),
+    "stats": ("offline_packing.stats_cli", "packing efficiency of a packed dataset or a length file"),
+    "demo": ("offline_packing.demo", "build a small dataset, pack it, print stats, train a tiny model"),
+}
+
+
+def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, object | None]:
+    """Build the top-level parser; only the chosen subcommand's module is imported."""
+    parser = argparse.ArgumentParser(
+        prog="mmpack", description="mmpack: packing for vision-language training"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    module = None
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sp)
+    return parser, module
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `mmpack` script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, module = build_parser(argv)
+    args = parser.parse_args(argv)
+    if module is None:
+        parser.print_help()
+        return 2
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

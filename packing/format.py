@@ -1,0 +1,57 @@
+"""The on-disk contract of a packed dataset, shared by the writer (offline_packing) and the reader (dataloader).
+
+Pure constants and small helpers; no pyarrow, no torch. See DESIGN.md "Packed dataset".
+
+Layout of a dataset folder (local path or fsspec URL)::
+
+    manifest.json                 written last, atomically (commit point)
+    shards/<prefix>-000000.arrow  Arrow IPC file, one row per bin
+    shards/<prefix>-000000.tar    WebDataset tar, one group of members per bin
+    rejects.jsonl                 one JSON object per rejected input sample
+    stats.json                    `mmpack stats --json` of the dataset
+
+Bins are numbered globally 0..num_bins-1 in shard order. With `--format both`, shard i of each
+format holds exactly the same bins (boundaries are decided once).
+"""
+
+from __future__ import annotations
+
+import re
+
+FORMAT_NAME = "mmpack-packed"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+REJECTS_NAME = "rejects.jsonl"
+STATS_NAME = "stats.json"
+SHARDS_DIR = "shards"
+
+# One record per bin. Field -> numpy dtype of its elements (list columns in Arrow, .npy members in tars).
+ARRAY_FIELDS: dict[str, str] = {
+    "input_ids": "uint32",  # unpadded concatenation of the bin's samples
+    "loss_mask": "uint8",  # 1 where the token is a target (assistant content + its closing <|im_end|>)
+    "seq_lens": "int32",  # one per sample; the compact block-diagonal causal mask
+    "image_grid_thw": "int32",  # [n_images, 3] (t, h, w) in patches, before the merge
+}
+# Other per-bin fields: "key" (str), "sample_ids" (list[str], one per sample),
+# "images" (list[bytes], encoded as read, in order of appearance), "image_formats" (list[str], e.g. "jpg").
+
+# WebDataset members of one bin with key K: K.json (key, sample_ids, image_formats, n_images),
+# K.input_ids.npy, K.loss_mask.npy, K.seq_lens.npy, K.image_grid_thw.npy, K.img<i>.<ext> per image.
+WDS_JSON_MEMBER = "json"
+WDS_IMAGE_MEMBER = "img{index}.{ext}"
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def bin_key(prefix: str, bin_index: int) -> str:
+    """The key of a bin: no dots, so WebDataset splits members correctly."""
+    key = f"{prefix}-{bin_index:09d}"
+    if not _KEY_RE.match(key):
+        raise ValueError(f"shard prefix {prefix!r} must use only letters, digits, '_' and '-'")
+    return key
+
+
+def shard_name(prefix: str, shard_index: int, fmt: str) -> str:
+    """Relative path of shard `shard_index` in format `fmt` ("arrow" or "wds")."""
+    ext = {"arrow": "arrow", "wds": "tar"}[fmt]
+    return f"{SHARDS_DIR}/{prefix}-{shard_index:06d}.{ext}"

@@ -1,0 +1,1 @@
+"""mmpack trainer."""
