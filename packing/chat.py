@@ -1,0 +1,328 @@
+"""Raw records -> conversations -> token ids and loss mask (Qwen-style chat rendering).
+
+`normalize_record` turns one LLaVA, ShareGPT, caption or text-only record into a `Conversation` (or raises
+`SampleError` with a short reason code); `tokenize_conversation` renders it as
+
+    <|im_start|>{role}\\n{content}<|im_end|>\\n        (per message)
+
+with each `<image>` replaced by `<|vision_start|>` + N x `<|image_pad|>` + `<|vision_end|>`, encodes the whole
+string once (so the ids equal a direct tokenizer encode of the rendered text) and derives the loss mask from
+the token offsets. `truncate_sample` implements the `truncate` over-length policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from packing.tokenizer import SPECIAL_TOKENS, TextTokenizer
+
+IMAGE_TAG = "<image>"
+ROLES = ("system", "user", "assistant")
+_ROLE_ALIASES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+}
+
+
+class SampleError(ValueError):
+    """A raw sample that cannot be used; `reason` is a short snake_case code for rejects.jsonl.
+
+    Reason codes raised here: malformed_record, unknown_role, empty_conversation, misplaced_system,
+    no_assistant_turn, image_tag_mismatch, reserved_token_in_text.
+    """
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A normalised sample: messages in order, image paths in order of their `<image>` tags."""
+
+    messages: tuple[tuple[str, str], ...]
+    images: tuple[str, ...] = ()
+    sample_id: str = ""
+
+
+def normalize_record(obj: Any, *, source: str, line: int) -> Conversation:
+    """One raw record (LLaVA / ShareGPT / caption / text-only) as a validated `Conversation`.
+
+    A record is trainable only with at least one assistant message with non-empty content; the number of
+    `<image>` tags over all messages must equal the number of images. `sample_id` is the record's "id"
+    if it has one, else "{source}:{line}".
+    """
+    if not isinstance(obj, dict):
+        raise SampleError("malformed_record", f"expected a JSON object, got {type(obj).__name__}")
+    if "conversations" in obj:
+        messages = _messages_from(obj["conversations"], "from", "value")
+        images = _image_list(obj.get("image", obj.get("images")))
+        system = obj.get("system_prompt", obj.get("system"))
+    elif "messages" in obj:
+        messages = _messages_from(obj["messages"], "role", "content")
+        images = _image_list(obj.get("images", obj.get("image")))
+        system = obj.get("system")
+    elif "caption" in obj or "text" in obj:
+        text = obj["caption"] if "caption" in obj else obj["text"]
+        images = _image_list(obj.get("image", obj.get("images")))
+        prompt = [("user", IMAGE_TAG * len(images))] if images else []
+        messages = [*prompt, ("assistant", text)]
+        system = None
+    else:
+        raise SampleError("malformed_record", "no 'conversations', 'messages', 'caption' or 'text' field")
+    if system is not None and not (messages and messages[0][0] == "system"):
+        messages.insert(0, ("system", system))
+    raw_id = obj.get("id")
+    sample_id = f"{source}:{line}" if raw_id is None or raw_id == "" else str(raw_id)
+    conv = Conversation(messages=tuple(messages), images=tuple(images), sample_id=sample_id)
+    validate_conversation(conv)
+    return conv
+
+
+def _messages_from(raw: Any, role_key: str, content_key: str) -> list[tuple[str, str]]:
+    if not isinstance(raw, list):
+        raise SampleError("malformed_record", f"messages must be a list, got {type(raw).__name__}")
+    messages = []
+    for i, msg in enumerate(raw):
+        if not isinstance(msg, dict) or role_key not in msg or content_key not in msg:
+            raise SampleError("malformed_record", f"message {i} needs '{role_key}' and '{content_key}'")
+        role = _ROLE_ALIASES.get(str(msg[role_key]).lower()) if isinstance(msg[role_key], str) else None
+        if role is None:
+            raise SampleError("unknown_role", f"message {i} has unknown role {msg[role_key]!r}")
+        messages.append((role, msg[content_key]))
+    return messages
+
+
+def _image_list(raw: Any) -> list[str]:
+    if raw is None:
+        return []
+    items = [raw] if isinstance(raw, str) else raw
+    if not isinstance(items, list) or not all(isinstance(p, str) and p for p in items):
+        raise SampleError("malformed_record", "images must be a non-empty string or a list of them")
+    return list(items)
+
+
+def validate_conversation(conv: Conversation) -> None:
+    """Raise `SampleError` unless `conv` is a trainable, well-formed conversation."""
+    if not conv.messages:
+        raise SampleError("empty_conversation", "no messages")
+    tags = 0
+    for i, (role, content) in enumerate(conv.messages):
+        if role not in ROLES:
+            raise SampleError("unknown_role", f"message {i} has unknown role {role!r}")
+        if not isinstance(content, str):
+            raise SampleError("malformed_record", f"message {i} content must be a string")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise SampleError("malformed_record", f"message {i} is not valid Unicode: {exc}") from None
+        if role == "system" and i != 0:
+            raise SampleError("misplaced_system", f"system message at position {i}; only the first may be")
+        for literal in SPECIAL_TOKENS.values():
+            if literal in content:
+                raise SampleError(
+                    "reserved_token_in_text", f"message {i} contains the control token {literal}"
+                )
+        tags += content.count(IMAGE_TAG)
+    if not any(role == "assistant" and content.strip() for role, content in conv.messages):
+        raise SampleError("no_assistant_turn", "no assistant message with content: nothing to train on")
+    if tags != len(conv.images):
+        raise SampleError("image_tag_mismatch", f"{tags} <image> tags but {len(conv.images)} images")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """Qwen-style chat rendering; `default_system` is added where a conversation has no system message."""
+
+    default_system: str | None = None
+    name: str = field(default="qwen", init=False)
+
+    def with_default_system(self, conv: Conversation) -> tuple[tuple[str, str], ...]:
+        """The messages to render: the conversation's, with the default system prompt if it applies."""
+        if self.default_system is not None and conv.messages and conv.messages[0][0] != "system":
+            return (("system", self.default_system), *conv.messages)
+        return conv.messages
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest's "chat_template" entry."""
+        return {"name": self.name, "default_system": self.default_system}
+
+
+@dataclass(frozen=True)
+class TokenizedSample:
+    """Token ids and loss mask of one rendered conversation, plus what truncation needs.
+
+    `turn_boundaries[k]` is the token index just past message k (after its trailing newline);
+    `turn_roles[k]` its role and `turn_image_counts[k]` its number of images. `image_spans` are the
+    [start, end) token ranges <|vision_start|> ... <|vision_end|> of each image, in order.
+    """
+
+    input_ids: np.ndarray  # uint32 [n]
+    loss_mask: np.ndarray  # uint8 [n]
+    num_image_tokens: int
+    image_token_counts: tuple[int, ...]
+    turn_boundaries: tuple[int, ...]
+    turn_roles: tuple[str, ...]
+    turn_image_counts: tuple[int, ...]
+    image_spans: tuple[tuple[int, int], ...]
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_images(self) -> int:
+        return len(self.image_token_counts)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+@dataclass
+class _Rendered:
+    text: str
+    target_spans: list[tuple[int, int]]  # character spans whose tokens carry loss
+    message_ends: list[int]  # character index past each message
+    image_char_spans: list[tuple[int, int]]
+
+
+def render_conversation(
+    messages: Sequence[tuple[str, str]],
+    image_token_counts: Sequence[int],
+    specials: dict[str, str] | None = None,
+) -> str:
+    """The rendered chat text of `messages` (what gets encoded), images expanded."""
+    return _render(messages, image_token_counts, specials or SPECIAL_TOKENS).text
+
+
+def _render(
+    messages: Sequence[tuple[str, str]], image_token_counts: Sequence[int], specials: dict[str, str]
+) -> _Rendered:
+    parts: list[str] = []
+    pos = 0
+    out = _Rendered("", [], [], [])
+    images = iter(image_token_counts)
+
+    def emit(s: str) -> None:
+        nonlocal pos
+        parts.append(s)
+        pos += len(s)
+
+    for role, content in messages:
+        emit(f"{specials['im_start']}{role}\n")
+        chunks = content.split(IMAGE_TAG)
+        for j, chunk in enumerate(chunks):
+            if j > 0:
+                start = pos
+                emit(specials["vision_start"] + specials["image_pad"] * next(images) + specials["vision_end"])
+                out.image_char_spans.append((start, pos))
+            if role == "assistant" and chunk:
+                out.target_spans.append((pos, pos + len(chunk)))
+            emit(chunk)
+        if role == "assistant":
+            out.target_spans.append((pos, pos + len(specials["im_end"])))
+        emit(specials["im_end"] + "\n")
+        out.message_ends.append(pos)
+    out.text = "".join(parts)
+    return out
+
+
+def tokenize_conversation(
+    conv: Conversation,
+    tokenizer: TextTokenizer,
+    image_token_counts: Sequence[int],
+    template: ChatTemplate | None = None,
+) -> TokenizedSample:
+    """Render `conv`, encode it once, and mark as targets the tokens of assistant content + closing <|im_end|>.
+
+    A token is a target when its character span overlaps assistant content (so a token that straddles the
+    header newline and the first content characters is predicted, as the content needs it) or is the
+    <|im_end|> closing an assistant message; image tokens are never targets.
+    """
+    if len(image_token_counts) != len(conv.images):
+        raise ValueError(f"{len(image_token_counts)} image token counts for {len(conv.images)} images")
+    if any(int(n) < 1 for n in image_token_counts):
+        raise ValueError(f"image token counts must be >= 1, got {list(image_token_counts)}")
+    messages = (template or ChatTemplate()).with_default_system(conv)
+    rendered = _render(messages, [int(n) for n in image_token_counts], SPECIAL_TOKENS)
+    ids, offsets = tokenizer.encode_with_offsets(rendered.text)
+    starts = np.fromiter((a for a, _ in offsets), dtype=np.int64, count=len(offsets))
+    ends = np.fromiter((b for _, b in offsets), dtype=np.int64, count=len(offsets))
+
+    loss = np.zeros(len(ids), dtype=np.uint8)
+    for a, b in rendered.target_spans:
+        loss[(starts < b) & (ends > a)] = 1
+    image_spans = []
+    for a, b in rendered.image_char_spans:
+        inside = np.flatnonzero((starts >= a) & (ends <= b))
+        image_spans.append((int(inside[0]), int(inside[-1]) + 1))
+        loss[inside] = 0
+
+    input_ids = np.asarray(ids, dtype=np.uint32)
+    num_image_tokens = int(np.count_nonzero(input_ids == tokenizer.special_ids["image_pad"]))
+    if num_image_tokens != sum(int(n) for n in image_token_counts):
+        raise ValueError("tokenizer did not keep <|image_pad|> as single tokens")  # guarded by HFTokenizer
+    return TokenizedSample(
+        input_ids=input_ids,
+        loss_mask=loss,
+        num_image_tokens=num_image_tokens,
+        image_token_counts=tuple(int(n) for n in image_token_counts),
+        turn_boundaries=tuple(int(np.searchsorted(starts, e, side="left")) for e in rendered.message_ends),
+        turn_roles=tuple(role for role, _ in messages),
+        turn_image_counts=tuple(content.count(IMAGE_TAG) for _, content in messages),
+        image_spans=tuple(image_spans),
+    )
+
+
+def truncate_sample(tokenized: TokenizedSample, max_len: int) -> TokenizedSample | None:
+    """The `truncate` policy: `tokenized` cut to at most `max_len` tokens, or None if no useful cut exists.
+
+    First whole trailing turns are dropped: the result ends after the last assistant message that fits.
+    If not even the first assistant message fits, the text is cut at a token boundary, provided the cut is
+    outside every image span and keeps at least one loss token. Images after the cut are dropped with their
+    messages: the kept images are the first `result.num_images` of the conversation.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    if len(tokenized) <= max_len:
+        return tokenized
+    cut = 0
+    for k, (role, end) in enumerate(zip(tokenized.turn_roles, tokenized.turn_boundaries)):
+        if end > max_len:
+            break
+        if role == "assistant" and tokenized.loss_mask[:end].any():
+            cut = k + 1
+    if cut > 0:
+        end = tokenized.turn_boundaries[cut - 1]
+        return _prefix(tokenized, end, cut)
+    if any(a < max_len < b for a, b in tokenized.image_spans) or not tokenized.loss_mask[:max_len].any():
+        return None
+    turns = sum(1 for b in tokenized.turn_boundaries if b <= max_len) + 1
+    return _prefix(tokenized, max_len, min(turns, len(tokenized.turn_roles)))
+
+
+def _prefix(t: TokenizedSample, end: int, turns: int) -> TokenizedSample:
+    kept_spans = tuple(s for s in t.image_spans if s[1] <= end)
+    counts = t.image_token_counts[: len(kept_spans)]
+    turn_images = list(t.turn_image_counts[:turns])
+    turn_images[-1] = len(kept_spans) - sum(turn_images[:-1])  # a cut last turn loses its later images
+    return replace(
+        t,
+        input_ids=t.input_ids[:end].copy(),
+        loss_mask=t.loss_mask[:end].copy(),
+        num_image_tokens=int(sum(counts)),
+        image_token_counts=counts,
+        turn_boundaries=tuple(min(b, end) for b in t.turn_boundaries[:turns]),
+        turn_roles=t.turn_roles[:turns],
+        turn_image_counts=tuple(turn_images),
+        image_spans=kept_spans,
+    )

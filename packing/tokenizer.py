@@ -1,0 +1,174 @@
+"""Text tokenizers for the length model: a wrapper over HF `tokenizers` and a byte-level demo fallback.
+
+Both expose the same small interface (`TextTokenizer`): `encode`, `encode_with_offsets` (character offsets
+into the input string), `special_ids` (pad, im_start, im_end, vision_start, vision_end, image_pad),
+`vocab_size`, `name`, `sha256` and `is_fallback`. Special tokens are always parsed out of the text (so the
+rendered chat string can be encoded in one call) and no BOS/EOS is added.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+# Role of each control token in the rendered chat text -> its literal string.
+SPECIAL_TOKENS: dict[str, str] = {
+    "pad": "<|endoftext|>",
+    "im_start": "<|im_start|>",
+    "im_end": "<|im_end|>",
+    "vision_start": "<|vision_start|>",
+    "vision_end": "<|vision_end|>",
+    "image_pad": "<|image_pad|>",
+}
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@runtime_checkable
+class TextTokenizer(Protocol):
+    """What the length model needs from a tokenizer."""
+
+    name: str
+    sha256: str
+    is_fallback: bool
+    vocab_size: int
+    special_ids: dict[str, int]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, special tokens parsed, nothing added."""
+        ...
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids and, per token, the (start, end) character span of `text` it came from."""
+        ...
+
+
+class HFTokenizer:
+    """A `tokenizer.json` (HF `tokenizers`) with the Qwen-style chat control tokens.
+
+    Raises:
+        FileNotFoundError: no `tokenizer.json` at `path`.
+        ValueError: the file is not a valid tokenizer, or lacks one of the control tokens.
+    """
+
+    is_fallback = False
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer
+
+        file = resolve_tokenizer_file(path)
+        data = file.read_bytes()
+        try:
+            self._tok = Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON/schema
+            raise ValueError(f"{file} is not a valid HF tokenizers file: {exc}") from exc
+        self.path = file
+        self.name = file.parent.name or file.name
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.special_ids = self._find_special_ids()
+
+    def _find_special_ids(self) -> dict[str, int]:
+        ids: dict[str, int] = {}
+        for role, literal in SPECIAL_TOKENS.items():
+            token_id = self._tok.token_to_id(literal)
+            if token_id is None:
+                raise ValueError(
+                    f"tokenizer {self.path} has no {literal} token (needed as the {role} token); "
+                    "use a Qwen2/Qwen2.5/Qwen3-style tokenizer.json"
+                )
+            # Must be an added token, or the rendered text would split it into pieces.
+            if self.encode(literal) != [token_id]:
+                raise ValueError(
+                    f"tokenizer {self.path} does not encode {literal} as the single token {token_id}; "
+                    "it must be an added (special) token"
+                )
+            ids[role] = int(token_id)
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), [(int(a), int(b)) for a, b in enc.offsets]
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+class ByteTokenizer:
+    """Byte-level fallback for demos: ids 0..255 are UTF-8 bytes, 256..261 the control tokens.
+
+    Token counts are far from a real model's; the manifest records `is_fallback` so nobody mistakes it.
+    """
+
+    is_fallback = True
+    name = "byte-fallback"
+    sha256 = ""
+    vocab_size = 256 + len(SPECIAL_TOKENS)
+
+    def __init__(self) -> None:
+        self.special_ids = {role: 256 + i for i, role in enumerate(SPECIAL_TOKENS)}
+        self._literal_to_id = {SPECIAL_TOKENS[role]: tid for role, tid in self.special_ids.items()}
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_with_offsets(text)[0]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        pos = 0
+        while pos < len(text):
+            literal = self._special_at(text, pos)
+            if literal is not None:
+                ids.append(self._literal_to_id[literal])
+                offsets.append((pos, pos + len(literal)))
+                pos += len(literal)
+                continue
+            for byte in text[pos].encode("utf-8"):
+                ids.append(byte)
+                offsets.append((pos, pos + 1))
+            pos += 1
+        return ids, offsets
+
+    def _special_at(self, text: str, pos: int) -> str | None:
+        if text[pos] != "<":
+            return None
+        for literal in self._literal_to_id:
+            if text.startswith(literal, pos):
+                return literal
+        return None
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+def resolve_tokenizer_file(path: str | Path) -> Path:
+    """`path` itself if it is a file, else `path/tokenizer.json`; FileNotFoundError if neither exists."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / TOKENIZER_FILE
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"no tokenizer at {path}: expected a {TOKENIZER_FILE} file or a folder holding one"
+        )
+    return p
+
+
+def load_tokenizer(path: str | Path | None) -> TextTokenizer:
+    """The tokenizer at `path` (a `tokenizer.json` or its folder); None gives the byte-level demo fallback."""
+    if path is None:
+        return ByteTokenizer()
+    return HFTokenizer(path)
+
+
+def tokenizer_info(tokenizer: TextTokenizer) -> dict[str, object]:
+    """The manifest's "tokenizer" entry."""
+    return {
+        "name": tokenizer.name,
+        "sha256": tokenizer.sha256,
+        "is_fallback": tokenizer.is_fallback,
+        "vocab_size": tokenizer.vocab_size,
+        "special_ids": dict(tokenizer.special_ids),
+    }
