@@ -1,0 +1,245 @@
+"""`mmpack stats PATH`: packing efficiency of a packed dataset or of a length file.
+
+PATH is a packed dataset (folder or URL holding manifest.json; only metadata is read) or a length file
+(see `offline_packing.stats_inputs`), which is packed first with `--capacity` and the packing flags.
+Prints rich tables, or with `--json` the dict of `packing.stats.packing_stats` plus `source`,
+`length_distribution`, `dataset` (datasets only) and `compare` (with `--compare`). Bad input: a message on
+stderr naming the file (and line) and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from offline_packing.stats_inputs import LENGTH_FILE_SUFFIXES, StatsInputError, read_length_file
+
+EXIT_BAD_INPUT = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `mmpack stats`."""
+    parser.add_argument(
+        "path",
+        help="packed dataset (folder or URL with manifest.json) or a length file: "
+        f"{', '.join(LENGTH_FILE_SUFFIXES)} (name:len lines, integers, JSON list, "
+        "histogram JSON {max_len, counts}, .npy)",
+    )
+    pack = parser.add_argument_group("packing a length file (for a dataset: used by --compare only)")
+    pack.add_argument(
+        "--capacity",
+        type=int,
+        help="tokens per bin (required for a length file; default for a dataset: its seq_len)",
+    )
+    pack.add_argument("--algorithm", default="auto", help="bin-packing algorithm (default: auto)")
+    pack.add_argument("--max-samples-per-bin", type=int, help="at most this many samples per bin")
+    pack.add_argument(
+        "--max-images-per-bin",
+        type=int,
+        help="at most this many images per bin (needs image counts in the input)",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the stats as JSON instead of tables")
+    out.add_argument("--plot", metavar="FILE.png", help="write length distribution, fill and samples per bin")
+    out.add_argument(
+        "--compare",
+        action="store_true",
+        help="pack the same lengths with every algorithm (and the caps given) and compare",
+    )
+    out.add_argument("--max-shard-rows", type=int, default=20, help="shards listed in the table (default 20)")
+    store = parser.add_argument_group("datasets and storage")
+    store.add_argument(
+        "--format", choices=("arrow", "wds"), help="which shards to read (default: arrow if present)"
+    )
+    store.add_argument(
+        "--endpoint-url",
+        default=os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
+        help="S3 endpoint for s3:// paths (default: $AWS_ENDPOINT_URL_S3 or $AWS_ENDPOINT_URL)",
+    )
+    store.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec storage option (repeatable; VALUE parsed as JSON when it can be)",
+    )
+    store.add_argument("--workers", type=int, default=8, help="shards read in parallel (default 8)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compute and print the stats; returns the exit code (2 on bad input)."""
+    try:
+        _validate(args)
+        storage_options = _storage_options(args)
+        report, lengths, bin_ids = build_report(args, storage_options)
+    except StatsInputError as e:
+        print(f"mmpack stats: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(report, indent=2, default=_to_json))
+    else:
+        from rich.console import Console
+
+        from offline_packing.stats_report import print_report
+
+        print_report(Console(width=None if sys.stdout.isatty() else 120), report, args.max_shard_rows)
+    if args.plot:
+        from offline_packing.stats_plot import plot_packing
+
+        out = plot_packing(args.plot, lengths, bin_ids, report, title=str(report["source"]["path"]))
+        print(f"mmpack stats: wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> None:
+    for flag in ("capacity", "max_samples_per_bin", "max_images_per_bin", "workers"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise StatsInputError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if args.max_images_per_bin is not None and args.max_images_per_bin < 0:
+        raise StatsInputError("--max-images-per-bin must be >= 0")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise StatsInputError(f"--plot writes a PNG file; give a name ending in .png, got {args.plot!r}")
+
+
+def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in args.storage_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise StatsInputError(f"--storage-option expects KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    if args.endpoint_url and args.path.startswith(("s3://", "s3a://")):
+        options.setdefault("endpoint_url", args.endpoint_url)
+    return options
+
+
+def build_report(
+    args: argparse.Namespace, storage_options: dict[str, Any]
+) -> tuple[dict, np.ndarray, np.ndarray]:
+    """The stats dict of PATH, with the per-sample lengths and bin ids it was computed from."""
+    from offline_packing.stats_dataset import is_dataset_path
+
+    if is_dataset_path(args.path, storage_options):
+        return _dataset_report(args, storage_options)
+    return _length_file_report(args, storage_options)
+
+
+def _length_file_report(
+    args: argparse.Namespace, storage_options: dict[str, Any]
+) -> tuple[dict, np.ndarray, np.ndarray]:
+    from packing.binpack import pack_lengths
+    from packing.stats import packing_stats
+
+    from offline_packing.stats_report import length_distribution
+
+    if args.capacity is None:
+        raise StatsInputError(f"{args.path}: a length file needs --capacity (tokens per bin) to be packed")
+    data = read_length_file(args.path, storage_options)
+    if args.max_images_per_bin is not None and data.image_counts is None:
+        raise StatsInputError(
+            f"{args.path}: --max-images-per-bin needs image counts; give a .json {{'lengths': [...], "
+            "'image_counts': [...]}} or an [N, 2] .npy"
+        )
+    try:
+        result = pack_lengths(
+            data.lengths,
+            args.capacity,
+            algorithm=args.algorithm,
+            max_items_per_bin=args.max_samples_per_bin,
+            image_counts=data.image_counts,
+            max_images_per_bin=args.max_images_per_bin,
+        )
+    except ValueError as e:
+        raise StatsInputError(f"{args.path}: cannot pack: {e}") from e
+    report = dict(packing_stats(data.lengths, result.bin_ids, args.capacity, image_counts=data.image_counts))
+    report["source"] = {
+        "path": args.path,
+        "kind": data.kind,
+        "algorithm": str(result.algorithm),
+        "requested_algorithm": args.algorithm,
+        "max_samples_per_bin": args.max_samples_per_bin,
+        "max_images_per_bin": args.max_images_per_bin,
+    }
+    report["length_distribution"] = length_distribution(data.lengths, args.capacity)
+    if args.compare:
+        report["compare"] = _compare(args, data.lengths, args.capacity, data.image_counts)
+    return report, data.lengths, result.bin_ids
+
+
+def _dataset_report(
+    args: argparse.Namespace, storage_options: dict[str, Any]
+) -> tuple[dict, np.ndarray, np.ndarray]:
+    from packing.stats import packing_stats
+
+    from offline_packing.stats_dataset import read_dataset
+    from offline_packing.stats_report import dataset_fields, length_distribution
+
+    data = read_dataset(args.path, storage_options, fmt=args.format, workers=args.workers)
+    lengths, bin_ids, images = data.lengths, data.bin_ids, data.image_counts
+    if lengths.size == 0:
+        raise StatsInputError(f"{data.url}: the dataset holds no samples")
+    report = dict(packing_stats(lengths, bin_ids, data.capacity, image_counts=images))
+    algorithm = data.manifest.get("algorithm") or {}
+    report["source"] = {
+        "path": data.url,
+        "kind": "dataset",
+        "algorithm": algorithm.get("name") if isinstance(algorithm, dict) else algorithm,
+    }
+    report["length_distribution"] = length_distribution(lengths, data.capacity)
+    report["dataset"] = dataset_fields(data)
+    if args.compare:
+        capacity = args.capacity or data.capacity
+        rows = _compare(args, lengths, capacity, images)
+        if capacity == data.capacity:
+            rows.insert(0, _as_packed_row(report))
+        report["compare"] = rows
+    return report, lengths, bin_ids
+
+
+def _compare(
+    args: argparse.Namespace, lengths: np.ndarray, capacity: int, images: np.ndarray | None
+) -> list[dict]:
+    from offline_packing.stats_compare import compare_algorithms
+
+    settings: list[tuple[int | None, int | None]] = [(None, None)]
+    if args.max_samples_per_bin is not None or args.max_images_per_bin is not None:
+        if args.max_images_per_bin is not None and images is None:
+            raise StatsInputError(f"{args.path}: --max-images-per-bin needs image counts in the input")
+        settings.append((args.max_samples_per_bin, args.max_images_per_bin))
+    return compare_algorithms(lengths, capacity, image_counts=images, cap_settings=settings)
+
+
+def _as_packed_row(report: dict) -> dict:
+    algorithm = report["dataset"].get("algorithm") or {}
+    l2 = int(report["l2_lower_bound_bins"])
+    bins = int(report["num_bins"])
+    return {
+        "algorithm": "dataset as packed",
+        "max_samples_per_bin": algorithm.get("max_items_per_bin") if isinstance(algorithm, dict) else None,
+        "max_images_per_bin": algorithm.get("max_images_per_bin") if isinstance(algorithm, dict) else None,
+        "num_bins": bins,
+        "fill_efficiency": float(report["fill_efficiency"]),
+        "l2_lower_bound_bins": l2,
+        "gap_to_l2_bins": bins - l2,
+        "gap_to_l2": (bins - l2) / l2 if l2 else 0.0,
+        "time_s": None,
+    }
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")

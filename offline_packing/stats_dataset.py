@@ -1,0 +1,268 @@
+"""Read the packing of a packed dataset (manifest + per-bin `seq_lens`/`image_grid_thw`) for `mmpack stats`.
+
+Only metadata is read: from Arrow shards the `key`, `seq_lens` and `image_grid_thw` columns (other columns
+are never loaded), from WebDataset tars the `.json`, `.seq_lens.npy` and `.image_grid_thw.npy` members (image
+members are skipped by seeking). Paths are fsspec URLs: local, `file://`, `s3://`, `http(s)://`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from offline_packing.stats_inputs import StatsInputError
+from packing.format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
+
+_ARROW_COLUMNS = ("key", "seq_lens", "image_grid_thw")
+
+
+@dataclass(frozen=True)
+class ShardBins:
+    """The bins of one shard: samples and images per bin, sample lengths, image tokens."""
+
+    path: str
+    format: str
+    keys: list[str]
+    sample_lengths: np.ndarray  # int64, concatenated over the shard's bins in order
+    samples_per_bin: np.ndarray  # int64 [bins]
+    images_per_bin: np.ndarray  # int64 [bins]
+    image_patches_per_bin: np.ndarray  # int64 [bins], sum of t*h*w (before the merge)
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class DatasetPacking:
+    """The packing of a whole dataset, in global bin order."""
+
+    url: str
+    manifest: dict
+    format: str
+    capacity: int
+    shards: list[ShardBins]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def samples_per_bin(self) -> np.ndarray:
+        return np.concatenate([s.samples_per_bin for s in self.shards] or [np.zeros(0, np.int64)])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.concatenate([s.sample_lengths for s in self.shards] or [np.zeros(0, np.int64)])
+
+    @property
+    def bin_ids(self) -> np.ndarray:
+        spb = self.samples_per_bin
+        return np.repeat(np.arange(spb.size, dtype=np.int64), spb)
+
+    @property
+    def image_counts(self) -> np.ndarray:
+        """Per-sample image counts. Shards only record images per bin, so each bin's images are put on its
+        first sample: per-bin image statistics are exact, per-sample ones are not available."""
+        spb = self.samples_per_bin
+        counts = np.zeros(int(spb.sum()), dtype=np.int64)
+        images = np.concatenate([s.images_per_bin for s in self.shards] or [np.zeros(0, np.int64)])
+        first = np.concatenate(([0], np.cumsum(spb)[:-1])) if spb.size else spb
+        nonempty = spb > 0
+        counts[first[nonempty]] = images[nonempty]
+        return counts
+
+
+def is_dataset_path(path: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """True for a dataset folder/URL or its manifest.json; False for anything that looks like a file."""
+    if path.rstrip("/").endswith("/" + MANIFEST_NAME) or path == MANIFEST_NAME:
+        return True
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    if path.endswith("/") or "." not in name:
+        return True
+    try:
+        fs, root = fsspec.core.url_to_fs(path, **(storage_options or {}))
+        return bool(fs.isdir(root))
+    except (OSError, ValueError):
+        return False
+
+
+def read_dataset(
+    path: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    fmt: str | None = None,
+    workers: int = 8,
+) -> DatasetPacking:
+    """Read the manifest and the per-bin metadata of every shard of one format (`fmt`, default: arrow first)."""
+    storage_options = storage_options or {}
+    root = path.rstrip("/")
+    if root.endswith("/" + MANIFEST_NAME) or root == MANIFEST_NAME:
+        root = root[: -len(MANIFEST_NAME)].rstrip("/") or "."
+    fs, fs_root = fsspec.core.url_to_fs(root, **storage_options)
+    manifest = _read_manifest(fs, fs_root, root)
+    formats = [f for f in manifest.get("formats", []) if isinstance(f, str)]
+    fmt = fmt or ("arrow" if "arrow" in formats else (formats[0] if formats else "arrow"))
+    if fmt not in formats:
+        raise StatsInputError(f"{root}: dataset has formats {formats}, not {fmt!r}")
+    entries = [s for s in manifest.get("shards", []) if s.get("format") == fmt]
+    readers = {"arrow": _read_arrow_shard, "wds": _read_wds_shard}
+    if fmt not in readers:
+        raise StatsInputError(f"{root}: unknown shard format {fmt!r}")
+
+    def read_one(entry: dict) -> ShardBins:
+        shard_path = f"{fs_root}/{entry['path']}"
+        try:
+            return readers[fmt](fs, shard_path, entry)
+        except FileNotFoundError as e:
+            raise StatsInputError(f"{root}: shard {entry['path']} listed in the manifest is missing") from e
+        except (OSError, ValueError, KeyError, tarfile.TarError) as e:
+            raise StatsInputError(f"{root}: cannot read shard {entry['path']}: {e}") from e
+
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(entries) or 1))) as pool:
+        shards = list(pool.map(read_one, entries))
+    capacity = int(manifest["seq_len"])
+    packing = DatasetPacking(root, manifest, fmt, capacity, shards)
+    packing.warnings.extend(_check_consistency(packing, entries))
+    return packing
+
+
+def _read_manifest(fs: Any, fs_root: str, root: str) -> dict:
+    manifest_path = f"{fs_root}/{MANIFEST_NAME}"
+    try:
+        with fs.open(manifest_path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError as e:
+        raise StatsInputError(
+            f"{root}: no {MANIFEST_NAME} found; not a packed dataset (or its pack job has not finished)"
+        ) from e
+    except IsADirectoryError as e:  # pragma: no cover - unusual filesystems
+        raise StatsInputError(f"{root}/{MANIFEST_NAME} is a folder") from e
+    try:
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StatsInputError(f"{root}/{MANIFEST_NAME}: not valid JSON ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise StatsInputError(f"{root}/{MANIFEST_NAME}: format is {found!r}, expected {FORMAT_NAME!r}")
+    if not isinstance(manifest.get("version"), int) or manifest["version"] > FORMAT_VERSION:
+        raise StatsInputError(
+            f"{root}/{MANIFEST_NAME}: format version {manifest.get('version')!r} is newer than this "
+            f"mmpack reads ({FORMAT_VERSION})"
+        )
+    if not isinstance(manifest.get("seq_len"), int) or manifest["seq_len"] < 1:
+        raise StatsInputError(f"{root}/{MANIFEST_NAME}: seq_len must be a positive integer")
+    return manifest
+
+
+def _read_arrow_shard(fs: Any, shard_path: str, entry: dict) -> ShardBins:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    keys: list[str] = []
+    lengths, spb, ipb, patches = [], [], [], []
+    with fs.open(shard_path, "rb") as f:
+        schema = pa.ipc.open_file(f).schema
+        missing = [c for c in _ARROW_COLUMNS if schema.get_field_index(c) < 0]
+        if missing:
+            raise ValueError(f"columns {missing} missing from the Arrow schema")
+        included = [schema.get_field_index(c) for c in _ARROW_COLUMNS]
+        reader = pa.ipc.open_file(f, options=pa.ipc.IpcReadOptions(included_fields=included))
+        for i in range(reader.num_record_batches):
+            batch = reader.get_batch(i)
+            seq_lens = batch.column("seq_lens")
+            grids = batch.column("image_grid_thw")
+            keys.extend(batch.column("key").to_pylist())
+            lengths.append(pc.list_flatten(seq_lens).to_numpy(zero_copy_only=False))
+            spb.append(pc.list_value_length(seq_lens).fill_null(0).to_numpy(zero_copy_only=False))
+            n_images = pc.list_value_length(grids).fill_null(0).to_numpy(zero_copy_only=False)
+            ipb.append(n_images)
+            thw = pc.list_flatten(pc.list_flatten(grids)).to_numpy(zero_copy_only=False).reshape(-1, 3)
+            patches.append(_sum_per_bin(np.prod(thw.astype(np.int64), axis=1), n_images))
+    return _shard_bins(shard_path, "arrow", entry, keys, lengths, spb, ipb, patches)
+
+
+def _sum_per_bin(per_image: np.ndarray, n_images: np.ndarray) -> np.ndarray:
+    bin_of_image = np.repeat(np.arange(n_images.size), n_images.astype(np.int64))
+    return np.bincount(bin_of_image, weights=per_image, minlength=n_images.size).astype(np.int64)
+
+
+def _shard_bins(path, fmt, entry, keys, lengths, spb, ipb, patches) -> ShardBins:
+    def cat(parts: list) -> np.ndarray:
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+    return ShardBins(
+        path=str(entry.get("path", path)),
+        format=fmt,
+        keys=keys,
+        sample_lengths=cat(lengths),
+        samples_per_bin=cat(spb),
+        images_per_bin=cat(ipb),
+        image_patches_per_bin=cat(patches),
+        size_bytes=int(entry.get("bytes", 0) or 0),
+    )
+
+
+def _read_wds_shard(fs: Any, shard_path: str, entry: dict) -> ShardBins:
+    records: dict[str, dict[str, Any]] = {}
+    wanted = ("json", "seq_lens.npy", "image_grid_thw.npy")
+    with fs.open(shard_path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+        for member in tar:  # r: mode seeks over the data of members that are not read
+            if not member.isfile():
+                continue
+            base = member.name.rsplit("/", 1)[-1]
+            key, _, suffix = base.partition(".")
+            if suffix not in wanted:
+                continue
+            extracted = tar.extractfile(member)
+            assert extracted is not None
+            records.setdefault(key, {})[suffix] = extracted.read()
+    keys, lengths, spb, ipb, patches = [], [], [], [], []
+    for key, members in records.items():
+        if "seq_lens.npy" not in members:
+            raise ValueError(f"bin {key} has no seq_lens.npy member")
+        seq_lens = np.load(io.BytesIO(members["seq_lens.npy"]), allow_pickle=False).astype(np.int64)
+        grid = np.zeros((0, 3), np.int64)
+        if "image_grid_thw.npy" in members:
+            grid = np.load(io.BytesIO(members["image_grid_thw.npy"]), allow_pickle=False)
+            grid = grid.astype(np.int64).reshape(-1, 3)
+        keys.append(key)
+        lengths.append(seq_lens.reshape(-1))
+        spb.append(np.array([seq_lens.size]))
+        ipb.append(np.array([grid.shape[0]]))
+        patches.append(np.array([int(np.prod(grid, axis=1).sum())]))
+    return _shard_bins(shard_path, "wds", entry, keys, lengths, spb, ipb, patches)
+
+
+def _check_consistency(packing: DatasetPacking, entries: list[dict]) -> list[str]:
+    """Compare what the shards hold with what the manifest says; mismatches become warnings."""
+    warnings = []
+    next_bin = 0
+    for shard, entry in zip(packing.shards, entries, strict=True):
+        got = {
+            "bins": shard.samples_per_bin.size,
+            "samples": int(shard.samples_per_bin.sum()),
+            "tokens": int(shard.sample_lengths.sum()),
+            "first_bin": next_bin,
+        }
+        for name, value in got.items():
+            if name in entry and int(entry[name]) != value:
+                warnings.append(
+                    f"shard {shard.path}: manifest says {name}={entry[name]}, shards hold {value}"
+                )
+        next_bin += shard.samples_per_bin.size
+    counts = packing.manifest.get("counts", {})
+    lengths, spb = packing.lengths, packing.samples_per_bin
+    total = {"bins": spb.size, "samples_packed": int(spb.sum()), "tokens": int(lengths.sum())}
+    for name, value in total.items():
+        if name in counts and int(counts[name]) != value:
+            warnings.append(f"manifest counts.{name}={counts[name]}, shards hold {value}")
+    bin_tokens = np.bincount(packing.bin_ids, weights=lengths, minlength=spb.size)
+    if bin_tokens.size and bin_tokens.max() > packing.capacity:
+        over = int((bin_tokens > packing.capacity).sum())
+        warnings.append(f"{over} bins hold more than seq_len={packing.capacity} tokens")
+    keys = [k for s in packing.shards for k in s.keys]
+    if len(set(keys)) != len(keys):
+        warnings.append(f"{len(keys) - len(set(keys))} duplicate bin keys across shards")
+    return warnings

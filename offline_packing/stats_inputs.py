@@ -1,0 +1,212 @@
+"""Length files for `mmpack stats`: parse them into per-sample lengths (and image counts, if given).
+
+Accepted forms (local path or fsspec URL):
+
+- text (`.txt`, `.lens`, `.len`, `.lengths`, `.lst`): one sample per line, either `name:len` (OV-style; the
+  name may itself hold colons) or a bare integer; blank lines and lines starting with `#` are skipped;
+- `.json`: a list of integers, `{"lengths": [...], "image_counts": [...]}`, or a histogram
+  `{"max_len": L, "counts": [...]}` where counts[i] is the number of samples of length i + 1;
+- `.npy`: a 1-D integer array of lengths, or an [N, 2] array of (length, image count) rows.
+
+Every problem raises `StatsInputError` with a message naming the file (and line where there is one).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import fsspec
+import numpy as np
+
+TEXT_SUFFIXES = (".txt", ".lens", ".len", ".lengths", ".lst")
+LENGTH_FILE_SUFFIXES = (*TEXT_SUFFIXES, ".json", ".npy")
+
+
+class StatsInputError(Exception):
+    """Bad user input for `mmpack stats`; the message says which file (and line) and what is wrong."""
+
+
+@dataclass(frozen=True)
+class LengthInput:
+    """Per-sample lengths read from a length file."""
+
+    path: str
+    kind: str  # "lines", "json", "npy" or "histogram"
+    lengths: np.ndarray  # int64 [N], every value >= 1
+    image_counts: np.ndarray | None = None  # int64 [N] or None when the file has none
+
+
+def read_length_file(path: str, storage_options: dict[str, Any] | None = None) -> LengthInput:
+    """Read a length file of any accepted form; the form follows the file's suffix."""
+    suffix = _suffix(path)
+    if suffix not in LENGTH_FILE_SUFFIXES:
+        raise StatsInputError(
+            f"{path}: unknown file type {suffix or '(no suffix)'!r}; expected a packed dataset folder "
+            f"(with manifest.json) or a length file ({', '.join(LENGTH_FILE_SUFFIXES)})"
+        )
+    data = _read_bytes(path, storage_options or {})
+    if suffix == ".npy":
+        result = _parse_npy(path, data)
+    elif suffix == ".json":
+        result = _parse_json(path, data)
+    else:
+        result = _parse_lines(path, data)
+    if result.lengths.size == 0:
+        raise StatsInputError(f"{path}: no lengths found (empty {result.kind} input)")
+    return result
+
+
+def _suffix(path: str) -> str:
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    return "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
+
+
+def _read_bytes(path: str, storage_options: dict[str, Any]) -> bytes:
+    try:
+        with fsspec.open(path, "rb", **storage_options) as f:
+            return f.read()
+    except FileNotFoundError as e:
+        raise StatsInputError(f"{path}: no such file") from e
+    except IsADirectoryError as e:
+        raise StatsInputError(f"{path}: is a folder, not a length file") from e
+
+
+def _parse_lines(path: str, data: bytes) -> LengthInput:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise StatsInputError(f"{path}: not UTF-8 text ({e})") from e
+    lines = text.splitlines()
+    try:
+        # fast path: one int() per line; on any problem, rescan below to name the line
+        values = [
+            int(line.rpartition(":")[2])
+            for line in lines
+            if line.strip() and not line.lstrip().startswith("#")
+        ]
+    except ValueError:
+        values = None
+    if values is None or (values and min(values) < 1):
+        _raise_first_bad_line(path, lines)
+    return LengthInput(path, "lines", np.asarray(values, dtype=np.int64))
+
+
+def _raise_first_bad_line(path: str, lines: list[str]) -> NoReturn:
+    for number, line in enumerate(lines, start=1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        field = stripped.rpartition(":")[2].strip()
+        try:
+            value = int(field)
+        except ValueError:
+            raise StatsInputError(
+                f"{path}:{number}: expected `name:length` or an integer, got {_clip(stripped)!r}"
+            ) from None
+        _check_length(value, f"{path}:{number}")
+    raise AssertionError("a bad line was expected")  # pragma: no cover
+
+
+def _check_length(value: int, where: str) -> None:
+    if value < 1:
+        raise StatsInputError(f"{where}: sample length must be a positive integer, got {value}")
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _parse_json(path: str, data: bytes) -> LengthInput:
+    try:
+        obj = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StatsInputError(f"{path}: not valid JSON ({e})") from e
+    if isinstance(obj, list):
+        return LengthInput(path, "json", _int_array(obj, path, "lengths"))
+    if isinstance(obj, dict) and "counts" in obj:
+        return _parse_histogram(path, obj)
+    if isinstance(obj, dict) and "lengths" in obj:
+        lengths = _int_array(obj["lengths"], path, "lengths")
+        images = None
+        if obj.get("image_counts") is not None:
+            images = _int_array(obj["image_counts"], path, "image_counts", minimum=0)
+            if images.shape != lengths.shape:
+                raise StatsInputError(
+                    f"{path}: image_counts has {images.size} entries but lengths has {lengths.size}"
+                )
+        return LengthInput(path, "json", lengths, images)
+    raise StatsInputError(
+        f"{path}: expected a JSON list of lengths, {{'lengths': [...]}} or a histogram "
+        f"{{'max_len': L, 'counts': [...]}}; got {type(obj).__name__}"
+        + (f" with keys {sorted(obj)[:6]}" if isinstance(obj, dict) else "")
+    )
+
+
+def _int_array(values: Any, path: str, what: str, minimum: int = 1) -> np.ndarray:
+    if not isinstance(values, list):
+        raise StatsInputError(f"{path}: {what} must be a list of integers, got {type(values).__name__}")
+    if not values:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        array = np.asarray(values)
+    except (ValueError, OverflowError):
+        array = np.asarray([], dtype=np.float64)
+    if array.ndim == 1 and array.dtype.kind == "i" and (array.size == 0 or array.min() >= minimum):
+        return array.astype(np.int64, copy=False)  # fast path for long lists
+    for index, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise StatsInputError(f"{path}: {what}[{index}] must be an integer, got {_clip(repr(value))}")
+        if value < minimum:
+            kind = "a positive" if minimum == 1 else "a non-negative"
+            raise StatsInputError(f"{path}: {what}[{index}] must be {kind} integer, got {value}")
+    raise StatsInputError(f"{path}: {what} must be a flat list of integers below 2**63")
+
+
+def _parse_histogram(path: str, obj: dict) -> LengthInput:
+    max_len = obj.get("max_len")
+    counts = _int_array(obj["counts"], path, "counts", minimum=0)
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise StatsInputError(f"{path}: histogram needs a positive integer 'max_len', got {max_len!r}")
+    if counts.size != max_len:
+        raise StatsInputError(
+            f"{path}: histogram 'counts' must have max_len={max_len} entries "
+            f"(counts[i] = samples of length i+1), got {counts.size}"
+        )
+    # per-item lengths are what pack_lengths takes; int32 keeps 16M items at 64 MB
+    dtype = np.int32 if max_len < 2**31 else np.int64
+    lengths = np.repeat(np.arange(1, max_len + 1, dtype=dtype), counts)
+    return LengthInput(path, "histogram", lengths.astype(np.int64, copy=False))
+
+
+def _parse_npy(path: str, data: bytes) -> LengthInput:
+    try:
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise StatsInputError(f"{path}: not a readable .npy array ({e})") from e
+    if not np.issubdtype(array.dtype, np.integer):
+        raise StatsInputError(f"{path}: .npy dtype must be an integer type, got {array.dtype}")
+    if array.ndim == 2 and array.shape[1] == 2:
+        lengths, images = array[:, 0].astype(np.int64), array[:, 1].astype(np.int64)
+    elif array.ndim == 1:
+        lengths, images = array.astype(np.int64), None
+    else:
+        raise StatsInputError(
+            f"{path}: .npy must be 1-D lengths or [N, 2] (length, images), got {array.shape}"
+        )
+    _check_array(path, lengths, "length", minimum=1)
+    if images is not None:
+        _check_array(path, images, "image count", minimum=0)
+    return LengthInput(path, "npy", lengths, images)
+
+
+def _check_array(path: str, values: np.ndarray, what: str, minimum: int) -> None:
+    bad = np.flatnonzero(values < minimum)
+    if bad.size:
+        kind = "positive" if minimum == 1 else "non-negative"
+        raise StatsInputError(
+            f"{path}: {what} at index {bad[0]} must be a {kind} integer, got {values[bad[0]]} "
+            f"({bad.size} such entries)"
+        )

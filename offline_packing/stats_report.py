@@ -1,0 +1,285 @@
+"""Numbers beyond `packing_stats` (length bands, per-shard summary) and the rich tables of `mmpack stats`."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from offline_packing.stats_dataset import DatasetPacking
+
+FILL_BANDS = ("0-50%", "50-70%", "70-85%", "85-95%", "95-100%")
+# length bands as fractions of the capacity: (lo, hi] in tokens
+_LENGTH_BAND_EDGES = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)
+
+
+def length_distribution(lengths: np.ndarray, capacity: int) -> dict[str, Any]:
+    """Percentiles of the sample lengths and the share of samples and tokens in bands of the capacity."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total_tokens = int(lengths.sum())
+    edges = [int(np.floor(f * capacity)) for f in _LENGTH_BAND_EDGES]
+    bands = []
+    for lo, hi in pairwise(edges):
+        bands.append(_band(f"{lo + 1}-{hi}", lengths, (lengths > lo) & (lengths <= hi), total_tokens))
+    bands.append(_band(f">{capacity} (not packed)", lengths, lengths > capacity, total_tokens))
+    q = np.percentile(lengths, [50, 90, 99]) if lengths.size else np.zeros(3)
+    return {
+        "min": int(lengths.min()) if lengths.size else 0,
+        "mean": float(lengths.mean()) if lengths.size else 0.0,
+        "p50": float(q[0]),
+        "p90": float(q[1]),
+        "p99": float(q[2]),
+        "max": int(lengths.max()) if lengths.size else 0,
+        "bands": bands,
+    }
+
+
+def _band(label: str, lengths: np.ndarray, mask: np.ndarray, total_tokens: int) -> dict[str, Any]:
+    n = int(mask.sum())
+    tokens = int(lengths[mask].sum())
+    return {
+        "range": label,
+        "samples": n,
+        "sample_share": n / lengths.size if lengths.size else 0.0,
+        "token_share": tokens / total_tokens if total_tokens else 0.0,
+    }
+
+
+def dataset_fields(data: DatasetPacking) -> dict[str, Any]:
+    """The dataset fields added to the stats dict: manifest facts and one summary per shard."""
+    manifest = data.manifest
+    merge = int(manifest.get("image_rule", {}).get("merge_size", 2) or 2)
+    shards = []
+    for shard in data.shards:
+        tokens = int(shard.sample_lengths.sum())
+        bins = int(shard.samples_per_bin.size)
+        shards.append(
+            {
+                "path": shard.path,
+                "format": shard.format,
+                "bins": bins,
+                "samples": int(shard.samples_per_bin.sum()),
+                "tokens": tokens,
+                "images": int(shard.images_per_bin.sum()),
+                "image_tokens": int(shard.image_patches_per_bin.sum()) // (merge * merge),
+                "fill_efficiency": tokens / (bins * data.capacity) if bins else 0.0,
+                "bytes": shard.size_bytes,
+            }
+        )
+    return {
+        "path": data.url,
+        "format": data.format,
+        "formats": manifest.get("formats", []),
+        "seq_len": data.capacity,
+        "tokenizer": (manifest.get("tokenizer") or {}).get("name"),
+        "algorithm": manifest.get("algorithm"),
+        "counts": manifest.get("counts", {}),
+        "image_tokens": sum(s["image_tokens"] for s in shards),
+        "bytes": sum(s["bytes"] for s in shards),
+        "shards": shards,
+        "warnings": list(data.warnings),
+    }
+
+
+def _fmt_int(value: Any) -> str:
+    return f"{int(value):,}" if value is not None else "-"
+
+
+def _fmt_pct(value: Any, digits: int = 3) -> str:
+    return f"{100 * float(value):.{digits}f}%" if value is not None else "-"
+
+
+def _gap(num_bins: int, bound: Any) -> str:
+    if bound is None:
+        return "-"
+    bound = int(bound)
+    gap = num_bins - bound
+    rel = f"{100 * gap / bound:.4f}%" if bound else "-"
+    return f"{bound:,} bins (gap {gap:+,} bins, {rel})"
+
+
+def _dist_text(value: Any) -> str:
+    if isinstance(value, dict):
+        return "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in value.items())
+    return str(value)
+
+
+def summary_table(stats: dict[str, Any], title: str) -> Table:
+    """Main metrics: counts, fill efficiency, lower bounds and gaps, padding compression, per-bin counts."""
+    table = Table(title=title, show_header=False, title_justify="left", pad_edge=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value")
+    bins = int(stats["num_bins"])
+    rows = [
+        ("samples", _fmt_int(stats.get("num_samples"))),
+        ("bins", _fmt_int(bins)),
+        ("capacity (tokens per bin)", _fmt_int(stats.get("capacity"))),
+        ("tokens", _fmt_int(stats.get("total_tokens"))),
+        ("fill efficiency", _fmt_pct(stats.get("fill_efficiency"))),
+        ("L1 lower bound", _gap(bins, stats.get("lower_bound_bins"))),
+        ("L2 lower bound", _gap(bins, stats.get("l2_lower_bound_bins"))),
+        (
+            "padding compression",
+            f"{float(stats['padding_compression']):.2f}x vs padding every sample"
+            if stats.get("padding_compression") is not None
+            else "-",
+        ),
+        ("samples per bin", _dist_text(stats.get("samples_per_bin"))),
+        ("images per bin", _dist_text(stats.get("images_per_bin"))),
+    ]
+    for name in ("num_unpacked", "num_over_capacity", "unpacked_samples"):
+        if stats.get(name):
+            rows.insert(1, ("samples over capacity (not packed)", _fmt_int(stats[name])))
+            break
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def fill_histogram_table(stats: dict[str, Any]) -> Table:
+    """Bins per fill band."""
+    hist = stats.get("fill_histogram") or {}
+    counts = list(hist.values()) if isinstance(hist, dict) else list(hist)
+    labels = list(hist.keys()) if isinstance(hist, dict) else list(FILL_BANDS[: len(counts)])
+    total = sum(int(c) for c in counts) or 1
+    table = Table(title="Fill histogram (bins by fill)", title_justify="left", pad_edge=False)
+    for col in ("fill", "bins", "share"):
+        table.add_column(col, justify="right")
+    for label, count in zip(labels, counts):
+        table.add_row(str(label), _fmt_int(count), _fmt_pct(int(count) / total, 2))
+    return table
+
+
+def length_table(dist: dict[str, Any]) -> Table:
+    """Sample lengths: percentiles in the title, bands of the capacity as rows."""
+    title = (
+        f"Sample lengths: min {dist['min']:,}  p50 {dist['p50']:,.0f}  mean {dist['mean']:,.1f}  "
+        f"p90 {dist['p90']:,.0f}  p99 {dist['p99']:,.0f}  max {dist['max']:,}"
+    )
+    table = Table(title=title, title_justify="left", pad_edge=False)
+    for col in ("length", "samples", "share", "tokens share"):
+        table.add_column(col, justify="right")
+    for band in dist["bands"]:
+        table.add_row(
+            band["range"],
+            _fmt_int(band["samples"]),
+            _fmt_pct(band["sample_share"], 2),
+            _fmt_pct(band["token_share"], 2),
+        )
+    return table
+
+
+def shard_table(dataset: dict[str, Any], max_rows: int) -> Table:
+    """One row per shard (the first `max_rows`, then a total row)."""
+    shards = dataset["shards"]
+    table = Table(title=f"Shards ({dataset['format']}, {len(shards)})", title_justify="left", pad_edge=False)
+    for col in ("shard", "bins", "samples", "tokens", "images", "fill", "MB"):
+        table.add_column(col, justify="left" if col == "shard" else "right")
+    for shard in shards[:max_rows]:
+        table.add_row(
+            shard["path"],
+            _fmt_int(shard["bins"]),
+            _fmt_int(shard["samples"]),
+            _fmt_int(shard["tokens"]),
+            _fmt_int(shard["images"]),
+            _fmt_pct(shard["fill_efficiency"], 2),
+            f"{shard['bytes'] / 1e6:,.2f}",
+        )
+    if len(shards) > max_rows:
+        table.add_row(f"... {len(shards) - max_rows} more", *[""] * 6)
+    bins = sum(s["bins"] for s in shards)
+    tokens = sum(s["tokens"] for s in shards)
+    fill = tokens / (bins * dataset["seq_len"]) if bins else 0.0
+    table.add_row(
+        "total",
+        _fmt_int(bins),
+        _fmt_int(sum(s["samples"] for s in shards)),
+        _fmt_int(tokens),
+        _fmt_int(sum(s["images"] for s in shards)),
+        _fmt_pct(fill, 2),
+        f"{dataset['bytes'] / 1e6:,.2f}",
+        style="bold",
+    )
+    return table
+
+
+def dataset_header(dataset: dict[str, Any]) -> Table:
+    """Manifest facts: where, format, tokenizer, algorithm, samples read/rejected."""
+    table = Table(title="Dataset", show_header=False, title_justify="left", pad_edge=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    counts = dataset.get("counts", {})
+    algo = dataset.get("algorithm") or {}
+    rejected = counts.get("rejected_by_reason") or {}
+    table.add_row("path", dataset["path"])
+    table.add_row("formats", ", ".join(dataset.get("formats", [])) + f" (read: {dataset['format']})")
+    table.add_row("tokenizer", str(dataset.get("tokenizer")))
+    table.add_row(
+        "algorithm", ", ".join(f"{k}={v}" for k, v in algo.items()) if isinstance(algo, dict) else str(algo)
+    )
+    table.add_row("samples read", _fmt_int(counts.get("samples_read")))
+    reasons = ", ".join(f"{k}: {v}" for k, v in sorted(rejected.items()))
+    table.add_row(
+        "samples rejected", _fmt_int(counts.get("samples_rejected")) + (f" ({reasons})" if reasons else "")
+    )
+    table.add_row("image tokens", _fmt_int(dataset.get("image_tokens")))
+    return table
+
+
+def compare_table(rows: list[dict[str, Any]]) -> Table:
+    """One row per (algorithm, caps): bins, efficiency, gap to L2, time."""
+    table = Table(title="Algorithms on the same lengths", title_justify="left", pad_edge=False)
+    for col in ("algorithm", "max samples/bin", "max images/bin", "bins", "fill", "gap to L2", "time (s)"):
+        table.add_column(col, justify="left" if col == "algorithm" else "right")
+    for row in rows:
+        if row.get("error"):
+            table.add_row(
+                row["algorithm"],
+                _cap(row["max_samples_per_bin"]),
+                _cap(row["max_images_per_bin"]),
+                f"[red]{row['error']}[/red]",
+                "",
+                "",
+                "",
+            )
+            continue
+        gap = f"{row['gap_to_l2_bins']:+,} ({100 * row['gap_to_l2']:.4f}%)"
+        time_s = f"{row['time_s']:.3f}" if row.get("time_s") is not None else "-"
+        table.add_row(
+            row["algorithm"],
+            _cap(row["max_samples_per_bin"]),
+            _cap(row["max_images_per_bin"]),
+            _fmt_int(row["num_bins"]),
+            _fmt_pct(row["fill_efficiency"]),
+            gap,
+            time_s,
+        )
+    return table
+
+
+def _cap(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def print_report(console: Console, report: dict[str, Any], max_shard_rows: int = 20) -> None:
+    """Print every table of a stats report (the dict that `--json` prints)."""
+    source = report.get("source", {})
+    dataset = report.get("dataset")
+    if dataset:
+        console.print(dataset_header(dataset))
+    title = f"Packing of {source.get('path', '?')}"
+    if source.get("algorithm"):
+        title += f" ({source['algorithm']})"
+    console.print(summary_table(report, title))
+    console.print(fill_histogram_table(report))
+    if "length_distribution" in report:
+        console.print(length_table(report["length_distribution"]))
+    if dataset:
+        console.print(shard_table(dataset, max_shard_rows))
+        for warning in dataset.get("warnings", []):
+            console.print(f"[bold red]warning:[/bold red] {warning}")
+    if report.get("compare"):
+        console.print(compare_table(report["compare"]))
