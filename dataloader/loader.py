@@ -1,0 +1,344 @@
+"""The rank-aware packed loader: an iterable of micro-batches with exact, DP-size-independent resume."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import queue
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dataloader.collate import CollateConfig
+from dataloader.manifest import Manifest, load_manifest
+from dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan
+from dataloader.storage import ShardError, StorageConfig, resolve_storage_options
+from dataloader.topology import Topology
+from dataloader.worker import Prefetcher, Producer, ProducerSpec, worker_loop
+from packing.image_tokens import ImageTokenRule
+
+STATE_VERSION = 1
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoaderConfig:
+    """Batch geometry and parallelism of one loader (see `build_loader`)."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    seed: int = 0
+    num_workers: int = 2
+    prefetch_shards: int = 4
+    prefetch_batches: int = 2
+    shard_window: int = DEFAULT_SHARD_WINDOW
+    num_epochs: int | None = None
+    start_method: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.num_workers < 0 or self.prefetch_shards < 0 or self.prefetch_batches < 1:
+            raise ValueError("num_workers and prefetch_shards must be >= 0 and prefetch_batches >= 1")
+        if self.num_epochs is not None and self.num_epochs < 1:
+            raise ValueError(f"num_epochs must be >= 1 or None (endless), got {self.num_epochs}")
+
+
+def _to_torch(batch: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        out[key] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+    if out.get("attention_mask") is not None and out["attention_mask"].dim() == 3:
+        out["attention_mask"] = out["attention_mask"].unsqueeze(1)  # [B, L, L] -> [B, 1, L, L]
+    return out
+
+
+class PackedLoader:
+    """Iterates this rank's micro-batches from the current state; `state_dict()` is (epoch, bins consumed).
+
+    Every rank yields `micro_batches_per_step` items per step; pipeline stages that take no data yield None.
+    The state advances when the last micro-batch of a step is handed out, so a checkpoint taken between
+    steps resumes exactly; a partly consumed step is replayed from its start.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        manifest: Manifest,
+        topology: Topology,
+        config: LoaderConfig,
+        storage: StorageConfig,
+        collate: CollateConfig,
+    ) -> None:
+        self.root, self.manifest, self.topology, self.config = root, manifest, topology, config
+        self.plan = BatchPlan(
+            global_batch_size=config.global_batch_size,
+            micro_batch_size=config.micro_batch_size,
+            dp_size=topology.dp_size,
+        )
+        self.spec = ProducerSpec(
+            manifest=manifest,
+            topology=topology,
+            plan=self.plan,
+            seed=config.seed,
+            shard_window=config.shard_window,
+            storage=storage,
+            collate=collate,
+            prefetch_shards=config.prefetch_shards,
+        )
+        if manifest.num_bins == 0:
+            raise ValueError(f"packed dataset {root} has no bins")
+        self._bins_consumed = 0
+        self._data_wait_s = 0.0
+        self._micro_batches = 0
+        self._worker_metrics: dict[int, dict[str, int]] = {}
+        self._active: Iterator[Any] | None = None
+
+    # -- geometry -----------------------------------------------------------------------------------------
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.plan.micro_batches_per_step
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Whole global batches in one epoch (the stream chains epochs, so none are dropped)."""
+        return self.manifest.num_bins // self.plan.global_batch_size
+
+    @property
+    def step(self) -> int:
+        return self._bins_consumed // self.plan.global_batch_size
+
+    def _end_step(self) -> int | None:
+        if self.config.num_epochs is None:
+            return None
+        return self.config.num_epochs * self.manifest.num_bins // self.plan.global_batch_size
+
+    # -- state --------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        n = self.manifest.num_bins
+        return {
+            "version": STATE_VERSION,
+            "epoch": self._bins_consumed // n,
+            "bins_consumed_in_epoch": self._bins_consumed % n,
+            "bins_consumed": self._bins_consumed,
+            "seed": self.config.seed,
+            "global_batch_size": self.plan.global_batch_size,
+            "shard_window": self.config.shard_window,
+            "num_bins": n,
+            "manifest_fingerprint": self.manifest.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues from `state` (saved with any DP size; seed, global batch and dataset must match)."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"loader state version {state.get('version')} is not {STATE_VERSION}")
+        mine = self.state_dict()
+        for key in ("seed", "global_batch_size", "shard_window", "num_bins", "manifest_fingerprint"):
+            if state[key] != mine[key]:
+                raise ValueError(
+                    f"loader state was saved with {key}={state[key]!r}, this loader has {mine[key]!r}; "
+                    "resuming would change the data stream"
+                )
+        consumed = int(state["epoch"]) * self.manifest.num_bins + int(state["bins_consumed_in_epoch"])
+        if consumed != int(state["bins_consumed"]) or consumed % self.plan.global_batch_size:
+            raise ValueError(f"inconsistent loader state {state}")
+        self.close()
+        self._bins_consumed = consumed
+
+    # -- metrics ------------------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """Per-rank counters for the trainer's log line: data wait, bytes read, cache hits, ..."""
+        totals: dict[str, float] = {"data_wait_s": self._data_wait_s, "micro_batches": self._micro_batches}
+        for snapshot in self._worker_metrics.values():
+            for key, value in snapshot.items():
+                totals[key] = totals.get(key, 0) + value
+        return totals
+
+    # -- iteration ----------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any] | None]:
+        self.close()
+        it = self._iterate()
+        self._active = it
+        return it
+
+    def close(self) -> None:
+        """Stops worker processes of an unfinished iteration."""
+        if self._active is not None:
+            active, self._active = self._active, None
+            active.close()  # type: ignore[attr-defined]
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _iterate(self) -> Iterator[dict[str, Any] | None]:
+        m = self.micro_batches_per_step
+        k_start = self.step * m
+        end_step = self._end_step()
+        k_end = None if end_step is None else end_step * m
+        if not self.topology.needs_data:
+            source: Iterator[tuple[dict[str, Any] | None, float]] = _nothing(k_start, k_end)
+        elif self.config.num_workers == 0:
+            source = self._in_process(k_start, k_end)
+        else:
+            source = self._with_workers(k_start, k_end)
+        k = k_start
+        try:
+            for batch, wait_s in source:
+                self._data_wait_s += wait_s
+                self._micro_batches += 1
+                k += 1
+                if k % m == 0:
+                    self._bins_consumed = (k // m) * self.plan.global_batch_size
+                yield batch
+        finally:
+            source.close()  # type: ignore[attr-defined]
+
+    def _in_process(self, k_start: int, k_end: int | None) -> Iterator[tuple[dict[str, Any] | None, float]]:
+        producer = Producer(self.spec)
+        prefetcher = Prefetcher(producer, k_start, self.config.prefetch_shards)
+        if self.config.prefetch_shards:
+            prefetcher.start()
+        k = k_start
+        try:
+            while k_end is None or k < k_end:
+                prefetcher.position = k
+                t0 = time.perf_counter()
+                batch = _to_torch(producer.produce(k))
+                self._worker_metrics[0] = producer.store.metrics.as_dict()
+                yield batch, time.perf_counter() - t0
+                k += 1
+        finally:
+            prefetcher.stop.set()
+            producer.close()
+
+    def _with_workers(self, k_start: int, k_end: int | None) -> Iterator[tuple[dict[str, Any] | None, float]]:
+        n = self.config.num_workers
+        method = self.config.start_method or ("fork" if sys.platform == "linux" else "spawn")
+        ctx: Any = mp.get_context(method)
+        stop_ev = ctx.Event()
+        queues = [ctx.Queue(maxsize=self.config.prefetch_batches) for _ in range(n)]
+        procs = [
+            ctx.Process(
+                target=worker_loop,
+                args=(self.spec, w, n, k_start, k_end, queues[w], stop_ev),
+                daemon=True,
+                name=f"mmpack-loader-{w}",
+            )
+            for w in range(n)
+        ]
+        for p in procs:
+            p.start()
+        k = k_start
+        try:
+            while k_end is None or k < k_end:
+                w = (k - k_start) % n
+                t0 = time.perf_counter()
+                kind, got_k, payload, metrics = _get(queues[w], procs[w])
+                wait_s = time.perf_counter() - t0
+                self._worker_metrics[w] = metrics
+                if kind == "shard_error":
+                    raise ShardError(payload)
+                if kind != "ok":
+                    raise RuntimeError(f"loader worker {w} failed on micro-batch {got_k}:\n{payload}")
+                assert got_k == k, f"worker {w} sent micro-batch {got_k}, expected {k}"
+                yield _to_torch(payload), wait_s
+                k += 1
+        finally:
+            stop_ev.set()
+            for q in queues:  # unblock workers waiting on a full queue
+                while True:
+                    try:
+                        q.get_nowait()
+                    except (queue.Empty, OSError, ValueError):
+                        break
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.terminate()
+                    p.join(timeout=5)
+            for q in queues:
+                q.close()
+                q.cancel_join_thread()
+
+
+def _nothing(k_start: int, k_end: int | None) -> Iterator[tuple[None, float]]:
+    k = k_start
+    while k_end is None or k < k_end:
+        yield None, 0.0
+        k += 1
+
+
+def _get(q: Any, proc: Any) -> tuple[str, int, Any, dict[str, int]]:
+    while True:
+        try:
+            return q.get(timeout=0.5)
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(
+                    f"loader worker {proc.name} exited with code {proc.exitcode} without sending its batch"
+                ) from None
+
+
+def build_loader(
+    path: str,
+    *,
+    topology: Topology,
+    micro_batch_size: int,
+    global_batch_size: int,
+    seed: int = 0,
+    num_workers: int = 2,
+    cache_dir: str | None = None,
+    cache_limit_bytes: int = 16 << 30,
+    prefetch_shards: int = 4,
+    storage_options: dict[str, Any] | None = None,
+    build_attention_mask: bool = False,
+    num_epochs: int | None = None,
+    shard_format: str | None = None,
+    shard_window: int = DEFAULT_SHARD_WINDOW,
+    prefetch_batches: int = 2,
+    start_method: str | None = None,
+    max_attempts: int = 6,
+) -> PackedLoader:
+    """A loader of the packed dataset at `path` (folder or fsspec URL) for the rank `topology`.
+
+    `num_epochs=None` streams epochs endlessly (Megatron style, stop after train-iters); otherwise the
+    loader stops after the last whole global batch of `num_epochs` epochs. `shard_format` picks "arrow" or
+    "wds" shards when the dataset has both (default: arrow).
+    """
+    storage_options = resolve_storage_options(path, storage_options)
+    manifest = load_manifest(path, storage_options=storage_options, shard_format=shard_format)
+    raw_rule = manifest.raw.get("image_rule") or {}
+    rule_fields = ImageTokenRule.__dataclass_fields__
+    rule = ImageTokenRule(**{k: v for k, v in raw_rule.items() if k in rule_fields})
+    config = LoaderConfig(
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        seed=seed,
+        num_workers=num_workers,
+        prefetch_shards=prefetch_shards,
+        prefetch_batches=prefetch_batches,
+        shard_window=shard_window,
+        num_epochs=num_epochs,
+        start_method=start_method,
+    )
+    storage = StorageConfig(
+        root=path,
+        cache_dir=cache_dir,
+        cache_limit_bytes=cache_limit_bytes,
+        storage_options=storage_options,
+        max_attempts=max_attempts,
+    )
+    collate = CollateConfig(
+        seq_len=manifest.seq_len,
+        pad_id=manifest.pad_id,
+        image_pad_id=manifest.image_pad_id,
+        rule=rule,
+        build_attention_mask=build_attention_mask,
+    )
+    return PackedLoader(path, manifest, topology, config, storage, collate)

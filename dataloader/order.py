@@ -1,0 +1,151 @@
+"""Global bin order and rank assignment: the single place where both are decided.
+
+The stream of bins is epoch 0's order, then epoch 1's, ... (each a permutation of all bins). Global batch
+`s` is stream positions [s*G, (s+1)*G). DP rank r of D takes the contiguous slice
+[r*G/D, (r+1)*G/D) of it, cut into micro-batches of B bins. Nothing here depends on timing, worker count or
+anything but the arguments.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dataloader.manifest import Manifest
+from dataloader.topology import Topology
+
+DEFAULT_SHARD_WINDOW = 4
+
+
+def _as_manifest(manifest: Manifest | dict[str, Any]) -> Manifest:
+    return manifest if isinstance(manifest, Manifest) else Manifest.from_dict(manifest)
+
+
+def bin_order(
+    manifest: Manifest | dict[str, Any], seed: int, epoch: int, *, shard_window: int = DEFAULT_SHARD_WINDOW
+) -> np.ndarray:
+    """The global order (int64 bin ids, a permutation of all bins) of one epoch.
+
+    Shards are shuffled, then the bins of each window of `shard_window` consecutive shards (in shuffled
+    order) are shuffled among themselves, so a reader touches only a few shards at a time.
+    """
+    m = _as_manifest(manifest)
+    if seed < 0 or epoch < 0:
+        raise ValueError(f"seed and epoch must be >= 0, got seed={seed} epoch={epoch}")
+    if shard_window < 1:
+        raise ValueError(f"shard_window must be >= 1, got {shard_window}")
+    rng = np.random.default_rng([seed, epoch])
+    shard_perm = rng.permutation(len(m.shards))
+    parts = []
+    for start in range(0, len(shard_perm), shard_window):
+        window = [m.shards[i] for i in shard_perm[start : start + shard_window]]
+        ids = np.concatenate([np.arange(s.first_bin, s.first_bin + s.bins, dtype=np.int64) for s in window])
+        parts.append(ids[rng.permutation(len(ids))])
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Batch geometry: global batch G, micro-batch B, and the derived micro-batches per step per DP rank."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    dp_size: int
+
+    def __post_init__(self) -> None:
+        g, b, d = self.global_batch_size, self.micro_batch_size, self.dp_size
+        if g < 1 or b < 1:
+            raise ValueError(f"global_batch_size and micro_batch_size must be >= 1, got {g} and {b}")
+        if g % (b * d):
+            raise ValueError(
+                f"global_batch_size ({g}) must be divisible by micro_batch_size * dp_size ({b} * {d} = {b * d})"
+            )
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
+
+class StreamOrder:
+    """The chained-epoch bin stream of one (manifest, seed); epoch orders are memoised (a few at a time)."""
+
+    def __init__(self, manifest: Manifest, seed: int, *, shard_window: int = DEFAULT_SHARD_WINDOW) -> None:
+        if manifest.num_bins == 0:
+            raise ValueError("the packed dataset has no bins")
+        self.manifest, self.seed, self.shard_window = manifest, seed, shard_window
+        self._epochs: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._epochs:
+            self._epochs[epoch] = bin_order(self.manifest, self.seed, epoch, shard_window=self.shard_window)
+            while len(self._epochs) > 3:
+                self._epochs.popitem(last=False)
+        return self._epochs[epoch]
+
+    def positions(self, start: int, count: int) -> np.ndarray:
+        """Bin ids at global stream positions [start, start+count)."""
+        n = self.manifest.num_bins
+        out = np.empty(count, dtype=np.int64)
+        done = 0
+        while done < count:
+            epoch, offset = divmod(start + done, n)
+            take = min(count - done, n - offset)
+            out[done : done + take] = self.epoch_order(epoch)[offset : offset + take]
+            done += take
+        return out
+
+
+def micro_batch_bins(
+    stream: StreamOrder, step: int, micro_batch: int, topology: Topology, plan: BatchPlan
+) -> np.ndarray:
+    """Global bin ids of micro-batch `micro_batch` of global step `step` on this rank.
+
+    Empty for pipeline stages that take no data. `step` counts global batches from the stream start.
+    """
+    if plan.dp_size != topology.dp_size:
+        raise ValueError(f"plan is for dp_size={plan.dp_size}, topology has dp_size={topology.dp_size}")
+    if not 0 <= micro_batch < plan.micro_batches_per_step:
+        raise ValueError(f"micro_batch must be in [0, {plan.micro_batches_per_step}), got {micro_batch}")
+    if not topology.needs_data:
+        return np.zeros(0, dtype=np.int64)
+    per_rank = plan.global_batch_size // plan.dp_size
+    start = step * plan.global_batch_size + topology.dp_rank * per_rank + micro_batch * plan.micro_batch_size
+    return stream.positions(start, plan.micro_batch_size)
+
+
+def bins_for(
+    manifest: Manifest | dict[str, Any],
+    seed: int,
+    step: int,
+    micro_batch: int,
+    topology: Topology,
+    *,
+    micro_batch_size: int,
+    global_batch_size: int,
+    shard_window: int = DEFAULT_SHARD_WINDOW,
+) -> np.ndarray:
+    """Stateless convenience form of `micro_batch_bins` (builds the epoch order each call)."""
+    plan = BatchPlan(
+        global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, dp_size=topology.dp_size
+    )
+    stream = StreamOrder(_as_manifest(manifest), seed, shard_window=shard_window)
+    return micro_batch_bins(stream, step, micro_batch, topology, plan)
+
+
+@dataclass(frozen=True)
+class LoaderState:
+    """Where the stream stands: global bins consumed (always a whole number of global batches)."""
+
+    bins_consumed: int
+    num_bins: int
+
+    @property
+    def epoch(self) -> int:
+        return self.bins_consumed // self.num_bins
+
+    @property
+    def bins_consumed_in_epoch(self) -> int:
+        return self.bins_consumed % self.num_bins

@@ -1,0 +1,190 @@
+"""What runs inside a loader worker: read the bins of a micro-batch, collate them, read shards ahead.
+
+A worker owns every `num_workers`-th micro-batch of this rank (k = start + worker_id, + num_workers, ...),
+so the main process can take results in order without any coordination. Each worker also runs a thread
+that fetches the shards of the upcoming micro-batches of this rank (the order is known in advance);
+the cache's per-shard locks keep two workers from downloading the same shard.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dataloader.collate import CollateConfig, collate_bins
+from dataloader.manifest import Manifest
+from dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
+from dataloader.readers import ArrowShardReader, BinRecord, WdsShardReader, open_shard_reader
+from dataloader.storage import ShardError, ShardStore, StorageConfig
+from dataloader.topology import Topology
+
+
+@dataclass(kw_only=True, frozen=True)
+class ProducerSpec:
+    """Everything a worker needs (picklable, so it also works with the spawn start method)."""
+
+    manifest: Manifest
+    topology: Topology
+    plan: BatchPlan
+    seed: int
+    shard_window: int
+    storage: StorageConfig
+    collate: CollateConfig
+    prefetch_shards: int
+
+
+class ReaderPool:
+    """Open shard readers of one process, least recently used closed first."""
+
+    def __init__(self, manifest: Manifest, store: ShardStore, max_open: int) -> None:
+        self.manifest, self.store, self.max_open = manifest, store, max_open
+        self._open: OrderedDict[int, ArrowShardReader | WdsShardReader] = OrderedDict()
+
+    def read_bin(self, bin_id: int) -> BinRecord:
+        s = int(self.manifest.shard_of_bin(np.array([bin_id]))[0])
+        shard = self.manifest.shards[s]
+        reader = self._reader(s)
+        if len(reader) != shard.bins:
+            raise ShardError(f"shard {shard.path} holds {len(reader)} bins, the manifest says {shard.bins}")
+        return reader.read(bin_id - shard.first_bin)
+
+    def _reader(self, s: int) -> ArrowShardReader | WdsShardReader:
+        if s in self._open:
+            self._open.move_to_end(s)
+            return self._open[s]
+        shard = self.manifest.shards[s]
+        for attempt in range(3):
+            path = self.store.local_path(shard)
+            try:
+                reader = open_shard_reader(path, shard.format, label=f"shard {shard.path}")
+                break
+            except FileNotFoundError:  # evicted by another process between fetch and open
+                if attempt == 2:
+                    raise
+            except (OSError, ValueError) as e:
+                raise ShardError(f"shard {shard.path} is unreadable: {e}") from e
+        self._open[s] = reader
+        while len(self._open) > self.max_open:
+            self._open.popitem(last=False)[1].close()
+        return reader
+
+    def close(self) -> None:
+        while self._open:
+            self._open.popitem()[1].close()
+
+
+class Producer:
+    """Builds micro-batch k (absolute index on this rank: step * micro_batches_per_step + micro_batch)."""
+
+    def __init__(self, spec: ProducerSpec) -> None:
+        self.spec = spec
+        self.stream = StreamOrder(spec.manifest, spec.seed, shard_window=spec.shard_window)
+        self.store = ShardStore(spec.storage)
+        self.readers = ReaderPool(spec.manifest, self.store, max_open=spec.shard_window + 1)
+
+    def bins(self, k: int) -> np.ndarray:
+        m = self.spec.plan.micro_batches_per_step
+        return micro_batch_bins(self.stream, k // m, k % m, self.spec.topology, self.spec.plan)
+
+    def produce(self, k: int) -> dict[str, Any]:
+        records = [self.readers.read_bin(int(b)) for b in self.bins(k)]
+        return collate_bins(records, self.spec.collate)
+
+    def future_shards(self, k_start: int) -> Iterator[tuple[int, int]]:
+        """(k, shard index) for each shard in the order this rank first needs it from micro-batch k_start on."""
+        recent: OrderedDict[int, None] = OrderedDict()
+        k = k_start
+        while True:
+            for s in self.spec.manifest.shard_of_bin(self.bins(k)):
+                s = int(s)
+                if s not in recent:
+                    yield k, s
+                recent[s] = None
+                recent.move_to_end(s)
+                if len(recent) > 4 * self.spec.shard_window:
+                    recent.popitem(last=False)
+            k += 1
+
+    def close(self) -> None:
+        self.readers.close()
+
+
+class Prefetcher(threading.Thread):
+    """Fetches the shards of the next micro-batches, at most `ahead` distinct shards past the consumer."""
+
+    def __init__(self, producer: Producer, k_start: int, ahead: int) -> None:
+        super().__init__(daemon=True, name="mmpack-prefetch")
+        self.producer, self.k_start, self.ahead = producer, k_start, ahead
+        self.position = k_start  # the consumer's current micro-batch; written by the consumer thread
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        fetched: deque[int] = deque()
+        store, shards = self.producer.store, self.producer.spec.manifest.shards
+        try:
+            for k, s in self.producer.future_shards(self.k_start):
+                while not self.stop.is_set():
+                    while fetched and fetched[0] < self.position:
+                        fetched.popleft()
+                    if len(fetched) < self.ahead:
+                        break
+                    time.sleep(0.005)
+                if self.stop.is_set():
+                    return
+                store.fetch(shards[s], wait=False)  # a shard another process is fetching is skipped
+                fetched.append(k)
+        except Exception:  # the consumer fetches on demand and reports errors with context
+            return
+
+
+def worker_loop(
+    spec: ProducerSpec,
+    worker_id: int,
+    num_workers: int,
+    k_start: int,
+    k_end: int | None,
+    out_q: Any,
+    stop_ev: Any,
+) -> None:
+    """Entry point of a worker process: produce micro-batches k_start+worker_id, +num_workers, ... in order."""
+    producer = Producer(spec)
+    prefetcher = Prefetcher(producer, k_start, spec.prefetch_shards) if spec.prefetch_shards > 0 else None
+    if prefetcher is not None:
+        prefetcher.start()
+    k = k_start + worker_id
+    try:
+        while not stop_ev.is_set() and (k_end is None or k < k_end):
+            if prefetcher is not None:
+                prefetcher.position = k
+            try:
+                item: tuple[str, int, Any, dict[str, int]] = (
+                    "ok",
+                    k,
+                    producer.produce(k),
+                    producer.store.metrics.as_dict(),
+                )
+            except Exception as e:
+                kind = "shard_error" if isinstance(e, ShardError) else "error"
+                detail = str(e) if kind == "shard_error" else traceback.format_exc()
+                item = (kind, k, detail, producer.store.metrics.as_dict())
+            while not stop_ev.is_set():
+                try:
+                    out_q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[0] != "ok":
+                return
+            k += num_workers
+    finally:
+        if prefetcher is not None:
+            prefetcher.stop.set()
+        producer.close()
