@@ -1,0 +1,158 @@
+"""Stage 3, binpack: choose which samples share a bin, order the bins, and cut them into shards.
+
+Reads:  `<work>/lengths/chunk-N.{offsets,nimg,ibytes}.npy` (lengths, image counts, image bytes).
+Writes: `<work>/binpack/{order,bin_offsets,shard_first_bin}.npy` then `<work>/binpack.done.json`.
+        Bin b holds the samples `order[bin_offsets[b]:bin_offsets[b+1]]` (global sample indices, ascending);
+        shard s holds bins `shard_first_bin[s]:shard_first_bin[s+1]`.
+Run alone: `python -m offline_packing.binpack <mmpack pack flags>`.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+
+from offline_packing.config import PackJobConfig
+from offline_packing.lengths import load_lengths
+from offline_packing.workdir import WorkDir, atomic_write_bytes
+
+STAGE = "binpack"
+# Shard-size estimate per bin: token ids (4 B) + loss mask (1 B) per token, the image bytes, and a
+# fixed overhead for keys, metadata and format framing.
+_BYTES_PER_TOKEN = 5
+_BYTES_PER_BIN = 2048
+
+
+def pack_bins(
+    lengths: np.ndarray, image_counts: np.ndarray, cfg: PackJobConfig
+) -> tuple[list[np.ndarray], str]:
+    """The bins (arrays of sample indices, ascending) in output order, and the algorithm used.
+
+    Bin order is shuffled with `cfg.seed` so that every shard mixes long and short samples (packing
+    algorithms emit bins grouped by the length of their largest item).
+    """
+    try:
+        from packing.binpack import pack_lengths
+    except ImportError:  # TEMPORARY until packing.binpack lands
+        pack_lengths = _ffd_fallback
+
+    kwargs: dict = {
+        "algorithm": cfg.algorithm,
+        "max_items_per_bin": cfg.max_samples_per_bin,
+        "image_counts": image_counts,
+        "max_images_per_bin": cfg.max_images_per_bin,
+    }
+    if "seed" in inspect.signature(pack_lengths).parameters:
+        kwargs["seed"] = cfg.seed
+    if len(lengths) == 0:
+        return [], cfg.algorithm
+    result = pack_lengths(lengths, cfg.seq_len, **kwargs)
+    if np.any(np.asarray(result.bin_ids) < 0):
+        raise AssertionError("a sample longer than seq_len reached the binpack stage")
+    bins = result.bins()
+    perm = np.random.default_rng(cfg.seed).permutation(len(bins))
+    return [np.asarray(bins[i], dtype=np.int64) for i in perm], str(result.algorithm)
+
+
+class _FallbackResult:
+    def __init__(self, bin_ids: np.ndarray, algorithm: str):
+        self.bin_ids, self.algorithm = bin_ids, algorithm
+        self.num_bins = int(bin_ids.max()) + 1 if len(bin_ids) else 0
+
+    def bins(self) -> list[np.ndarray]:
+        return [np.flatnonzero(self.bin_ids == b) for b in range(self.num_bins)]
+
+
+def _ffd_fallback(
+    lengths, capacity, *, algorithm="auto", max_items_per_bin=None, image_counts=None, max_images_per_bin=None
+):  # type: ignore[no-untyped-def]
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    room: list[int] = []
+    items: list[int] = []
+    imgs: list[int] = []
+    bin_ids = np.full(len(lengths), -1, dtype=np.int64)
+    for i in order.tolist():
+        n_img = int(image_counts[i]) if image_counts is not None else 0
+        for b in range(len(room)):
+            if (
+                room[b] >= lengths[i]
+                and (max_items_per_bin is None or items[b] < max_items_per_bin)
+                and (max_images_per_bin is None or imgs[b] + n_img <= max_images_per_bin)
+            ):
+                break
+        else:
+            room.append(capacity)
+            items.append(0)
+            imgs.append(0)
+            b = len(room) - 1
+        room[b] -= int(lengths[i])
+        items[b] += 1
+        imgs[b] += n_img
+        bin_ids[i] = b
+    return _FallbackResult(bin_ids, "ffd-fallback")
+
+
+def plan_shards(bin_tokens: np.ndarray, bin_image_bytes: np.ndarray, cfg: PackJobConfig) -> np.ndarray:
+    """First bin of each shard (plus the end), cutting at `max_bins_per_shard` or the estimated byte limit."""
+    firsts = [0]
+    size, count = 0, 0
+    for b, (tokens, ibytes) in enumerate(zip(bin_tokens.tolist(), bin_image_bytes.tolist())):
+        est = tokens * _BYTES_PER_TOKEN + ibytes + _BYTES_PER_BIN
+        if count and (count >= cfg.max_bins_per_shard or size + est > cfg.max_shard_bytes):
+            firsts.append(b)
+            size, count = 0, 0
+        size += est
+        count += 1
+    firsts.append(len(bin_tokens))
+    return np.asarray(firsts if len(bin_tokens) else [0], dtype=np.int64)
+
+
+def _save(path, arr: np.ndarray) -> None:
+    from offline_packing.lengths import _npy_bytes
+
+    atomic_write_bytes(path, _npy_bytes(arr))
+
+
+def run_binpack(cfg: PackJobConfig, wd: WorkDir) -> dict:
+    """Stage 3; returns the marker info (bins, shards, algorithm)."""
+    n_chunks = len(wd.read_marker("scan")["chunks"])
+    lengths, nimg, ibytes = load_lengths(wd, n_chunks)
+    bins, algorithm = pack_bins(lengths, nimg, cfg)
+    order = np.concatenate(bins) if bins else np.zeros(0, np.int64)
+    bin_offsets = np.zeros(len(bins) + 1, dtype=np.int64)
+    bin_offsets[1:] = np.cumsum([len(b) for b in bins])
+    bin_tokens = np.add.reduceat(lengths[order], bin_offsets[:-1]) if bins else np.zeros(0, np.int64)
+    bin_ibytes = np.add.reduceat(ibytes[order], bin_offsets[:-1]) if bins else np.zeros(0, np.int64)
+    shard_first_bin = plan_shards(bin_tokens, bin_ibytes, cfg)
+    d = wd.stage_dir(STAGE)
+    _save(d / "order.npy", order)
+    _save(d / "bin_offsets.npy", bin_offsets)
+    _save(d / "shard_first_bin.npy", shard_first_bin)
+    bin_ids = np.full(len(lengths), -1, dtype=np.int64)
+    for b, members in enumerate(bins):
+        bin_ids[members] = b
+    _save(d / "bin_ids.npy", bin_ids)
+    info = {
+        "algorithm": algorithm,
+        "bins": len(bins),
+        "shards": len(shard_first_bin) - 1,
+        "samples": len(lengths),
+        "tokens": int(lengths.sum()),
+    }
+    wd.mark_done(STAGE, cfg.stage_fingerprint(3), info)
+    return info
+
+
+def load_plan(wd: WorkDir) -> dict[str, np.ndarray]:
+    """The arrays written by stage 3."""
+    d = wd.stage_dir(STAGE)
+    return {
+        name: np.load(d / f"{name}.npy") for name in ("order", "bin_offsets", "shard_first_bin", "bin_ids")
+    }
+
+
+if __name__ == "__main__":
+    from offline_packing.pack_cli import main_for_stage
+
+    raise SystemExit(main_for_stage(3))

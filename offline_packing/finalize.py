@@ -1,0 +1,161 @@
+"""End of the write stage: rejects.jsonl, stats.json, Energon metadata, then manifest.json (written last).
+
+Everything here is a pure function of the work folder and the config, so reruns give identical bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from importlib import metadata
+
+import numpy as np
+
+from offline_packing.config import PackJobConfig
+from offline_packing.storage import OutputStore
+from offline_packing.workdir import WorkDir, read_jsonl
+from packing.format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, REJECTS_NAME, SHARDS_DIR, STATS_NAME
+
+
+def _dumps(obj: object) -> bytes:
+    return (json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode()
+
+
+def collect_rejects(wd: WorkDir) -> list[dict]:
+    """Every reject of scan and lengths, ordered by input file (argument order) and line."""
+    scan = wd.read_marker("scan")
+    file_order = {f: i for i, f in enumerate(scan["files"])}
+    rows: list[dict] = []
+    for stage in ("scan", "lengths"):
+        for c in range(len(scan["chunks"])):
+            rows += read_jsonl(wd.chunk_path(stage, c, "rejects.jsonl"))
+    return sorted(rows, key=lambda r: (file_order.get(r["source"], len(file_order)), r["line"]))
+
+
+def compute_counts(wd: WorkDir, rejects: list[dict]) -> dict:
+    """The manifest's "counts": samples read = packed + rejected, always (asserted)."""
+    scan, lengths, plan = wd.read_marker("scan"), wd.read_marker("lengths"), wd.read_marker("binpack")
+    packed = sum(lengths["accepted"])
+    counts = {
+        "samples_read": scan["read"],
+        "samples_packed": packed,
+        "samples_rejected": len(rejects),
+        "rejected_by_reason": dict(sorted(Counter(r["reason"] for r in rejects).items())),
+        "bins": plan["bins"],
+        "tokens": plan["tokens"],
+        "image_tokens": sum(lengths["image_tokens"]),
+    }
+    if counts["samples_read"] != packed + len(rejects):
+        raise AssertionError(
+            f"accounting broken: read {scan['read']} != packed {packed} + rejected {len(rejects)}"
+        )
+    return counts
+
+
+def compute_stats(wd: WorkDir, cfg: PackJobConfig, counts: dict) -> dict:
+    """stats.json: packing efficiency of the dataset (packing.stats.packing_stats) plus the counts."""
+    from offline_packing.binpack import load_plan
+    from offline_packing.lengths import load_lengths
+
+    lengths, nimg, _ = load_lengths(wd, len(wd.read_marker("scan")["chunks"]))
+    bin_ids = load_plan(wd)["bin_ids"]
+    stats: dict = {"capacity": cfg.seq_len, "counts": counts}
+    try:
+        from packing.stats import packing_stats
+    except ImportError:  # packing.stats not available: basic figures only
+        n_bins = int(bin_ids.max()) + 1 if len(bin_ids) else 0
+        stats["packing"] = {
+            "num_bins": n_bins,
+            "num_samples": len(lengths),
+            "total_tokens": int(lengths.sum()),
+            "efficiency": float(lengths.sum() / (n_bins * cfg.seq_len)) if n_bins else 0.0,
+        }
+        return stats
+    raw = packing_stats(lengths, bin_ids, cfg.seq_len, image_counts=nimg)
+    stats["packing"] = json.loads(json.dumps(raw, default=_jsonable))
+    return stats
+
+
+def _jsonable(x: object) -> object:
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def fill_efficiency(stats: dict) -> float:
+    packing = stats.get("packing", {})
+    for key in ("efficiency", "fill_efficiency", "token_efficiency"):
+        if isinstance(packing.get(key), (int, float)):
+            return float(packing[key])
+    return 0.0
+
+
+def build_manifest(cfg: PackJobConfig, wd: WorkDir, counts: dict, shards: list[dict]) -> dict:
+    from offline_packing.lengths import get_tokenizer, image_rule
+    from packing.chat import ChatTemplate
+    from packing.tokenizer import tokenizer_info
+
+    rule = image_rule(cfg).to_dict()
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "seq_len": cfg.seq_len,
+        "formats": list(cfg.formats),
+        "tokenizer": tokenizer_info(get_tokenizer(cfg.tokenizer)),
+        "image_rule": {k: rule[k] for k in ("patch_size", "merge_size", "min_pixels", "max_pixels")},
+        "chat_template": ChatTemplate(default_system=cfg.default_system).to_dict(),
+        "algorithm": {
+            "name": wd.read_marker("binpack")["algorithm"],
+            "requested": cfg.algorithm,
+            "max_items_per_bin": cfg.max_samples_per_bin,
+            "max_images_per_bin": cfg.max_images_per_bin,
+        },
+        "seed": cfg.seed,
+        "overlength": cfg.overlength,
+        "counts": counts,
+        "shards": shards,
+        "created_by": f"mmpack {_version()}",
+    }
+
+
+def _version() -> str:
+    try:
+        return metadata.version("mmpack")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def remove_stale_shards(store: OutputStore, cfg: PackJobConfig, shards: list[dict]) -> None:
+    """Delete shards of this prefix left by an earlier run with more shards (local outputs)."""
+    if not store.is_local:
+        return
+    keep = {e["path"] for e in shards}
+    pattern = re.compile(rf"^{re.escape(cfg.shard_prefix)}-\d{{6}}\.(arrow|tar)$")
+    shard_dir = store.local_path(SHARDS_DIR)
+    if shard_dir.is_dir():
+        for p in shard_dir.iterdir():
+            if pattern.match(p.name) and f"{SHARDS_DIR}/{p.name}" not in keep:
+                p.unlink()
+
+
+def finalize(cfg: PackJobConfig, wd: WorkDir, shards: list[dict]) -> dict:
+    """Write rejects.jsonl, stats.json, .nv-meta (--energon) and manifest.json; returns the manifest."""
+    store = OutputStore(cfg.output, cfg.storage_options, staging_dir=wd.stage_dir("write"))
+    rejects = collect_rejects(wd)
+    counts = compute_counts(wd, rejects)
+    rows = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rejects)
+    store.write_bytes(REJECTS_NAME, rows.encode())
+    store.write_bytes(STATS_NAME, _dumps(compute_stats(wd, cfg, counts)))
+    remove_stale_shards(store, cfg, shards)
+    if cfg.energon:
+        from offline_packing.energon_meta import write_energon_metadata
+
+        if not store.is_local:
+            raise ValueError("--energon needs a local output folder (energon prepare indexes local tars)")
+        write_energon_metadata(store.local_path(""), [e for e in shards if e["format"] == "wds"], cfg.workers)
+    manifest = build_manifest(cfg, wd, counts, shards)
+    store.write_bytes(MANIFEST_NAME, _dumps(manifest))
+    return manifest

@@ -1,0 +1,195 @@
+"""Stage 2, lengths: exact token ids, loss mask and length of every scanned sample.
+
+Reads:  `<work>/scan/chunk-N.samples.jsonl`, the tokenizer (-t), the image-token rule flags.
+Writes: `<work>/lengths/chunk-N.{ids,mask,offsets,nimg}.npy` (token ids and loss mask of the chunk's kept
+        samples, concatenated), `chunk-N.samples.jsonl` (ids, images, grids), `chunk-N.rejects.jsonl`
+        (over-length, bad image sizes), `chunk-N.done.json`, then `<work>/lengths.done.json`.
+Run alone: `python -m offline_packing.lengths <mmpack pack flags>`.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from offline_packing.config import PackJobConfig
+from offline_packing.errors import PackError, SampleReject, reject_row
+from offline_packing.workdir import (
+    WorkDir,
+    atomic_write_bytes,
+    atomic_write_json,
+    read_json,
+    read_jsonl,
+    run_parallel,
+    write_jsonl,
+)
+
+STAGE = "lengths"
+_TOKENIZERS: dict[str | None, Any] = {}  # one tokenizer per worker process
+
+
+@dataclass(frozen=True)
+class LengthsTask:
+    """One scanned chunk to tokenize (picklable)."""
+
+    chunk: int
+    work_dir: str
+    cfg: PackJobConfig
+    fingerprint: str
+
+
+def get_tokenizer(path: str | None) -> Any:
+    """The tokenizer at `path`, loaded once per process."""
+    from packing.tokenizer import load_tokenizer
+
+    if path not in _TOKENIZERS:
+        _TOKENIZERS[path] = load_tokenizer(path)
+    return _TOKENIZERS[path]
+
+
+def image_rule(cfg: PackJobConfig) -> Any:
+    from packing.image_tokens import ImageTokenRule
+
+    return ImageTokenRule(
+        patch_size=cfg.patch_size,
+        merge_size=cfg.merge_size,
+        min_pixels=cfg.min_pixels,
+        max_pixels=cfg.max_pixels,
+    )
+
+
+def tokenize_scanned(sample: dict, cfg: PackJobConfig, rule: Any, tokenizer: Any) -> tuple[Any, dict]:
+    """Token ids + loss mask of one scanned sample under the over-length policy, and its metadata row."""
+    from packing.chat import ChatTemplate, Conversation, tokenize_conversation, truncate_sample
+
+    grids = []
+    for w, h in sample["wh"]:
+        try:
+            grids.append(rule.grid_thw(h, w))
+        except ValueError as exc:
+            raise SampleReject("image_size_invalid", str(exc)) from None
+    counts = [rule.tokens_of_grid(g) for g in grids]
+    conv = Conversation(
+        messages=tuple((r, c) for r, c in sample["messages"]),
+        images=tuple(sample["images"]),
+        sample_id=sample["id"],
+    )
+    tok = tokenize_conversation(conv, tokenizer, counts, ChatTemplate(default_system=cfg.default_system))
+    full_len = len(tok)
+    if full_len > cfg.seq_len:
+        message = f"{len(tok)} tokens > seq_len {cfg.seq_len}"
+        if cfg.overlength == "error":
+            raise PackError(f"{sample['src']}:{sample['line']}: overlength: {message} (--overlength error)")
+        if cfg.overlength == "drop":
+            raise SampleReject("overlength", message)
+        cut = truncate_sample(tok, cfg.seq_len)
+        if cut is None:
+            raise SampleReject("overlength", f"{message}; no cut outside an image keeps a target token")
+        tok = cut
+    n = tok.num_images
+    meta = {
+        "src": sample["src"],
+        "line": sample["line"],
+        "id": sample["id"],
+        "images": sample["images"][:n],
+        "fmt": sample["fmt"][:n],
+        "nbytes": sample["nbytes"][:n],
+        "grid": [list(g) for g in grids[:n]],
+        "image_tokens": int(tok.num_image_tokens),
+        "truncated_from": full_len if full_len != len(tok) else None,
+    }
+    return tok, meta
+
+
+def _npy_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def lengths_chunk(task: LengthsTask) -> dict:
+    """Tokenize one scanned chunk and write its arrays; returns its counts. Pure function of the task."""
+    wd = WorkDir(task.work_dir)
+    done = wd.chunk_path(STAGE, task.chunk, "done.json")
+    if done.is_file() and read_json(done).get("fingerprint") == task.fingerprint:
+        return read_json(done)
+    cfg = task.cfg
+    rule, tokenizer = image_rule(cfg), get_tokenizer(cfg.tokenizer)
+    ids, masks, metas, rejects = [], [], [], []
+    for sample in read_jsonl(wd.chunk_path("scan", task.chunk, "samples.jsonl")):
+        try:
+            tok, meta = tokenize_scanned(sample, cfg, rule, tokenizer)
+        except SampleReject as exc:
+            if cfg.strict:
+                raise PackError(f"{sample['src']}:{sample['line']}: {exc.reason}: {exc.message}") from None
+            rejects.append(
+                reject_row(sample["src"], sample["line"], exc.reason, exc.message, STAGE, sample["id"])
+            )
+            continue
+        ids.append(tok.input_ids)
+        masks.append(tok.loss_mask)
+        metas.append(meta)
+    offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(x) for x in ids], dtype=np.int64)
+    path = lambda suffix: wd.chunk_path(STAGE, task.chunk, suffix)  # noqa: E731
+    atomic_write_bytes(path("ids.npy"), _npy_bytes(np.concatenate(ids) if ids else np.zeros(0, np.uint32)))
+    atomic_write_bytes(
+        path("mask.npy"), _npy_bytes(np.concatenate(masks) if masks else np.zeros(0, np.uint8))
+    )
+    atomic_write_bytes(path("offsets.npy"), _npy_bytes(offsets))
+    atomic_write_bytes(
+        path("nimg.npy"), _npy_bytes(np.array([len(m["images"]) for m in metas], dtype=np.int64))
+    )
+    ibytes = np.array([sum(m["nbytes"]) for m in metas], dtype=np.int64)
+    atomic_write_bytes(path("ibytes.npy"), _npy_bytes(ibytes))
+    write_jsonl(path("samples.jsonl"), metas)
+    write_jsonl(path("rejects.jsonl"), rejects)
+    counts = {
+        "fingerprint": task.fingerprint,
+        "accepted": len(metas),
+        "rejected": len(rejects),
+        "image_tokens": sum(m["image_tokens"] for m in metas),
+    }
+    atomic_write_json(done, counts)
+    return counts
+
+
+def load_lengths(wd: WorkDir, n_chunks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Lengths, image counts and image bytes of every kept sample, in global order (chunk, then position)."""
+    lengths = [np.diff(np.load(wd.chunk_path(STAGE, c, "offsets.npy"))) for c in range(n_chunks)]
+    nimg = [np.load(wd.chunk_path(STAGE, c, "nimg.npy")) for c in range(n_chunks)]
+    ibytes = [np.load(wd.chunk_path(STAGE, c, "ibytes.npy")) for c in range(n_chunks)]
+    cat = lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)  # noqa: E731
+    return cat(lengths), cat(nimg), cat(ibytes)
+
+
+def run_lengths(cfg: PackJobConfig, wd: WorkDir) -> dict:
+    """Stage 2 over all scanned chunks; returns the marker info."""
+    scan_info = wd.read_marker("scan")
+    fingerprint = cfg.stage_fingerprint(2)
+    n_chunks = len(scan_info["chunks"])
+    tasks = [LengthsTask(c, str(wd.root), cfg, fingerprint) for c in range(n_chunks)]
+    results = run_parallel(
+        lengths_chunk,
+        tasks,
+        workers=cfg.workers,
+        weights=scan_info["accepted"],
+        desc="lengths",
+        progress=cfg.progress,
+    )
+    info = {
+        "accepted": [r["accepted"] for r in results],
+        "rejected": sum(r["rejected"] for r in results),
+        "image_tokens": [r["image_tokens"] for r in results],
+    }
+    wd.mark_done(STAGE, fingerprint, info)
+    return info
+
+
+if __name__ == "__main__":
+    from offline_packing.pack_cli import main_for_stage
+
+    raise SystemExit(main_for_stage(2))

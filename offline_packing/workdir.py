@@ -1,0 +1,124 @@
+"""The job's local work folder: per-chunk stage outputs, completion markers, atomic local writes,
+and the process pool that runs a stage over independent chunks.
+
+Every file is written to a temporary name and renamed, and a chunk's `.done.json` is written after its
+outputs, so a killed job leaves either complete files or none, never a partial one under a final name.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` via a temporary sibling and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """Write `obj` as sorted, indented JSON (deterministic bytes)."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def read_json(path: Path) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
+    """Atomically write one compact sorted-key JSON object per line."""
+    data = "".join(
+        json.dumps(r, ensure_ascii=False, sort_keys=True, separators=(",", ":")) + "\n" for r in rows
+    )
+    atomic_write_bytes(path, data.encode())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class WorkDir:
+    """Layout of the work folder: `<root>/<stage>/...` plus `<root>/<stage>.done.json` markers."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def stage_dir(self, stage: str) -> Path:
+        d = self.root / stage
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def chunk_path(self, stage: str, chunk: int, suffix: str) -> Path:
+        return self.stage_dir(stage) / f"chunk-{chunk:06d}.{suffix}"
+
+    def marker(self, stage: str) -> Path:
+        return self.root / f"{stage}.done.json"
+
+    def is_done(self, stage: str, fingerprint: str) -> bool:
+        """True when `stage` completed with the same options (fingerprint) as now."""
+        path = self.marker(stage)
+        return path.is_file() and read_json(path).get("fingerprint") == fingerprint
+
+    def mark_done(self, stage: str, fingerprint: str, info: dict) -> None:
+        atomic_write_json(self.marker(stage), {"fingerprint": fingerprint, **info})
+
+    def read_marker(self, stage: str) -> dict:
+        return read_json(self.marker(stage))
+
+    def clear_marker(self, stage: str) -> None:
+        self.marker(stage).unlink(missing_ok=True)
+
+
+def run_parallel(
+    fn: Callable[[T], R],
+    items: list[T],
+    *,
+    workers: int,
+    weights: list[int] | None = None,
+    desc: str = "",
+    unit: str = "samples",
+    progress: bool = True,
+) -> list[R]:
+    """`[fn(x) for x in items]`, on `workers` processes, results in item order, with a progress bar.
+
+    `fn` must be a module-level function of its item alone (a pure function of its chunk), so the
+    results do not depend on the number of workers.
+    """
+    from tqdm import tqdm
+
+    weights = weights if weights is not None else [1] * len(items)
+    bar = tqdm(
+        total=sum(weights), desc=desc, unit=unit, disable=not progress, file=sys.stderr, dynamic_ncols=True
+    )
+    results: list[R] = []
+    try:
+        for i, result in enumerate(_map_ordered(fn, items, workers)):
+            results.append(result)
+            bar.update(weights[i])
+    finally:
+        bar.close()
+    return results
+
+
+def _map_ordered(fn: Callable[[T], R], items: list[T], workers: int) -> Iterator[R]:
+    if workers <= 1 or len(items) <= 1:
+        yield from map(fn, items)
+        return
+    # fork: workers inherit imported modules (numba, tokenizers) instead of importing them again
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(min(workers, len(items))) as pool:
+        yield from pool.imap(fn, items, chunksize=1)

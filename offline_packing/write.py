@@ -1,0 +1,175 @@
+"""Stage 4, write: the shards (Arrow IPC and/or WebDataset), then rejects.jsonl, stats.json, the Energon
+metadata (`--energon`) and, last, manifest.json (the commit point of the dataset).
+
+Reads:  `<work>/binpack/*.npy`, `<work>/lengths/chunk-N.*` (token ids, loss masks, image paths), the images.
+Writes: `<out>/shards/<prefix>-NNNNNN.{arrow,tar}` (temporary name, then rename), `<work>/write/shard-N.json`
+        per finished shard (resume skips those), `<out>/rejects.jsonl`, `<out>/stats.json`,
+        `<out>/.nv-meta/` (with --energon), `<out>/manifest.json`.
+Run alone: `python -m offline_packing.write <mmpack pack flags>`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+
+from offline_packing.config import PackJobConfig
+from offline_packing.shard_writers import HashingWriter, PackedBin, open_shard_writer
+from offline_packing.storage import OutputStore
+from offline_packing.workdir import WorkDir, atomic_write_json, read_json, read_jsonl, run_parallel
+from packing.format import bin_key, shard_name
+
+STAGE = "write"
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One shard to write: bins [first_bin, end_bin) in every configured format (picklable)."""
+
+    shard: int
+    first_bin: int
+    end_bin: int
+    cfg: PackJobConfig
+    work_dir: str
+    fingerprint: str
+
+
+class BinSource:
+    """Builds `PackedBin`s from the stage-2 arrays (memory-mapped) and the image files."""
+
+    def __init__(self, work_dir: str, prefix: str):
+        wd = WorkDir(work_dir)
+        self.wd = wd
+        self.prefix = prefix
+        accepted = wd.read_marker("lengths")["accepted"]
+        self.chunk_starts = np.concatenate([[0], np.cumsum(accepted)]).astype(np.int64)
+        plan_dir = wd.stage_dir("binpack")
+        self.order = np.load(plan_dir / "order.npy", mmap_mode="r")
+        self.bin_offsets = np.load(plan_dir / "bin_offsets.npy")
+
+    @cache  # noqa: B019 - one BinSource per process, lives as long as it
+    def chunk(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict]]:
+        path = lambda s: self.wd.chunk_path("lengths", c, s)  # noqa: E731
+        return (
+            np.load(path("ids.npy"), mmap_mode="r"),
+            np.load(path("mask.npy"), mmap_mode="r"),
+            np.load(path("offsets.npy")),
+            read_jsonl(path("samples.jsonl")),
+        )
+
+    def packed_bin(self, b: int) -> PackedBin:
+        members = np.asarray(self.order[self.bin_offsets[b] : self.bin_offsets[b + 1]])
+        chunks = np.searchsorted(self.chunk_starts, members, side="right") - 1
+        ids, masks, lens, sample_ids, images, formats, grids = [], [], [], [], [], [], []
+        for c, g in zip(chunks.tolist(), members.tolist()):
+            c_ids, c_mask, c_off, c_meta = self.chunk(c)
+            i = g - int(self.chunk_starts[c])
+            lo, hi = int(c_off[i]), int(c_off[i + 1])
+            ids.append(c_ids[lo:hi])
+            masks.append(c_mask[lo:hi])
+            lens.append(hi - lo)
+            meta = c_meta[i]
+            sample_ids.append(meta["id"])
+            for path, fmt, grid in zip(meta["images"], meta["fmt"], meta["grid"]):
+                images.append(_read_file(path))
+                formats.append(fmt)
+                grids.append(grid)
+        return PackedBin(
+            key=bin_key(self.prefix, b),
+            input_ids=np.concatenate(ids).astype(np.uint32, copy=False),
+            loss_mask=np.concatenate(masks).astype(np.uint8, copy=False),
+            seq_lens=np.asarray(lens, dtype=np.int32),
+            sample_ids=sample_ids,
+            images=images,
+            image_formats=formats,
+            image_grid_thw=np.asarray(grids, dtype=np.int32).reshape(-1, 3),
+        )
+
+
+def _read_file(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+_SOURCES: dict[tuple[str, str], BinSource] = {}
+
+
+def _bin_source(work_dir: str, prefix: str) -> BinSource:
+    if (work_dir, prefix) not in _SOURCES:
+        _SOURCES.clear()
+        _SOURCES[(work_dir, prefix)] = BinSource(work_dir, prefix)
+    return _SOURCES[(work_dir, prefix)]
+
+
+def write_shard(task: ShardTask) -> list[dict]:
+    """Write one shard in every format; returns its manifest entries. Pure function of the task."""
+    cfg = task.cfg
+    wd = WorkDir(task.work_dir)
+    store = OutputStore(cfg.output, cfg.storage_options, staging_dir=wd.stage_dir(STAGE))
+    done = wd.stage_dir(STAGE) / f"shard-{task.shard:06d}.json"
+    if done.is_file():
+        entries = read_json(done)
+        if entries["fingerprint"] == task.fingerprint and all(
+            store.size(e["path"]) == e["bytes"] for e in entries["shards"]
+        ):
+            return entries["shards"]
+    source = _bin_source(task.work_dir, cfg.shard_prefix)
+    entries = []
+    for fmt in cfg.formats:
+        rel = shard_name(cfg.shard_prefix, task.shard, fmt)
+        samples = tokens = 0
+        with store.open_atomic(rel) as f:
+            sink = HashingWriter(f)
+            writer = open_shard_writer(fmt, sink)  # type: ignore[arg-type]
+            for b in range(task.first_bin, task.end_bin):
+                packed = source.packed_bin(b)
+                writer.add(packed)
+                samples += len(packed.seq_lens)
+                tokens += len(packed.input_ids)
+            writer.close()
+        entries.append(
+            {
+                "path": rel,
+                "format": fmt,
+                "first_bin": task.first_bin,
+                "bins": task.end_bin - task.first_bin,
+                "samples": samples,
+                "tokens": tokens,
+                "bytes": sink.size_bytes,
+                "sha256": sink.sha256.hexdigest(),
+            }
+        )
+    atomic_write_json(done, {"fingerprint": task.fingerprint, "shards": entries})
+    return entries
+
+
+def run_write_shards(cfg: PackJobConfig, wd: WorkDir) -> list[dict]:
+    """All shards of the plan, in parallel over shards; returns manifest shard entries (format-major)."""
+    from offline_packing.binpack import load_plan
+
+    plan = load_plan(wd)
+    firsts = plan["shard_first_bin"].tolist()
+    fingerprint = cfg.stage_fingerprint(4)
+    tasks = [
+        ShardTask(s, firsts[s], firsts[s + 1], cfg, str(wd.root), fingerprint) for s in range(len(firsts) - 1)
+    ]
+    store = OutputStore(cfg.output, cfg.storage_options)
+    store.clean_temporaries("shards")
+    per_shard = run_parallel(
+        write_shard,
+        tasks,
+        workers=cfg.workers,
+        weights=[t.end_bin - t.first_bin for t in tasks],
+        desc="write",
+        unit="bins",
+        progress=cfg.progress,
+    )
+    return [e for fmt in cfg.formats for entries in per_shard for e in entries if e["format"] == fmt]
+
+
+if __name__ == "__main__":
+    from offline_packing.pack_cli import main_for_stage
+
+    raise SystemExit(main_for_stage(4))
