@@ -80,7 +80,7 @@ def scan_record(rec: RawRecord, source: str, image_root: str, full_decode: bool)
         reason = reason_of(exc)
         if reason is None:
             raise
-        raise SampleReject(reason, str(exc)) from None
+        raise SampleReject(reason, str(getattr(exc, "message", exc))) from None
     paths, sizes, formats, nbytes = [], [], [], []
     seen: dict[str, tuple[int, int, str, int]] = {}
     for image in conv.images:

@@ -155,6 +155,7 @@ def run_write_shards(cfg: PackJobConfig, wd: WorkDir) -> list[dict]:
     tasks = [
         ShardTask(s, firsts[s], firsts[s + 1], cfg, str(wd.root), fingerprint) for s in range(len(firsts) - 1)
     ]
+    _SOURCES.clear()  # the plan may have changed since this process last wrote shards
     store = OutputStore(cfg.output, cfg.storage_options)
     store.clean_temporaries("shards")
     per_shard = run_parallel(

@@ -347,3 +347,47 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def read_arrow_bins(path: Path) -> list[dict]:
+    """Rows of one Arrow shard as dicts, read with plain `pyarrow.ipc.open_file`."""
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as source:
+        return pa.ipc.open_file(source).read_all().to_pylist()
+
+
+def read_wds_bins(path: Path) -> list[dict]:
+    """Bins of one tar shard read with plain `webdataset`, decoded to the Arrow row layout."""
+    import io
+
+    import webdataset as wds
+
+    rows = []
+    for sample in wds.WebDataset(str(path), shardshuffle=False):
+        meta = json.loads(sample["json"])
+        arr = lambda name, s=sample: np.load(io.BytesIO(s[f"{name}.npy"]), allow_pickle=False)  # noqa: E731
+        images = [sample[f"img{i}.{fmt}"] for i, fmt in enumerate(meta["image_formats"])]
+        rows.append(
+            {
+                "key": sample["__key__"],
+                "input_ids": arr("input_ids").tolist(),
+                "loss_mask": arr("loss_mask").tolist(),
+                "seq_lens": arr("seq_lens").tolist(),
+                "sample_ids": meta["sample_ids"],
+                "images": images,
+                "image_formats": meta["image_formats"],
+                "image_grid_thw": arr("image_grid_thw").tolist(),
+            }
+        )
+    return rows
+
+
+def dataset_files(out: Path) -> dict[str, bytes]:
+    """Relative path -> bytes of every file of a packed dataset folder (work folder excluded)."""
+    out = Path(out)
+    return {
+        p.relative_to(out).as_posix(): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and "_work" not in p.relative_to(out).parts
+    }
