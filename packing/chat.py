@@ -156,6 +156,13 @@ class ChatTemplate:
         """The manifest's "chat_template" entry."""
         return {"name": self.name, "default_system": self.default_system}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ChatTemplate:
+        """The template of a manifest's "chat_template" entry."""
+        if d.get("name", "qwen") != "qwen":
+            raise ValueError(f"unknown chat template {d.get('name')!r}; only 'qwen' exists")
+        return cls(default_system=d.get("default_system"))
+
 
 @dataclass(frozen=True)
 class TokenizedSample:
@@ -252,34 +259,44 @@ def tokenize_conversation(
         raise ValueError(f"{len(image_token_counts)} image token counts for {len(conv.images)} images")
     if any(int(n) < 1 for n in image_token_counts):
         raise ValueError(f"image token counts must be >= 1, got {list(image_token_counts)}")
+    counts = [int(n) for n in image_token_counts]
     messages = (template or ChatTemplate()).with_default_system(conv)
-    rendered = _render(messages, [int(n) for n in image_token_counts], SPECIAL_TOKENS)
+    # Encode with one <|image_pad|> per image and repeat it afterwards: special tokens are split out before
+    # the model's pre-tokenizer runs, so the ids are those of the fully expanded text, at a fraction of the
+    # cost for large images (thousands of pads each).
+    rendered = _render(messages, [1] * len(counts), SPECIAL_TOKENS)
     ids, offsets = tokenizer.encode_with_offsets(rendered.text)
     starts = np.fromiter((a for a, _ in offsets), dtype=np.int64, count=len(offsets))
     ends = np.fromiter((b for _, b in offsets), dtype=np.int64, count=len(offsets))
+    compact_ids = np.asarray(ids, dtype=np.uint32)
 
     loss = np.zeros(len(ids), dtype=np.uint8)
     for a, b in rendered.target_spans:
         loss[(starts < b) & (ends > a)] = 1
-    image_spans = []
-    for a, b in rendered.image_char_spans:
+    repeats = np.ones(len(ids), dtype=np.int64)
+    compact_spans = []
+    expected = [tokenizer.special_ids[k] for k in ("vision_start", "image_pad", "vision_end")]
+    for (a, b), n in zip(rendered.image_char_spans, counts):
         inside = np.flatnonzero((starts >= a) & (ends <= b))
-        image_spans.append((int(inside[0]), int(inside[-1]) + 1))
+        if compact_ids[inside].tolist() != expected:
+            raise ValueError(f"tokenizer {tokenizer.name} does not keep the vision tokens as single tokens")
         loss[inside] = 0
+        repeats[inside[1]] = n
+        compact_spans.append((int(inside[0]), int(inside[-1]) + 1))
 
-    input_ids = np.asarray(ids, dtype=np.uint32)
-    num_image_tokens = int(np.count_nonzero(input_ids == tokenizer.special_ids["image_pad"]))
-    if num_image_tokens != sum(int(n) for n in image_token_counts):
-        raise ValueError("tokenizer did not keep <|image_pad|> as single tokens")  # guarded by HFTokenizer
+    # compact token index -> index in the expanded sequence
+    new_index = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum(repeats, out=new_index[1:])
+    boundaries = np.searchsorted(starts, np.asarray(rendered.message_ends, dtype=np.int64), side="left")
     return TokenizedSample(
-        input_ids=input_ids,
-        loss_mask=loss,
-        num_image_tokens=num_image_tokens,
-        image_token_counts=tuple(int(n) for n in image_token_counts),
-        turn_boundaries=tuple(int(np.searchsorted(starts, e, side="left")) for e in rendered.message_ends),
+        input_ids=np.repeat(compact_ids, repeats),
+        loss_mask=np.repeat(loss, repeats),
+        num_image_tokens=sum(counts),
+        image_token_counts=tuple(counts),
+        turn_boundaries=tuple(int(new_index[k]) for k in boundaries),
         turn_roles=tuple(role for role, _ in messages),
         turn_image_counts=tuple(content.count(IMAGE_TAG) for _, content in messages),
-        image_spans=tuple(image_spans),
+        image_spans=tuple((int(new_index[a]), int(new_index[b])) for a, b in compact_spans),
     )
 
 

@@ -42,6 +42,14 @@ class ImageHeaderError(ValueError):
     """An image whose header cannot be read, or whose file is truncated."""
 
 
+class ImageSizeError(ValueError):
+    """An image size the rule refuses; `reason` is "image_too_small" or "image_aspect_ratio"."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class ImageTokenRule:
     """How many LLM tokens an image of a given size becomes (Qwen2-VL rule; see the module docstring)."""
@@ -71,17 +79,19 @@ class ImageTokenRule:
         return self.patch_size * self.merge_size
 
     def resized_hw(self, height: int, width: int) -> tuple[int, int]:
-        """(h', w') the image is resized to; ValueError for too small or too elongated images."""
+        """(h', w') the image is resized to; `ImageSizeError` (a ValueError) for too small or too elongated images."""
         factor = self.factor
         if height < factor or width < factor:
-            raise ValueError(
-                f"image of {width}x{height} (w x h) is too small: both sides must be at least {factor} pixels"
+            raise ImageSizeError(
+                "image_too_small",
+                f"image of {width}x{height} (w x h) is too small: both sides must be at least {factor} pixels",
             )
         aspect = max(height, width) / min(height, width)
         if aspect > self.max_aspect_ratio:
-            raise ValueError(
+            raise ImageSizeError(
+                "image_aspect_ratio",
                 f"image of {width}x{height} (w x h) has aspect ratio {aspect:.1f}, "
-                f"above the limit of {self.max_aspect_ratio}"
+                f"above the limit of {self.max_aspect_ratio}",
             )
         h_bar = round(height / factor) * factor
         w_bar = round(width / factor) * factor
@@ -113,6 +123,11 @@ class ImageTokenRule:
     def to_dict(self) -> dict[str, Any]:
         """The manifest's "image_rule" entry."""
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ImageTokenRule:
+        """The rule of a manifest's "image_rule" entry (unknown keys are an error, missing ones default)."""
+        return cls(**d)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -26,12 +27,14 @@ from packing.image_tokens import (
     CLIP_MEAN,
     CLIP_STD,
     ImageHeaderError,
+    ImageSizeError,
     ImageTokenRule,
     image_to_patches,
     patches_to_image,
     read_image_size,
 )
 from packing.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from tests.conftest import QWEN3_TOKENIZER
 
 SPECIALS = [
     "<|endoftext|>",
@@ -74,6 +77,14 @@ def bpe_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def bpe(bpe_file: Path) -> HFTokenizer:
     return HFTokenizer(bpe_file)
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> tuple[HFTokenizer, Tokenizer]:
+    """The real Qwen3 tokenizer (ours and a plain `tokenizers` one), loaded once; skips when absent."""
+    if not QWEN3_TOKENIZER.is_file():
+        pytest.skip(f"shared tokenizer not found at {QWEN3_TOKENIZER}")
+    return HFTokenizer(QWEN3_TOKENIZER), Tokenizer.from_file(str(QWEN3_TOKENIZER))
 
 
 def _render_by_hand(messages: list[tuple[str, str]], counts: list[int]) -> str:
@@ -125,6 +136,14 @@ def test_hf_tokenizer_file_and_folder(bpe_file: Path) -> None:
     assert text[offsets[0][0] : offsets[0][1]] == "<|im_start|>"
 
 
+def test_tokenizers_pickle(bpe: HFTokenizer) -> None:
+    # loader and packer workers receive the tokenizer by pickling
+    for tok in (bpe, ByteTokenizer()):
+        clone = pickle.loads(pickle.dumps(tok))
+        assert clone.encode("<|im_start|>a cat") == tok.encode("<|im_start|>a cat")
+        assert clone.special_ids == tok.special_ids and clone.sha256 == tok.sha256
+
+
 def test_tokenizer_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         load_tokenizer(tmp_path)
@@ -142,8 +161,9 @@ def test_tokenizer_errors(tmp_path: Path) -> None:
 
 
 @pytest.mark.shared
-def test_qwen3_tokenizer_facts(qwen3_tokenizer_path: Path) -> None:
-    tok = load_tokenizer(qwen3_tokenizer_path)
+def test_qwen3_tokenizer_facts(qwen3: tuple[HFTokenizer, Tokenizer], qwen3_tokenizer_path: Path) -> None:
+    assert load_tokenizer(qwen3_tokenizer_path.parent).sha256 == qwen3[0].sha256  # the folder form
+    tok = qwen3[0]
     assert tok.special_ids == {
         "pad": 151643,
         "im_start": 151644,
@@ -262,9 +282,10 @@ def _assistant_target_text(messages: list[tuple[str, str]]) -> str:
 
 
 @pytest.mark.shared
-def test_mllm_demo_counts_match_direct_encode(qwen3_tokenizer_path: Path, mllm_demo_json: Path) -> None:
-    raw = Tokenizer.from_file(str(qwen3_tokenizer_path))
-    tok = load_tokenizer(qwen3_tokenizer_path)
+def test_mllm_demo_counts_match_direct_encode(
+    qwen3: tuple[HFTokenizer, Tokenizer], mllm_demo_json: Path
+) -> None:
+    tok, raw = qwen3
     rule = ImageTokenRule()
     records = json.loads(mllm_demo_json.read_text())
     assert len(records) == 6
@@ -282,6 +303,24 @@ def test_mllm_demo_counts_match_direct_encode(qwen3_tokenizer_path: Path, mllm_d
         # every assistant message's closing <|im_end|> is a target, no other special token is
         special_targets = [t for t in targets if t >= 151643]
         assert special_targets == [151645] * sum(role == "assistant" for role, _ in conv.messages)
+
+
+@pytest.mark.shared
+@pytest.mark.parametrize("counts", [[1], [16384], [3, 2500]])
+def test_large_image_counts_match_direct_encode(
+    qwen3: tuple[HFTokenizer, Tokenizer], counts: list[int]
+) -> None:
+    tok, raw = qwen3
+    tags = "".join("<image>\n" for _ in counts)
+    conv = Conversation(
+        messages=(("user", tags + "Describe."), ("assistant", "Two cats.")), images=("a",) * len(counts)
+    )
+    sample = tokenize_conversation(conv, tok, counts, ChatTemplate())
+    direct = raw.encode(_render_by_hand(list(conv.messages), counts), add_special_tokens=False).ids
+    assert sample.input_ids.tolist() == direct and sample.num_image_tokens == sum(counts)
+    starts = [a for a, _ in sample.image_spans]
+    assert [direct[a] for a in starts] == [151652] * len(counts)
+    assert [b - a - 2 for a, b in sample.image_spans] == counts
 
 
 @pytest.mark.shared
@@ -334,9 +373,9 @@ def test_image_inside_assistant_content_has_no_loss() -> None:
 
 
 @pytest.mark.shared
-def test_token_straddling_header_and_content_is_a_target(qwen3_tokenizer_path: Path) -> None:
+def test_token_straddling_header_and_content_is_a_target(qwen3: tuple[HFTokenizer, Tokenizer]) -> None:
     # "assistant\n" + "\n\nAnswer": Qwen's BPE merges "\n\n\n" across the header/content boundary
-    tok = load_tokenizer(qwen3_tokenizer_path)
+    tok = qwen3[0]
     conv = Conversation(messages=(("user", "Q"), ("assistant", "\n\nAnswer")))
     sample = tokenize_conversation(conv, tok, [], ChatTemplate())
     text = _render_by_hand(list(conv.messages), [])
@@ -497,14 +536,16 @@ def test_smart_resize_small_max_pixels_keeps_one_token_row() -> None:
 
 @pytest.mark.parametrize(("h", "w"), [(28, 5601), (5601, 28), (100, 20001)])
 def test_smart_resize_rejects_aspect_above_200(h: int, w: int) -> None:
-    with pytest.raises(ValueError, match="aspect ratio"):
+    with pytest.raises(ValueError, match="aspect ratio") as info:
         ImageTokenRule().num_tokens(h, w)
+    assert isinstance(info.value, ImageSizeError) and info.value.reason == "image_aspect_ratio"
 
 
 @pytest.mark.parametrize(("h", "w"), [(27, 100), (100, 27), (1, 1)])
 def test_smart_resize_rejects_sides_below_factor(h: int, w: int) -> None:
-    with pytest.raises(ValueError, match="too small"):
+    with pytest.raises(ImageSizeError, match="too small") as info:
         ImageTokenRule().resized_hw(h, w)
+    assert info.value.reason == "image_too_small"
 
 
 def test_rule_validates_and_serialises() -> None:
@@ -512,7 +553,11 @@ def test_rule_validates_and_serialises() -> None:
         ImageTokenRule(min_pixels=10, max_pixels=5)
     with pytest.raises(ValueError):
         ImageTokenRule(patch_size=0)
-    assert ImageTokenRule(patch_size=16).to_dict()["patch_size"] == 16
+    rule = ImageTokenRule(patch_size=16, min_pixels=1024)
+    assert rule.to_dict()["patch_size"] == 16 and ImageTokenRule.from_dict(rule.to_dict()) == rule
+    assert ImageTokenRule.from_dict({"patch_size": 14, "merge_size": 2}) == ImageTokenRule()
+    template = ChatTemplate(default_system="Hi.")
+    assert ChatTemplate.from_dict(json.loads(json.dumps(template.to_dict()))) == template
     assert ImageTokenRule(patch_size=16, merge_size=2).num_tokens(64, 64) == 4
 
 
