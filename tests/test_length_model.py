@@ -265,6 +265,10 @@ def test_normalize_sharegpt_caption_and_text_only() -> None:
             "reserved_token_in_text",
         ),
         ({"image": ["a.jpg", 3], "caption": "x"}, "malformed_record"),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "bad \ud800"}]},
+            "malformed_record",
+        ),
         ({"image": "a.jpg", "caption": None}, "malformed_record"),
     ],
 )
@@ -502,6 +506,33 @@ def test_truncate_cuts_text_at_token_boundary_but_never_inside_an_image() -> Non
     assert truncate_sample(with_image, (a + b) // 2) is None
     kept = truncate_sample(with_image, len(with_image) - 2)
     assert kept is not None and kept.num_images == 1 and kept.image_spans == ((a, b),)
+
+
+@settings(max_examples=200, deadline=None)
+@given(conversations(), st.integers(1, 200))
+def test_truncate_properties(case: tuple[Conversation, list[int]], max_len: int) -> None:
+    conv, counts = case
+    tok = ByteTokenizer()
+    full = tokenize_conversation(conv, tok, counts, ChatTemplate())
+    cut = truncate_sample(full, max_len)
+    if cut is None:
+        assert len(full) > max_len
+        return
+    n = len(cut)
+    assert n <= max_len
+    assert cut.input_ids.tolist() == full.input_ids[:n].tolist()
+    assert cut.loss_mask.tolist() == full.loss_mask[:n].tolist() and cut.loss_mask.any()
+    assert all(b <= n for _, b in cut.image_spans) and cut.image_spans == full.image_spans[: cut.num_images]
+    assert cut.num_image_tokens == int((cut.input_ids == 261).sum()) == sum(cut.image_token_counts)
+    assert sum(cut.turn_image_counts) == cut.num_images
+    if n in full.turn_boundaries:
+        # whole turns kept: identical to tokenizing the shorter conversation
+        k = full.turn_boundaries.index(n) + 1
+        assert cut.turn_roles[-1] == "assistant" and len(cut.turn_roles) == k
+        shorter = Conversation(messages=conv.messages[:k], images=conv.images[: cut.num_images])
+        direct = tokenize_conversation(shorter, tok, counts[: cut.num_images], ChatTemplate())
+        assert direct.input_ids.tolist() == cut.input_ids.tolist()
+        assert direct.loss_mask.tolist() == cut.loss_mask.tolist()
 
 
 # ---------------------------------------------------------------- image-token rule
