@@ -44,6 +44,11 @@ class SampleError(ValueError):
         self.reason = reason
         self.message = message
 
+    @property
+    def reason_code(self) -> str:
+        """Alias of `reason`."""
+        return self.reason
+
 
 @dataclass(frozen=True)
 class Conversation:

@@ -275,7 +275,7 @@ def test_normalize_sharegpt_caption_and_text_only() -> None:
 def test_normalize_rejects(record: object, reason: str) -> None:
     with pytest.raises(SampleError) as info:
         normalize_record(record, source="bad.jsonl", line=5)
-    assert info.value.reason == reason
+    assert info.value.reason == info.value.reason_code == reason and reason in str(info.value)
 
 
 # ---------------------------------------------------------------- tokenisation and loss mask
