@@ -118,7 +118,9 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
         except json.JSONDecodeError:
             options[key] = value
     if args.endpoint_url and args.path.startswith(("s3://", "s3a://")):
-        options.setdefault("endpoint_url", args.endpoint_url)
+        client_kwargs = dict(options.get("client_kwargs") or {})
+        client_kwargs.setdefault("endpoint_url", args.endpoint_url)
+        options["client_kwargs"] = client_kwargs
     return options
 
 

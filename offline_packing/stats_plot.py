@@ -43,7 +43,8 @@ def plot_packing(
     _plot_samples_per_bin(ax_spb, samples_per_bin)
     fig.suptitle(
         f"{title}\n{len(lengths):,} samples in {num_bins:,} bins of {capacity:,} tokens, "
-        f"fill efficiency {100 * float(stats['fill_efficiency']):.3f}%",
+        f"fill efficiency {100 * float(stats['fill_efficiency']):.3f}%, "
+        f"L2 lower bound {int(stats['l2_lower_bound_bins']):,} bins",
         fontsize=11,
     )
     out = Path(path)

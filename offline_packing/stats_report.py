@@ -6,8 +6,10 @@ from itertools import pairwise
 from typing import Any
 
 import numpy as np
+from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from offline_packing.stats_dataset import DatasetPacking
 
@@ -84,6 +86,17 @@ def dataset_fields(data: DatasetPacking) -> dict[str, Any]:
     }
 
 
+def _table(title: str, **kwargs: Any) -> Table:
+    # the title is printed as a heading above the table (see _print), so it never wraps to the table's width
+    return Table(title=title, box=box.SIMPLE_HEAD, **kwargs)
+
+
+def _print(console: Console, table: Table) -> None:
+    console.print(Text(str(table.title), style="bold"))
+    table.title = None
+    console.print(table)
+
+
 def _fmt_int(value: Any) -> str:
     return f"{int(value):,}" if value is not None else "-"
 
@@ -109,7 +122,7 @@ def _dist_text(value: Any) -> str:
 
 def summary_table(stats: dict[str, Any], title: str) -> Table:
     """Main metrics: counts, fill efficiency, lower bounds and gaps, padding compression, per-bin counts."""
-    table = Table(title=title, show_header=False, title_justify="left", pad_edge=False)
+    table = _table(title, show_header=False)
     table.add_column("metric", style="bold")
     table.add_column("value")
     bins = int(stats["num_bins"])
@@ -145,11 +158,12 @@ def fill_histogram_table(stats: dict[str, Any]) -> Table:
     counts = list(hist.values()) if isinstance(hist, dict) else list(hist)
     labels = list(hist.keys()) if isinstance(hist, dict) else list(FILL_BANDS[: len(counts)])
     total = sum(int(c) for c in counts) or 1
-    table = Table(title="Fill histogram (bins by fill)", title_justify="left", pad_edge=False)
+    table = _table("Fill histogram (bins by fill)")
     for col in ("fill", "bins", "share"):
         table.add_column(col, justify="right")
     for label, count in zip(labels, counts):
-        table.add_row(str(label), _fmt_int(count), _fmt_pct(int(count) / total, 2))
+        label = str(label) if str(label).endswith("%") else f"{label}%"
+        table.add_row(label, _fmt_int(count), _fmt_pct(int(count) / total, 2))
     return table
 
 
@@ -159,7 +173,7 @@ def length_table(dist: dict[str, Any]) -> Table:
         f"Sample lengths: min {dist['min']:,}  p50 {dist['p50']:,.0f}  mean {dist['mean']:,.1f}  "
         f"p90 {dist['p90']:,.0f}  p99 {dist['p99']:,.0f}  max {dist['max']:,}"
     )
-    table = Table(title=title, title_justify="left", pad_edge=False)
+    table = _table(title)
     for col in ("length", "samples", "share", "tokens share"):
         table.add_column(col, justify="right")
     for band in dist["bands"]:
@@ -175,7 +189,7 @@ def length_table(dist: dict[str, Any]) -> Table:
 def shard_table(dataset: dict[str, Any], max_rows: int) -> Table:
     """One row per shard (the first `max_rows`, then a total row)."""
     shards = dataset["shards"]
-    table = Table(title=f"Shards ({dataset['format']}, {len(shards)})", title_justify="left", pad_edge=False)
+    table = _table(f"Shards ({dataset['format']}, {len(shards)})")
     for col in ("shard", "bins", "samples", "tokens", "images", "fill", "MB"):
         table.add_column(col, justify="left" if col == "shard" else "right")
     for shard in shards[:max_rows]:
@@ -208,7 +222,7 @@ def shard_table(dataset: dict[str, Any], max_rows: int) -> Table:
 
 def dataset_header(dataset: dict[str, Any]) -> Table:
     """Manifest facts: where, format, tokenizer, algorithm, samples read/rejected."""
-    table = Table(title="Dataset", show_header=False, title_justify="left", pad_edge=False)
+    table = _table("Dataset", show_header=False)
     table.add_column("field", style="bold")
     table.add_column("value")
     counts = dataset.get("counts", {})
@@ -231,7 +245,7 @@ def dataset_header(dataset: dict[str, Any]) -> Table:
 
 def compare_table(rows: list[dict[str, Any]]) -> Table:
     """One row per (algorithm, caps): bins, efficiency, gap to L2, time."""
-    table = Table(title="Algorithms on the same lengths", title_justify="left", pad_edge=False)
+    table = _table("Algorithms on the same lengths")
     for col in ("algorithm", "max samples/bin", "max images/bin", "bins", "fill", "gap to L2", "time (s)"):
         table.add_column(col, justify="left" if col == "algorithm" else "right")
     for row in rows:
@@ -269,17 +283,17 @@ def print_report(console: Console, report: dict[str, Any], max_shard_rows: int =
     source = report.get("source", {})
     dataset = report.get("dataset")
     if dataset:
-        console.print(dataset_header(dataset))
+        _print(console, dataset_header(dataset))
     title = f"Packing of {source.get('path', '?')}"
     if source.get("algorithm"):
-        title += f" ({source['algorithm']})"
-    console.print(summary_table(report, title))
-    console.print(fill_histogram_table(report))
+        title += f" (algorithm: {source['algorithm']})"
+    _print(console, summary_table(report, title))
+    _print(console, fill_histogram_table(report))
     if "length_distribution" in report:
-        console.print(length_table(report["length_distribution"]))
+        _print(console, length_table(report["length_distribution"]))
     if dataset:
-        console.print(shard_table(dataset, max_shard_rows))
+        _print(console, shard_table(dataset, max_shard_rows))
         for warning in dataset.get("warnings", []):
-            console.print(f"[bold red]warning:[/bold red] {warning}")
+            console.print(Text.assemble(("warning: ", "bold red"), warning))
     if report.get("compare"):
-        console.print(compare_table(report["compare"]))
+        _print(console, compare_table(report["compare"]))
