@@ -39,7 +39,7 @@ class PackJobConfig:
     min_pixels: int = 3136
     max_pixels: int = 12845056
     default_system: str | None = None  # system prompt added where a record has none
-    image_check: str = "decode"  # "decode" finds truncated images; "header" only reads sizes
+    image_check: str = "header"  # "header": sizes + end-marker check; "decode": full decode of every image
     energon: bool = False  # also write .nv-meta for Megatron-Energon (needs a wds output)
     shard_prefix: str = "packed"
     work_dir: str | None = None  # local folder for stage outputs and markers (default <output>/_work)

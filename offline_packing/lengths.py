@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from offline_packing.config import PackJobConfig
-from offline_packing.errors import PackError, SampleReject, reject_row
+from offline_packing.errors import PackError, SampleReject, reason_of, reject_row
 from offline_packing.workdir import (
     WorkDir,
     atomic_write_bytes,
@@ -70,7 +70,7 @@ def tokenize_scanned(sample: dict, cfg: PackJobConfig, rule: Any, tokenizer: Any
         try:
             grids.append(rule.grid_thw(h, w))
         except ValueError as exc:
-            raise SampleReject("image_size_invalid", str(exc)) from None
+            raise SampleReject(reason_of(exc) or "image_size_invalid", str(exc)) from None
     counts = [rule.tokens_of_grid(g) for g in grids]
     conv = Conversation(
         messages=tuple((r, c) for r, c in sample["messages"]),
