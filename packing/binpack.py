@@ -1,0 +1,222 @@
+"""Bin packing of sample lengths into fixed-capacity bins.
+
+`pack_lengths` validates its inputs and dispatches to numba kernels in `packing._binpack_kernels`.
+Algorithms:
+
+- ``"nf"``: next fit in input order (baseline).
+- ``"ffd"``: first fit decreasing.
+- ``"obfd"``: best fit decreasing. Without per-bin caps it runs over the length histogram (bins with
+  equal remaining space move together), otherwise item by item over bins grouped by remaining space.
+- ``"patterns"``: greedy minimum-slack patterns over the length histogram: the longest remaining
+  length is completed to the fullest bin the remaining items allow, and that pattern is repeated as
+  often as the counts allow. Not available with an image cap.
+- ``"auto"`` (default): ``"patterns"`` where it is cheap enough, compared with ``"obfd"``; the one
+  with fewer bins wins (``"obfd"`` on ties), so it is never worse than ``"obfd"``.
+
+All algorithms are deterministic. Items longer than the capacity, or with more images than
+``max_images_per_bin``, get bin -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from packing import _binpack_kernels as kernels
+from packing.stats import lower_bound_l2_from_counts
+
+ALGORITHMS: tuple[str, ...] = ("auto", "obfd", "ffd", "nf", "patterns")
+
+# Capacity-indexed structures (histograms, space classes) are sized capacity + 1.
+MAX_INDEXED_CAPACITY = 1 << 24
+# "auto" runs "patterns" when distinct lengths x capacity (x fillers under a small cap) is below this.
+AUTO_PATTERNS_BUDGET = 1 << 20
+_UNLIMITED = 1 << 62
+
+
+@dataclass(frozen=True)
+class PackResult:
+    """Outcome of `pack_lengths`.
+
+    Attributes:
+        bin_ids: int64 [n], the bin of each item; -1 for an item that fits no bin.
+        num_bins: number of bins used (bins are numbered 0..num_bins-1).
+        algorithm: the algorithm that produced the bins (for "auto", the one it chose).
+    """
+
+    bin_ids: np.ndarray
+    num_bins: int
+    algorithm: str
+
+    def bins(self) -> list[np.ndarray]:
+        """Item indices of every bin, in bin order, each sorted ascending."""
+        placed = np.flatnonzero(self.bin_ids >= 0)
+        order = placed[np.argsort(self.bin_ids[placed], kind="stable")]
+        sizes = np.bincount(self.bin_ids[placed], minlength=self.num_bins)
+        return np.split(order, np.cumsum(sizes)[:-1]) if self.num_bins else []
+
+
+def _as_int_array(values: object, name: str, *, minimum: int) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D array, got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {array.dtype}")
+    array = np.ascontiguousarray(array, dtype=np.int64)
+    if array.size and int(array.min()) < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, found {int(array.min())}")
+    return array
+
+
+def _as_limit(value: int | None, name: str, *, minimum: int) -> int:
+    if value is None:
+        return _UNLIMITED
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum} or None, got {value!r}")
+    return int(value)
+
+
+def pack_lengths(
+    lengths: np.ndarray,
+    capacity: int,
+    *,
+    algorithm: str = "auto",
+    max_items_per_bin: int | None = None,
+    image_counts: np.ndarray | None = None,
+    max_images_per_bin: int | None = None,
+) -> PackResult:
+    """Assign items of the given lengths to bins of `capacity` tokens.
+
+    Args:
+        lengths: 1-D integer array of positive item lengths, any order.
+        capacity: bin capacity in tokens (positive).
+        algorithm: one of `ALGORITHMS`.
+        max_items_per_bin: at most this many items per bin (None: no cap).
+        image_counts: images per item (1-D non-negative integers, same length as `lengths`).
+        max_images_per_bin: at most this many images per bin (None: no cap).
+
+    Returns:
+        PackResult; every item is in exactly one bin or has bin -1.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    capacity_value = _as_limit(capacity, "capacity", minimum=1)
+    lengths_array = _as_int_array(lengths, "lengths", minimum=1)
+    max_items = _as_limit(max_items_per_bin, "max_items_per_bin", minimum=1)
+    max_images = _as_limit(max_images_per_bin, "max_images_per_bin", minimum=0)
+    if image_counts is None or max_images_per_bin is None:
+        images = np.zeros(len(lengths_array), dtype=np.int64)
+        max_images = _UNLIMITED
+    else:
+        images = _as_int_array(image_counts, "image_counts", minimum=0)
+        if len(images) != len(lengths_array):
+            raise ValueError(f"image_counts has {len(images)} entries, lengths has {len(lengths_array)}")
+    image_capped = max_images < _UNLIMITED and bool(images.any())
+    if capacity_value > MAX_INDEXED_CAPACITY and algorithm not in ("nf", "ffd"):
+        if algorithm != "auto":
+            raise ValueError(
+                f"algorithm {algorithm!r} supports capacity <= {MAX_INDEXED_CAPACITY}, got {capacity_value}; "
+                "use 'ffd' or 'nf'"
+            )
+        algorithm = "ffd"
+    if algorithm == "patterns" and image_capped:
+        raise ValueError("algorithm 'patterns' does not support max_images_per_bin; use 'auto' or 'obfd'")
+    packer = _Packer(lengths_array, capacity_value, max_items, images, max_images, image_capped)
+    if algorithm == "auto":
+        return packer.auto()
+    return packer.run(algorithm)
+
+
+class _Packer:
+    """Holds validated inputs and the shared intermediate results (histogram, order)."""
+
+    def __init__(self, lengths, capacity, max_items, images, max_images, image_capped):
+        self.lengths = lengths
+        self.capacity = capacity
+        self.max_items = max_items
+        self.images = images
+        self.max_images = max_images
+        self.image_capped = image_capped
+        self._counts: np.ndarray | None = None
+
+    @property
+    def counts(self) -> np.ndarray:
+        if self._counts is None:
+            self._counts = kernels.histogram_kernel(self.lengths, self.capacity)
+        return self._counts
+
+    def _descending_order(self) -> np.ndarray:
+        if self.capacity <= MAX_INDEXED_CAPACITY:
+            return kernels.order_desc_kernel(self.lengths, self.capacity)
+        fits = np.flatnonzero(self.lengths <= self.capacity)
+        return fits[np.argsort(-self.lengths[fits], kind="stable")]
+
+    def _result(self, bin_ids: np.ndarray, num_bins: int, algorithm: str) -> PackResult:
+        return PackResult(bin_ids=bin_ids, num_bins=int(num_bins), algorithm=algorithm)
+
+    def _from_slots(self, slots: np.ndarray, num_bins: int, algorithm: str) -> PackResult:
+        bin_ids = kernels.assign_slots_kernel(self.lengths, self.capacity, self.counts, slots)
+        return self._result(bin_ids, num_bins, algorithm)
+
+    def run(self, algorithm: str) -> PackResult:
+        if algorithm == "nf":
+            bin_ids, num_bins = kernels.next_fit_kernel(
+                self.lengths, self.capacity, self.max_items, self.images, self.max_images
+            )
+        elif algorithm == "ffd":
+            bin_ids, num_bins = kernels.first_fit_decreasing_kernel(
+                self.lengths,
+                self._descending_order(),
+                self.capacity,
+                self.max_items,
+                self.images,
+                self.max_images,
+            )
+        elif algorithm == "obfd" and self.max_items == _UNLIMITED and not self.image_capped:
+            return self._from_slots(*self.obfd_slots(), algorithm)
+        elif algorithm == "obfd":
+            room_classes = (
+                int(min(self.images.max(initial=0), self.max_images)) + 1 if self.image_capped else 1
+            )
+            if room_classes * (self.capacity + 1) > 4 * MAX_INDEXED_CAPACITY:
+                raise ValueError("capacity x (largest image count + 1) too large for 'obfd'; use 'ffd'")
+            bin_ids, num_bins = kernels.best_fit_decreasing_kernel(
+                self.lengths,
+                self._descending_order(),
+                self.capacity,
+                self.max_items,
+                self.images,
+                self.max_images,
+                room_classes,
+            )
+        else:
+            return self._from_slots(*self.pattern_slots(), algorithm)
+        return self._result(bin_ids, num_bins, algorithm)
+
+    def obfd_slots(self) -> tuple[np.ndarray, int]:
+        return kernels.best_fit_decreasing_histogram_kernel(self.counts, self.capacity)
+
+    def pattern_slots(self) -> tuple[np.ndarray, int]:
+        counts = self.counts
+        patterns = kernels.pattern_greedy_kernel(counts, self.capacity, min(self.max_items, _UNLIMITED))
+        return kernels.pattern_slots_kernel(counts, *patterns)
+
+    def _patterns_affordable(self) -> bool:
+        distinct = int(np.count_nonzero(self.counts))
+        fillers = self.max_items - 1 if self.max_items <= 16 else 1
+        return distinct * self.capacity * max(fillers, 1) <= AUTO_PATTERNS_BUDGET
+
+    def auto(self) -> PackResult:
+        if self.image_capped or not self._patterns_affordable():
+            return self.run("obfd")
+        slots, num_bins = self.pattern_slots()
+        bound = lower_bound_l2_from_counts(self.counts, self.capacity)
+        if self.max_items < _UNLIMITED:
+            bound = max(bound, -(-int(self.counts.sum()) // self.max_items))
+        if num_bins <= bound:  # optimal: nothing can beat it
+            return self._from_slots(slots, num_bins, "patterns")
+        fallback = self.run("obfd")
+        if fallback.num_bins <= num_bins:
+            return fallback
+        return self._from_slots(slots, num_bins, "patterns")

@@ -1,0 +1,166 @@
+"""Packing efficiency statistics and lower bounds on the number of bins.
+
+Lower bounds count only items that fit a bin (length <= capacity):
+L1 = ceil(total / capacity); L2 is the Martello-Toth bound, computed over the length histogram.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FILL_BUCKETS: tuple[tuple[str, float, float], ...] = (
+    ("0-50", 0.0, 0.50),
+    ("50-70", 0.50, 0.70),
+    ("70-85", 0.70, 0.85),
+    ("85-95", 0.85, 0.95),
+    ("95-100", 0.95, 1.0 + 1e-12),
+)
+_HISTOGRAM_CAPACITY_LIMIT = 1 << 24
+
+
+def _check_capacity(capacity: int) -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer) or capacity < 1:
+        raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
+    return int(capacity)
+
+
+def _fitting_lengths(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    array = np.asarray(lengths)
+    if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+        raise ValueError(f"lengths must be a 1-D integer array, got {array.dtype} {array.shape}")
+    array = array.astype(np.int64, copy=False)
+    if array.size and int(array.min()) < 1:
+        raise ValueError("lengths must be positive")
+    return array[array <= capacity]
+
+
+def lower_bound_l1(lengths: np.ndarray, capacity: int) -> int:
+    """ceil(sum of the lengths that fit / capacity)."""
+    capacity = _check_capacity(capacity)
+    return -(-int(_fitting_lengths(lengths, capacity).sum()) // capacity)
+
+
+def lower_bound_l2_from_counts(counts: np.ndarray, capacity: int) -> int:
+    """Martello-Toth L2 from a histogram: counts[v] items of length v, v = 0..capacity.
+
+    For each 0 <= k <= capacity/2: J1 = items > capacity - k, J2 = items in (capacity/2, capacity - k],
+    J3 = items in [k, capacity/2]; L(k) = |J1| + |J2| + max(0, ceil((sum J3 - free space in J2) / capacity)).
+    """
+    capacity = _check_capacity(capacity)
+    counts = np.asarray(counts, dtype=np.int64)
+    if len(counts) != capacity + 1:
+        raise ValueError(f"counts must have capacity + 1 = {capacity + 1} entries, got {len(counts)}")
+    counts = counts.copy()
+    counts[0] = 0
+    sizes = np.arange(capacity + 1, dtype=np.int64)
+    # at_least[v]: items (or tokens) of length >= v, for v = 0..capacity + 1
+    count_at_least = np.append(np.cumsum(counts[::-1])[::-1], 0)
+    tokens_at_least = np.append(np.cumsum((counts * sizes)[::-1])[::-1], 0)
+    k = np.arange(capacity // 2 + 1, dtype=np.int64)
+    above_half = capacity // 2 + 1
+    j1 = count_at_least[capacity - k + 1]
+    j2 = count_at_least[above_half] - j1
+    j2_tokens = tokens_at_least[above_half] - tokens_at_least[capacity - k + 1]
+    j3_tokens = tokens_at_least[np.maximum(k, 1)] - tokens_at_least[above_half]
+    overflow = j3_tokens - (j2 * capacity - j2_tokens)
+    bound = j1 + j2 + np.maximum(0, -(-overflow // capacity))
+    return int(bound.max(initial=0))
+
+
+def lower_bound_l2(lengths: np.ndarray, capacity: int) -> int:
+    """Martello-Toth L2 lower bound on the number of bins for the lengths that fit."""
+    capacity = _check_capacity(capacity)
+    fits = _fitting_lengths(lengths, capacity)
+    if capacity <= _HISTOGRAM_CAPACITY_LIMIT:
+        return lower_bound_l2_from_counts(np.bincount(fits, minlength=capacity + 1), capacity)
+    # Large capacity: only k = 0 and the item sizes <= capacity/2 can give the maximum.
+    ordered = np.sort(fits)
+    prefix = np.concatenate(([0], np.cumsum(ordered)))
+    total = int(prefix[-1])
+
+    def at_least(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        first = np.searchsorted(ordered, v, side="left")
+        return len(ordered) - first, total - prefix[first]
+
+    k = np.concatenate(([0], np.unique(ordered[2 * ordered <= capacity])))
+    j1, j1_tokens = at_least(capacity - k + 1)
+    half_count, half_tokens = at_least(np.array([capacity // 2 + 1]))
+    j2 = half_count - j1
+    j2_tokens = half_tokens - j1_tokens
+    _, k_tokens = at_least(np.maximum(k, 1))
+    overflow = (k_tokens - half_tokens) - (j2 * capacity - j2_tokens)
+    bound = j1 + j2 + np.maximum(0, -(-overflow // capacity))
+    return int(bound.max(initial=0))
+
+
+def _summary(values: np.ndarray) -> dict[str, float]:
+    if values.size == 0:
+        return {"mean": 0.0, "p50": 0.0, "max": 0.0}
+    return {"mean": float(values.mean()), "p50": float(np.median(values)), "max": float(values.max())}
+
+
+def packing_stats(
+    lengths: np.ndarray, bin_ids: np.ndarray, capacity: int, image_counts: np.ndarray | None = None
+) -> dict:
+    """Efficiency of a packing, as a JSON-serialisable dict of plain Python values.
+
+    Keys: num_samples (samples in bins), num_rejected (bin id -1), num_bins (bins holding samples),
+    capacity, total_tokens, padding_tokens, fill_efficiency, lower_bound_bins (L1),
+    l2_lower_bound_bins, gap_to_l2 ((bins - L2) / L2), padding_compression (padding if every sample
+    were padded to capacity / padding after packing; None when packing leaves no padding),
+    samples_per_bin {mean, p50, max}, images_per_bin {mean, max}, fill_histogram {range: bins}.
+    """
+    capacity = _check_capacity(capacity)
+    lengths = np.asarray(lengths)
+    bin_ids = np.asarray(bin_ids)
+    if lengths.ndim != 1 or bin_ids.shape != lengths.shape:
+        raise ValueError(f"lengths {lengths.shape} and bin_ids {bin_ids.shape} must be 1-D of equal length")
+    if lengths.size and not (
+        np.issubdtype(lengths.dtype, np.integer) and np.issubdtype(bin_ids.dtype, np.integer)
+    ):
+        raise ValueError("lengths and bin_ids must be integer arrays")
+    lengths = lengths.astype(np.int64, copy=False)
+    bin_ids = bin_ids.astype(np.int64, copy=False)
+    if bin_ids.size and int(bin_ids.min()) < -1:
+        raise ValueError("bin ids must be >= -1")
+    placed = bin_ids >= 0
+    placed_bins = bin_ids[placed]
+    placed_lengths = lengths[placed]
+    tokens_per_bin = np.bincount(placed_bins, weights=placed_lengths).astype(np.int64)
+    samples_per_bin = np.bincount(placed_bins, minlength=len(tokens_per_bin))
+    used = samples_per_bin > 0
+    tokens_per_bin, samples_per_bin = tokens_per_bin[used], samples_per_bin[used]
+    if tokens_per_bin.size and int(tokens_per_bin.max()) > capacity:
+        raise ValueError(f"a bin holds {int(tokens_per_bin.max())} tokens, more than capacity {capacity}")
+    if image_counts is None:
+        images_per_bin = np.zeros(len(tokens_per_bin), dtype=np.int64)
+    else:
+        images = np.asarray(image_counts, dtype=np.int64)
+        if images.shape != lengths.shape:
+            raise ValueError(f"image_counts {images.shape} must match lengths {lengths.shape}")
+        images_per_bin = np.bincount(placed_bins, weights=images[placed], minlength=len(used))[used]
+    num_bins = len(tokens_per_bin)
+    total_tokens = int(placed_lengths.sum())
+    padding = num_bins * capacity - total_tokens
+    padding_unpacked = int(placed.sum()) * capacity - total_tokens
+    fill = tokens_per_bin / capacity
+    histogram = {
+        name: int(np.count_nonzero((fill >= low) & (fill < high))) for name, low, high in FILL_BUCKETS
+    }
+    l2 = lower_bound_l2(placed_lengths, capacity)
+    return {
+        "num_samples": int(placed.sum()),
+        "num_rejected": int(np.count_nonzero(bin_ids == -1)),
+        "num_bins": num_bins,
+        "capacity": capacity,
+        "total_tokens": total_tokens,
+        "padding_tokens": int(padding),
+        "fill_efficiency": float(total_tokens / (num_bins * capacity)) if num_bins else 0.0,
+        "lower_bound_bins": lower_bound_l1(placed_lengths, capacity),
+        "l2_lower_bound_bins": l2,
+        "gap_to_l2": float((num_bins - l2) / l2) if l2 else 0.0,
+        "padding_compression": float(padding_unpacked / padding) if padding else None,
+        "samples_per_bin": _summary(samples_per_bin),
+        "images_per_bin": {k: v for k, v in _summary(images_per_bin).items() if k != "p50"},
+        "fill_histogram": histogram,
+    }
