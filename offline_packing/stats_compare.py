@@ -6,21 +6,21 @@ import time
 from typing import Any
 
 import numpy as np
-from packing.stats import lower_bound_l2, packing_stats
 
-from packing import binpack
+from packing.binpack import ALGORITHMS, pack_lengths
+from packing.stats import lower_bound_l2, packing_stats
 
 
 def algorithm_names() -> list[str]:
     """The algorithms packing.binpack offers, in its own order."""
-    return [str(name) for name in binpack.ALGORITHMS]
+    return [str(name) for name in ALGORITHMS]
 
 
 def _warm_up(algorithm: str, caps: dict[str, Any], with_images: bool) -> None:
     # numba compiles on first call: pack a tiny input first so the timed run measures packing only
     lengths = np.array([3, 5, 2, 7], dtype=np.int64)
     images = np.ones(4, dtype=np.int64) if with_images else None
-    binpack.pack_lengths(lengths, 8, algorithm=algorithm, image_counts=images, **caps)
+    pack_lengths(lengths, 8, algorithm=algorithm, image_counts=images, **caps)
 
 
 def compare_algorithms(
@@ -53,9 +53,7 @@ def compare_algorithms(
             try:
                 _warm_up(algorithm, caps, images is not None)
                 start = time.perf_counter()
-                result = binpack.pack_lengths(
-                    lengths, capacity, algorithm=algorithm, image_counts=images, **caps
-                )
+                result = pack_lengths(lengths, capacity, algorithm=algorithm, image_counts=images, **caps)
                 elapsed = time.perf_counter() - start
             except (ValueError, NotImplementedError) as e:
                 rows.append({**row, "error": str(e)})

@@ -114,9 +114,15 @@ def _gap(num_bins: int, bound: Any) -> str:
     return f"{bound:,} bins (gap {gap:+,} bins, {rel})"
 
 
+def _num(value: Any) -> str:
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:,.2f}"
+    return f"{int(value):,}"
+
+
 def _dist_text(value: Any) -> str:
     if isinstance(value, dict):
-        return "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in value.items())
+        return "  ".join(f"{k} {_num(v)}" for k, v in value.items())
     return str(value)
 
 
@@ -127,29 +133,30 @@ def summary_table(stats: dict[str, Any], title: str) -> Table:
     table.add_column("value")
     bins = int(stats["num_bins"])
     rows = [
-        ("samples", _fmt_int(stats.get("num_samples"))),
+        ("samples packed", _fmt_int(stats.get("num_samples"))),
         ("bins", _fmt_int(bins)),
         ("capacity (tokens per bin)", _fmt_int(stats.get("capacity"))),
         ("tokens", _fmt_int(stats.get("total_tokens"))),
         ("fill efficiency", _fmt_pct(stats.get("fill_efficiency"))),
         ("L1 lower bound", _gap(bins, stats.get("lower_bound_bins"))),
         ("L2 lower bound", _gap(bins, stats.get("l2_lower_bound_bins"))),
-        (
-            "padding compression",
-            f"{float(stats['padding_compression']):.2f}x vs padding every sample"
-            if stats.get("padding_compression") is not None
-            else "-",
-        ),
+        ("padding tokens", _fmt_int(stats.get("padding_tokens"))),
+        ("padding compression", _padding_text(stats.get("padding_compression"))),
         ("samples per bin", _dist_text(stats.get("samples_per_bin"))),
         ("images per bin", _dist_text(stats.get("images_per_bin"))),
     ]
-    for name in ("num_unpacked", "num_over_capacity", "unpacked_samples"):
-        if stats.get(name):
-            rows.insert(1, ("samples over capacity (not packed)", _fmt_int(stats[name])))
-            break
+    if stats.get("num_rejected"):
+        rows.insert(1, ("longer than capacity (not packed)", _fmt_int(stats["num_rejected"])))
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def _padding_text(ratio: Any) -> str:
+    # packing_stats gives None when packing leaves no padding at all
+    if ratio is None:
+        return "no padding left after packing"
+    return f"{float(ratio):,.2f}x less padding than padding every sample to capacity"
 
 
 def fill_histogram_table(stats: dict[str, Any]) -> Table:

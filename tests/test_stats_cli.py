@@ -3,16 +3,21 @@ the algorithm comparison, and clear errors (exit code 2) on bad input."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from offline_packing.cli import main
-from offline_packing.stats_inputs import read_length_file
+from offline_packing.stats_inputs import StatsInputError, read_length_file
+from packing.format import FORMAT_NAME, FORMAT_VERSION, bin_key, shard_name
 
 # ---------------------------------------------------------------------------------------------------------
 # independent computations (written from the definitions, not from packing.stats)
@@ -165,3 +170,604 @@ def test_image_counts_from_json_and_npy(tmp_path: Path) -> None:
         data = read_length_file(str(path))
         assert data.lengths.tolist() == LENGTHS.tolist()
         assert data.image_counts is not None and data.image_counts.tolist() == images.tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# length files through the CLI: numbers equal the independent computation
+
+
+@pytest.mark.parametrize("form", ["names", "ints", "json", "npy"])
+def test_cli_length_file_numbers(tmp_path: Path, capsys: pytest.CaptureFixture[str], form: str) -> None:
+    path = write_forms(tmp_path, LENGTHS)[form]
+    report = run_json(capsys, str(path), "--capacity", str(CAPACITY))
+    check_against_independent(report, LENGTHS, pack(LENGTHS, CAPACITY), CAPACITY)
+    assert report["num_samples"] == LENGTHS.size
+    assert report["source"]["path"] == str(path)
+    dist = report["length_distribution"]
+    assert dist["min"] == LENGTHS.min() and dist["max"] == LENGTHS.max()
+    assert sum(band["samples"] for band in dist["bands"]) == LENGTHS.size
+    assert sum(band["token_share"] for band in dist["bands"]) == pytest.approx(1.0)
+
+
+def test_json_is_packing_stats_plus_extra_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from packing.stats import packing_stats
+
+    path = write_forms(tmp_path, LENGTHS)["json"]
+    report = run_json(capsys, str(path), "--capacity", str(CAPACITY), "--max-samples-per-bin", "2")
+    direct = packing_stats(LENGTHS, pack(LENGTHS, CAPACITY, max_items_per_bin=2), CAPACITY)
+    direct = json.loads(json.dumps(direct, default=lambda v: v.item() if hasattr(v, "item") else v.tolist()))
+    assert {k: report[k] for k in direct} == direct
+    assert set(report) - set(direct) == {"source", "length_distribution"}
+    assert report["samples_per_bin"]["max"] <= 2
+    assert report["source"]["max_samples_per_bin"] == 2
+
+
+def test_histogram_input_numbers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    counts = [0] * 64
+    counts[63], counts[31], counts[20], counts[9], counts[2] = 5, 7, 3, 4, 11  # lengths 64, 32, 21, 10, 3
+    path = tmp_path / "hist.json"
+    path.write_text(json.dumps({"max_len": 64, "counts": counts}))
+    report = run_json(capsys, str(path), "--capacity", "64")
+    lengths = np.repeat(np.arange(1, 65), counts)
+    check_against_independent(report, lengths, pack(lengths, 64), 64)
+    assert report["source"]["kind"] == "histogram"
+    assert report["num_samples"] == sum(counts)
+
+
+def test_image_caps_are_honoured(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    images = np.array([2, 0, 1, 3, 1, 1, 0, 2, 1, 0, 1, 1, 2, 0, 1])
+    path = tmp_path / "with_images.json"
+    path.write_text(json.dumps({"lengths": LENGTHS.tolist(), "image_counts": images.tolist()}))
+    report = run_json(capsys, str(path), "--capacity", str(CAPACITY), "--max-images-per-bin", "3")
+    bin_ids = pack(LENGTHS, CAPACITY, image_counts=images, max_images_per_bin=3)
+    check_against_independent(report, LENGTHS, bin_ids, CAPACITY, images)
+    assert report["images_per_bin"]["max"] <= 3
+
+
+def test_samples_longer_than_capacity_are_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lengths = np.array([100, 5000, 300, 900, 4097, 20])
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(lengths.tolist()))
+    report = run_json(capsys, str(path), "--capacity", "1024")
+    bin_ids = pack(lengths, 1024)
+    assert (bin_ids[[1, 4]] == -1).all()
+    check_against_independent(report, lengths, bin_ids, 1024)
+    over = [b for b in report["length_distribution"]["bands"] if b["range"].startswith(">")]
+    assert over[0]["samples"] == 2
+
+
+def test_table_output_is_readable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_forms(tmp_path, LENGTHS)["ints"]
+    rc, out, err = run_stats(capsys, str(path), "--capacity", str(CAPACITY))
+    assert rc == 0, err
+    bin_ids = pack(LENGTHS, CAPACITY)
+    want = expected_stats(LENGTHS, bin_ids, CAPACITY)
+    for label in (
+        "samples",
+        "bins",
+        "fill efficiency",
+        "L1 lower bound",
+        "L2 lower bound",
+        "padding compression",
+        "samples per bin",
+        "images per bin",
+        "Fill histogram",
+        "Sample lengths",
+        "95-100%",
+    ):
+        assert label in out, label
+    assert f"{100 * want['fill_efficiency']:.3f}%" in out
+    assert (
+        f"{want['l2_lower_bound_bins']:,} bins (gap {want['num_bins'] - want['l2_lower_bound_bins']:+,} bins"
+        in out
+    )
+    assert "\x1b[" not in out  # no colour codes when not a terminal
+
+
+# ---------------------------------------------------------------------------------------------------------
+# plot and compare
+
+
+def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(6.0, 0.8, 3000), 1, 4096).astype(np.int64)
+    src = tmp_path / "lens.npy"
+    np.save(src, lengths)
+    out = tmp_path / "plots" / "stats.png"
+    rc, _, err = run_stats(capsys, str(src), "--capacity", "4096", "--plot", str(out))
+    assert rc == 0, err
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 20_000  # three panels with axes and bars, not an empty canvas
+    from PIL import Image
+
+    with Image.open(out) as image:
+        assert image.size[0] > 1000 and image.size[1] > 300
+
+
+def test_compare_lists_every_algorithm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from packing import binpack
+
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 512, 400)
+    path = tmp_path / "lens.json"
+    path.write_text(json.dumps(lengths.tolist()))
+    report = run_json(capsys, str(path), "--capacity", "512", "--compare", "--max-samples-per-bin", "3")
+    rows = report["compare"]
+    algorithms = [str(a) for a in binpack.ALGORITHMS]
+    assert [(r["algorithm"], r["max_samples_per_bin"]) for r in rows] == [(a, None) for a in algorithms] + [
+        (a, 3) for a in algorithms
+    ]
+    l2 = l2_bound(lengths, 512)
+    for row in rows:
+        assert "error" not in row, row
+        bin_ids = pack(lengths, 512, algorithm=row["algorithm"], max_items_per_bin=row["max_samples_per_bin"])
+        assert row["num_bins"] == int(bin_ids.max()) + 1
+        assert row["num_bins"] >= l2 and row["l2_lower_bound_bins"] == l2
+        assert row["gap_to_l2_bins"] == row["num_bins"] - l2
+        assert row["fill_efficiency"] == pytest.approx(lengths.sum() / (row["num_bins"] * 512))
+        assert row["time_s"] >= 0
+    rc, out, _ = run_stats(capsys, str(path), "--capacity", "512", "--compare")
+    assert rc == 0 and "Algorithms on the same lengths" in out
+    assert all(a in out for a in algorithms)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bad input: a clear message naming the file (and line), exit code 2
+
+
+def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n# only a comment\n")
+    non_int = tmp_path / "nonint.txt"
+    non_int.write_text("a:10\nb:20\nc:twelve\n")
+    negative = tmp_path / "neg.lens"
+    negative.write_text("10\n20\n\n-5\n")
+    zero_json = tmp_path / "zero.json"
+    zero_json.write_text("[3, 0, 4]")
+    float_json = tmp_path / "float.json"
+    float_json.write_text("[3, 4.5]")
+    bad_hist = tmp_path / "hist.json"
+    bad_hist.write_text(json.dumps({"max_len": 4, "counts": [1, 2]}))
+    neg_npy = tmp_path / "neg.npy"
+    np.save(neg_npy, np.array([5, -1, 3]))
+    no_manifest = tmp_path / "not_a_dataset"
+    no_manifest.mkdir()
+    unknown = tmp_path / "lengths.csv"
+    unknown.write_text("1,2,3\n")
+    cap = ["--capacity", "64"]
+    return [
+        ([str(empty), *cap], f"{empty}: no lengths found"),
+        ([str(non_int), *cap], f"{non_int}:3: expected `name:length` or an integer, got 'c:twelve'"),
+        ([str(negative), *cap], f"{negative}:4: sample length must be a positive integer, got -5"),
+        ([str(zero_json), *cap], f"{zero_json}: lengths[1] must be a positive integer, got 0"),
+        ([str(float_json), *cap], f"{float_json}: lengths[1] must be an integer, got 4.5"),
+        ([str(bad_hist), *cap], f"{bad_hist}: histogram 'counts' must have max_len=4 entries"),
+        ([str(neg_npy), *cap], f"{neg_npy}: length at index 1 must be a positive integer, got -1"),
+        ([str(no_manifest)], f"{no_manifest}: no manifest.json found"),
+        ([str(unknown), *cap], f"{unknown}: unknown file type '.csv'"),
+        ([str(tmp_path / "missing.txt"), *cap], f"{tmp_path / 'missing.txt'}: no such file"),
+        ([str(non_int)], f"{non_int}: a length file needs --capacity"),
+        ([str(negative), "--capacity", "0"], "--capacity must be a positive integer, got 0"),
+        (
+            [str(zero_json).replace("zero", "x"), "--capacity", "8", "--plot", "out.jpg"],
+            "--plot writes a PNG",
+        ),
+        (
+            [str(negative).replace("neg", "ok"), "--capacity", "8", "--max-images-per-bin", "2"],
+            "needs image counts",
+        ),
+    ]
+
+
+def test_bad_inputs_exit_2_with_clear_messages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "ok.lens").write_text("3\n4\n")
+    for args, message in bad_input_cases(tmp_path):
+        rc, out, err = run_stats(capsys, *args)
+        assert rc == 2, (args, err)
+        assert message in err, (message, err)
+        assert err.startswith("mmpack stats: error: ")
+        assert out == ""
+
+
+def test_parse_errors_are_stats_input_errors(tmp_path: Path) -> None:
+    path = tmp_path / "bad.txt"
+    path.write_text("1\n2\nx y\n")
+    with pytest.raises(StatsInputError, match=r"bad\.txt:3:"):
+        read_length_file(str(path))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# packed datasets written by hand to the on-disk contract (packing/format.py), so every number is known
+
+TINY_JPEG = b"\xff\xd8\xff\xe0" + b"\x00" * 20_000  # opaque image payload: only its size matters here
+
+# bins of a tiny dataset: per bin, (seq_lens, image grids (t, h, w) in patches)
+TINY_BINS: list[tuple[list[int], list[tuple[int, int, int]]]] = [
+    ([60, 40], [(1, 4, 4)]),
+    ([100], []),
+    ([30, 30, 30], [(1, 2, 2), (1, 4, 8)]),
+    ([90, 5], [(1, 2, 4)]),
+    ([70], [(1, 8, 8)]),
+]
+TINY_SEQ_LEN = 100
+
+
+def _bin_record(prefix: str, index: int, seq_lens: list[int], grids: list[tuple[int, int, int]]) -> dict:
+    return {
+        "key": bin_key(prefix, index),
+        "input_ids": np.arange(sum(seq_lens), dtype=np.uint32) % 7,
+        "loss_mask": np.ones(sum(seq_lens), dtype=np.uint8),
+        "seq_lens": np.asarray(seq_lens, dtype=np.int32),
+        "sample_ids": [f"s{index}-{j}" for j in range(len(seq_lens))],
+        "images": [TINY_JPEG] * len(grids),
+        "image_formats": ["jpg"] * len(grids),
+        "image_grid_thw": np.asarray(grids, dtype=np.int32).reshape(-1, 3),
+    }
+
+
+def _write_arrow(path: Path, records: list[dict]) -> None:
+    schema = pa.schema(
+        [
+            ("key", pa.string()),
+            ("input_ids", pa.list_(pa.uint32())),
+            ("loss_mask", pa.list_(pa.uint8())),
+            ("seq_lens", pa.list_(pa.int32())),
+            ("sample_ids", pa.list_(pa.string())),
+            ("images", pa.list_(pa.binary())),
+            ("image_formats", pa.list_(pa.string())),
+            ("image_grid_thw", pa.list_(pa.list_(pa.int32(), 3))),
+        ]
+    )
+    columns = {
+        name: [r[name].tolist() if isinstance(r[name], np.ndarray) else r[name] for r in records]
+        for name in schema.names
+    }
+    table = pa.table(columns, schema=schema)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for batch in table.to_batches(max_chunksize=2):
+            writer.write_batch(batch)
+
+
+def _write_wds(path: Path, records: list[dict]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for r in records:
+            members: list[tuple[str, bytes]] = [
+                (
+                    f"{r['key']}.json",
+                    json.dumps(
+                        {
+                            "key": r["key"],
+                            "sample_ids": r["sample_ids"],
+                            "image_formats": r["image_formats"],
+                            "n_images": len(r["images"]),
+                        }
+                    ).encode(),
+                )
+            ]
+            for field in ("input_ids", "loss_mask", "seq_lens", "image_grid_thw"):
+                buf = io.BytesIO()
+                np.save(buf, r[field])
+                members.append((f"{r['key']}.{field}.npy", buf.getvalue()))
+            members += [(f"{r['key']}.img{i}.jpg", img) for i, img in enumerate(r["images"])]
+            for name, data in sorted(members):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def write_tiny_dataset(
+    root: Path,
+    bins=TINY_BINS,
+    shard_bins: tuple[int, ...] = (2, 3),
+    formats: tuple[str, ...] = ("arrow", "wds"),
+    counts_override: dict | None = None,
+) -> Path:
+    """A packed dataset with the given bins split into shards; manifest counts computed from the bins."""
+    (root / "shards").mkdir(parents=True)
+    prefix = "tiny"
+    records = [_bin_record(prefix, i, sl, g) for i, (sl, g) in enumerate(bins)]
+    shards, first = [], 0
+    for s, n in enumerate(shard_bins):
+        part = records[first : first + n]
+        for fmt in formats:
+            rel = shard_name(prefix, s, fmt)
+            (_write_arrow if fmt == "arrow" else _write_wds)(root / rel, part)
+            shards.append(
+                {
+                    "path": rel,
+                    "format": fmt,
+                    "first_bin": first,
+                    "bins": n,
+                    "samples": sum(len(r["seq_lens"]) for r in part),
+                    "tokens": int(sum(r["seq_lens"].sum() for r in part)),
+                    "bytes": (root / rel).stat().st_size,
+                    "sha256": "0" * 64,
+                }
+            )
+        first += n
+    samples = sum(len(sl) for sl, _ in bins)
+    counts = {
+        "samples_read": samples + 2,
+        "samples_packed": samples,
+        "samples_rejected": 2,
+        "rejected_by_reason": {"missing_image": 1, "too_long": 1},
+        "bins": len(bins),
+        "tokens": sum(sum(sl) for sl, _ in bins),
+        "image_tokens": 0,
+    }
+    counts.update(counts_override or {})
+    manifest = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "seq_len": TINY_SEQ_LEN,
+        "formats": list(formats),
+        "tokenizer": {
+            "name": "tiny-bpe",
+            "sha256": "",
+            "is_fallback": False,
+            "vocab_size": 300,
+            "special_ids": {},
+        },
+        "image_rule": {"patch_size": 14, "merge_size": 2, "min_pixels": 3136, "max_pixels": 12845056},
+        "chat_template": {},
+        "algorithm": {"name": "obfd", "max_items_per_bin": None, "max_images_per_bin": None},
+        "seed": 0,
+        "counts": counts,
+        "shards": shards,
+        "created_by": "mmpack test",
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return root
+
+
+def tiny_expected() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    lengths = np.array([n for sl, _ in TINY_BINS for n in sl])
+    bin_ids = np.array([b for b, (sl, _) in enumerate(TINY_BINS) for _ in sl])
+    images = np.array([len(g) if j == 0 else 0 for sl, g in TINY_BINS for j in range(len(sl))])
+    return lengths, bin_ids, images
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "wds"])
+def test_dataset_numbers(tmp_path: Path, capsys: pytest.CaptureFixture[str], fmt: str) -> None:
+    root = write_tiny_dataset(tmp_path / "ds")
+    report = run_json(capsys, str(root), "--format", fmt)
+    lengths, bin_ids, images = tiny_expected()
+    check_against_independent(report, lengths, bin_ids, TINY_SEQ_LEN, images)
+    assert report["num_samples"] == 9 and report["num_bins"] == 5 and report["total_tokens"] == 455
+    assert report["images_per_bin"]["max"] == 2
+    ds = report["dataset"]
+    assert ds["format"] == fmt and ds["seq_len"] == TINY_SEQ_LEN and ds["warnings"] == []
+    assert ds["counts"]["rejected_by_reason"] == {"missing_image": 1, "too_long": 1}
+    # image tokens: t*h*w / merge**2 per image = 4 + 1 + 8 + 2 + 16
+    assert ds["image_tokens"] == 31
+    assert [(s["bins"], s["samples"], s["tokens"], s["images"]) for s in ds["shards"]] == [
+        (2, 3, 200, 1),
+        (3, 6, 255, 4),
+    ]
+    assert ds["shards"][0]["fill_efficiency"] == pytest.approx(200 / 200)
+    assert ds["shards"][1]["fill_efficiency"] == pytest.approx(255 / 300)
+    assert all(s["path"].endswith(".arrow" if fmt == "arrow" else ".tar") for s in ds["shards"])
+
+
+def test_dataset_manifest_path_and_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = write_tiny_dataset(tmp_path / "ds", formats=("wds",))
+    rc, out, err = run_stats(capsys, str(root / "manifest.json"))
+    assert rc == 0, err
+    for text in (
+        "Dataset",
+        "tiny-bpe",
+        "missing_image: 1",
+        "Shards (wds, 2)",
+        "shards/tiny-000001.tar",
+        "total",
+        "91.000%",
+    ):  # 455 tokens / (5 bins * 100)
+        assert text in out, text
+
+
+def test_dataset_inconsistent_manifest_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = write_tiny_dataset(tmp_path / "ds", counts_override={"bins": 6})
+    report = run_json(capsys, str(root))
+    assert report["dataset"]["warnings"] == ["manifest counts.bins=6, shards hold 5"]
+    rc, out, _ = run_stats(capsys, str(root))
+    assert rc == 0 and "warning: manifest counts.bins=6, shards hold 5" in out
+
+
+def test_dataset_missing_shard_and_bad_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = write_tiny_dataset(tmp_path / "ds", formats=("arrow",))
+    (root / "shards" / "tiny-000001.arrow").unlink()
+    rc, _, err = run_stats(capsys, str(root))
+    assert rc == 2 and "shard shards/tiny-000001.arrow listed in the manifest is missing" in err
+    (root / "manifest.json").write_text('{"format": "something-else"}')
+    rc, _, err = run_stats(capsys, str(root))
+    assert rc == 2 and "format is 'something-else', expected 'mmpack-packed'" in err
+    rc, _, err = run_stats(capsys, str(root), "--format", "wds")
+    assert rc == 2
+
+
+def test_dataset_compare_includes_the_stored_packing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = write_tiny_dataset(tmp_path / "ds", formats=("arrow",))
+    report = run_json(capsys, str(root), "--compare")
+    rows = report["compare"]
+    assert rows[0]["algorithm"] == "dataset as packed" and rows[0]["num_bins"] == 5
+    lengths, _, _ = tiny_expected()
+    assert all(r["num_bins"] >= l2_bound(lengths, TINY_SEQ_LEN) for r in rows)
+
+
+def test_dataset_reading_skips_image_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    read_bytes = {"n": 0}
+
+    class Counting(LocalFileSystem):
+        protocol = "countfs"
+
+        def _open(self, path, mode="rb", **kwargs):
+            f = super()._open(path, mode, **kwargs)
+            original = f.read
+
+            def read(n=-1):
+                data = original(n)
+                read_bytes["n"] += len(data)
+                return data
+
+            f.read = read
+            return f
+
+    fsspec.register_implementation("countfs", Counting, clobber=True)
+    big = [([50, 50], [(1, 4, 4)] * 8)] * 20  # 160 images of 20 kB each
+    for fmt in ("arrow", "wds"):
+        root = write_tiny_dataset(tmp_path / fmt, bins=big, shard_bins=(20,), formats=(fmt,))
+        shard_size = next((root / "shards").iterdir()).stat().st_size
+        read_bytes["n"] = 0
+        report = run_json(capsys, f"countfs://{root}")
+        assert report["num_bins"] == 20 and report["dataset"]["shards"][0]["images"] == 160
+        assert shard_size > 3_000_000
+        assert 0 < read_bytes["n"] < shard_size / 10, (fmt, read_bytes["n"], shard_size)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# remote datasets: moto's S3 server and a plain HTTP server on 127.0.0.1
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[Any]:
+    """moto's S3 server on 127.0.0.1, shared by the tests of this module."""
+    from tests.storage_servers import moto_s3
+
+    with moto_s3() as endpoint:
+        yield endpoint
+
+
+def upload(s3: Any, folder: Path, bucket: str, prefix: str) -> str:
+    import boto3
+
+    # the bucket is made with boto3: s3fs's mkdir sends LocationConstraint=us-east-1, which S3 (and moto) reject
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3.endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    client.create_bucket(Bucket=bucket)
+    return s3.upload_folder(folder, bucket, prefix)
+
+
+def test_dataset_on_s3(tmp_path: Path, capsys: pytest.CaptureFixture[str], s3: Any) -> None:
+    root = write_tiny_dataset(tmp_path / "ds")
+    local = run_json(capsys, str(root))
+    url = upload(s3, root, "stats-bucket", "datasets/tiny")
+    flags = [
+        "--endpoint-url",
+        s3.endpoint_url,
+        "--storage-option",
+        "key=testing",
+        "--storage-option",
+        "secret=testing",
+    ]
+    for fmt in ("arrow", "wds"):
+        remote = run_json(capsys, url, "--format", fmt, *flags)
+        local = run_json(capsys, str(root), "--format", fmt)
+        assert {k: v for k, v in remote.items() if k not in ("source", "dataset")} == {
+            k: v for k, v in local.items() if k not in ("source", "dataset")
+        }
+        assert remote["source"]["path"] == url
+        assert [s["tokens"] for s in remote["dataset"]["shards"]] == [200, 255]
+    rc, _, err = run_stats(capsys, "s3://stats-bucket/datasets/nothing-here", *flags)
+    assert rc == 2 and "s3://stats-bucket/datasets/nothing-here: no manifest.json found" in err
+
+
+def test_dataset_over_http(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.storage_servers import http_server
+
+    root = write_tiny_dataset(tmp_path / "ds")
+    local = run_json(capsys, str(root))
+    with http_server(root) as base:
+        remote = run_json(capsys, base + "/", "--format", "wds")
+    assert remote["num_bins"] == local["num_bins"] == 5
+    assert remote["fill_histogram"] == local["fill_histogram"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a dataset written by the real offline job (`run_pack`) from the synthetic raw data
+
+
+@pytest.fixture(scope="module")
+def packed_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from offline_packing.config import PackJobConfig
+    from offline_packing.pipeline import run_pack
+    from tests.fixtures_data import make_synthetic_dataset, train_tiny_bpe
+
+    root = tmp_path_factory.mktemp("stats_raw")
+    data = make_synthetic_dataset(root / "data", n_samples=60, seed=5, size_range=(40, 400), max_words=120)
+    out = root / "packed"
+    cfg = PackJobConfig(
+        inputs=(str(data.jsonl_path),),
+        output=str(out),
+        seq_len=768,
+        tokenizer=str(train_tiny_bpe(root / "tok")),
+        format="both",
+        max_bins_per_shard=4,
+        chunk_size=16,
+        progress=False,
+    )
+    run_pack(cfg)
+    return out
+
+
+def test_packed_dataset_from_the_offline_job(
+    packed_dataset: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.fixtures_data import read_arrow_bins
+
+    manifest = json.loads((packed_dataset / "manifest.json").read_text())
+    # independent read of every bin with plain pyarrow (all columns), in manifest shard order
+    rows = [
+        row
+        for shard in manifest["shards"]
+        if shard["format"] == "arrow"
+        for row in read_arrow_bins(packed_dataset / shard["path"])
+    ]
+    lengths = np.array([n for row in rows for n in row["seq_lens"]])
+    bin_ids = np.array([b for b, row in enumerate(rows) for _ in row["seq_lens"]])
+    images = np.array(
+        [len(row["image_grid_thw"]) if j == 0 else 0 for row in rows for j in range(len(row["seq_lens"]))]
+    )
+    by_format = {fmt: run_json(capsys, str(packed_dataset), "--format", fmt) for fmt in ("arrow", "wds")}
+    for fmt, report in by_format.items():
+        check_against_independent(report, lengths, bin_ids, manifest["seq_len"], images)
+        counts = manifest["counts"]
+        assert report["num_samples"] == counts["samples_packed"] and report["num_bins"] == counts["bins"]
+        assert report["total_tokens"] == counts["tokens"]
+        ds = report["dataset"]
+        assert ds["warnings"] == [] and ds["format"] == fmt
+        assert len(ds["shards"]) == sum(1 for s in manifest["shards"] if s["format"] == fmt)
+        assert sum(s["images"] for s in ds["shards"]) == sum(len(r["image_grid_thw"]) for r in rows)
+        if "image_tokens" in counts:
+            assert ds["image_tokens"] == counts["image_tokens"]
+    strip = lambda r: {k: v for k, v in r.items() if k != "dataset"}  # noqa: E731
+    assert strip(by_format["arrow"]) == strip(by_format["wds"])
+
+
+def test_packed_dataset_on_s3_matches_local(
+    packed_dataset: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, s3: Any
+) -> None:
+    local = run_json(capsys, str(packed_dataset))
+    url = upload(s3, packed_dataset, "packed", "run1")
+    # endpoint and credentials from the environment, as s3fs/botocore users set them
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint_url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    remote = run_json(capsys, url + "/")
+    assert remote["source"]["path"] == url
+    assert {k: v for k, v in remote.items() if k not in ("source", "dataset")} == {
+        k: v for k, v in local.items() if k not in ("source", "dataset")
+    }
+    assert remote["dataset"]["shards"] == local["dataset"]["shards"]
