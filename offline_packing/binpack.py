@@ -9,8 +9,6 @@ Run alone: `python -m offline_packing.binpack <mmpack pack flags>`.
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 
 from offline_packing.config import PackJobConfig
@@ -32,65 +30,23 @@ def pack_bins(
     Bin order is shuffled with `cfg.seed` so that every shard mixes long and short samples (packing
     algorithms emit bins grouped by the length of their largest item).
     """
-    try:
-        from packing.binpack import pack_lengths
-    except ImportError:  # TEMPORARY until packing.binpack lands
-        pack_lengths = _ffd_fallback
+    from packing.binpack import pack_lengths
 
-    kwargs: dict = {
-        "algorithm": cfg.algorithm,
-        "max_items_per_bin": cfg.max_samples_per_bin,
-        "image_counts": image_counts,
-        "max_images_per_bin": cfg.max_images_per_bin,
-    }
-    if "seed" in inspect.signature(pack_lengths).parameters:
-        kwargs["seed"] = cfg.seed
     if len(lengths) == 0:
         return [], cfg.algorithm
-    result = pack_lengths(lengths, cfg.seq_len, **kwargs)
+    result = pack_lengths(
+        lengths,
+        cfg.seq_len,
+        algorithm=cfg.algorithm,
+        max_items_per_bin=cfg.max_samples_per_bin,
+        image_counts=image_counts,
+        max_images_per_bin=cfg.max_images_per_bin,
+    )
     if np.any(np.asarray(result.bin_ids) < 0):
-        raise AssertionError("a sample longer than seq_len reached the binpack stage")
+        raise AssertionError("a sample the lengths stage should have rejected reached the binpack stage")
     bins = result.bins()
     perm = np.random.default_rng(cfg.seed).permutation(len(bins))
     return [np.asarray(bins[i], dtype=np.int64) for i in perm], str(result.algorithm)
-
-
-class _FallbackResult:
-    def __init__(self, bin_ids: np.ndarray, algorithm: str):
-        self.bin_ids, self.algorithm = bin_ids, algorithm
-        self.num_bins = int(bin_ids.max()) + 1 if len(bin_ids) else 0
-
-    def bins(self) -> list[np.ndarray]:
-        return [np.flatnonzero(self.bin_ids == b) for b in range(self.num_bins)]
-
-
-def _ffd_fallback(
-    lengths, capacity, *, algorithm="auto", max_items_per_bin=None, image_counts=None, max_images_per_bin=None
-):  # type: ignore[no-untyped-def]
-    order = np.argsort(-np.asarray(lengths), kind="stable")
-    room: list[int] = []
-    items: list[int] = []
-    imgs: list[int] = []
-    bin_ids = np.full(len(lengths), -1, dtype=np.int64)
-    for i in order.tolist():
-        n_img = int(image_counts[i]) if image_counts is not None else 0
-        for b in range(len(room)):
-            if (
-                room[b] >= lengths[i]
-                and (max_items_per_bin is None or items[b] < max_items_per_bin)
-                and (max_images_per_bin is None or imgs[b] + n_img <= max_images_per_bin)
-            ):
-                break
-        else:
-            room.append(capacity)
-            items.append(0)
-            imgs.append(0)
-            b = len(room) - 1
-        room[b] -= int(lengths[i])
-        items[b] += 1
-        imgs[b] += n_img
-        bin_ids[i] = b
-    return _FallbackResult(bin_ids, "ffd-fallback")
 
 
 def plan_shards(bin_tokens: np.ndarray, bin_image_bytes: np.ndarray, cfg: PackJobConfig) -> np.ndarray:

@@ -99,8 +99,9 @@ class PackJobConfig:
                 "min_pixels",
                 "max_pixels",
                 "default_system",
+                "max_images_per_bin",
             ),
-            3: ("max_samples_per_bin", "max_images_per_bin", "algorithm", "seed"),
+            3: ("max_samples_per_bin", "algorithm", "seed"),
             4: ("format", "max_bins_per_shard", "max_shard_bytes", "energon", "shard_prefix", "output"),
         }
         wanted = [k for s, names in keys.items() if s <= stage for k in names]

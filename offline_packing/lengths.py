@@ -71,6 +71,10 @@ def tokenize_scanned(sample: dict, cfg: PackJobConfig, rule: Any, tokenizer: Any
             grids.append(rule.grid_thw(h, w))
         except ValueError as exc:
             raise SampleReject(reason_of(exc) or "image_size_invalid", str(exc)) from None
+    if cfg.max_images_per_bin is not None and len(grids) > cfg.max_images_per_bin:
+        raise SampleReject(
+            "too_many_images", f"{len(grids)} images > --max-images-per-bin {cfg.max_images_per_bin}"
+        )
     counts = [rule.tokens_of_grid(g) for g in grids]
     conv = Conversation(
         messages=tuple((r, c) for r, c in sample["messages"]),

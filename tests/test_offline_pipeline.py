@@ -217,6 +217,17 @@ def test_overlength_policies(raw, tmp_path: Path) -> None:
         run_pack(_cfg(raw, tmp_path / "err", seq_len=seq_len, overlength="error"))
 
 
+def test_max_images_per_bin(raw, tmp_path: Path) -> None:
+    out = tmp_path / "img"
+    summary = run_pack(_cfg(raw, out, max_images_per_bin=1, format="arrow"))
+    multi = sum(1 for rec in raw[0].records if len(normalize_record(rec, source="x", line=1).images) > 1)
+    assert multi > 0 and summary.rejected_by_reason == {"too_many_images": multi}
+    m = read_manifest(str(out))
+    rows = [r for e in m["shards"] for r in read_arrow_bins(out / e["path"])]
+    assert all(len(r["images"]) <= 1 for r in rows)
+    assert sum(len(r["seq_lens"]) for r in rows) == summary.samples_packed == raw[0].n_samples - multi
+
+
 def test_config_validation() -> None:
     ok = dict(inputs=("x.jsonl",), output="o", seq_len=8)
     with pytest.raises(ValueError, match="seq_len"):
