@@ -1,0 +1,120 @@
+"""Slow, obviously-correct pure-Python references for the bin-packing kernels and lower bounds.
+
+Each function mirrors one kernel in `packing._binpack_kernels` (or a bound in `packing.stats`),
+including its tie-breaking, so tests can compare outputs exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+UNLIMITED = 1 << 62
+
+
+def _fits_any_bin(size: int, need: int, capacity: int, max_images: int) -> bool:
+    return size <= capacity and need <= max_images
+
+
+def descending_order(lengths: list[int], capacity: int) -> list[int]:
+    """Items that fit, longest first, ties by index."""
+    return sorted((i for i, s in enumerate(lengths) if s <= capacity), key=lambda i: (-lengths[i], i))
+
+
+def next_fit(lengths, capacity, max_items=UNLIMITED, images=None, max_images=UNLIMITED):
+    images = images or [0] * len(lengths)
+    bin_ids = [-1] * len(lengths)
+    bins: list[list[int]] = []  # per bin: [tokens, items, images]
+    for i, (size, need) in enumerate(zip(lengths, images)):
+        if not _fits_any_bin(size, need, capacity, max_images):
+            continue
+        last = bins[-1] if bins else None
+        if last is None or last[0] + size > capacity or last[1] >= max_items or last[2] + need > max_images:
+            bins.append([0, 0, 0])
+            last = bins[-1]
+        last[0] += size
+        last[1] += 1
+        last[2] += need
+        bin_ids[i] = len(bins) - 1
+    return bin_ids, len(bins)
+
+
+def first_fit_decreasing(lengths, capacity, max_items=UNLIMITED, images=None, max_images=UNLIMITED):
+    images = images or [0] * len(lengths)
+    bin_ids = [-1] * len(lengths)
+    bins: list[list[int]] = []
+    for i in descending_order(lengths, capacity):
+        size, need = lengths[i], images[i]
+        if need > max_images:
+            continue
+        fitting = [
+            b
+            for b, (tokens, items, imgs) in enumerate(bins)
+            if tokens + size <= capacity and items < max_items and imgs + need <= max_images
+        ]
+        if not fitting:
+            bins.append([0, 0, 0])
+        b = fitting[0] if fitting else len(bins) - 1
+        bins[b][0] += size
+        bins[b][1] += 1
+        bins[b][2] += need
+        bin_ids[i] = b
+    return bin_ids, len(bins)
+
+
+def best_fit_decreasing(lengths, capacity, max_items=UNLIMITED, images=None, max_images=UNLIMITED):
+    """Best fit: least space left, then least image room (clamped to the largest image count), then
+    the bin updated most recently."""
+    image_capped = images is not None and max_images < UNLIMITED and any(images)
+    images = images or [0] * len(lengths)
+    top_room = min(max(images, default=0), max_images) if image_capped else 0
+    bin_ids = [-1] * len(lengths)
+    bins: list[dict] = []
+    for step, i in enumerate(descending_order(lengths, capacity)):
+        size, need = lengths[i], images[i]
+        if need > max_images:
+            continue
+        best = None
+        for b, state in enumerate(bins):
+            space = capacity - state["tokens"]
+            room = min(max_images - state["images"], top_room) if image_capped else 0
+            if space >= size and state["items"] < max_items and room >= need:
+                key = (space, room, -state["updated"])
+                if best is None or key < best[0]:
+                    best = (key, b)
+        if best is None:
+            bins.append({"tokens": 0, "items": 0, "images": 0, "updated": -1})
+            b = len(bins) - 1
+        else:
+            b = best[1]
+        bins[b]["tokens"] += size
+        bins[b]["items"] += 1
+        bins[b]["images"] += need
+        bins[b]["updated"] = step
+        bin_ids[i] = b
+    return bin_ids, len(bins)
+
+
+def bin_loads(lengths, bin_ids) -> list[int]:
+    """Sorted tokens per bin."""
+    loads: dict[int, int] = {}
+    for size, b in zip(lengths, bin_ids):
+        if b >= 0:
+            loads[b] = loads.get(b, 0) + size
+    return sorted(loads.values())
+
+
+def lower_bound_l1(lengths, capacity) -> int:
+    return math.ceil(sum(s for s in lengths if s <= capacity) / capacity)
+
+
+def lower_bound_l2(lengths, capacity) -> int:
+    """Martello-Toth L2, straight from the definition, for every k in 0..capacity/2."""
+    items = [s for s in lengths if s <= capacity]
+    best = 0
+    for k in range(capacity // 2 + 1):
+        j1 = [s for s in items if s > capacity - k]
+        j2 = [s for s in items if capacity - k >= s and 2 * s > capacity]
+        j3 = [s for s in items if 2 * s <= capacity and s >= k]
+        spare = len(j2) * capacity - sum(j2)
+        best = max(best, len(j1) + len(j2) + max(0, math.ceil((sum(j3) - spare) / capacity)))
+    return best
