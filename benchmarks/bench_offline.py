@@ -1,0 +1,205 @@
+"""Offline packer throughput: samples/s per stage and end to end, 1 vs N workers, write MB/s vs a plain copy.
+
+    python benchmarks/bench_offline.py                      # 20k samples, workers 1 and 2
+    python benchmarks/bench_offline.py --samples 2000 --workers 1   # quick look
+
+The dataset (real JPEG/PNG files of varied sizes, LLaVA/ShareGPT/caption/text records) is generated once
+under --data-dir and reused. The tokenizer is the shared Qwen3 one when present, else a tiny trained BPE.
+Two copy baselines for the write stage, over the same bytes: (a) copying the written shard files,
+(b) gathering the source image files in bin order into one file. Files are in the page cache in all cases
+(the numbers are CPU-bound pipeline costs, not disk speed). Results: benchmarks/results/bench_offline.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from offline_packing.config import PackJobConfig  # noqa: E402
+from offline_packing.pipeline import read_manifest, run_pack  # noqa: E402
+from tests.fixtures_data import make_synthetic_dataset, train_tiny_bpe  # noqa: E402
+
+QWEN3 = REPO.parent / "shared" / "data" / "tokenizer_qwen3" / "tokenizer.json"
+
+
+def _dataset(args: argparse.Namespace):
+    stamp = args.data_dir / f"done-{args.samples}-{args.images}-{args.max_size}.json"
+    raw = args.data_dir / "raw"
+    if not stamp.is_file():
+        shutil.rmtree(raw, ignore_errors=True)
+        t = time.perf_counter()
+        data = make_synthetic_dataset(
+            raw, args.samples, seed=0, n_images=args.images, size_range=(64, args.max_size), max_words=300
+        )
+        print(
+            f"generated {data.n_samples} records, {data.n_images} images in {time.perf_counter() - t:.1f} s"
+        )
+        stamp.write_text(json.dumps({"images": data.n_images, "image_bytes": data.image_bytes}))
+    info = json.loads(stamp.read_text())
+    return raw / "data.jsonl", raw, info
+
+
+def _copy_baselines(out: Path, manifest: dict, dest: Path) -> dict:
+    """MB/s of (a) copying the shard files and (b) gathering the packed samples' image files in order."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    total = sum(e["bytes"] for e in manifest["shards"])
+    t = time.perf_counter()
+    for e in manifest["shards"]:
+        shutil.copyfile(out / e["path"], dest / Path(e["path"]).name)
+    shard_copy_s = time.perf_counter() - t
+    image_paths = []
+    for samples in sorted((out / "_work" / "lengths").glob("chunk-*.samples.jsonl")):
+        for line in samples.read_text().splitlines():
+            image_paths += json.loads(line)["images"]
+    t = time.perf_counter()
+    n_bytes = 0
+    with open(dest / "gathered.bin", "wb") as f:
+        for p in image_paths:
+            with open(p, "rb") as src:
+                n_bytes += f.write(src.read())
+    gather_s = time.perf_counter() - t
+    shutil.rmtree(dest)
+    return {
+        "shard_copy_MBps": total / 2**20 / shard_copy_s,
+        "image_gather_MBps": n_bytes / 2**20 / gather_s,
+        "image_gather_bytes": n_bytes,
+    }
+
+
+def run_once(jsonl: Path, image_root: Path, tokenizer: str, workers: int, args: argparse.Namespace) -> dict:
+    out = args.data_dir / f"out-w{workers}"
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = PackJobConfig(
+        inputs=(str(jsonl),),
+        image_root=str(image_root),
+        output=str(out),
+        seq_len=args.seq_len,
+        tokenizer=tokenizer,
+        format=args.format,
+        workers=workers,
+        progress=False,
+    )
+    t = time.perf_counter()
+    summary = run_pack(cfg)
+    total_s = time.perf_counter() - t
+    manifest = read_manifest(str(out))
+    n = summary.samples_read
+    stages = {
+        name: {"seconds": s, "samples_per_s": (n if name == "scan" else summary.samples_packed) / s}
+        for name, s in summary.stage_seconds.items()
+    }
+    stages["write"]["MBps"] = summary.output_bytes / 2**20 / summary.stage_seconds["write"]
+    result = {
+        "workers": workers,
+        "samples_read": n,
+        "samples_packed": summary.samples_packed,
+        "bins": summary.bins,
+        "fill_efficiency": summary.fill_efficiency,
+        "output_bytes": summary.output_bytes,
+        "stages": stages,
+        "end_to_end_s": total_s,
+        "end_to_end_samples_per_s": n / total_s,
+    }
+    result.update(_copy_baselines(out, manifest, args.data_dir / "copy"))
+    if not args.keep:
+        shutil.rmtree(out)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--samples", type=int, default=20000)
+    p.add_argument("--images", type=int, default=8000, help="distinct image files")
+    p.add_argument("--max-size", type=int, default=1024, help="max image side in pixels (min 64)")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--format", default="both", choices=("arrow", "wds", "both"))
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--tokenizer", default=None, help="default: shared Qwen3 if present, else a tiny BPE")
+    p.add_argument("--data-dir", type=Path, default=Path("/tmp/mmpack-bench-offline"))
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_offline.json")
+    p.add_argument("--keep", action="store_true", help="keep the packed outputs")
+    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.data_dir.mkdir(parents=True, exist_ok=True)
+    jsonl, image_root, data_info = _dataset(args)
+    tokenizer = args.tokenizer or (
+        str(QWEN3) if QWEN3.is_file() else str(train_tiny_bpe(args.data_dir / "tok"))
+    )
+    if args.child is not None:  # one measured run in a fresh process, so no warm caches carry over
+        print(json.dumps(run_once(jsonl, image_root, tokenizer, args.child, args)))
+        return 0
+    runs = []
+    for w in args.workers:
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            str(w),
+            "--tokenizer",
+            tokenizer,
+            "--data-dir",
+            str(args.data_dir),
+        ]
+        cmd += [
+            "--samples",
+            str(args.samples),
+            "--images",
+            str(args.images),
+            "--max-size",
+            str(args.max_size),
+        ]
+        cmd += ["--seq-len", str(args.seq_len), "--format", args.format] + (["--keep"] if args.keep else [])
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+
+    print(
+        f"\n{args.samples} samples, {data_info['images']} images ({data_info['image_bytes'] / 2**20:.0f} MiB), "
+        f"seq_len {args.seq_len}, format {args.format}, tokenizer {Path(tokenizer).parent.name}"
+    )
+    header = (
+        f"{'workers':>7} {'scan/s':>9} {'lengths/s':>10} {'binpack/s':>11} {'write/s':>9} {'write MB/s':>10} "
+    )
+    header += f"{'end2end/s':>10} {'shard cp MB/s':>13} {'img gather MB/s':>15}"
+    print(header)
+    for r in runs:
+        s = r["stages"]
+        print(
+            f"{r['workers']:>7} {s['scan']['samples_per_s']:>9.0f} {s['lengths']['samples_per_s']:>10.0f} "
+            f"{s['binpack']['samples_per_s']:>11.0f} {s['write']['samples_per_s']:>9.0f} {s['write']['MBps']:>10.1f} "
+            f"{r['end_to_end_samples_per_s']:>10.0f} {r['shard_copy_MBps']:>13.1f} {r['image_gather_MBps']:>15.1f}"
+        )
+    result = {
+        "benchmark": "offline_packing",
+        "command": "python benchmarks/bench_offline.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "load_average_at_end": os.getloadavg(),
+        "dataset": {"samples": args.samples, **data_info, "max_size": args.max_size},
+        "seq_len": args.seq_len,
+        "format": args.format,
+        "tokenizer": tokenizer,
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"-> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
