@@ -138,10 +138,9 @@ def build_report(
 def _length_file_report(
     args: argparse.Namespace, storage_options: dict[str, Any]
 ) -> tuple[dict, np.ndarray, np.ndarray]:
+    from offline_packing.stats_report import length_distribution
     from packing.binpack import pack_lengths
     from packing.stats import packing_stats
-
-    from offline_packing.stats_report import length_distribution
 
     if args.capacity is None:
         raise StatsInputError(f"{args.path}: a length file needs --capacity (tokens per bin) to be packed")
@@ -171,6 +170,14 @@ def _length_file_report(
         "max_samples_per_bin": args.max_samples_per_bin,
         "max_images_per_bin": args.max_images_per_bin,
     }
+    _add_caps_bound(
+        report,
+        data.lengths,
+        args.capacity,
+        data.image_counts,
+        args.max_samples_per_bin,
+        args.max_images_per_bin,
+    )
     report["length_distribution"] = length_distribution(data.lengths, args.capacity)
     if args.compare:
         report["compare"] = _compare(args, data.lengths, args.capacity, data.image_counts)
@@ -180,10 +187,9 @@ def _length_file_report(
 def _dataset_report(
     args: argparse.Namespace, storage_options: dict[str, Any]
 ) -> tuple[dict, np.ndarray, np.ndarray]:
-    from packing.stats import packing_stats
-
     from offline_packing.stats_dataset import read_dataset
     from offline_packing.stats_report import dataset_fields, length_distribution
+    from packing.stats import packing_stats
 
     data = read_dataset(args.path, storage_options, fmt=args.format, workers=args.workers)
     lengths, bin_ids, images = data.lengths, data.bin_ids, data.image_counts
@@ -196,6 +202,15 @@ def _dataset_report(
         "kind": "dataset",
         "algorithm": algorithm.get("name") if isinstance(algorithm, dict) else algorithm,
     }
+    if isinstance(algorithm, dict):
+        _add_caps_bound(
+            report,
+            lengths,
+            data.capacity,
+            images,
+            algorithm.get("max_items_per_bin"),
+            algorithm.get("max_images_per_bin"),
+        )
     report["length_distribution"] = length_distribution(lengths, data.capacity)
     report["dataset"] = dataset_fields(data)
     if args.compare:
@@ -205,6 +220,24 @@ def _dataset_report(
             rows.insert(0, _as_packed_row(report))
         report["compare"] = rows
     return report, lengths, bin_ids
+
+
+def _add_caps_bound(
+    report: dict,
+    lengths: np.ndarray,
+    capacity: int,
+    images: np.ndarray | None,
+    max_items: int | None,
+    max_images: int | None,
+) -> None:
+    """With per-bin caps, L2 can be far below what is reachable: also give the bound that counts the caps."""
+    from offline_packing.stats_compare import caps_lower_bound
+
+    if max_items is None and max_images is None:
+        return
+    report["source"]["caps_lower_bound_bins"] = caps_lower_bound(
+        lengths, capacity, max_items=max_items, image_counts=images, max_images=max_images
+    )
 
 
 def _compare(

@@ -23,6 +23,24 @@ def _warm_up(algorithm: str, caps: dict[str, Any], with_images: bool) -> None:
     pack_lengths(lengths, 8, algorithm=algorithm, image_counts=images, **caps)
 
 
+def caps_lower_bound(
+    lengths: np.ndarray,
+    capacity: int,
+    *,
+    max_items: int | None = None,
+    image_counts: np.ndarray | None = None,
+    max_images: int | None = None,
+) -> int:
+    """A lower bound on bins under per-bin caps: max(L2, ceil(items / max_items), ceil(images / max_images))."""
+    fits = lengths <= capacity
+    bound = int(lower_bound_l2(lengths[fits], capacity))
+    if max_items is not None:
+        bound = max(bound, -(-int(fits.sum()) // max_items))
+    if max_images and image_counts is not None:
+        bound = max(bound, -(-int(image_counts[fits].sum()) // max_images))
+    return bound
+
+
 def compare_algorithms(
     lengths: np.ndarray,
     capacity: int,
@@ -34,7 +52,8 @@ def compare_algorithms(
     """Pack `lengths` with each algorithm under each (max_samples_per_bin, max_images_per_bin) setting.
 
     Returns one row per run: algorithm, caps, num_bins, fill_efficiency, gap_to_l2_bins, gap_to_l2 (relative),
-    time_s (JIT warm-up excluded), or `error` when the algorithm rejects the setting.
+    caps_lower_bound_bins (with caps only), time_s (JIT warm-up excluded), or `error` when the algorithm
+    rejects the setting.
     """
     settings = cap_settings or [(None, None)]
     l2 = int(lower_bound_l2(lengths[lengths <= capacity], capacity))
@@ -44,6 +63,10 @@ def compare_algorithms(
         if max_images is not None:
             caps["max_images_per_bin"] = max_images
         images = image_counts if max_images is not None else None
+        capped = max_items is not None or max_images is not None
+        caps_bound = caps_lower_bound(
+            lengths, capacity, max_items=max_items, image_counts=images, max_images=max_images
+        )
         for algorithm in algorithms or algorithm_names():
             row: dict[str, Any] = {
                 "algorithm": algorithm,
@@ -72,4 +95,6 @@ def compare_algorithms(
                     "time_s": elapsed,
                 }
             )
+            if capped:
+                rows[-1]["caps_lower_bound_bins"] = caps_bound
     return rows

@@ -145,6 +145,9 @@ def summary_table(stats: dict[str, Any], title: str) -> Table:
         ("samples per bin", _dist_text(stats.get("samples_per_bin"))),
         ("images per bin", _dist_text(stats.get("images_per_bin"))),
     ]
+    caps_bound = stats.get("source", {}).get("caps_lower_bound_bins")
+    if caps_bound is not None:
+        rows.insert(7, ("lower bound with caps", _gap(bins, caps_bound)))
     if stats.get("num_rejected"):
         rows.insert(1, ("longer than capacity (not packed)", _fmt_int(stats["num_rejected"])))
     for name, value in rows:
@@ -251,34 +254,33 @@ def dataset_header(dataset: dict[str, Any]) -> Table:
 
 
 def compare_table(rows: list[dict[str, Any]]) -> Table:
-    """One row per (algorithm, caps): bins, efficiency, gap to L2, time."""
+    """One row per (algorithm, caps): bins, efficiency, gap to L2 (and to the bound under caps), time."""
     table = _table("Algorithms on the same lengths")
-    for col in ("algorithm", "max samples/bin", "max images/bin", "bins", "fill", "gap to L2", "time (s)"):
+    with_caps = any("caps_lower_bound_bins" in row for row in rows)
+    columns = ["algorithm", "max samples/bin", "max images/bin", "bins", "fill", "gap to L2"]
+    columns += ["gap to bound with caps"] if with_caps else []
+    for col in [*columns, "time (ms)"]:
         table.add_column(col, justify="left" if col == "algorithm" else "right")
     for row in rows:
+        cells = [row["algorithm"], _cap(row["max_samples_per_bin"]), _cap(row["max_images_per_bin"])]
         if row.get("error"):
-            table.add_row(
-                row["algorithm"],
-                _cap(row["max_samples_per_bin"]),
-                _cap(row["max_images_per_bin"]),
-                f"[red]{row['error']}[/red]",
-                "",
-                "",
-                "",
-            )
+            table.add_row(*cells, Text(row["error"], style="red"), *[""] * (len(columns) - 3))
             continue
-        gap = f"{row['gap_to_l2_bins']:+,} ({100 * row['gap_to_l2']:.4f}%)"
-        time_s = f"{row['time_s']:.3f}" if row.get("time_s") is not None else "-"
-        table.add_row(
-            row["algorithm"],
-            _cap(row["max_samples_per_bin"]),
-            _cap(row["max_images_per_bin"]),
+        cells += [
             _fmt_int(row["num_bins"]),
             _fmt_pct(row["fill_efficiency"]),
-            gap,
-            time_s,
-        )
+            _gap_cell(row["num_bins"], row["l2_lower_bound_bins"]),
+        ]
+        if with_caps:
+            bound = row.get("caps_lower_bound_bins")
+            cells.append(_gap_cell(row["num_bins"], bound) if bound is not None else "-")
+        cells.append(f"{1000 * row['time_s']:,.1f}" if row.get("time_s") is not None else "-")
+        table.add_row(*cells)
     return table
+
+
+def _gap_cell(bins: int, bound: int) -> str:
+    return f"{bins - bound:+,} ({100 * (bins - bound) / bound:.4f}%)" if bound else f"{bins - bound:+,}"
 
 
 def _cap(value: Any) -> str:
@@ -293,7 +295,13 @@ def print_report(console: Console, report: dict[str, Any], max_shard_rows: int =
         _print(console, dataset_header(dataset))
     title = f"Packing of {source.get('path', '?')}"
     if source.get("algorithm"):
-        title += f" (algorithm: {source['algorithm']})"
+        requested = source.get("requested_algorithm")
+        chosen = (
+            f"{requested} -> {source['algorithm']}"
+            if requested not in (None, source["algorithm"])
+            else source["algorithm"]
+        )
+        title += f" (algorithm: {chosen})"
     _print(console, summary_table(report, title))
     _print(console, fill_histogram_table(report))
     if "length_distribution" in report:

@@ -200,6 +200,10 @@ def test_json_is_packing_stats_plus_extra_fields(tmp_path: Path, capsys: pytest.
     assert set(report) - set(direct) == {"source", "length_distribution"}
     assert report["samples_per_bin"]["max"] <= 2
     assert report["source"]["max_samples_per_bin"] == 2
+    assert report["source"]["caps_lower_bound_bins"] == max(
+        l2_bound(LENGTHS, CAPACITY), math.ceil(LENGTHS.size / 2)
+    )
+    assert report["num_bins"] >= report["source"]["caps_lower_bound_bins"]
 
 
 def test_histogram_input_numbers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -309,6 +313,10 @@ def test_compare_lists_every_algorithm(tmp_path: Path, capsys: pytest.CaptureFix
         assert row["gap_to_l2_bins"] == row["num_bins"] - l2
         assert row["fill_efficiency"] == pytest.approx(lengths.sum() / (row["num_bins"] * 512))
         assert row["time_s"] >= 0
+        if row["max_samples_per_bin"] == 3:
+            assert row["caps_lower_bound_bins"] == max(l2, math.ceil(lengths.size / 3)) <= row["num_bins"]
+        else:
+            assert "caps_lower_bound_bins" not in row
     rc, out, _ = run_stats(capsys, str(path), "--capacity", "512", "--compare")
     assert rc == 0 and "Algorithms on the same lengths" in out
     assert all(a in out for a in algorithms)
