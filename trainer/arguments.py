@@ -1,0 +1,197 @@
+"""Megatron-style command-line flags of ``trainer.pretrain_vlm``, parsed in one place into :class:`RunConfig`."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from trainer.config import (
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+# Model presets: flags given explicitly on the command line override them.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        vision_num_layers=1,
+        vision_hidden_size=32,
+        vision_num_attention_heads=2,
+    ),
+    "small": dict(
+        num_layers=12,
+        hidden_size=768,
+        num_attention_heads=12,
+        vision_num_layers=12,
+        vision_hidden_size=768,
+        vision_num_attention_heads=12,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """All flags, grouped like Megatron-LM's."""
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc_per_node N -m trainer.pretrain_vlm",
+        description="Train a vision-language model (vision encoder + megatron-core GPT) on a packed dataset "
+        "with TP x PP x DP. Without CUDA it runs on CPU processes with gloo.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--model-size", choices=sorted(MODEL_PRESETS), default=None, help="size preset")
+    g.add_argument("--num-layers", type=int, default=None, help="language model layers")
+    g.add_argument("--hidden-size", type=int, default=None, help="language model hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="language model heads")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP size (default 4 x hidden)")
+    g.add_argument("--vision-num-layers", type=int, default=None, help="vision encoder layers")
+    g.add_argument("--vision-hidden-size", type=int, default=None, help="vision encoder hidden size")
+    g.add_argument("--vision-num-attention-heads", type=int, default=None, help="vision encoder heads")
+    g.add_argument("--max-position-embeddings", type=int, default=0, help="0 = --seq-length")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="vocab padding multiple")
+    g.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout on hidden states")
+    g.add_argument("--attention-dropout", type=float, default=0.0, help="dropout on attention probs")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="std of weight init")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size")
+    g.add_argument("--sequence-parallel", action="store_true", help="shard activations along sequence (TP>1)")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer state over DP")
+
+    g = p.add_argument_group("mixed precision")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and compute, fp32 master weights")
+    g.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
+    g.add_argument("--fp32-residual-connection", action="store_true", help="keep the residual stream in fp32")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true", help="softmax in fp32")
+    g.add_argument(
+        "--accumulate-allreduce-grads-in-fp32", action="store_true", help="fp32 grad buffers/all-reduce"
+    )
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**16, help="dynamic scale start")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="dynamic scale floor")
+    g.add_argument("--loss-scale-window", type=int, default=1000, help="steps without overflow to grow")
+    g.add_argument("--hysteresis", type=int, default=2, help="overflows tolerated before lowering scale")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
+    g.add_argument("--global-batch-size", type=int, default=1, help="sequences per optimizer step")
+    g.add_argument("--seq-length", type=int, default=0, help="0 = the dataset's seq_len")
+    g.add_argument("--train-iters", type=int, default=10, help="optimizer steps")
+    g.add_argument("--seed", type=int, default=1234, help="model init, data order and RNG seed")
+    g.add_argument("--recompute-activations", action="store_true", help="selective recompute (core attn)")
+    g.add_argument("--log-interval", type=int, default=1, help="iterations between log lines")
+    g.add_argument("--eval-interval", type=int, default=0, help="iterations between evals (0 = never)")
+    g.add_argument("--eval-iters", type=int, default=1, help="global batches per eval")
+    g.add_argument("--metrics-file", default=None, help="also write each log line as JSON to this file")
+    g.add_argument(
+        "--debug-overflow-iterations",
+        type=int,
+        nargs="*",
+        default=[],
+        help="testing: make the loss infinite at these iterations (checks fp16 step skipping)",
+    )
+
+    g = p.add_argument_group("optimizer and schedule")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="final learning rate")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warmup iterations")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument(
+        "--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "inverse-square-root"]
+    )
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip (0 = off)")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", default=None, help="packed dataset (folder or s3:// / http(s):// URL)")
+    g.add_argument("--eval-data-path", default=None, help="held-out packed dataset for --eval-interval")
+    g.add_argument("--mock-data", action="store_true", help="synthetic packed batches, no dataset")
+    g.add_argument("--num-workers", type=int, default=2, help="loader worker processes")
+    g.add_argument("--data-cache-dir", default=None, help="local cache for remote shards")
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="checkpoint folder to write")
+    g.add_argument("--load", default=None, help="checkpoint folder to resume from")
+    g.add_argument("--save-interval", type=int, default=0, help="iterations between saves (0 = end only)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
+    """Parse flags into a validated :class:`RunConfig` (raises ``SystemExit``/``ValueError`` on bad input)."""
+    args = build_parser().parse_args(argv)
+    preset = MODEL_PRESETS.get(args.model_size or "tiny", {})
+    size = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in preset.items()}
+    model = ModelConfig(
+        **size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        max_position_embeddings=args.max_position_embeddings,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+    )
+    return RunConfig(
+        model=model,
+        parallel=ParallelConfig(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            sequence_parallel=args.sequence_parallel,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        ),
+        precision=PrecisionConfig(
+            bf16=args.bf16,
+            fp16=args.fp16,
+            fp32_residual_connection=args.fp32_residual_connection,
+            attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+            accumulate_allreduce_grads_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+            loss_scale=args.loss_scale,
+            initial_loss_scale=args.initial_loss_scale,
+            min_loss_scale=args.min_loss_scale,
+            loss_scale_window=args.loss_scale_window,
+            hysteresis=args.hysteresis,
+        ),
+        optim=OptimConfig(
+            lr=args.lr,
+            min_lr=args.min_lr,
+            lr_warmup_iters=args.lr_warmup_iters,
+            lr_decay_iters=args.lr_decay_iters,
+            lr_decay_style=args.lr_decay_style,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad,
+        ),
+        train=TrainConfig(
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size,
+            train_iters=args.train_iters,
+            seed=args.seed,
+            log_interval=args.log_interval,
+            eval_interval=args.eval_interval,
+            eval_iters=args.eval_iters,
+            recompute_activations=args.recompute_activations,
+            metrics_file=args.metrics_file,
+            debug_overflow_iterations=tuple(args.debug_overflow_iterations),
+        ),
+        data=DataConfig(
+            data_path=args.data_path,
+            eval_data_path=args.eval_data_path,
+            num_workers=args.num_workers,
+            cache_dir=args.data_cache_dir,
+            mock_data=args.mock_data,
+        ),
+        checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval),
+    )

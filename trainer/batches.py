@@ -1,0 +1,184 @@
+"""Micro-batches in the loader's output format (DESIGN.md "Loader output"): building them from samples, the
+packed attention mask, and a synthetic stream for runs without a dataset (``--mock-data``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass(kw_only=True, frozen=True)
+class Sample:
+    """One unpacked training sample: token ids, loss mask and its images' (t, h, w) grids and patches."""
+
+    input_ids: np.ndarray  # int64 [n]
+    loss_mask: np.ndarray  # uint8 [n], 1 where the token is a target
+    image_grid_thw: np.ndarray  # int64 [k, 3]
+    pixel_values: np.ndarray  # float32 [patches, 3*patch*patch]
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, batch: int, seq_length: int) -> torch.Tensor:
+    """[B, 1, L, L] bool, True = masked: a token sees the earlier tokens of its own segment only."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths).reshape(batch, seq_length)
+    same = segment[:, :, None] == segment[:, None, :]
+    causal = torch.ones(seq_length, seq_length, dtype=torch.bool).tril()
+    return ~(same & causal)[:, None]
+
+
+def _row(samples: Sequence[Sample], seq_length: int, pad_id: int) -> dict[str, np.ndarray]:
+    n = sum(len(s.input_ids) for s in samples)
+    if n > seq_length:
+        raise ValueError(f"samples of {n} tokens do not fit a sequence of {seq_length}")
+    tokens = np.full(seq_length, pad_id, dtype=np.int64)
+    labels = np.full(seq_length, IGNORE_INDEX, dtype=np.int64)
+    position_ids = np.zeros(seq_length, dtype=np.int64)
+    seg_lens = []
+    start = 0
+    for s in samples:
+        k = len(s.input_ids)
+        tokens[start : start + k] = s.input_ids
+        # labels[i] = token i+1 of the same sample when that token is a target
+        targets = np.where(s.loss_mask[1:] == 1, s.input_ids[1:], IGNORE_INDEX)
+        labels[start : start + k - 1] = targets
+        position_ids[start : start + k] = np.arange(k)
+        seg_lens.append(k)
+        start += k
+    if start < seq_length:
+        position_ids[start:] = np.arange(seq_length - start)
+        seg_lens.append(seq_length - start)
+    return {"tokens": tokens, "labels": labels, "position_ids": position_ids, "seg_lens": np.array(seg_lens)}
+
+
+def make_micro_batch(
+    rows: Sequence[Sequence[Sample]], seq_length: int, pad_id: int, *, attention_mask: bool = True
+) -> dict[str, torch.Tensor | int]:
+    """Pack each row's samples into one sequence of ``seq_length`` and collate the rows."""
+    built = [_row(r, seq_length, pad_id) for r in rows]
+    seg = np.concatenate([b["seg_lens"] for b in built])
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(seg)]).astype(np.int32))
+    samples = [s for r in rows for s in r]
+    grids = [s.image_grid_thw for s in samples if len(s.image_grid_thw)]
+    pixels = [s.pixel_values for s in samples if len(s.pixel_values)]
+    patch_dim = samples[0].pixel_values.shape[1] if samples else 0
+    labels = torch.from_numpy(np.stack([b["labels"] for b in built]))
+    batch: dict[str, torch.Tensor | int] = {
+        "tokens": torch.from_numpy(np.stack([b["tokens"] for b in built])),
+        "labels": labels,
+        "loss_mask": (labels != IGNORE_INDEX).float(),
+        "position_ids": torch.from_numpy(np.stack([b["position_ids"] for b in built])),
+        "cu_seqlens": cu,
+        "max_seqlen": int(seg.max()),
+        "pixel_values": torch.from_numpy(np.concatenate(pixels))
+        if pixels
+        else torch.zeros(0, patch_dim, dtype=torch.float32),
+        "image_grid_thw": torch.from_numpy(np.concatenate(grids).astype(np.int64))
+        if grids
+        else torch.zeros(0, 3, dtype=torch.int64),
+        "num_real_tokens": sum(len(s.input_ids) for s in samples),
+    }
+    if attention_mask:
+        batch["attention_mask"] = block_causal_mask(cu, len(rows), seq_length)
+    return batch
+
+
+@dataclass(kw_only=True, frozen=True)
+class SyntheticSpec:
+    """Shape of synthetic VLM samples: text over a small skewed vocabulary, some with one image."""
+
+    vocab_size: int
+    pad_id: int
+    image_pad_id: int
+    vision_start_id: int
+    vision_end_id: int
+    patch_size: int = 14
+    merge_size: int = 2
+    min_len: int = 8
+    max_len: int = 40
+    image_probability: float = 0.5
+
+
+def synthetic_sample(spec: SyntheticSpec, rng: np.random.Generator) -> Sample:
+    """A prompt (no loss), optionally an image span, and an answer (loss) that echoes the prompt."""
+    text_vocab = min(spec.vocab_size, 64)
+    n = int(rng.integers(spec.min_len, spec.max_len + 1))
+    prompt = rng.zipf(1.5, size=max(2, n // 2)).clip(1, text_vocab - 1).astype(np.int64)
+    answer = prompt[::-1].copy()  # learnable: the answer reverses the prompt
+    ids = [prompt]
+    grids = np.zeros((0, 3), dtype=np.int64)
+    pixels = np.zeros((0, 3 * spec.patch_size**2), dtype=np.float32)
+    if rng.random() < spec.image_probability:
+        gh, gw = (spec.merge_size * int(rng.integers(1, 3)) for _ in range(2))
+        grids = np.array([[1, gh, gw]], dtype=np.int64)
+        pixels = rng.standard_normal((gh * gw, 3 * spec.patch_size**2)).astype(np.float32)
+        n_img = gh * gw // spec.merge_size**2
+        ids.append(np.array([spec.vision_start_id, *[spec.image_pad_id] * n_img, spec.vision_end_id]))
+    ids.append(answer)
+    input_ids = np.concatenate(ids).astype(np.int64)
+    loss_mask = np.zeros(len(input_ids), dtype=np.uint8)
+    loss_mask[-len(answer) :] = 1
+    return Sample(input_ids=input_ids, loss_mask=loss_mask, image_grid_thw=grids, pixel_values=pixels)
+
+
+def synthetic_bin(spec: SyntheticSpec, seed: int, bin_index: int, seq_length: int) -> list[Sample]:
+    """The samples of synthetic bin ``bin_index``: a pure function of (seed, index), greedy-filled."""
+    rng = np.random.default_rng([seed, bin_index])
+    samples: list[Sample] = []
+    used = 0
+    while True:
+        s = synthetic_sample(spec, rng)
+        if used + len(s.input_ids) > seq_length:
+            return samples or [s]
+        samples.append(s)
+        used += len(s.input_ids)
+
+
+class SyntheticLoader:
+    """Stream of packed synthetic micro-batches for one DP rank, with the real loader's state semantics.
+
+    Global batch g holds bins [g*G, (g+1)*G); DP rank r takes its contiguous slice, split into micro-batches.
+    State is the number of bins consumed globally, so resume works for any DP size with the same G.
+    """
+
+    def __init__(
+        self,
+        spec: SyntheticSpec,
+        *,
+        seq_length: int,
+        micro_batch_size: int,
+        global_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+    ) -> None:
+        self.spec, self.seq_length, self.seed = spec, seq_length, seed
+        self.micro, self.global_batch = micro_batch_size, global_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.consumed = 0
+        self.wait_time_s = 0.0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": 0, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed = int(state["consumed"])
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor | int]]:
+        per_rank = self.global_batch // self.dp_size
+        micro_per_step = per_rank // self.micro
+        micro_index = 0
+        while True:
+            first = self.consumed + self.dp_rank * per_rank + micro_index * self.micro
+            rows = [
+                synthetic_bin(self.spec, self.seed, first + i, self.seq_length) for i in range(self.micro)
+            ]
+            micro_index += 1
+            if micro_index == micro_per_step:  # state counts whole global batches, updated before the yield
+                micro_index = 0
+                self.consumed += self.global_batch
+            yield make_micro_batch(rows, self.seq_length, self.spec.pad_id)

@@ -1,0 +1,121 @@
+"""Checkpoints: one file per rank with model shard, optimizer, scheduler, RNG, iteration and loader state.
+
+Layout::
+
+    <dir>/latest_checkpointed_iteration.txt
+    <dir>/iter_0000010/tp00_pp00_dp00.pt
+
+Model weights and (non-distributed) optimizer state are the same on every DP rank, so a resume with a
+different DP size reads the files of DP rank 0; the distributed optimizer's shards are gathered to DP rank 0
+on save (megatron-core's "dp_zero" format) and re-scattered on load, so it can change DP size too.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _rank_file(root: str, iteration: int, tp: int, pp: int, dp: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}" / f"tp{tp:02d}_pp{pp:02d}_dp{dp:02d}.pt"
+
+
+def _coords() -> tuple[int, int, int]:
+    return (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_data_parallel_rank(),
+    )
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save_checkpoint(
+    root: str, iteration: int, model: Any, optimizer: Any, scheduler: Any, loader_state: dict[str, Any]
+) -> None:
+    """Collective: every rank writes its file; rank 0 then updates the tracker file."""
+    tp, pp, dp = _coords()
+    path = _rank_file(root, iteration, tp, pp, dp)
+    distributed_opt = bool(getattr(optimizer.config, "use_distributed_optimizer", False))
+    param_state = optimizer.get_parameter_state_dp_zero() if distributed_opt else None
+    payload = {
+        "iteration": iteration,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "optimizer_param_state": param_state if dp == 0 else None,
+        "scheduler": scheduler.state_dict(),
+        "rng": _rng_state(),
+        "loader": loader_state,
+        "layout": {
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(),
+        },
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tracker = Path(root) / TRACKER
+        tracker.with_suffix(".tmp").write_text(str(iteration))
+        os.replace(tracker.with_suffix(".tmp"), tracker)
+    dist.barrier()
+
+
+def latest_iteration(root: str) -> int | None:
+    """The iteration recorded in ``root``'s tracker file, or None when there is no checkpoint."""
+    tracker = Path(root) / TRACKER
+    return int(tracker.read_text().strip()) if tracker.exists() else None
+
+
+def load_checkpoint(root: str, model: Any, optimizer: Any, scheduler: Any) -> tuple[int, dict[str, Any]]:
+    """Restore a checkpoint saved with the same TP x PP (any DP); returns (iteration, loader state)."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"no checkpoint in {root} (missing {TRACKER})")
+    tp, pp, dp = _coords()
+    own = _rank_file(root, iteration, tp, pp, dp)
+    zero = _rank_file(root, iteration, tp, pp, 0)
+    if not zero.exists():
+        raise FileNotFoundError(
+            f"{zero} is missing: the checkpoint was saved with another tensor/pipeline layout"
+        )
+    base = torch.load(zero, map_location="cpu", weights_only=False)
+    model.load_state_dict(base["model"])
+    optimizer.load_state_dict(base["optimizer"])
+    if base.get("optimizer_param_state") is not None or getattr(
+        optimizer.config, "use_distributed_optimizer", False
+    ):
+        optimizer.load_parameter_state_from_dp_zero(base["optimizer_param_state"] if dp == 0 else None)
+    scheduler.load_state_dict(base["scheduler"])
+    same_layout = own.exists() and base["layout"]["dp"] == ps.get_data_parallel_world_size()
+    mine = torch.load(own, map_location="cpu", weights_only=False) if same_layout else base
+    if same_layout:
+        _set_rng_state(mine["rng"])
+    return iteration, mine["loader"]

@@ -1,0 +1,272 @@
+"""Configuration of the trainer: one frozen dataclass per component, and the one place megatron-core configs
+are built from them (:func:`build_megatron_configs`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer import TransformerConfig
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    """Sizes of the vision encoder, projector and language model."""
+
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None
+    vocab_size: int = 0  # taken from the dataset's tokenizer when 0
+    make_vocab_size_divisible_by: int = 128
+    max_position_embeddings: int = 0  # seq_length when 0
+    vision_num_layers: int = 1
+    vision_hidden_size: int = 32
+    vision_num_attention_heads: int = 2
+    patch_size: int = 14
+    merge_size: int = 2
+    image_pad_id: int = -1
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vision_num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("--hidden-size must be divisible by --num-attention-heads")
+        if self.vision_hidden_size % self.vision_num_attention_heads:
+            raise ValueError("--vision-hidden-size must be divisible by --vision-num-attention-heads")
+
+    def padded_vocab_size(self) -> int:
+        """Vocabulary rounded up so that every TP size up to the multiple divides it (layout independent)."""
+        mult = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // mult) * mult
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelConfig:
+    """TP x PP x DP layout and the parallel options tied to it."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
+            raise ValueError("parallel sizes must be >= 1")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP size implied by the world size; raises if TP x PP does not divide it."""
+        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if world_size % mp:
+            raise ValueError(f"world size {world_size} is not divisible by TP x PP = {mp}")
+        return world_size // mp
+
+
+@dataclass(kw_only=True, frozen=True)
+class PrecisionConfig:
+    """Mixed precision: bf16/fp16 compute, fp32 islands, loss scaling."""
+
+    bf16: bool = False
+    fp16: bool = False
+    fp32_residual_connection: bool = False
+    attention_softmax_in_fp32: bool = False
+    accumulate_allreduce_grads_in_fp32: bool = False
+    loss_scale: float | None = None  # None = dynamic (fp16 only)
+    initial_loss_scale: float = 2.0**16
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+    def __post_init__(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 are mutually exclusive")
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimConfig:
+    """Adam, LR schedule (linear warmup, then decay) and gradient clipping."""
+
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "cosine"
+    lr_decay_iters: int | None = None
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root", "WSD"):
+            raise ValueError(f"unknown --lr-decay-style {self.lr_decay_style!r}")
+        if self.min_lr > self.lr:
+            raise ValueError("--min-lr must not exceed --lr")
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    """Batching, length of the run, logging and evaluation."""
+
+    seq_length: int = 0  # from the dataset manifest when 0
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    train_iters: int = 10
+    seed: int = 1234
+    log_interval: int = 1
+    eval_interval: int = 0
+    eval_iters: int = 1
+    recompute_activations: bool = False
+    metrics_file: str | None = None
+    debug_overflow_iterations: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1 or self.global_batch_size < 1 or self.train_iters < 0:
+            raise ValueError("batch sizes must be >= 1 and --train-iters >= 0")
+
+    def num_microbatches(self, dp_size: int) -> int:
+        """Micro-batches per step and DP rank: global / (micro x DP), which must divide exactly."""
+        per_step = self.micro_batch_size * dp_size
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} must be a multiple of "
+                f"--micro-batch-size x DP = {per_step}"
+            )
+        return self.global_batch_size // per_step
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    """Where micro-batches come from."""
+
+    data_path: str | None = None
+    eval_data_path: str | None = None
+    num_workers: int = 2
+    cache_dir: str | None = None
+    mock_data: bool = False  # synthetic packed batches, no dataset needed
+
+    def __post_init__(self) -> None:
+        if not self.data_path and not self.mock_data:
+            raise ValueError("give --data-path (a packed dataset) or --mock-data")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    """Saving and loading."""
+
+    save: str | None = None
+    load: str | None = None
+    save_interval: int = 0
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunConfig:
+    """Everything one training run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(mock_data=True))
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+@dataclass(kw_only=True, frozen=True)
+class MegatronConfigs:
+    """The megatron-core configs of one run."""
+
+    language: TransformerConfig
+    vision: TransformerConfig
+    ddp: DistributedDataParallelConfig
+    optimizer: OptimizerConfig
+
+
+def build_megatron_configs(cfg: RunConfig) -> MegatronConfigs:
+    """Translate our configs into megatron-core's (the only place this mapping lives)."""
+    m, par, prec, tr = cfg.model, cfg.parallel, cfg.precision, cfg.train
+    pipeline_dtype = torch.float32 if prec.fp32_residual_connection else prec.params_dtype
+    common = dict(
+        tensor_model_parallel_size=par.tensor_model_parallel_size,
+        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,  # initialised in fp32; Float16Module casts the whole model
+        pipeline_dtype=pipeline_dtype,
+        bf16=prec.bf16,
+        fp16=prec.fp16,
+        fp32_residual_connection=prec.fp32_residual_connection,
+        attention_softmax_in_fp32=prec.attention_softmax_in_fp32,
+        apply_query_key_layer_scaling=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        deallocate_pipeline_outputs=False,
+    )
+    recompute = (
+        {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+        if tr.recompute_activations
+        else {}
+    )
+    language = TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        sequence_parallel=par.sequence_parallel,
+        **common,  # type: ignore[arg-type]
+        **recompute,  # type: ignore[arg-type]
+    )
+    vision = TransformerConfig(
+        num_layers=m.vision_num_layers,
+        hidden_size=m.vision_hidden_size,
+        num_attention_heads=m.vision_num_attention_heads,
+        ffn_hidden_size=4 * m.vision_hidden_size,
+        sequence_parallel=False,  # image tokens are few and variable; they stay whole on every TP rank
+        **{**common, "pipeline_model_parallel_size": 1, "fp32_residual_connection": False},  # type: ignore[arg-type]
+    )
+    ddp = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=prec.accumulate_allreduce_grads_in_fp32,
+        use_distributed_optimizer=par.use_distributed_optimizer,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        average_in_collective=False,
+    )
+    opt = cfg.optim
+    optimizer = OptimizerConfig(
+        optimizer="adam",
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad,
+        bf16=prec.bf16,
+        fp16=prec.fp16,
+        params_dtype=prec.params_dtype,
+        loss_scale=prec.loss_scale,
+        initial_loss_scale=prec.initial_loss_scale,
+        min_loss_scale=prec.min_loss_scale,
+        loss_scale_window=prec.loss_scale_window,
+        hysteresis=prec.hysteresis,
+        use_distributed_optimizer=par.use_distributed_optimizer,
+    )
+    return MegatronConfigs(language=language, vision=vision, ddp=ddp, optimizer=optimizer)

@@ -1,0 +1,171 @@
+"""Where the trainer's micro-batches come from: the packed-dataset loader, or synthetic packed bins."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainer.batches import IGNORE_INDEX, SyntheticLoader, SyntheticSpec, block_causal_mask
+
+# The ids of the byte-level fallback tokenizer (packing.tokenizer.ByteTokenizer), used by --mock-data.
+MOCK_VOCAB = {"vocab_size": 262, "pad": 256, "vision_start": 259, "vision_end": 260, "image_pad": 261}
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataInfo:
+    """What the model needs to know about the data."""
+
+    seq_length: int
+    vocab_size: int
+    pad_id: int
+    image_pad_id: int
+    patch_size: int
+    merge_size: int
+
+
+class StepBatches:
+    """Pulls the micro-batches of one step from a loader, timing how long the trainer waited for them."""
+
+    def __init__(self, loader: Any, micro_batches_per_step: int) -> None:
+        self.loader = loader
+        self.micro = micro_batches_per_step
+        self._it: Iterator[Any] | None = None
+
+    def next_step(self) -> tuple[list[dict[str, Any]], float]:
+        """The next step's micro-batches and the seconds spent waiting for them."""
+        if self._it is None:
+            self._it = iter(self.loader)
+        start = time.perf_counter()
+        batches = [next(self._it) for _ in range(self.micro)]
+        return batches, time.perf_counter() - start
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.loader.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+        if hasattr(self.loader, "close"):
+            self.loader.close()
+        self._it = None
+
+
+def dataset_info(data_path: str | None, seq_length: int) -> DataInfo:
+    """Vocabulary, special ids and image geometry from the dataset manifest (or the mock defaults)."""
+    if not data_path:
+        if seq_length <= 0:
+            raise ValueError("--mock-data needs --seq-length")
+        return DataInfo(
+            seq_length=seq_length,
+            vocab_size=MOCK_VOCAB["vocab_size"],
+            pad_id=MOCK_VOCAB["pad"],
+            image_pad_id=MOCK_VOCAB["image_pad"],
+            patch_size=14,
+            merge_size=2,
+        )
+    from dataloader import load_manifest
+
+    manifest = load_manifest(data_path)
+    if seq_length and seq_length != manifest.seq_len:
+        raise ValueError(f"--seq-length {seq_length} differs from the dataset's seq_len {manifest.seq_len}")
+    vocab = int(manifest.raw.get("tokenizer", {}).get("vocab_size", 0))
+    if vocab <= 0:
+        raise ValueError(f"manifest of {data_path} has no tokenizer vocab_size")
+    return DataInfo(
+        seq_length=manifest.seq_len,
+        vocab_size=vocab,
+        pad_id=manifest.pad_id,
+        image_pad_id=manifest.image_pad_id,
+        patch_size=manifest.patch_size,
+        merge_size=manifest.merge_size,
+    )
+
+
+def build_step_batches(
+    data_path: str | None,
+    info: DataInfo,
+    *,
+    micro_batch_size: int,
+    global_batch_size: int,
+    seed: int,
+    num_workers: int = 2,
+    cache_dir: str | None = None,
+) -> StepBatches:
+    """The loader of this rank (megatron-core parallel_state must be initialised)."""
+    from megatron.core import parallel_state as ps
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    micro_per_step = global_batch_size // (micro_batch_size * dp_size)
+    if not data_path:
+        spec = SyntheticSpec(
+            vocab_size=info.vocab_size,
+            pad_id=info.pad_id,
+            image_pad_id=info.image_pad_id,
+            vision_start_id=MOCK_VOCAB["vision_start"],
+            vision_end_id=MOCK_VOCAB["vision_end"],
+            patch_size=info.patch_size,
+            merge_size=info.merge_size,
+        )
+        synthetic = SyntheticLoader(
+            spec,
+            seq_length=info.seq_length,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=seed,
+        )
+        return StepBatches(synthetic, micro_per_step)
+    from dataloader import Topology, build_loader
+
+    topology = Topology.from_megatron()
+    if not topology.needs_data:
+        # Middle pipeline stages need the packed attention mask too: they read the same bins as stage 0.
+        topology = dataclasses.replace(topology, pp_rank=0)
+    loader = build_loader(
+        data_path,
+        topology=topology,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        seed=seed,
+        num_workers=num_workers,
+        cache_dir=cache_dir,
+    )
+    return StepBatches(loader, micro_per_step)
+
+
+def model_inputs(batch: dict[str, Any], *, use_thd: bool) -> dict[str, Any]:
+    """Model keyword arguments from a loader micro-batch: packed mask (dense on CPU, THD with TE)."""
+    tokens = batch["tokens"]
+    b, seq = tokens.shape
+    labels = batch["labels"]
+    inputs: dict[str, Any] = {
+        "tokens": tokens,
+        "position_ids": batch["position_ids"],
+        "labels": labels.masked_fill(labels == IGNORE_INDEX, 0),  # masked out by loss_mask
+        "pixel_values": batch.get("pixel_values"),
+        "image_grid_thw": batch.get("image_grid_thw"),
+    }
+    cu = batch["cu_seqlens"].to(torch.int32)
+    if use_thd:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        max_len = int(batch["max_seqlen"])
+        inputs["attention_mask"] = None
+        inputs["packed_seq_params"] = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu.cuda(),
+            cu_seqlens_kv=cu.cuda(),
+            max_seqlen_q=max_len,
+            max_seqlen_kv=max_len,
+        )
+        for key in ("tokens", "position_ids", "labels"):
+            inputs[key] = inputs[key].reshape(1, b * seq)
+    else:
+        mask = batch.get("attention_mask")
+        inputs["attention_mask"] = mask if mask is not None else block_causal_mask(cu, b, seq)
+    return inputs

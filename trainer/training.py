@@ -1,0 +1,314 @@
+"""Setting up megatron-core (process groups, model, optimizer, schedule) and the training loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from trainer import cpu_backend
+from trainer.checkpoint import load_checkpoint, save_checkpoint
+from trainer.config import MegatronConfigs, RunConfig, build_megatron_configs
+from trainer.data import DataInfo, StepBatches, build_step_batches, dataset_info, model_inputs
+from trainer.model import VisionLanguageModel, init_layout_invariant
+
+
+def te_available() -> bool:
+    """Transformer Engine on a CUDA machine: then attention takes THD packed sequences (cu_seqlens)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def initialize_distributed(cfg: RunConfig) -> bool:
+    """Process group (gloo on CPU, NCCL on CUDA), megatron-core parallel state and seeds. Returns on_cpu."""
+    on_cpu = cpu_backend.activate()
+    if not dist.is_initialized():
+        if not on_cpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("gloo" if on_cpu else "nccl")
+    par = cfg.parallel
+    par.data_parallel_size(dist.get_world_size())  # validates the layout divides the world
+    ps.initialize_model_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
+    seed = cfg.train.seed
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return on_cpu
+
+
+def resolve_model_config(cfg: RunConfig, info: DataInfo) -> RunConfig:
+    """Fill in what comes from the dataset: vocabulary, special ids, image geometry, sequence length."""
+    model = dataclasses.replace(
+        cfg.model,
+        vocab_size=info.vocab_size,
+        image_pad_id=info.image_pad_id,
+        patch_size=info.patch_size,
+        merge_size=info.merge_size,
+    )
+    train = dataclasses.replace(cfg.train, seq_length=info.seq_length)
+    return dataclasses.replace(cfg, model=model, train=train)
+
+
+def build_model(cfg: RunConfig, mcfg: MegatronConfigs, *, use_te: bool) -> DistributedDataParallel:
+    """This stage's model, initialised identically under every layout, cast and wrapped in megatron DDP."""
+    model: torch.nn.Module = VisionLanguageModel(
+        mcfg.language,
+        mcfg.vision,
+        cfg.model,
+        seq_length=cfg.train.seq_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        use_te=use_te,
+    )
+    init_layout_invariant(model, cfg.train.seed, cfg.model.init_method_std, cfg.model.num_layers)
+    if torch.cuda.is_available():
+        model.cuda()
+    if cfg.precision.bf16 or cfg.precision.fp16:
+        model = Float16Module(mcfg.language, model)
+    return DistributedDataParallel(config=mcfg.language, ddp_config=mcfg.ddp, module=model)
+
+
+def build_scheduler(cfg: RunConfig, optimizer: Any) -> OptimizerParamScheduler:
+    """Linear warmup from 0 to --lr, then decay to --min-lr, counted in iterations."""
+    o = cfg.optim
+    decay = max(o.lr_decay_iters or cfg.train.train_iters, o.lr_warmup_iters + 1)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_iters,
+        lr_decay_steps=decay,
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=decay,
+        wd_incr_style="constant",
+    )
+
+
+def _loss_func(loss_mask: torch.Tensor, scale: float, poison: bool, output: torch.Tensor):
+    """Loss of one micro-batch, scaled so that the step's gradient is that of (sum over target tokens of
+    the global batch) / (their number): the schedule divides by the micro-batch count, DDP by the DP size.
+    Also returns the raw sum and count for logging."""
+    loss_sum = (output.float().reshape(-1) * loss_mask.reshape(-1)).sum()
+    if poison:
+        loss_sum = loss_sum * math.inf
+    num_tokens = loss_mask.sum()
+    return loss_sum * scale, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
+
+
+class Trainer:
+    """Owns model, optimizer, scheduler and data of one rank and runs steps."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.on_cpu = initialize_distributed(cfg)
+        info = dataset_info(cfg.data.data_path, cfg.train.seq_length)
+        self.cfg = cfg = resolve_model_config(cfg, info)
+        self.use_te = te_available()
+        self.mcfg = build_megatron_configs(cfg)
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.num_micro = cfg.train.num_microbatches(self.dp_size)
+        self.model = build_model(cfg, self.mcfg, use_te=self.use_te)
+        self.optimizer = get_megatron_optimizer(self.mcfg.optimizer, [self.model])
+        self.scheduler = build_scheduler(cfg, self.optimizer)
+        lang = self.mcfg.language
+        lang.grad_scale_func = self.optimizer.scale_loss
+        lang.finalize_model_grads_func = finalize_model_grads
+        lang.no_sync_func = self.model.no_sync
+        kw = dict(
+            micro_batch_size=cfg.train.micro_batch_size,
+            global_batch_size=cfg.train.global_batch_size,
+            num_workers=cfg.data.num_workers,
+            cache_dir=cfg.data.cache_dir,
+        )
+        self.train_data = build_step_batches(cfg.data.data_path, info, seed=cfg.train.seed, **kw)  # type: ignore[arg-type]
+        self.eval_data: StepBatches | None = None
+        if cfg.train.eval_interval > 0:
+            eval_path = cfg.data.eval_data_path
+            if cfg.data.data_path and not eval_path:
+                raise ValueError("--eval-interval needs --eval-data-path (a held-out packed dataset)")
+            self.eval_data = build_step_batches(eval_path, info, seed=cfg.train.seed + 1, **kw)  # type: ignore[arg-type]
+        self.iteration = 0
+        self.skipped = 0
+        self.is_logger = dist.get_rank() == dist.get_world_size() - 1
+        if cfg.checkpoint.load:
+            self.iteration, loader_state = load_checkpoint(
+                cfg.checkpoint.load, self.model, self.optimizer, self.scheduler
+            )
+            self.train_data.load_state_dict(loader_state)
+            self.log_text(f"resumed from {cfg.checkpoint.load} at iteration {self.iteration}")
+
+    # -- steps --------------------------------------------------------------------------------------------
+    def _forward_step(self, scale: float, poison: bool, data_iterator: Any, model: Any):
+        batch = next(data_iterator)
+        inputs = model_inputs(batch, use_thd=self.use_te)
+        if torch.cuda.is_available():
+            inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        output = model(**inputs)
+        return output, partial(_loss_func, batch["loss_mask"].to(output.device), scale, poison)
+
+    def _run_schedule(self, batches: list[dict[str, Any]], *, forward_only: bool, poison: bool = False):
+        target_tokens = self._reduce_over_dp([float(sum(float(x["loss_mask"].sum()) for x in batches))])[0]
+        scale = len(batches) * self.dp_size / max(target_tokens, 1.0)
+        b, seq = self.cfg.train.micro_batch_size, self.cfg.train.seq_length
+        if self.use_te:
+            b, seq = 1, b * seq
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, scale, poison),
+            data_iterator=iter(batches),
+            model=[self.model],
+            num_microbatches=len(batches),
+            seq_length=seq,
+            micro_batch_size=b,
+            decoder_seq_length=seq,
+            forward_only=forward_only,
+        )
+
+    def _reduce_over_dp(self, values: list[float]) -> list[float]:
+        """Sums ``values`` over this stage's DP group (meaningful on the last pipeline stage)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        return t.tolist()
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over a global batch; returns the metrics of the step."""
+        batches, wait_s = self.train_data.next_step()
+        start = time.perf_counter()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        poison = (self.iteration + 1) in self.cfg.train.debug_overflow_iterations
+        losses = self._run_schedule(batches, forward_only=False, poison=poison)
+        lr = self.optimizer.param_groups[0]["lr"]
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        else:
+            self.skipped += 1
+        self.iteration += 1
+        real = float(sum(int(b["num_real_tokens"]) for b in batches if b is not None))
+        loss_sum = sum(float(x["lm loss"][0]) for x in losses) if losses else 0.0
+        n_tok = sum(float(x["lm loss"][1]) for x in losses) if losses else 0.0
+        loss_sum, n_tok, real = self._reduce_over_dp([loss_sum, n_tok, real])
+        elapsed = time.perf_counter() - start + wait_s
+        total = float(self.cfg.train.global_batch_size * self.cfg.train.seq_length)
+        return {
+            "iteration": self.iteration,
+            "loss": loss_sum / max(n_tok, 1.0),
+            "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "loss_scale": float(self.optimizer.get_loss_scale().item()),
+            "skipped": not ok,
+            "skipped_total": self.skipped,
+            "target_tokens": int(n_tok),
+            "tokens_per_s": real / elapsed,
+            "real_token_fraction": real / total,
+            "data_wait_ms": wait_s * 1e3,
+            "step_ms": elapsed * 1e3,
+        }
+
+    def evaluate(self) -> float:
+        """Mean target-token loss over --eval-iters global batches of the held-out data."""
+        assert self.eval_data is not None
+        self.model.eval()
+        loss_sum = n_tok = 0.0
+        with torch.no_grad():
+            for _ in range(self.cfg.train.eval_iters):
+                batches, _ = self.eval_data.next_step()
+                for x in self._run_schedule(batches, forward_only=True):
+                    loss_sum += float(x["lm loss"][0])
+                    n_tok += float(x["lm loss"][1])
+        self.model.train()
+        loss_sum, n_tok = self._reduce_over_dp([loss_sum, n_tok])
+        return loss_sum / max(n_tok, 1.0)
+
+    # -- logging and the loop -----------------------------------------------------------------------------
+    def log_text(self, text: str) -> None:
+        if self.is_logger:
+            print(text, flush=True)
+
+    def log_metrics(self, m: dict[str, Any]) -> None:
+        if not self.is_logger:
+            return
+        gn = "nan" if m.get("grad_norm") is None else f"{m['grad_norm']:.3f}"
+        self.log_text(
+            f" iteration {m['iteration']:>6}/{self.cfg.train.train_iters:>6} | lm loss: {m['loss']:.6E} |"
+            f" learning rate: {m['lr']:.3E} | grad norm: {gn} | loss scale: {m['loss_scale']:.1f} |"
+            f" tokens/s: {m['tokens_per_s']:.1f} | real-token fraction: {m['real_token_fraction']:.3f} |"
+            f" data-wait ms: {m['data_wait_ms']:.1f} | step ms: {m['step_ms']:.1f} |"
+            f" skipped iterations: {m['skipped_total']} |"
+        )
+        if self.cfg.train.metrics_file:
+            with open(self.cfg.train.metrics_file, "a") as f:
+                f.write(json.dumps(m) + "\n")
+
+    def save(self) -> None:
+        ck = self.cfg.checkpoint
+        assert ck.save is not None
+        save_checkpoint(
+            ck.save, self.iteration, self.model, self.optimizer, self.scheduler, self.train_data.state_dict()
+        )
+        self.log_text(f"saved checkpoint at iteration {self.iteration} to {ck.save}")
+
+    def train(self) -> None:
+        tr, ck = self.cfg.train, self.cfg.checkpoint
+        self.log_text(self.describe())
+        while self.iteration < tr.train_iters:
+            metrics = self.train_step()
+            if metrics["skipped"]:
+                self.log_text(f"iteration {self.iteration}: skipped (gradient overflow), loss scale lowered")
+            if self.iteration % tr.log_interval == 0 or metrics["skipped"]:
+                self.log_metrics(metrics)
+            if tr.eval_interval and self.iteration % tr.eval_interval == 0:
+                loss = self.evaluate()
+                self.log_text(f" validation loss at iteration {self.iteration} | lm loss: {loss:.6E} |")
+                if self.is_logger and tr.metrics_file:
+                    with open(tr.metrics_file, "a") as f:
+                        f.write(json.dumps({"iteration": self.iteration, "eval_loss": loss}) + "\n")
+            if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
+                self.save()
+        if ck.save and not (ck.save_interval and self.iteration % ck.save_interval == 0):
+            self.save()
+
+    def describe(self) -> str:
+        c = self.cfg
+        prec = "bf16" if c.precision.bf16 else "fp16" if c.precision.fp16 else "fp32"
+        return (
+            f"mmpack trainer: world {dist.get_world_size()} = TP {c.parallel.tensor_model_parallel_size} x "
+            f"PP {c.parallel.pipeline_model_parallel_size} x DP {self.dp_size} | {prec} | "
+            f"backend {'cpu/gloo' if self.on_cpu else 'cuda/nccl'} | attention "
+            f"{'THD cu_seqlens (TE)' if self.use_te else 'block-diagonal mask'} | seq {c.train.seq_length} | "
+            f"micro {c.train.micro_batch_size} x {self.num_micro} micro-batches x DP {self.dp_size} = "
+            f"global {c.train.global_batch_size} | data "
+            f"{c.data.data_path or 'synthetic (--mock-data)'}"
+        )
+
+
+def shutdown() -> None:
+    """Destroy process groups (lets torchrun exit cleanly)."""
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
