@@ -10,6 +10,7 @@ Run alone: `python -m offline_packing.write <mmpack pack flags>`.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import cache
 
@@ -116,31 +117,32 @@ def write_shard(task: ShardTask) -> list[dict]:
         ):
             return entries["shards"]
     source = _bin_source(task.work_dir, cfg.shard_prefix)
-    entries = []
-    for fmt in cfg.formats:
-        rel = shard_name(cfg.shard_prefix, task.shard, fmt)
-        samples = tokens = 0
-        with store.open_atomic(rel) as f:
-            sink = HashingWriter(f)
-            writer = open_shard_writer(fmt, sink)  # type: ignore[arg-type]
-            for b in range(task.first_bin, task.end_bin):
-                packed = source.packed_bin(b)
+    rels = [shard_name(cfg.shard_prefix, task.shard, fmt) for fmt in cfg.formats]
+    samples = tokens = 0
+    with ExitStack() as stack:  # every format from one pass over the bins: each bin is built once
+        sinks = [HashingWriter(stack.enter_context(store.open_atomic(rel))) for rel in rels]
+        writers = [open_shard_writer(fmt, sink) for fmt, sink in zip(cfg.formats, sinks)]  # type: ignore[arg-type]
+        for b in range(task.first_bin, task.end_bin):
+            packed = source.packed_bin(b)
+            for writer in writers:
                 writer.add(packed)
-                samples += len(packed.seq_lens)
-                tokens += len(packed.input_ids)
+            samples += len(packed.seq_lens)
+            tokens += len(packed.input_ids)
+        for writer in writers:
             writer.close()
-        entries.append(
-            {
-                "path": rel,
-                "format": fmt,
-                "first_bin": task.first_bin,
-                "bins": task.end_bin - task.first_bin,
-                "samples": samples,
-                "tokens": tokens,
-                "bytes": sink.size_bytes,
-                "sha256": sink.sha256.hexdigest(),
-            }
-        )
+    entries = [
+        {
+            "path": rel,
+            "format": fmt,
+            "first_bin": task.first_bin,
+            "bins": task.end_bin - task.first_bin,
+            "samples": samples,
+            "tokens": tokens,
+            "bytes": sink.size_bytes,
+            "sha256": sink.sha256.hexdigest(),
+        }
+        for rel, fmt, sink in zip(rels, cfg.formats, sinks)
+    ]
     atomic_write_json(done, {"fingerprint": task.fingerprint, "shards": entries})
     return entries
 
