@@ -172,10 +172,8 @@ def _ffd_update(tree_space, tree_room, leaf, space, room):
 
 
 @njit(cache=True)
-def _ffd_find(tree_space, tree_room, leaves, size, need):
+def _ffd_find(tree_space, tree_room, leaves, size, need, stack):
     """Leftmost leaf with space >= size and image room >= need (pruned depth-first search)."""
-    stack = np.empty(128, dtype=np.int64)
-    top = 0
     stack[0] = 1
     top = 1
     while top > 0:
@@ -202,13 +200,14 @@ def first_fit_decreasing_kernel(lengths, order, capacity, max_items, image_count
     tree_space = np.full(2 * leaves, capacity, dtype=np.int64)
     tree_room = np.full(2 * leaves, max_images, dtype=np.int64)
     items = np.zeros(leaves, dtype=np.int64)
+    stack = np.empty(130, dtype=np.int64)  # two entries per tree level at most
     num_bins = 0
     for index in order:
         size = lengths[index]
         need = image_counts[index]
         if need > max_images:
             continue
-        b = _ffd_find(tree_space, tree_room, leaves, size, need)
+        b = _ffd_find(tree_space, tree_room, leaves, size, need, stack)
         num_bins = max(num_bins, b + 1)
         bin_ids[index] = b
         items[b] += 1
