@@ -54,27 +54,34 @@ def compute_counts(wd: WorkDir, rejects: list[dict]) -> dict:
 
 
 def compute_stats(wd: WorkDir, cfg: PackJobConfig, counts: dict) -> dict:
-    """stats.json: packing efficiency of the dataset (packing.stats.packing_stats) plus the counts."""
+    """stats.json: what `mmpack stats --json` reports for the dataset (packing_stats, source, length
+    distribution), computed from the job's own lengths and bins, plus the manifest counts."""
     from offline_packing.binpack import load_plan
     from offline_packing.lengths import load_lengths
+    from offline_packing.stats_compare import caps_lower_bound
+    from offline_packing.stats_report import length_distribution
+    from packing.stats import packing_stats
 
     lengths, nimg, _ = load_lengths(wd, len(wd.read_marker("scan")["chunks"]))
     bin_ids = load_plan(wd)["bin_ids"]
-    stats: dict = {"capacity": cfg.seq_len, "counts": counts}
-    try:
-        from packing.stats import packing_stats
-    except ImportError:  # packing.stats not available: basic figures only
-        n_bins = int(bin_ids.max()) + 1 if len(bin_ids) else 0
-        stats["packing"] = {
-            "num_bins": n_bins,
-            "num_samples": len(lengths),
-            "total_tokens": int(lengths.sum()),
-            "efficiency": float(lengths.sum() / (n_bins * cfg.seq_len)) if n_bins else 0.0,
-        }
-        return stats
-    raw = packing_stats(lengths, bin_ids, cfg.seq_len, image_counts=nimg)
-    stats["packing"] = json.loads(json.dumps(raw, default=_jsonable))
-    return stats
+    stats = dict(packing_stats(lengths, bin_ids, cfg.seq_len, image_counts=nimg))
+    stats["source"] = {
+        "path": cfg.output,
+        "kind": "dataset",
+        "algorithm": wd.read_marker("binpack")["algorithm"],
+    }
+    if cfg.max_samples_per_bin is not None or cfg.max_images_per_bin is not None:
+        stats["source"]["caps_lower_bound_bins"] = caps_lower_bound(
+            lengths,
+            cfg.seq_len,
+            max_items=cfg.max_samples_per_bin,
+            image_counts=nimg,
+            max_images=cfg.max_images_per_bin,
+        )
+    if len(lengths):
+        stats["length_distribution"] = length_distribution(lengths, cfg.seq_len)
+    stats["counts"] = counts
+    return json.loads(json.dumps(stats, default=_jsonable))
 
 
 def _jsonable(x: object) -> object:
@@ -86,11 +93,8 @@ def _jsonable(x: object) -> object:
 
 
 def fill_efficiency(stats: dict) -> float:
-    packing = stats.get("packing", {})
-    for key in ("efficiency", "fill_efficiency", "token_efficiency"):
-        if isinstance(packing.get(key), (int, float)):
-            return float(packing[key])
-    return 0.0
+    value = stats.get("fill_efficiency")
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 def build_manifest(cfg: PackJobConfig, wd: WorkDir, counts: dict, shards: list[dict]) -> dict:

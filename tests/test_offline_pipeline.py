@@ -91,6 +91,17 @@ def test_accounting_and_manifest(packed, raw) -> None:
     assert "samples read" in summary.format_table()
 
 
+def test_stats_json_matches_mmpack_stats(packed, capsys: pytest.CaptureFixture[str]) -> None:
+    out, _ = packed
+    stored = json.loads((out / "stats.json").read_text())
+    capsys.readouterr()
+    assert mmpack_main(["stats", "--json", str(out)]) == 0
+    live = json.loads(capsys.readouterr().out)
+    shared = set(stored) & set(live)
+    assert {"fill_efficiency", "num_bins", "num_samples", "length_distribution", "source"} <= shared
+    assert {k: stored[k] for k in shared} == {k: live[k] for k in shared}
+
+
 def test_arrow_and_wds_hold_the_same_bins(packed) -> None:
     out, _ = packed
     m = read_manifest(str(out))
