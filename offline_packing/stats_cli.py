@@ -214,8 +214,15 @@ def _dataset_report(
     report["length_distribution"] = length_distribution(lengths, data.capacity)
     report["dataset"] = dataset_fields(data)
     if args.compare:
+        if args.max_images_per_bin is not None:
+            raise StatsInputError(
+                f"{data.url}: --compare --max-images-per-bin is not available for a packed dataset: its shards "
+                "record images per bin, not per sample; use a length file with image counts"
+            )
         capacity = args.capacity or data.capacity
-        rows = _compare(args, lengths, capacity, images)
+        # the dataset's own sample cap, so that its packing is compared like for like
+        own_cap = algorithm.get("max_items_per_bin") if isinstance(algorithm, dict) else None
+        rows = _compare(args, lengths, capacity, None, default_caps=(own_cap, None))
         if capacity == data.capacity:
             rows.insert(0, _as_packed_row(report))
         report["compare"] = rows
@@ -241,15 +248,23 @@ def _add_caps_bound(
 
 
 def _compare(
-    args: argparse.Namespace, lengths: np.ndarray, capacity: int, images: np.ndarray | None
+    args: argparse.Namespace,
+    lengths: np.ndarray,
+    capacity: int,
+    images: np.ndarray | None,
+    default_caps: tuple[int | None, int | None] = (None, None),
 ) -> list[dict]:
+    """Rows without caps, then with the caps given on the command line (or `default_caps`)."""
     from offline_packing.stats_compare import compare_algorithms
 
+    caps = (args.max_samples_per_bin, args.max_images_per_bin)
+    if caps == (None, None):
+        caps = default_caps
+    if caps[1] is not None and images is None:
+        raise StatsInputError(f"{args.path}: --max-images-per-bin needs per-sample image counts in the input")
     settings: list[tuple[int | None, int | None]] = [(None, None)]
-    if args.max_samples_per_bin is not None or args.max_images_per_bin is not None:
-        if args.max_images_per_bin is not None and images is None:
-            raise StatsInputError(f"{args.path}: --max-images-per-bin needs image counts in the input")
-        settings.append((args.max_samples_per_bin, args.max_images_per_bin))
+    if caps != (None, None):
+        settings.append(caps)
     return compare_algorithms(lengths, capacity, image_counts=images, cap_settings=settings)
 
 
@@ -258,7 +273,7 @@ def _as_packed_row(report: dict) -> dict:
     l2 = int(report["l2_lower_bound_bins"])
     bins = int(report["num_bins"])
     return {
-        "algorithm": "dataset as packed",
+        "algorithm": "as packed",
         "max_samples_per_bin": algorithm.get("max_items_per_bin") if isinstance(algorithm, dict) else None,
         "max_images_per_bin": algorithm.get("max_images_per_bin") if isinstance(algorithm, dict) else None,
         "num_bins": bins,
@@ -267,6 +282,11 @@ def _as_packed_row(report: dict) -> dict:
         "gap_to_l2_bins": bins - l2,
         "gap_to_l2": (bins - l2) / l2 if l2 else 0.0,
         "time_s": None,
+        **(
+            {"caps_lower_bound_bins": report["source"]["caps_lower_bound_bins"]}
+            if "caps_lower_bound_bins" in report["source"]
+            else {}
+        ),
     }
 
 

@@ -12,6 +12,7 @@ import json
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -75,10 +76,20 @@ class DatasetPacking:
 
 
 def is_dataset_path(path: str, storage_options: dict[str, Any] | None = None) -> bool:
-    """True for a dataset folder/URL or its manifest.json; False for anything that looks like a file."""
-    if path.rstrip("/").endswith("/" + MANIFEST_NAME) or path == MANIFEST_NAME:
+    """True for a dataset folder/URL or its manifest.json; False for a length file.
+
+    A local path is a dataset when it is a folder (or does not exist and has no suffix); a URL when it ends
+    with "/", has no suffix in its last part, or is a folder on its filesystem.
+    """
+    stripped = path.rstrip("/")
+    if stripped.endswith("/" + MANIFEST_NAME) or stripped == MANIFEST_NAME:
         return True
-    name = path.rstrip("/").rsplit("/", 1)[-1]
+    name = stripped.rsplit("/", 1)[-1]
+    if "://" not in path or path.startswith("file://"):
+        local = Path(path.removeprefix("file://"))
+        if local.exists():
+            return local.is_dir()
+        return "." not in name
     if path.endswith("/") or "." not in name:
         return True
     try:
@@ -101,6 +112,8 @@ def read_dataset(
     if root.endswith("/" + MANIFEST_NAME) or root == MANIFEST_NAME:
         root = root[: -len(MANIFEST_NAME)].rstrip("/") or "."
     fs, fs_root = fsspec.core.url_to_fs(root, **storage_options)
+    if "://" not in root and not Path(root).exists():
+        raise StatsInputError(f"{root}: no such dataset folder or length file")
     manifest = _read_manifest(fs, fs_root, root)
     formats = [f for f in manifest.get("formats", []) if isinstance(f, str)]
     fmt = fmt or ("arrow" if "arrow" in formats else (formats[0] if formats else "arrow"))

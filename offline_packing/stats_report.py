@@ -258,7 +258,7 @@ def compare_table(rows: list[dict[str, Any]]) -> Table:
     table = _table("Algorithms on the same lengths")
     with_caps = any("caps_lower_bound_bins" in row for row in rows)
     columns = ["algorithm", "max samples/bin", "max images/bin", "bins", "fill", "gap to L2"]
-    columns += ["gap to bound with caps"] if with_caps else []
+    columns += ["gap to caps bound"] if with_caps else []
     for col in [*columns, "time (ms)"]:
         table.add_column(col, justify="left" if col == "algorithm" else "right")
     for row in rows:

@@ -343,6 +343,8 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     np.save(neg_npy, np.array([5, -1, 3]))
     no_manifest = tmp_path / "not_a_dataset"
     no_manifest.mkdir()
+    no_suffix = tmp_path / "lengths"
+    no_suffix.write_text("1\n2\n")
     unknown = tmp_path / "lengths.csv"
     unknown.write_text("1,2,3\n")
     cap = ["--capacity", "64"]
@@ -357,6 +359,11 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([str(no_manifest)], f"{no_manifest}: no manifest.json found"),
         ([str(unknown), *cap], f"{unknown}: unknown file type '.csv'"),
         ([str(tmp_path / "missing.txt"), *cap], f"{tmp_path / 'missing.txt'}: no such file"),
+        (
+            [str(tmp_path / "missing_dir")],
+            f"{tmp_path / 'missing_dir'}: no such dataset folder or length file",
+        ),
+        ([str(no_suffix), *cap], f"{no_suffix}: unknown file type '(no suffix)'"),
         ([str(non_int)], f"{non_int}: a length file needs --capacity"),
         ([str(negative), "--capacity", "0"], "--capacity must be a positive integer, got 0"),
         (
@@ -600,11 +607,23 @@ def test_dataset_compare_includes_the_stored_packing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root = write_tiny_dataset(tmp_path / "ds", formats=("arrow",))
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["algorithm"]["max_items_per_bin"] = 3
+    (root / "manifest.json").write_text(json.dumps(manifest))
     report = run_json(capsys, str(root), "--compare")
-    rows = report["compare"]
-    assert rows[0]["algorithm"] == "dataset as packed" and rows[0]["num_bins"] == 5
     lengths, _, _ = tiny_expected()
-    assert all(r["num_bins"] >= l2_bound(lengths, TINY_SEQ_LEN) for r in rows)
+    l2 = l2_bound(lengths, TINY_SEQ_LEN)
+    caps_bound = max(l2, math.ceil(lengths.size / 3))
+    assert report["source"]["caps_lower_bound_bins"] == caps_bound
+    rows = report["compare"]
+    assert rows[0]["algorithm"] == "as packed" and rows[0]["num_bins"] == 5
+    assert rows[0]["max_samples_per_bin"] == 3 and rows[0]["caps_lower_bound_bins"] == caps_bound
+    # without caps, then with the dataset's own cap of 3 samples per bin
+    assert [r["max_samples_per_bin"] for r in rows[1:]] == [None] * (len(rows) // 2) + [3] * (len(rows) // 2)
+    assert all(r["num_bins"] >= l2 for r in rows)
+    assert all(r["num_bins"] >= caps_bound for r in rows if r["max_samples_per_bin"] == 3)
+    rc, _, err = run_stats(capsys, str(root), "--compare", "--max-images-per-bin", "2")
+    assert rc == 2 and "record images per bin, not per sample" in err
 
 
 def test_dataset_reading_skips_image_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
