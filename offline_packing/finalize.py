@@ -65,11 +65,8 @@ def compute_stats(wd: WorkDir, cfg: PackJobConfig, counts: dict) -> dict:
     lengths, nimg, _ = load_lengths(wd, len(wd.read_marker("scan")["chunks"]))
     bin_ids = load_plan(wd)["bin_ids"]
     stats = dict(packing_stats(lengths, bin_ids, cfg.seq_len, image_counts=nimg))
-    stats["source"] = {
-        "path": cfg.output,
-        "kind": "dataset",
-        "algorithm": wd.read_marker("binpack")["algorithm"],
-    }
+    # no "path": the dataset may be copied or moved, and reruns into another folder stay byte-identical
+    stats["source"] = {"kind": "dataset", "algorithm": wd.read_marker("binpack")["algorithm"]}
     if cfg.max_samples_per_bin is not None or cfg.max_images_per_bin is not None:
         stats["source"]["caps_lower_bound_bins"] = caps_lower_bound(
             lengths,
