@@ -93,11 +93,10 @@ def _plot_fill(ax: Any, fill: np.ndarray, efficiency: float) -> None:
     ax.axvline(
         100 * efficiency, color="black", linestyle="--", linewidth=1.0, label=f"mean {100 * efficiency:.2f}%"
     )
-    ax.set_yscale("log")
     ax.set_xlim(0, 100)
     ax.set_title("Fill per bin")
     ax.set_xlabel("fill (% of capacity)")
-    ax.set_ylabel("bins (log scale)")
+    _y_scale(ax, counts, "bins")
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
 
@@ -108,14 +107,20 @@ def _plot_samples_per_bin(ax: Any, samples_per_bin: np.ndarray) -> None:
     ax.bar(ks, counts[ks], width=0.8, color="#8172B2")
     ax.set_title("Samples per bin")
     ax.set_xlabel("samples in the bin")
-    ax.set_ylabel("bins")
-    if ks.size and counts[ks].max() > 100 * counts[ks].min():
-        ax.set_yscale("log")  # long tails of crowded bins stay visible
-        ax.set_ylabel("bins (log scale)")
-    else:
-        ax.yaxis.set_major_formatter(_THOUSANDS)
+    _y_scale(ax, counts, "bins")
     if samples_per_bin.size:
         mean = samples_per_bin.mean()
         ax.axvline(mean, color="black", linestyle="--", linewidth=1.0, label=f"mean {mean:.2f}")
         ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3, axis="y")
+
+
+def _y_scale(ax: Any, counts: np.ndarray, label: str) -> None:
+    """Log scale when counts span over two orders of magnitude, so that small groups stay visible."""
+    nonzero = counts[counts > 0]
+    if nonzero.size and nonzero.max() > 100 * nonzero.min():
+        ax.set_yscale("log")
+        ax.set_ylabel(f"{label} (log scale)")
+    else:
+        ax.yaxis.set_major_formatter(_THOUSANDS)
+        ax.set_ylabel(label)

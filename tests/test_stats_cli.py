@@ -798,3 +798,20 @@ def test_packed_dataset_on_s3_matches_local(
         k: v for k, v in local.items() if k not in ("source", "dataset")
     }
     assert remote["dataset"]["shards"] == local["dataset"]["shards"]
+
+
+def test_console_script_exit_code(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.txt"
+    bad.write_text("12\nnot-a-number\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "offline_packing", "stats", str(bad), "--capacity", "64"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert f"{bad}:2: expected `name:length` or an integer" in proc.stderr
+    assert proc.stdout == ""
