@@ -290,16 +290,18 @@ def _push_bin(bits, offsets, head, next_in_class, key, b):
 
 
 @njit(cache=True)
-def best_fit_decreasing_histogram_kernel(counts, capacity):
-    """Best fit decreasing without per-bin caps, over the length histogram.
+def best_fit_decreasing_histogram_kernel(counts, capacity, max_items):
+    """Best fit decreasing over the length histogram, with an optional item cap (0: none).
 
-    Bins with equal remaining space are interchangeable, so for length s and space class r each bin
-    of the class takes floor(r / s) items in turn, exactly as item-by-item best fit would; the work
-    is one step per (bin, distinct length) pair instead of one search per item.
+    Open bins are grouped by (remaining space, items) (items only under a cap). Bins of one group are
+    interchangeable, so for length s each bin of the tightest group takes as many items as fit in
+    turn, exactly as item-by-item best fit would (ties: fewer items, then the bin updated last); the
+    work is one step per (bin, distinct length) pair instead of one search per item.
     Returns (slots, num_bins): see `assign_slots_kernel`.
     """
-    bits, offsets = _bitset_new(capacity + 1)
-    head = np.full(capacity + 1, -1, dtype=np.int64)
+    groups = max_items if max_items > 0 else 1
+    bits, offsets = _bitset_new((capacity + 1) * groups)
+    head = np.full((capacity + 1) * groups, -1, dtype=np.int64)
     total = counts.sum()
     next_in_class = np.empty(max(total, 1), dtype=np.int64)
     slots = np.empty(total, dtype=np.int64)
@@ -307,9 +309,10 @@ def best_fit_decreasing_histogram_kernel(counts, capacity):
     num_bins = 0
     for size in range(capacity, 0, -1):
         left = counts[size]
-        key = _bitset_next(bits, offsets, size) if left > 0 else -1
+        key = _bitset_next(bits, offsets, size * groups) if left > 0 else -1
         while left > 0 and key >= 0:
-            per_bin = key // size
+            space, items = key // groups, key % groups
+            per_bin = space // size if max_items == 0 else min(space // size, max_items - items)
             while left > 0 and head[key] != -1:
                 b = head[key]
                 head[key] = next_in_class[b]
@@ -317,12 +320,13 @@ def best_fit_decreasing_histogram_kernel(counts, capacity):
                 slots[cursor[size] : cursor[size] + take] = b
                 cursor[size] += take
                 left -= take
-                if key - take * size > 0:
-                    _push_bin(bits, offsets, head, next_in_class, key - take * size, b)
+                if space - take * size > 0 and (max_items == 0 or items + take < max_items):
+                    new_key = (space - take * size) * groups + (0 if max_items == 0 else items + take)
+                    _push_bin(bits, offsets, head, next_in_class, new_key, b)
             if head[key] == -1:
                 _bitset_clear(bits, offsets, key)
             key = _bitset_next(bits, offsets, key + 1)
-        per_bin = capacity // size
+        per_bin = capacity // size if max_items == 0 else min(capacity // size, max_items)
         while left > 0:
             b = num_bins
             num_bins += 1
@@ -330,8 +334,9 @@ def best_fit_decreasing_histogram_kernel(counts, capacity):
             slots[cursor[size] : cursor[size] + take] = b
             cursor[size] += take
             left -= take
-            if capacity - take * size > 0:
-                _push_bin(bits, offsets, head, next_in_class, capacity - take * size, b)
+            if capacity - take * size > 0 and (max_items == 0 or take < max_items):
+                new_key = (capacity - take * size) * groups + (0 if max_items == 0 else take)
+                _push_bin(bits, offsets, head, next_in_class, new_key, b)
     return slots, num_bins
 
 
@@ -415,7 +420,7 @@ def _best_fill(counts, gap, largest, max_fillers, min_items, used):
 
 
 @njit(cache=True)
-def pattern_greedy_kernel(counts, capacity, max_items):
+def pattern_greedy_kernel(counts, capacity, max_items, fewest_below=0):
     """Pack a histogram by repeated minimum-slack patterns.
 
     Take the longest remaining length s, fill the rest of its bin as fully as possible (fewest
@@ -448,7 +453,7 @@ def pattern_greedy_kernel(counts, capacity, max_items):
             used[0, 0] = gap
             used[0, 1] = 1
             num_used = 1
-        elif max_items <= 16:
+        elif max_items <= 16 and longest >= fewest_below:
             num_used = _best_fill_capped(remaining, gap, longest, max_items - 1, used)
         else:
             num_used = _best_fill(remaining, gap, longest, max_items - 1, min_items, used)

@@ -173,7 +173,7 @@ class _Packer:
                 self.images,
                 self.max_images,
             )
-        elif algorithm == "obfd" and self.max_items == _UNLIMITED and not self.image_capped:
+        elif algorithm == "obfd" and not self.image_capped and self._histogram_bfd_cap() >= 0:
             return self._from_slots(*self.obfd_slots(), algorithm)
         elif algorithm == "obfd":
             room_classes = (
@@ -194,13 +194,40 @@ class _Packer:
             return self._from_slots(*self.pattern_slots(), algorithm)
         return self._result(bin_ids, num_bins, algorithm)
 
+    def _histogram_bfd_cap(self) -> int:
+        """Item cap for the histogram best-fit kernel (0: none), or -1 where its table would be too big."""
+        if self.max_items >= len(self.lengths):
+            return 0  # the cap cannot bind
+        return self.max_items if self.max_items * (self.capacity + 1) <= 4 * MAX_INDEXED_CAPACITY else -1
+
     def obfd_slots(self) -> tuple[np.ndarray, int]:
-        return kernels.best_fit_decreasing_histogram_kernel(self.counts, self.capacity)
+        return kernels.best_fit_decreasing_histogram_kernel(
+            self.counts, self.capacity, self._histogram_bfd_cap()
+        )
 
     def pattern_slots(self) -> tuple[np.ndarray, int]:
         counts = self.counts
-        patterns = kernels.pattern_greedy_kernel(counts, self.capacity, min(self.max_items, _UNLIMITED))
-        return kernels.pattern_slots_kernel(counts, *patterns)
+        best = None
+        for fewest_below in self._filler_thresholds():
+            patterns = kernels.pattern_greedy_kernel(counts, self.capacity, self.max_items, fewest_below)
+            if best is None or patterns[3].sum() < best[3].sum():
+                best = patterns
+        assert best is not None
+        return kernels.pattern_slots_kernel(counts, *best)
+
+    def _filler_thresholds(self) -> list[int]:
+        """Anchor lengths below which gaps take the fewest fillers rather than the most.
+
+        Under a small item cap, long anchors should take many short fillers and mid-size anchors few,
+        or the leftovers end up either all short (bins hit the cap half empty) or all mid-size (pairs
+        that leave gaps nothing fits). Where the switch is best depends on the histogram, so a few
+        switch points around capacity/2 are tried and the fewest bins win.
+        """
+        if self.max_items > 16:
+            return [0]
+        half, step = self.capacity // 2, max(self.capacity // 32, 1)
+        candidates = [0, half - 2 * step, half - step, half, half + 1, half + step, half + 2 * step]
+        return sorted({max(c, 0) for c in candidates})
 
     def _patterns_affordable(self) -> bool:
         distinct = int(np.count_nonzero(self.counts))

@@ -62,8 +62,8 @@ def first_fit_decreasing(lengths, capacity, max_items=UNLIMITED, images=None, ma
 
 
 def best_fit_decreasing(lengths, capacity, max_items=UNLIMITED, images=None, max_images=UNLIMITED):
-    """Best fit: least space left, then least image room (clamped to the largest image count), then
-    the bin updated most recently."""
+    """Best fit: least space left, then (with an image cap) least image room clamped to the largest
+    image count or (without) fewest items, then the bin updated most recently."""
     image_capped = images is not None and max_images < UNLIMITED and any(images)
     images = images or [0] * len(lengths)
     top_room = min(max(images, default=0), max_images) if image_capped else 0
@@ -78,7 +78,7 @@ def best_fit_decreasing(lengths, capacity, max_items=UNLIMITED, images=None, max
             space = capacity - state["tokens"]
             room = min(max_images - state["images"], top_room) if image_capped else 0
             if space >= size and state["items"] < max_items and room >= need:
-                key = (space, room, -state["updated"])
+                key = (space, room if image_capped else state["items"], -state["updated"])
                 if best is None or key < best[0]:
                     best = (key, b)
         if best is None:
