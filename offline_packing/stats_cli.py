@@ -4,7 +4,7 @@ PATH is a packed dataset (folder or URL holding manifest.json; only metadata is 
 (see `offline_packing.stats_inputs`), which is packed first with `--capacity` and the packing flags.
 Prints rich tables, or with `--json` the dict of `packing.stats.packing_stats` plus `source`,
 `length_distribution`, `dataset` (datasets only) and `compare` (with `--compare`). Bad input: a message on
-stderr naming the file (and line) and exit code 2.
+stderr naming the file (and line) and exit code 2; storage that cannot be read: a message and exit code 1.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 from offline_packing.stats_inputs import LENGTH_FILE_SUFFIXES, StatsInputError, read_length_file
 
 EXIT_BAD_INPUT = 2
+EXIT_STORAGE_ERROR = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
     except StatsInputError as e:
         print(f"mmpack stats: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except _storage_errors() as e:  # storage unreachable, no permission, ...: not the input's fault
+        print(f"mmpack stats: error: cannot read {args.path}: {e}", file=sys.stderr)
+        return EXIT_STORAGE_ERROR
     if args.json:
         print(json.dumps(report, indent=2, default=_to_json))
     else:
@@ -96,13 +100,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _storage_errors() -> tuple[type[BaseException], ...]:
+    """OSError plus the errors of the S3/HTTP client libraries that fsspec lets through."""
+    errors: list[type[BaseException]] = [OSError]
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        errors += [BotoCoreError, ClientError]
+    except ImportError:  # pragma: no cover - s3fs not installed
+        pass
+    try:
+        from aiohttp import ClientError as HttpClientError
+
+        errors.append(HttpClientError)
+    except ImportError:  # pragma: no cover - no HTTP support installed
+        pass
+    return tuple(errors)
+
+
 def _validate(args: argparse.Namespace) -> None:
-    for flag in ("capacity", "max_samples_per_bin", "max_images_per_bin", "workers"):
+    for flag in ("capacity", "max_samples_per_bin", "workers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise StatsInputError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
     if args.max_images_per_bin is not None and args.max_images_per_bin < 0:
-        raise StatsInputError("--max-images-per-bin must be >= 0")
+        raise StatsInputError(f"--max-images-per-bin must be >= 0, got {args.max_images_per_bin}")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise StatsInputError(f"--plot writes a PNG file; give a name ending in .png, got {args.plot!r}")
 

@@ -175,10 +175,9 @@ def _parse_histogram(path: str, obj: dict) -> LengthInput:
             f"{path}: histogram 'counts' must have max_len={max_len} entries "
             f"(counts[i] = samples of length i+1), got {counts.size}"
         )
-    # per-item lengths are what pack_lengths takes; int32 keeps 16M items at 64 MB
-    dtype = np.int32 if max_len < 2**31 else np.int64
-    lengths = np.repeat(np.arange(1, max_len + 1, dtype=dtype), counts)
-    return LengthInput(path, "histogram", lengths.astype(np.int64, copy=False))
+    # pack_lengths takes per-item int64 lengths: expand once, straight into that dtype (16M items: 128 MB)
+    lengths = np.repeat(np.arange(1, max_len + 1, dtype=np.int64), counts)
+    return LengthInput(path, "histogram", lengths)
 
 
 def _parse_npy(path: str, data: bytes) -> LengthInput:

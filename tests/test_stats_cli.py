@@ -815,3 +815,21 @@ def test_console_script_exit_code(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert f"{bad}:2: expected `name:length` or an integer" in proc.stderr
     assert proc.stdout == ""
+
+
+def test_unreachable_storage_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    # nothing listens on port 9 of 127.0.0.1: the S3 client cannot connect
+    rc, out, err = run_stats(
+        capsys,
+        "s3://bucket/dataset",
+        "--endpoint-url",
+        "http://127.0.0.1:9",
+        "--storage-option",
+        "key=x",
+        "--storage-option",
+        "secret=y",
+        "--storage-option",
+        'config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 2}',
+    )
+    assert rc == 1 and out == ""
+    assert err.startswith("mmpack stats: error: cannot read s3://bucket/dataset")
