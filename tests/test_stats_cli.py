@@ -833,3 +833,42 @@ def test_unreachable_storage_is_a_clear_error(capsys: pytest.CaptureFixture[str]
     )
     assert rc == 1 and out == ""
     assert err.startswith("mmpack stats: error: cannot read s3://bucket/dataset")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_small_cases_match_independent_numbers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], seed: int
+) -> None:
+    from packing.binpack import ALGORITHMS
+
+    rng = np.random.default_rng(seed)
+    capacity = int(rng.integers(8, 200))
+    lengths = rng.integers(1, capacity + capacity // 4 + 1, int(rng.integers(1, 120)))  # some too long
+    images = rng.integers(0, 4, lengths.size)
+    algorithm = str(ALGORITHMS[seed % len(ALGORITHMS)])
+    max_items = [None, 1, 2, 5][seed % 4]
+    path = tmp_path / "case.json"
+    path.write_text(json.dumps({"lengths": lengths.tolist(), "image_counts": images.tolist()}))
+    args = [str(path), "--capacity", str(capacity), "--algorithm", algorithm]
+    args += ["--max-samples-per-bin", str(max_items)] if max_items else []
+    report = run_json(capsys, *args)
+    bin_ids = pack(lengths, capacity, algorithm=algorithm, max_items_per_bin=max_items)
+    if (bin_ids >= 0).any():
+        check_against_independent(report, lengths, bin_ids, capacity, images)
+    assert report["num_samples"] + report["num_rejected"] == lengths.size
+    assert report["num_rejected"] == int((lengths > capacity).sum())
+    if max_items:
+        fits = lengths <= capacity
+        want = max(l2_bound(lengths, capacity), math.ceil(int(fits.sum()) / max_items))
+        assert report["source"]["caps_lower_bound_bins"] == want <= report["num_bins"]
+
+
+def test_file_url_and_shard_rows_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_forms(tmp_path, LENGTHS)["npy"]
+    report = run_json(capsys, f"file://{path}", "--capacity", str(CAPACITY))
+    assert report["num_samples"] == LENGTHS.size and report["source"]["kind"] == "npy"
+    root = write_tiny_dataset(tmp_path / "ds", formats=("arrow",))
+    rc, out, err = run_stats(capsys, f"file://{root}", "--max-shard-rows", "1")
+    assert rc == 0, err
+    assert "shards/tiny-000000.arrow" in out and "shards/tiny-000001.arrow" not in out
+    assert "... 1 more" in out
