@@ -41,13 +41,17 @@ class ScanTask:
 
 def _read_image(path: str, full_decode: bool) -> tuple[int, int, str, int]:
     """(width, height, format, size_bytes) of an image file; SampleReject if missing or unreadable."""
+    from offline_packing.tar_source import is_member_ref, read_image_bytes
     from packing.image_tokens import read_image_size
 
     try:
-        w, h, fmt = read_image_size(path, check_truncated=True)
+        # files: header (and end marker) only; tar members are small reads from one open file
+        src: str | bytes = read_image_bytes(path) if is_member_ref(path) else path
+        w, h, fmt = read_image_size(src, check_truncated=True)
         if full_decode:
-            _decode_fully(path)
-        return w, h, fmt, os.path.getsize(path)
+            _decode_fully(src if isinstance(src, bytes) else read_image_bytes(path))
+        size = len(src) if isinstance(src, bytes) else os.path.getsize(path)
+        return w, h, fmt, size
     except FileNotFoundError:
         raise SampleReject("missing_image", f"image file {path} does not exist") from None
     except IsADirectoryError:
@@ -56,12 +60,29 @@ def _read_image(path: str, full_decode: bool) -> tuple[int, int, str, int]:
         raise SampleReject("unreadable_image", str(exc)) from None
 
 
-def _decode_fully(path: str) -> None:
+def _decode_fully(data: bytes) -> None:
+    import io
+
     from PIL import Image, ImageFile
 
     ImageFile.LOAD_TRUNCATED_IMAGES = False
-    with Image.open(path) as im:
+    with Image.open(io.BytesIO(data)) as im:
         im.load()
+
+
+def _locate_image(image: str, rec: RawRecord, source: str, image_root: str) -> str:
+    """A file path under the image root, or a member reference for records read from a tar."""
+    from offline_packing.tar_source import TarSample, resolve_member
+
+    if isinstance(rec.tar_sample, TarSample):
+        try:
+            return resolve_member(image, source, rec.tar_sample)
+        except FileNotFoundError as exc:
+            raise SampleReject("missing_image", str(exc)) from None
+    try:
+        return resolve_image_path(image, image_root)
+    except PermissionError as exc:
+        raise SampleReject("image_path_escape", str(exc)) from None
 
 
 def scan_record(rec: RawRecord, source: str, image_root: str, full_decode: bool) -> dict:
@@ -69,7 +90,7 @@ def scan_record(rec: RawRecord, source: str, image_root: str, full_decode: bool)
     from packing.chat import normalize_record
 
     if rec.error is not None:
-        raise SampleReject("malformed_json", rec.error)
+        raise SampleReject(rec.error_reason, rec.error)
     if not isinstance(rec.obj, dict):
         raise SampleReject(
             "malformed_record", f"a record must be a JSON object, got {type(rec.obj).__name__}"
@@ -84,10 +105,7 @@ def scan_record(rec: RawRecord, source: str, image_root: str, full_decode: bool)
     paths, sizes, formats, nbytes = [], [], [], []
     seen: dict[str, tuple[int, int, str, int]] = {}
     for image in conv.images:
-        try:
-            path = resolve_image_path(image, image_root)
-        except PermissionError as exc:
-            raise SampleReject("image_path_escape", str(exc)) from None
+        path = _locate_image(image, rec, source, image_root)
         if path not in seen:
             seen[path] = _read_image(path, full_decode)
         w, h, fmt, size = seen[path]

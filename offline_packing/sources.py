@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-INPUT_SUFFIXES = (".jsonl", ".json", ".parquet")
+INPUT_SUFFIXES = (".jsonl", ".json", ".parquet", ".tar")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class RawRecord:
     line: int
     obj: object = None
     error: str | None = None
+    tar_sample: object = None  # tar_source.TarSample when the record comes from a WebDataset tar
+    error_reason: str = "malformed_json"
 
 
 def expand_inputs(inputs: tuple[str, ...] | list[str]) -> list[str]:
@@ -52,7 +54,7 @@ def expand_inputs(inputs: tuple[str, ...] | list[str]) -> list[str]:
         else:
             found = sorted(f for f in glob.glob(str(p), recursive=True) if Path(f).suffix in INPUT_SUFFIXES)
         if not found:
-            raise FileNotFoundError(f"input {arg!r} matches no .json/.jsonl/.parquet file")
+            raise FileNotFoundError(f"input {arg!r} matches no .json/.jsonl/.parquet/.tar file")
         files += [f for f in found if f not in files]
     return files
 
@@ -114,13 +116,35 @@ def _read_jsonl_chunk(chunk: Chunk) -> Iterator[RawRecord]:
 @lru_cache(maxsize=2)
 def _read_whole_file(path: str) -> list[RawRecord]:
     """All records of a .json array or .parquet file (cached: several chunks of one file share it)."""
+    if path.endswith(".tar"):
+        return _read_tar(path)
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
         rows = pq.read_table(path).to_pylist()
-        return [RawRecord(i + 1, row) for i, row in enumerate(rows)]
+        # a column absent from a record reads back as null: drop those (mixed-format files)
+        return [
+            RawRecord(i + 1, {k: v for k, v in row.items() if v is not None}) for i, row in enumerate(rows)
+        ]
     text = Path(path).read_text(encoding="utf-8", errors="replace")
     return _split_json_array(text)
+
+
+def _read_tar(path: str) -> list[RawRecord]:
+    from offline_packing.tar_source import index_tar, sample_record
+
+    records = []
+    for i, sample in enumerate(index_tar(path)):
+        try:
+            records.append(RawRecord(i + 1, sample_record(path, sample), tar_sample=sample))
+        except (ValueError, UnicodeDecodeError) as exc:
+            reason = "malformed_json" if isinstance(exc, json.JSONDecodeError) else "malformed_record"
+            records.append(
+                RawRecord(
+                    i + 1, error=f"sample {sample.key!r}: {exc}", tar_sample=sample, error_reason=reason
+                )
+            )
+    return records
 
 
 def _split_json_array(text: str) -> list[RawRecord]:

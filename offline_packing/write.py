@@ -90,8 +90,9 @@ class BinSource:
 
 
 def _read_file(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+    from offline_packing.tar_source import read_image_bytes
+
+    return read_image_bytes(path)
 
 
 _SOURCES: dict[tuple[str, str], BinSource] = {}

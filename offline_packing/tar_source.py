@@ -1,0 +1,100 @@
+"""WebDataset tars as raw input: each sample (members sharing a key) is one record.
+
+A sample's `.json` member is the raw record (LLaVA, ShareGPT, caption, text-only); without one, a `.txt`
+member plus one image member make a caption record. The record's image entries name members of the same
+sample: by full member name ("000123.jpg"), by suffix after the key ("jpg", "img0.png"), or, when the
+record has no image field at all, every image member of the sample in name order. Images never leave the
+tar: they are addressed as `tar::<tar path>::<offset>::<size>` references, created here only (a record
+cannot forge one: image strings from records are always resolved as members or file paths, never parsed).
+The "line" of a tar record is its 1-based sample index in the tar.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from dataclasses import dataclass
+from functools import lru_cache
+
+IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
+_REF_PREFIX = "tar::"
+
+
+@dataclass(frozen=True)
+class TarSample:
+    """One sample of a tar: its key and member suffix -> (data offset, size)."""
+
+    key: str
+    members: dict[str, tuple[int, int]]
+
+
+def _split_name(name: str) -> tuple[str, str]:
+    """WebDataset key/suffix split: the key ends at the first dot of the basename."""
+    dirname, _, base = name.rpartition("/")
+    stem, dot, suffix = base.partition(".")
+    return (f"{dirname}/{stem}" if dirname else stem), suffix if dot else ""
+
+
+@lru_cache(maxsize=2)
+def index_tar(path: str) -> tuple[TarSample, ...]:
+    """The samples of a tar, in member order (headers only; data is skipped by seeking)."""
+    samples: list[TarSample] = []
+    with tarfile.open(path, "r:") as tar:
+        for info in tar:
+            if not info.isfile():
+                continue
+            key, suffix = _split_name(info.name)
+            if key.startswith("__") or not suffix:
+                continue
+            if not samples or samples[-1].key != key:
+                samples.append(TarSample(key, {}))
+            samples[-1].members[suffix] = (info.offset_data, info.size)
+    return tuple(samples)
+
+
+def member_ref(tar_path: str, offset: int, size: int) -> str:
+    return f"{_REF_PREFIX}{os.path.abspath(tar_path)}::{offset}::{size}"
+
+
+def is_member_ref(path: str) -> bool:
+    return path.startswith(_REF_PREFIX)
+
+
+def read_image_bytes(path: str) -> bytes:
+    """Bytes of an image file or of a tar member reference."""
+    if is_member_ref(path):
+        tar_path, offset, size = path[len(_REF_PREFIX) :].rsplit("::", 2)
+        with open(tar_path, "rb") as f:
+            f.seek(int(offset))
+            data = f.read(int(size))
+        if len(data) != int(size):
+            raise OSError(f"tar member at {offset} of {tar_path} is truncated")
+        return data
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def sample_record(tar_path: str, sample: TarSample) -> dict:
+    """The raw record of a tar sample (ValueError if it has none or its JSON is invalid)."""
+    if "json" in sample.members:
+        obj = json.loads(read_image_bytes(member_ref(tar_path, *sample.members["json"])))
+        if isinstance(obj, dict) and not any(k in obj for k in ("image", "images")):
+            images = sorted(s for s in sample.members if s.rsplit(".", 1)[-1].lower() in IMAGE_SUFFIXES)
+            if images:
+                obj = {**obj, "images": images}
+        return obj
+    images = [s for s in sample.members if s.rsplit(".", 1)[-1].lower() in IMAGE_SUFFIXES]
+    if "txt" in sample.members and len(images) == 1:
+        text = read_image_bytes(member_ref(tar_path, *sample.members["txt"])).decode("utf-8")
+        return {"id": sample.key, "caption": text, "image": images[0]}
+    raise ValueError(f"sample {sample.key!r} has no .json record (nor a .txt caption with one image)")
+
+
+def resolve_member(image: str, tar_path: str, sample: TarSample) -> str:
+    """The member reference an image entry of a tar record names; FileNotFoundError if none."""
+    base = sample.key.rpartition("/")[2]
+    for candidate in (image, image.removeprefix(f"{base}."), image.removeprefix(f"{sample.key}.")):
+        if candidate in sample.members:
+            return member_ref(tar_path, *sample.members[candidate])
+    raise FileNotFoundError(f"sample {sample.key!r} of {tar_path} has no member {image!r}")
