@@ -717,9 +717,20 @@ def test_dataset_over_http(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     root = write_tiny_dataset(tmp_path / "ds")
     local = run_json(capsys, str(root))
     with http_server(root) as base:
-        remote = run_json(capsys, base + "/", "--format", "wds")
-    assert remote["num_bins"] == local["num_bins"] == 5
-    assert remote["fill_histogram"] == local["fill_histogram"]
+        for fmt in ("arrow", "wds"):
+            remote = run_json(capsys, base + "/", "--format", fmt)
+            assert {k: v for k, v in remote.items() if k not in ("source", "dataset")} == {
+                k: v for k, v in local.items() if k not in ("source", "dataset")
+            }
+            assert remote["dataset"]["shards"] == [
+                {
+                    **s,
+                    "path": s["path"].replace(".arrow", ".tar" if fmt == "wds" else ".arrow"),
+                    "format": fmt,
+                    "bytes": remote["dataset"]["shards"][i]["bytes"],
+                }
+                for i, s in enumerate(local["dataset"]["shards"])
+            ]
 
 
 # ---------------------------------------------------------------------------------------------------------
