@@ -85,6 +85,10 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
         PackError: a `--strict` reject, `--overlength error`, or `-S N` without stages 1..N-1 complete.
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if cfg.tokenizer is not None:  # fail before the first stage, not after it
+        from packing.tokenizer import resolve_tokenizer_file
+
+        resolve_tokenizer_file(cfg.tokenizer)
     wd = WorkDir(resolve_work_dir(cfg))
     wd.root.mkdir(parents=True, exist_ok=True)
     first = cfg.only_stage or cfg.start_stage or 1
@@ -93,7 +97,8 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
         if not wd.is_done(STAGES[n - 1], cfg.stage_fingerprint(n)):
             raise PackError(
                 f"cannot start at stage {first} ({STAGES[first - 1]}): stage {n} ({STAGES[n - 1]}) has not "
-                f"completed with these options in {wd.root}; run without -S first"
+                f"completed with these options in {wd.root}; run the earlier stages first (or the whole job "
+                "without -S)"
             )
     summary = PackSummary(output=cfg.output)
     forced = cfg.only_stage is not None or cfg.start_stage is not None
