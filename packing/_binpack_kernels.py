@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+CHEAP_GAP = 512
 # Lowest set bit of a word: multiply the isolated bit by a de Bruijn constant, look up the top 6 bits.
 _DEBRUIJN_CONSTANT = 0x03F79D71B4CB0A89
 _DEBRUIJN = np.uint64(_DEBRUIJN_CONSTANT)
@@ -420,18 +421,22 @@ def _best_fill(counts, gap, largest, max_fillers, min_items, used):
 
 
 @njit(cache=True)
-def pattern_greedy_kernel(counts, capacity, max_items, fewest_below=0):
+def pattern_greedy_kernel(counts, capacity, max_items, fewest_below=0, cheap=False):
     """Pack a histogram by repeated minimum-slack patterns.
 
     Take the longest remaining length s, fill the rest of its bin as fully as possible (fewest
     items on ties) from what remains, and emit that pattern as many times as the counts allow.
     Each emission exhausts at least one length's count, so there are few patterns.
+    Anchors shorter than `fewest_below` take the fewest fillers, longer ones the most (only under
+    an item cap of at most 16). `cheap` replaces the exact fill (a dynamic program over the gap)
+    by the best one or two fillers plus the longest that still fit, for large capacities.
     Returns (starts, pattern_lengths, pattern_counts, multiplicity): pattern p is the pairs
     (pattern_lengths[e], pattern_counts[e]) for e in starts[p]:starts[p+1], used multiplicity[p] times.
     """
     remaining = counts.copy()
     min_items = np.empty(capacity + 1, dtype=np.int64)
     used = np.empty((capacity + 1, 2), dtype=np.int64)
+    below = np.empty(capacity + 1, dtype=np.int64)
     starts = [0]
     pattern_lengths = [0]
     pattern_counts = [0]
@@ -449,6 +454,8 @@ def pattern_greedy_kernel(counts, capacity, max_items, fewest_below=0):
         remaining[longest] -= 1
         if gap == 0 or max_items <= 1:
             num_used = 0
+        elif cheap:
+            num_used = _pair_fill(remaining, gap, longest, max_items - 1, below, used)
         elif max_items > 16 and remaining[gap] > 0:
             used[0, 0] = gap
             used[0, 1] = 1
@@ -554,4 +561,68 @@ def _best_fill_capped(counts, gap, largest, max_fillers, used):
             num_used += 1
             value -= j * sizes[t]
             k -= j
+    return num_used
+
+
+@njit(cache=True)
+def _pair_fill(counts, gap, largest, max_fillers, below, used):
+    """Cheap fill for large capacities: the best one or two fillers, then the longest that still fit.
+
+    `below[v]` is filled with the longest available length <= v (0: none). O(gap) per call.
+    """
+    top = min(gap, largest)
+    last = 0
+    for v in range(top + 1):
+        if v > 0 and counts[v] > 0:
+            last = v
+        below[v] = last
+    best_a = below[top]
+    best_b = 0
+    if max_fillers >= 2 and best_a < gap:
+        for a in range(1, top // 2 + 1):
+            if counts[a] == 0:
+                continue
+            b = below[min(gap - a, top)]
+            if b == a and counts[a] < 2:
+                b = below[a - 1]
+            if b < a:
+                continue
+            if a + b > best_a + best_b:
+                best_a, best_b = b, a
+                if a + b == gap:
+                    break
+    num_used = 0
+    if best_a > 0:
+        used[0, 0] = best_a
+        used[0, 1] = 1
+        num_used = 1
+    if best_b > 0:
+        if best_b == best_a:
+            used[0, 1] = 2
+        else:
+            used[1, 0] = best_b
+            used[1, 1] = 1
+            num_used = 2
+    room = gap - best_a - best_b
+    taken = (1 if best_a > 0 else 0) + (1 if best_b > 0 else 0)
+    size = below[min(room, top)]
+    while room > 0 and size > 0 and taken < max_fillers:
+        already = 0
+        for k in range(num_used):
+            if used[k, 0] == size:
+                already = used[k, 1]
+        if counts[size] > already:
+            if already > 0:
+                for k in range(num_used):
+                    if used[k, 0] == size:
+                        used[k, 1] += 1
+            else:
+                used[num_used, 0] = size
+                used[num_used, 1] = 1
+                num_used += 1
+            room -= size
+            taken += 1
+            size = below[min(room, top)]
+        else:
+            size = below[size - 1]
     return num_used

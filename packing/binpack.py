@@ -8,10 +8,12 @@ Algorithms:
 - ``"obfd"``: best fit decreasing. Without per-bin caps it runs over the length histogram (bins with
   equal remaining space move together), otherwise item by item over bins grouped by remaining space.
 - ``"patterns"``: greedy minimum-slack patterns over the length histogram: the longest remaining
-  length is completed to the fullest bin the remaining items allow, and that pattern is repeated as
-  often as the counts allow. Not available with an image cap.
-- ``"auto"`` (default): ``"patterns"`` where it is cheap enough, compared with ``"obfd"``; the one
-  with fewer bins wins (``"obfd"`` on ties), so it is never worse than ``"obfd"``.
+  length is completed to the fullest bin the remaining items allow (an exact dynamic program over
+  the gap where distinct lengths x capacity is small, else the best one or two fillers), and that
+  pattern is repeated as often as the counts allow. Not available with an image cap.
+- ``"auto"`` (default): ``"patterns"``, kept if it meets the lower bound, otherwise compared with
+  ``"obfd"``; the one with fewer bins wins (``"obfd"`` on ties), so it is never worse than ``"obfd"``.
+  With an image cap it is ``"obfd"``.
 
 All algorithms are deterministic. Items longer than the capacity, or with more images than
 ``max_images_per_bin``, get bin -1.
@@ -208,8 +210,11 @@ class _Packer:
     def pattern_slots(self) -> tuple[np.ndarray, int]:
         counts = self.counts
         best = None
-        for fewest_below in self._filler_thresholds():
-            patterns = kernels.pattern_greedy_kernel(counts, self.capacity, self.max_items, fewest_below)
+        cheap = not self._patterns_affordable()
+        for fewest_below in [0] if cheap else self._filler_thresholds():
+            patterns = kernels.pattern_greedy_kernel(
+                counts, self.capacity, self.max_items, fewest_below, cheap
+            )
             if best is None or patterns[3].sum() < best[3].sum():
                 best = patterns
         assert best is not None
@@ -235,7 +240,7 @@ class _Packer:
         return distinct * self.capacity * max(fillers, 1) <= AUTO_PATTERNS_BUDGET
 
     def auto(self) -> PackResult:
-        if self.image_capped or not self._patterns_affordable():
+        if self.image_capped:
             return self.run("obfd")
         slots, num_bins = self.pattern_slots()
         bound = lower_bound_l2_from_counts(self.counts, self.capacity)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from packing import binpack
 from packing.binpack import ALGORITHMS, PackResult, pack_lengths
 from packing.stats import lower_bound_l2
 from tests import reference
@@ -246,3 +247,20 @@ def test_large_capacity_falls_back_to_first_fit():
     assert result.algorithm == "ffd" and result.num_bins == 1
     with pytest.raises(ValueError, match="capacity"):
         pack_lengths(lengths, 1 << 26, algorithm="obfd")
+
+
+@FAST
+@given(packing_inputs(), st.sampled_from(["auto", "patterns"]))
+def test_cheap_pattern_fill_for_large_inputs_is_valid(inputs, algorithm):
+    """Above the size budget the patterns use the one-or-two-filler fill; force it on small inputs."""
+    lengths, capacity, max_items, *_ = inputs
+    saved = binpack.AUTO_PATTERNS_BUDGET
+    binpack.AUTO_PATTERNS_BUDGET = 0
+    try:
+        result = _pack(lengths, capacity, max_items, None, None, algorithm)
+        obfd = _pack(lengths, capacity, max_items, None, None, "obfd")
+    finally:
+        binpack.AUTO_PATTERNS_BUDGET = saved
+    assert_valid(result, lengths, capacity, max_items, None, None)
+    if algorithm == "auto":
+        assert result.num_bins <= obfd.num_bins
