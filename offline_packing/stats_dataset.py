@@ -127,11 +127,13 @@ def read_dataset(
     def read_one(entry: dict) -> ShardBins:
         shard_path = f"{fs_root}/{entry['path']}"
         try:
-            return readers[fmt](fs, shard_path, entry)
+            return _read_shard(fs, shard_path, entry, readers[fmt])
         except FileNotFoundError as e:
             raise StatsInputError(f"{root}: shard {entry['path']} listed in the manifest is missing") from e
-        except (OSError, ValueError, KeyError, tarfile.TarError) as e:
+        except (ValueError, KeyError, tarfile.TarError) as e:
             raise StatsInputError(f"{root}: cannot read shard {entry['path']}: {e}") from e
+        except OSError as e:
+            raise OSError(f"shard {entry['path']}: {e}") from e
 
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(entries) or 1))) as pool:
         shards = list(pool.map(read_one, entries))
@@ -169,30 +171,40 @@ def _read_manifest(fs: Any, fs_root: str, root: str) -> dict:
     return manifest
 
 
-def _read_arrow_shard(fs: Any, shard_path: str, entry: dict) -> ShardBins:
+def _read_shard(fs: Any, shard_path: str, entry: dict, reader: Any) -> ShardBins:
+    try:
+        with fs.open(shard_path, "rb") as f:
+            return reader(f, shard_path, entry)
+    except ValueError as e:
+        if "range" not in str(e):
+            raise
+    # an HTTP server without range requests: no seeking, so read the whole shard once
+    return reader(io.BytesIO(fs.cat_file(shard_path)), shard_path, entry)
+
+
+def _read_arrow_shard(f: Any, shard_path: str, entry: dict) -> ShardBins:
     import pyarrow as pa
     import pyarrow.compute as pc
 
     keys: list[str] = []
     lengths, spb, ipb, patches = [], [], [], []
-    with fs.open(shard_path, "rb") as f:
-        schema = pa.ipc.open_file(f).schema
-        missing = [c for c in _ARROW_COLUMNS if schema.get_field_index(c) < 0]
-        if missing:
-            raise ValueError(f"columns {missing} missing from the Arrow schema")
-        included = [schema.get_field_index(c) for c in _ARROW_COLUMNS]
-        reader = pa.ipc.open_file(f, options=pa.ipc.IpcReadOptions(included_fields=included))
-        for i in range(reader.num_record_batches):
-            batch = reader.get_batch(i)
-            seq_lens = batch.column("seq_lens")
-            grids = batch.column("image_grid_thw")
-            keys.extend(batch.column("key").to_pylist())
-            lengths.append(pc.list_flatten(seq_lens).to_numpy(zero_copy_only=False))
-            spb.append(pc.list_value_length(seq_lens).fill_null(0).to_numpy(zero_copy_only=False))
-            n_images = pc.list_value_length(grids).fill_null(0).to_numpy(zero_copy_only=False)
-            ipb.append(n_images)
-            thw = pc.list_flatten(pc.list_flatten(grids)).to_numpy(zero_copy_only=False).reshape(-1, 3)
-            patches.append(_sum_per_bin(np.prod(thw.astype(np.int64), axis=1), n_images))
+    schema = pa.ipc.open_file(f).schema
+    missing = [c for c in _ARROW_COLUMNS if schema.get_field_index(c) < 0]
+    if missing:
+        raise ValueError(f"columns {missing} missing from the Arrow schema")
+    included = [schema.get_field_index(c) for c in _ARROW_COLUMNS]
+    reader = pa.ipc.open_file(f, options=pa.ipc.IpcReadOptions(included_fields=included))
+    for i in range(reader.num_record_batches):
+        batch = reader.get_batch(i)
+        seq_lens = batch.column("seq_lens")
+        grids = batch.column("image_grid_thw")
+        keys.extend(batch.column("key").to_pylist())
+        lengths.append(pc.list_flatten(seq_lens).to_numpy(zero_copy_only=False))
+        spb.append(pc.list_value_length(seq_lens).fill_null(0).to_numpy(zero_copy_only=False))
+        n_images = pc.list_value_length(grids).fill_null(0).to_numpy(zero_copy_only=False)
+        ipb.append(n_images)
+        thw = pc.list_flatten(pc.list_flatten(grids)).to_numpy(zero_copy_only=False).reshape(-1, 3)
+        patches.append(_sum_per_bin(np.prod(thw.astype(np.int64), axis=1), n_images))
     return _shard_bins(shard_path, "arrow", entry, keys, lengths, spb, ipb, patches)
 
 
@@ -217,10 +229,10 @@ def _shard_bins(path, fmt, entry, keys, lengths, spb, ipb, patches) -> ShardBins
     )
 
 
-def _read_wds_shard(fs: Any, shard_path: str, entry: dict) -> ShardBins:
+def _read_wds_shard(f: Any, shard_path: str, entry: dict) -> ShardBins:
     records: dict[str, dict[str, Any]] = {}
     wanted = ("json", "seq_lens.npy", "image_grid_thw.npy")
-    with fs.open(shard_path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+    with tarfile.open(fileobj=f, mode="r:") as tar:
         for member in tar:  # r: mode seeks over the data of members that are not read
             if not member.isfile():
                 continue

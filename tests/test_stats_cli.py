@@ -596,6 +596,13 @@ def test_dataset_missing_shard_and_bad_manifest(tmp_path: Path, capsys: pytest.C
     (root / "shards" / "tiny-000001.arrow").unlink()
     rc, _, err = run_stats(capsys, str(root))
     assert rc == 2 and "shard shards/tiny-000001.arrow listed in the manifest is missing" in err
+    (root / "shards" / "tiny-000001.arrow").write_bytes(b"not an arrow file" * 10)
+    rc, _, err = run_stats(capsys, str(root))
+    assert rc == 2 and "cannot read shard shards/tiny-000001.arrow" in err
+    wds_root = write_tiny_dataset(tmp_path / "wds", formats=("wds",))
+    (wds_root / "shards" / "tiny-000000.tar").write_bytes(b"\x00garbage" * 100)
+    rc, _, err = run_stats(capsys, str(wds_root))
+    assert rc == 2 and "cannot read shard shards/tiny-000000.tar" in err
     (root / "manifest.json").write_text('{"format": "something-else"}')
     rc, _, err = run_stats(capsys, str(root))
     assert rc == 2 and "format is 'something-else', expected 'mmpack-packed'" in err
