@@ -241,9 +241,7 @@ def dataset_header(dataset: dict[str, Any]) -> Table:
     table.add_row("path", dataset["path"])
     table.add_row("formats", ", ".join(dataset.get("formats", [])) + f" (read: {dataset['format']})")
     table.add_row("tokenizer", str(dataset.get("tokenizer")))
-    table.add_row(
-        "algorithm", ", ".join(f"{k}={v}" for k, v in algo.items()) if isinstance(algo, dict) else str(algo)
-    )
+    table.add_row("algorithm", _algorithm_text(algo))
     table.add_row("samples read", _fmt_int(counts.get("samples_read")))
     reasons = ", ".join(f"{k}: {v}" for k, v in sorted(rejected.items()))
     table.add_row(
@@ -251,6 +249,13 @@ def dataset_header(dataset: dict[str, Any]) -> Table:
     )
     table.add_row("image tokens", _fmt_int(dataset.get("image_tokens")))
     return table
+
+
+def _algorithm_text(algo: Any) -> str:
+    if not isinstance(algo, dict):
+        return str(algo)
+    options = {k: v for k, v in algo.items() if k != "name" and v is not None}
+    return " ".join([str(algo.get("name", "?")), *(f"{k}={v}" for k, v in options.items())])
 
 
 def compare_table(rows: list[dict[str, Any]]) -> Table:
