@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from packing import _binpack_kernels as kernels
+from packing import _pattern_kernels as pattern_kernels
 from packing.stats import lower_bound_l2_from_counts
 
 ALGORITHMS: tuple[str, ...] = ("auto", "obfd", "ffd", "nf", "patterns")
@@ -212,13 +213,13 @@ class _Packer:
         best = None
         cheap = not self._patterns_affordable()
         for fewest_below in [0] if cheap else self._filler_thresholds():
-            patterns = kernels.pattern_greedy_kernel(
+            patterns = pattern_kernels.pattern_greedy_kernel(
                 counts, self.capacity, self.max_items, fewest_below, cheap
             )
             if best is None or patterns[3].sum() < best[3].sum():
                 best = patterns
         assert best is not None
-        return kernels.pattern_slots_kernel(counts, *best)
+        return pattern_kernels.pattern_slots_kernel(counts, *best)
 
     def _filler_thresholds(self) -> list[int]:
         """Anchor lengths below which gaps take the fewest fillers rather than the most.
