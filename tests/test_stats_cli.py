@@ -3,6 +3,7 @@ the algorithm comparison, and clear errors (exit code 2) on bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -670,19 +671,63 @@ def test_dataset_reading_skips_image_bytes(tmp_path: Path, capsys: pytest.Captur
 # remote datasets: moto's S3 server and a plain HTTP server on 127.0.0.1
 
 
+@contextlib.contextmanager
+def _local_moto_s3() -> Iterator[Any]:
+    # used only when tests/storage_servers.py (the shared storage fixtures) is absent
+    from types import SimpleNamespace
+
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield SimpleNamespace(endpoint_url=f"http://{host}:{port}")
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def _local_http_server(directory: Path) -> Iterator[str]:
+    import functools
+    import http.server
+    import threading
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Quiet, directory=str(directory))
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+try:
+    from tests.storage_servers import http_server, moto_s3
+except ImportError:
+    http_server, moto_s3 = _local_http_server, _local_moto_s3  # type: ignore[assignment]
+
+
 @pytest.fixture(scope="module")
 def s3() -> Iterator[Any]:
     """moto's S3 server on 127.0.0.1, shared by the tests of this module."""
-    from tests.storage_servers import moto_s3
-
     with moto_s3() as endpoint:
         yield endpoint
 
 
 def upload(s3: Any, folder: Path, bucket: str, prefix: str) -> str:
+    """Copy a folder into a new bucket of the moto server; returns its s3:// URL."""
     import boto3
 
-    # the bucket is made with boto3: s3fs's mkdir sends LocationConstraint=us-east-1, which S3 (and moto) reject
+    # boto3 rather than s3fs: s3fs's mkdir sends LocationConstraint=us-east-1, which S3 (and moto) reject
     client = boto3.client(
         "s3",
         endpoint_url=s3.endpoint_url,
@@ -691,7 +736,9 @@ def upload(s3: Any, folder: Path, bucket: str, prefix: str) -> str:
         aws_secret_access_key="testing",
     )
     client.create_bucket(Bucket=bucket)
-    return s3.upload_folder(folder, bucket, prefix)
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
+    return f"s3://{bucket}/{prefix}"
 
 
 def test_dataset_on_s3(tmp_path: Path, capsys: pytest.CaptureFixture[str], s3: Any) -> None:
@@ -719,8 +766,6 @@ def test_dataset_on_s3(tmp_path: Path, capsys: pytest.CaptureFixture[str], s3: A
 
 
 def test_dataset_over_http(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tests.storage_servers import http_server
-
     root = write_tiny_dataset(tmp_path / "ds")
     local = run_json(capsys, str(root))
     with http_server(root) as base:
