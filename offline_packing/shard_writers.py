@@ -172,11 +172,20 @@ class WdsShardWriter:
     """WebDataset tar of bins with deterministic headers (mtime 0, owner 0/root-less, mode 0644)."""
 
     def __init__(self, sink: IO[bytes]):
-        # closed in close(), after the last bin
-        self._tar = tarfile.open(fileobj=sink, mode="w", format=tarfile.PAX_FORMAT)  # type: ignore[call-overload]  # noqa: SIM115
+        # USTAR headers are cheaper to build than PAX ones; bin keys and member names fit in 100 bytes
+        # unless the shard prefix is very long, which then gets PAX
+        self._sink = sink
+        self._tar: tarfile.TarFile | None = None
+
+    def _open(self, longest_name: int) -> tarfile.TarFile:
+        fmt = tarfile.USTAR_FORMAT if longest_name <= 100 else tarfile.PAX_FORMAT
+        return tarfile.open(fileobj=self._sink, mode="w", format=fmt)  # type: ignore[call-overload]
 
     def add(self, packed: PackedBin) -> None:
-        for name, data in wds_members(packed):
+        members = wds_members(packed)
+        if self._tar is None:
+            self._tar = self._open(len(packed.key) + 40)  # the key plus the longest member suffix
+        for name, data in members:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             info.mtime = 0
@@ -186,6 +195,8 @@ class WdsShardWriter:
             self._tar.addfile(info, io.BytesIO(data))
 
     def close(self) -> None:
+        if self._tar is None:
+            self._tar = self._open(0)
         self._tar.close()
 
 

@@ -53,9 +53,10 @@ class BinSource:
     @cache  # noqa: B019 - one BinSource per process, lives as long as it
     def chunk(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict]]:
         path = lambda s: self.wd.chunk_path("lengths", c, s)  # noqa: E731
+        # asarray: plain ndarray views of the maps (slicing np.memmap objects is slow)
         return (
-            np.load(path("ids.npy"), mmap_mode="r"),
-            np.load(path("mask.npy"), mmap_mode="r"),
+            np.asarray(np.load(path("ids.npy"), mmap_mode="r")),
+            np.asarray(np.load(path("mask.npy"), mmap_mode="r")),
             np.load(path("offsets.npy")),
             read_jsonl(path("samples.jsonl")),
         )
