@@ -118,3 +118,24 @@ def lower_bound_l2(lengths, capacity) -> int:
         spare = len(j2) * capacity - sum(j2)
         best = max(best, len(j1) + len(j2) + max(0, math.ceil((sum(j3) - spare) / capacity)))
     return best
+
+
+def best_fill(counts: dict[int, int], gap: int, max_fillers: int) -> tuple[int, int, int]:
+    """Fullest fill of `gap` from `counts` (length -> available) with at most `max_fillers` items.
+
+    Returns (fill, fewest items reaching it, most items reaching it), by enumerating every multiset.
+    """
+    sizes = sorted(s for s, c in counts.items() if c > 0 and s <= gap)
+    reachable: dict[int, set[int]] = {}
+
+    def walk(index: int, total: int, items: int) -> None:
+        reachable.setdefault(total, set()).add(items)
+        if index == len(sizes):
+            return
+        size = sizes[index]
+        for copies in range(min(counts[size], max_fillers - items, (gap - total) // size) + 1):
+            walk(index + 1, total + copies * size, items + copies)
+
+    walk(0, 0, 0)
+    fill = max(reachable)
+    return fill, min(reachable[fill]), max(reachable[fill])
