@@ -113,9 +113,15 @@ def _read_jsonl_chunk(chunk: Chunk) -> Iterator[RawRecord]:
                 yield RawRecord(line_no, error=f"invalid JSON: {exc}")
 
 
-@lru_cache(maxsize=2)
 def _read_whole_file(path: str) -> list[RawRecord]:
-    """All records of a .json array or .parquet file (cached: several chunks of one file share it)."""
+    """All records of a .json array, .parquet or .tar file (cached: several chunks of one file share it)."""
+    st = os.stat(path)
+    return _read_whole_file_cached(path, st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=2)
+def _read_whole_file_cached(path: str, size: int, mtime_ns: int) -> list[RawRecord]:
+    """Keyed by size and mtime too, so a rewritten file is read again."""
     if path.endswith(".tar"):
         return _read_tar(path)
     if path.endswith(".parquet"):

@@ -36,9 +36,14 @@ def _split_name(name: str) -> tuple[str, str]:
     return (f"{dirname}/{stem}" if dirname else stem), suffix if dot else ""
 
 
-@lru_cache(maxsize=2)
 def index_tar(path: str) -> tuple[TarSample, ...]:
     """The samples of a tar, in member order (headers only; data is skipped by seeking)."""
+    st = os.stat(path)
+    return _index_tar(path, st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=2)
+def _index_tar(path: str, size: int, mtime_ns: int) -> tuple[TarSample, ...]:
     samples: list[TarSample] = []
     with tarfile.open(path, "r:") as tar:
         for info in tar:

@@ -66,11 +66,23 @@ def test_odd_but_valid_images_are_packed_with_their_true_format(bad, packed_bad)
     assert sum(len(r["seq_lens"]) for r in rows) == bad.n_good
 
 
-def test_strict_fails_on_first_bad_sample_naming_file_and_line(bad, tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_strict_fails_on_first_bad_sample_naming_file_and_line(bad, tmp_path: Path, workers: int) -> None:
     first = min(bad.bad, key=lambda c: c.line)
+    cfg = _cfg(
+        [bad.jsonl_path], bad.image_root, tmp_path / "strict", strict=True, workers=workers, chunk_size=3
+    )
     with pytest.raises(PackError, match=rf"{bad.jsonl_path.name}:{first.line}: {first.reason}"):
-        run_pack(_cfg([bad.jsonl_path], bad.image_root, tmp_path / "strict", strict=True))
+        run_pack(cfg)
     assert not (tmp_path / "strict" / "manifest.json").exists()
+
+
+def test_rewritten_input_is_read_again(tmp_path: Path) -> None:
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"text": "one"}]))
+    assert run_pack(_cfg([path], None, tmp_path / "a")).samples_read == 1
+    path.write_text(json.dumps([{"text": "one"}, {"text": "two, a longer file"}]))
+    assert run_pack(_cfg([path], None, tmp_path / "b")).samples_read == 2
 
 
 def test_json_array_input_reports_element_lines(tmp_path: Path) -> None:
