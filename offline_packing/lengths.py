@@ -2,7 +2,8 @@
 
 Reads:  `<work>/scan/chunk-N.samples.jsonl`, the tokenizer (-t), the image-token rule flags.
 Writes: `<work>/lengths/chunk-N.{ids,mask,offsets,nimg}.npy` (token ids and loss mask of the chunk's kept
-        samples, concatenated), `chunk-N.samples.jsonl` (ids, images, grids), `chunk-N.rejects.jsonl`
+        samples, concatenated), `chunk-N.samples.jsonl` (ids, images, grids) with its line offsets
+        `chunk-N.meta_offsets.npy`, `chunk-N.rejects.jsonl`
         (over-length, bad image sizes), `chunk-N.done.json`, then `<work>/lengths.done.json`.
 Run alone: `python -m offline_packing.lengths <mmpack pack flags>`.
 """
@@ -10,6 +11,7 @@ Run alone: `python -m offline_packing.lengths <mmpack pack flags>`.
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,7 +151,16 @@ def lengths_chunk(task: LengthsTask) -> dict:
     )
     ibytes = np.array([sum(m["nbytes"]) for m in metas], dtype=np.int64)
     atomic_write_bytes(path("ibytes.npy"), _npy_bytes(ibytes))
-    write_jsonl(path("samples.jsonl"), metas)
+    lines = [
+        json.dumps(m, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+        for m in metas
+    ]
+    line_offsets = np.zeros(len(lines) + 1, dtype=np.int64)
+    line_offsets[1:] = np.cumsum([len(x) for x in lines], dtype=np.int64)
+    atomic_write_bytes(path("samples.jsonl"), b"".join(lines))
+    atomic_write_bytes(
+        path("meta_offsets.npy"), _npy_bytes(line_offsets)
+    )  # random access for the write stage
     write_jsonl(path("rejects.jsonl"), rejects)
     counts = {
         "fingerprint": task.fingerprint,

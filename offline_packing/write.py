@@ -10,16 +10,17 @@ Run alone: `python -m offline_packing.write <mmpack pack flags>`.
 
 from __future__ import annotations
 
+import json
 from contextlib import ExitStack
 from dataclasses import dataclass
-from functools import cache
+from functools import lru_cache
 
 import numpy as np
 
 from offline_packing.config import PackJobConfig
 from offline_packing.shard_writers import HashingWriter, PackedBin, open_shard_writer
 from offline_packing.storage import OutputStore
-from offline_packing.workdir import WorkDir, atomic_write_json, read_json, read_jsonl, run_parallel
+from offline_packing.workdir import WorkDir, atomic_write_json, read_json, run_parallel
 from packing.format import bin_key, shard_name
 
 STAGE = "write"
@@ -50,15 +51,24 @@ class BinSource:
         self.order = np.load(plan_dir / "order.npy", mmap_mode="r")
         self.bin_offsets = np.load(plan_dir / "bin_offsets.npy")
 
-    @cache  # noqa: B019 - one BinSource per process, lives as long as it
-    def chunk(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict]]:
+    # bounded: each map holds a file descriptor, and a dataset may have thousands of chunks
+    @lru_cache(maxsize=128)  # noqa: B019 - one BinSource per process, lives as long as it
+    def chunk(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Maps of chunk `c`: token ids, loss mask, token offsets, metadata lines and their offsets.
+
+        Nothing is loaded whole, so a worker's memory grows with its shard, not with the dataset.
+        """
         path = lambda s: self.wd.chunk_path("lengths", c, s)  # noqa: E731
+        meta = path("samples.jsonl")
         # asarray: plain ndarray views of the maps (slicing np.memmap objects is slow)
         return (
             np.asarray(np.load(path("ids.npy"), mmap_mode="r")),
             np.asarray(np.load(path("mask.npy"), mmap_mode="r")),
             np.load(path("offsets.npy")),
-            read_jsonl(path("samples.jsonl")),
+            np.asarray(np.memmap(meta, dtype=np.uint8, mode="r"))
+            if meta.stat().st_size
+            else np.zeros(0, np.uint8),
+            np.load(path("meta_offsets.npy")),
         )
 
     def packed_bin(self, b: int) -> PackedBin:
@@ -66,13 +76,13 @@ class BinSource:
         chunks = np.searchsorted(self.chunk_starts, members, side="right") - 1
         ids, masks, lens, sample_ids, images, formats, grids = [], [], [], [], [], [], []
         for c, g in zip(chunks.tolist(), members.tolist()):
-            c_ids, c_mask, c_off, c_meta = self.chunk(c)
+            c_ids, c_mask, c_off, c_meta, c_meta_off = self.chunk(c)
             i = g - int(self.chunk_starts[c])
             lo, hi = int(c_off[i]), int(c_off[i + 1])
             ids.append(c_ids[lo:hi])
             masks.append(c_mask[lo:hi])
             lens.append(hi - lo)
-            meta = c_meta[i]
+            meta = json.loads(c_meta[c_meta_off[i] : c_meta_off[i + 1]].tobytes())
             sample_ids.append(meta["id"])
             for path, fmt, grid in zip(meta["images"], meta["fmt"], meta["grid"]):
                 images.append(_read_file(path))
