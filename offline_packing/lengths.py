@@ -187,6 +187,7 @@ def run_lengths(cfg: PackJobConfig, wd: WorkDir) -> dict:
     fingerprint = cfg.stage_fingerprint(2)
     n_chunks = len(scan_info["chunks"])
     tasks = [LengthsTask(c, str(wd.root), cfg, fingerprint) for c in range(n_chunks)]
+    get_tokenizer(cfg.tokenizer)  # loaded once here; forked workers inherit it instead of each parsing it
     results = run_parallel(
         lengths_chunk,
         tasks,
