@@ -1,9 +1,11 @@
 """`--energon`: the `.nv-meta` folder Megatron-Energon needs to read the WebDataset shards.
 
 Runs Energon's own preparation (the same code as `energon prepare`: tar index in index.sqlite, sample
-counts in .info.json, split.yaml with every shard in "train") and writes a dataset.yaml that loads each bin
-as a crude sample (a dict of its members, for a Cooker in the user's TaskEncoder). The random dataset
-UUID Energon writes is replaced by one derived from the shard hashes, so reruns stay reproducible.
+counts in .info.json, split.yaml with every shard in "train") and writes a dataset.yaml declaring the
+sample type `offline_packing.energon_sample.PackedBinSample`, filled by a small sample_loader.py (the
+`energon prepare --sample-type ... ` + sample-loader route), so `energon info`, `energon preview` and
+`get_train_dataset(path, ...)` work with Energon's default task encoder. The random dataset UUID Energon
+writes is replaced by one derived from the shard hashes, so reruns stay reproducible.
 """
 
 from __future__ import annotations
@@ -14,11 +16,32 @@ import uuid
 from pathlib import Path
 
 DATASET_YAML = """\
-__module__: megatron.energon
-__class__: CrudeWebdataset
-subflavors:
-  mmpack_packed: true
+sample_type:
+  __module__: offline_packing.energon_sample
+  __class__: PackedBinSample
+sample_loader: sample_loader.py:sample_loader
+part_filter: sample_loader.py:part_filter
 """
+
+SAMPLE_LOADER_PY = '''"""Energon sample loader of an mmpack packed dataset: members of one bin -> PackedBinSample fields."""
+
+
+def sample_loader(raw: dict) -> dict:
+    meta = raw["json"]
+    return dict(
+        input_ids=raw["input_ids.npy"],
+        loss_mask=raw["loss_mask.npy"],
+        seq_lens=raw["seq_lens.npy"],
+        image_grid_thw=raw["image_grid_thw.npy"].reshape(-1, 3),
+        sample_ids=list(meta["sample_ids"]),
+        image_formats=list(meta["image_formats"]),
+        images=[raw[f"img{i}.{fmt}"] for i, fmt in enumerate(meta["image_formats"])],
+    )
+
+
+def part_filter(part: str) -> bool:
+    return True
+'''
 
 
 def write_energon_metadata(out_dir: Path, wds_shards: list[dict], workers: int = 1) -> Path:
@@ -39,6 +62,7 @@ def write_energon_metadata(out_dir: Path, wds_shards: list[dict], workers: int =
         )
     meta = Path(out_dir) / MAIN_FOLDER_NAME
     (meta / "dataset.yaml").write_text(DATASET_YAML)
+    (meta / "sample_loader.py").write_text(SAMPLE_LOADER_PY)
     digest = "".join(e["sha256"] for e in wds_shards)
     (meta / INDEX_UUID_FILENAME).write_text(str(uuid.uuid5(uuid.NAMESPACE_URL, digest)))
     return meta

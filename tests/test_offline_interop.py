@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from offline_packing.config import PackJobConfig
 from offline_packing.pipeline import read_manifest, run_pack
@@ -41,7 +44,7 @@ def test_energon_lists_and_reads_packed_bins(raw, tmp_path: Path) -> None:
     from megatron.energon.epathlib import EPath
     from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
 
-    from offline_packing.energon_sample import PackedBinSample, PackedBinTaskEncoder
+    from offline_packing.energon_sample import PackedBinSample
 
     out = tmp_path / "ds"
     run_pack(_cfg(raw, str(out), format="both", energon=True))
@@ -58,7 +61,6 @@ def test_energon_lists_and_reads_packed_bins(raw, tmp_path: Path) -> None:
         batch_size=None,
         shuffle_buffer_size=None,
         max_samples_per_sequence=None,
-        task_encoder=PackedBinTaskEncoder(),
         repeat=False,
     )
     got = {}
@@ -72,6 +74,13 @@ def test_energon_lists_and_reads_packed_bins(raw, tmp_path: Path) -> None:
         assert sample.seq_lens.tolist() == ref["seq_lens"] and sample.sample_ids == ref["sample_ids"]
         assert sample.image_grid_thw.tolist() == [list(g) for g in ref["image_grid_thw"]]
         assert len(sample.images) == len(ref["images"])
+        for image, encoded in zip(sample.images, ref["images"]):
+            w, h = Image.open(io.BytesIO(encoded)).size
+            assert tuple(image.shape) == (3, h, w)  # decoded by Energon from the stored bytes
+
+    info = subprocess.run(["energon", "info", str(out)], capture_output=True, text=True)
+    assert info.returncode == 0 and "PackedBinSample" in info.stdout
+    assert f"{m['counts']['bins']} samples in {len(wds_shards)} shards" in info.stdout
 
 
 @pytest.mark.slow
