@@ -58,22 +58,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="samples longer than -L: drop to rejects.jsonl, truncate (whole trailing turns; "
         "never inside an image), or error",
     )
-    g.add_argument("--patch-size", type=int, default=14)
-    g.add_argument("--merge-size", type=int, default=2)
-    g.add_argument("--min-pixels", type=int, default=3136)
-    g.add_argument("--max-pixels", type=int, default=12845056)
+    g.add_argument("--patch-size", type=int, default=14, help="vision patch side in pixels (default 14)")
+    g.add_argument(
+        "--merge-size", type=int, default=2, help="patches merged per side into one token (default 2)"
+    )
+    g.add_argument(
+        "--min-pixels", type=int, default=3136, help="smart_resize lower bound on h*w (default 3136)"
+    )
+    g.add_argument("--max-pixels", type=int, default=12845056, help="smart_resize upper bound on h*w")
     g.add_argument("--default-system", default=None, help="system prompt for records that have none")
     g = p.add_argument_group("bin packing")
-    g.add_argument("-M", "--max-samples-per-bin", type=int, default=None)
-    g.add_argument("--max-images-per-bin", type=int, default=None)
+    g.add_argument("-M", "--max-samples-per-bin", type=int, default=None, help="at most N samples per bin")
+    g.add_argument(
+        "--max-images-per-bin",
+        type=int,
+        default=None,
+        help="at most N images per bin; samples with more are rejected",
+    )
     g.add_argument("--algorithm", default="auto", help="packing.pack_lengths algorithm (default auto)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the bin order (and of the algorithm if any)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the order of bins in the shards (default 0)")
     g = p.add_argument_group("output")
     g.add_argument("-o", "--output", required=True, help="output folder or fsspec URL (s3://bucket/prefix)")
-    g.add_argument("-f", "--format", choices=OUTPUT_FORMATS, default="arrow")
-    g.add_argument("--max-bins-per-shard", type=int, default=1024)
-    g.add_argument("--max-shard-bytes", type=_size, default=256 * 2**20, help="e.g. 512M, 2G")
-    g.add_argument("--shard-prefix", default="packed")
+    g.add_argument(
+        "-f", "--format", choices=OUTPUT_FORMATS, default="arrow", help="shard format(s) (default arrow)"
+    )
+    g.add_argument(
+        "--max-bins-per-shard", type=int, default=1024, help="bins per shard at most (default 1024)"
+    )
+    g.add_argument(
+        "--max-shard-bytes",
+        type=_size,
+        default=256 * 2**20,
+        help="estimated size cap per shard, e.g. 512M, 2G (default 256M)",
+    )
+    g.add_argument(
+        "--shard-prefix", default="packed", help="shard and bin key prefix: letters, digits, _ and -"
+    )
     g.add_argument(
         "--energon",
         action="store_true",
