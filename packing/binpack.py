@@ -27,7 +27,7 @@ import numpy as np
 
 from packing import _binpack_kernels as kernels
 from packing import _pattern_kernels as pattern_kernels
-from packing.stats import lower_bound_l2_from_counts
+from packing.stats import lower_bound_item_cap, lower_bound_l2_from_counts
 
 ALGORITHMS: tuple[str, ...] = ("auto", "obfd", "ffd", "nf", "patterns")
 
@@ -246,7 +246,7 @@ class _Packer:
         slots, num_bins = self.pattern_slots()
         bound = lower_bound_l2_from_counts(self.counts, self.capacity)
         if self.max_items < _UNLIMITED:
-            bound = max(bound, -(-int(self.counts.sum()) // self.max_items))
+            bound = max(bound, lower_bound_item_cap(self.lengths, self.capacity, self.max_items))
         if num_bins <= bound:  # optimal: nothing can beat it
             return self._from_slots(slots, num_bins, "patterns")
         fallback = self.run("obfd")

@@ -93,6 +93,22 @@ def lower_bound_l2(lengths: np.ndarray, capacity: int) -> int:
     return int(bound.max(initial=0))
 
 
+def lower_bound_item_cap(lengths: np.ndarray, capacity: int, max_items: int) -> int:
+    """Lower bound on bins when a bin holds at most `max_items` items.
+
+    A full-length item fills its bin; an item longer than capacity/2 shares its bin with at most
+    max_items - 1 items of at most capacity/2; the other short items need bins of max_items each.
+    """
+    capacity = _check_capacity(capacity)
+    if isinstance(max_items, bool) or not isinstance(max_items, int | np.integer) or max_items < 1:
+        raise ValueError(f"max_items must be a positive integer, got {max_items!r}")
+    fits = _fitting_lengths(lengths, capacity)
+    full = int(np.count_nonzero(fits == capacity))
+    big = int(np.count_nonzero((2 * fits > capacity) & (fits < capacity)))
+    small = len(fits) - full - big
+    return full + big + -(-max(0, small - (max_items - 1) * big) // max_items)
+
+
 def _summary(values: np.ndarray) -> dict[str, float]:
     if values.size == 0:
         return {"mean": 0.0, "p50": 0.0, "max": 0.0}

@@ -139,3 +139,12 @@ def best_fill(counts: dict[int, int], gap: int, max_fillers: int) -> tuple[int, 
     walk(0, 0, 0)
     fill = max(reachable)
     return fill, min(reachable[fill]), max(reachable[fill])
+
+
+def lower_bound_item_cap(lengths, capacity, max_items) -> int:
+    """Full items alone; each long item (> capacity/2) takes at most max_items - 1 short ones."""
+    items = [s for s in lengths if s <= capacity]
+    full = sum(1 for s in items if s == capacity)
+    big = sum(1 for s in items if capacity < 2 * s < 2 * capacity)
+    small = len(items) - full - big
+    return full + big + math.ceil(max(0, small - (max_items - 1) * big) / max_items)

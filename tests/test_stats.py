@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 
 import packing.stats as stats
 from packing.binpack import pack_lengths
-from packing.stats import lower_bound_l1, lower_bound_l2, lower_bound_l2_from_counts, packing_stats
+from packing.stats import (
+    lower_bound_item_cap,
+    lower_bound_l1,
+    lower_bound_l2,
+    lower_bound_l2_from_counts,
+    packing_stats,
+)
 from tests import reference
 
 FAST = settings(max_examples=80, deadline=None)
@@ -55,6 +61,16 @@ def test_bounds_are_below_every_packing(inputs, algorithm):
     result = pack_lengths(array, capacity, algorithm=algorithm)
     l1, l2 = lower_bound_l1(array, capacity), lower_bound_l2(array, capacity)
     assert l1 <= l2 <= result.num_bins
+
+
+@FAST
+@given(lengths_and_capacity(), st.integers(1, 4), st.sampled_from(["obfd", "ffd", "nf", "auto"]))
+def test_item_cap_bound_matches_reference_and_is_below_capped_packings(inputs, max_items, algorithm):
+    lengths, capacity = inputs
+    array = np.asarray(lengths, dtype=np.int64)
+    bound = lower_bound_item_cap(array, capacity, max_items)
+    assert bound == reference.lower_bound_item_cap(lengths, capacity, max_items)
+    assert bound <= pack_lengths(array, capacity, algorithm=algorithm, max_items_per_bin=max_items).num_bins
 
 
 def test_l2_beats_l1_when_big_items_cannot_share():
