@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from dataloader.readers import BinRecord
 from packing.image_tokens import ImageTokenRule, image_to_patches
+from packing.layout import build_packed_sequence, collate_packed
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -26,8 +28,6 @@ class CollateConfig:
 
 def decode_image_patches(data: bytes, grid_thw: np.ndarray, rule: ImageTokenRule) -> np.ndarray:
     """Decodes encoded image bytes with Pillow and returns its patches at the stored grid."""
-    from PIL import Image
-
     with Image.open(io.BytesIO(data)) as img:
         img.load()
         t, gh, gw = (int(v) for v in grid_thw)
@@ -36,8 +36,6 @@ def decode_image_patches(data: bytes, grid_thw: np.ndarray, rule: ImageTokenRule
 
 def collate_bins(records: Sequence[BinRecord], cfg: CollateConfig) -> dict[str, Any]:
     """One micro-batch: packed layout of every bin (packing.layout) plus the image patches, as numpy."""
-    from packing.layout import build_packed_sequence, collate_packed
-
     seqs = []
     patches: list[np.ndarray] = []
     grids: list[np.ndarray] = []
@@ -52,6 +50,7 @@ def collate_bins(records: Sequence[BinRecord], cfg: CollateConfig) -> dict[str, 
                 pad_to=cfg.seq_len,
                 pad_id=cfg.pad_id,
                 build_attention_mask=cfg.build_attention_mask,
+                ignore_ids=(cfg.image_pad_id,) if cfg.image_pad_id >= 0 else (),
             )
         )
         grid = np.asarray(rec["image_grid_thw"], dtype=np.int64).reshape(-1, 3)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from dataloader.collate import CollateConfig
 from dataloader.manifest import Manifest, load_manifest
@@ -48,8 +49,6 @@ class LoaderConfig:
 
 
 def _to_torch(batch: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
     out: dict[str, Any] = {}
     for key, value in batch.items():
         out[key] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
@@ -201,7 +200,7 @@ class PackedLoader:
 
     def _in_process(self, k_start: int, k_end: int | None) -> Iterator[tuple[dict[str, Any] | None, float]]:
         producer = Producer(self.spec)
-        prefetcher = Prefetcher(producer, k_start, self.config.prefetch_shards)
+        prefetcher = Prefetcher(producer, k_start, k_end, self.config.prefetch_shards)
         if self.config.prefetch_shards:
             prefetcher.start()
         k = k_start
@@ -250,13 +249,7 @@ class PackedLoader:
                 yield _to_torch(payload), wait_s
                 k += 1
         finally:
-            stop_ev.set()
-            for q in queues:  # unblock workers waiting on a full queue
-                while True:
-                    try:
-                        q.get_nowait()
-                    except (queue.Empty, OSError, ValueError):
-                        break
+            stop_ev.set()  # workers stop at once and drop unread batches (never drain: a read could block)
             for p in procs:
                 p.join(timeout=5)
                 if p.is_alive():

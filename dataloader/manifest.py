@@ -99,12 +99,14 @@ def load_manifest(
     root: str, *, storage_options: dict[str, Any] | None = None, shard_format: str | None = None
 ) -> Manifest:
     """Reads `<root>/manifest.json` through fsspec."""
-    import fsspec
+    from fsspec.core import url_to_fs
+
+    from dataloader.storage import resolve_storage_options
 
     url = join_url(root, MANIFEST_NAME)
+    fs, fs_path = url_to_fs(url, **resolve_storage_options(url, storage_options))
     try:
-        with fsspec.open(url, "rb", **(storage_options or {})) as f:
-            raw = json.loads(f.read())
+        raw = json.loads(fs.cat_file(fs_path))
     except FileNotFoundError as e:
         raise FileNotFoundError(f"no packed dataset at {root!r}: {url} not found") from e
     return Manifest.from_dict(raw, shard_format=shard_format)

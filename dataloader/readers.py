@@ -15,6 +15,8 @@ import tarfile
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
 
 from packing.format import ARRAY_FIELDS, WDS_JSON_MEMBER
 
@@ -27,9 +29,6 @@ class ArrowShardReader:
     """Memory-maps an Arrow IPC file; bin i is row i of the concatenated record batches."""
 
     def __init__(self, path: str, *, label: str) -> None:
-        import pyarrow as pa
-        import pyarrow.ipc as ipc
-
         self.label = label
         self._source = pa.memory_map(path, "r")
         self._file = ipc.open_file(self._source)
@@ -45,24 +44,40 @@ class ArrowShardReader:
             raise IndexError(f"{self.label}: row {row} out of range [0, {len(self)})")
         b = int(np.searchsorted(self._starts, row, side="right") - 1)
         if self._batch_cache is None or self._batch_cache[0] != b:
-            self._batch_cache = (b, self._file.get_batch(b))
-        batch = self._batch_cache[1]
+            self._batch_cache = (b, _columns_of(self._file.get_batch(b)))
+        cols = self._batch_cache[1]
         j = row - int(self._starts[b])
-        rec: BinRecord = {"key": batch.column("key")[j].as_py()}
+        rec: BinRecord = {"key": cols["key"][j]}
         for name, dtype in ARRAY_FIELDS.items():
-            cell = batch.column(name)[j]
-            if name == "image_grid_thw":
-                flat = cell.values.values.to_numpy(zero_copy_only=False) if len(cell.values) else np.zeros(0)
-                rec[name] = np.asarray(flat, dtype=dtype).reshape(-1, 3)
-            else:
-                rec[name] = np.asarray(cell.values.to_numpy(zero_copy_only=False), dtype=dtype)
-        rec["sample_ids"] = batch.column("sample_ids")[j].as_py()
-        rec["images"] = batch.column("images")[j].as_py()
-        rec["image_formats"] = batch.column("image_formats")[j].as_py()
+            offsets, flat = cols[name]
+            rec[name] = np.asarray(flat[offsets[j] : offsets[j + 1]], dtype=dtype)
+        rec["image_grid_thw"] = rec["image_grid_thw"].reshape(-1, 3)
+        for name in ("sample_ids", "images", "image_formats"):
+            offsets, flat = cols[name]
+            rec[name] = flat[offsets[j] : offsets[j + 1]].to_pylist()
         return rec
 
     def close(self) -> None:
         self._source.close()
+
+
+def _list_column(col: Any) -> tuple[np.ndarray, Any]:
+    """(offsets rebased to 0, flat values) of a list column, respecting any slice of the array."""
+    offsets = col.offsets.to_numpy()
+    return offsets - offsets[0], col.flatten()
+
+
+def _columns_of(batch: Any) -> dict[str, Any]:
+    """Per-column (offsets, values) of one record batch; numeric values as numpy, others as Arrow."""
+    cols: dict[str, Any] = {"key": batch.column("key").to_pylist()}
+    for name in ARRAY_FIELDS:
+        offsets, flat = _list_column(batch.column(name))
+        if name == "image_grid_thw":
+            offsets, flat = offsets * 3, flat.flatten()
+        cols[name] = (offsets, flat.to_numpy(zero_copy_only=False))
+    for name in ("sample_ids", "images", "image_formats"):
+        cols[name] = _list_column(batch.column(name))
+    return cols
 
 
 class WdsShardReader:

@@ -13,7 +13,6 @@ import threading
 import time
 import traceback
 from collections import OrderedDict, deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,52 +94,60 @@ class Producer:
         return micro_batch_bins(self.stream, k // m, k % m, self.spec.topology, self.spec.plan)
 
     def produce(self, k: int) -> dict[str, Any]:
-        records = [self.readers.read_bin(int(b)) for b in self.bins(k)]
-        return collate_bins(records, self.spec.collate)
+        bins = self.bins(k)
+        batch = collate_bins([self.readers.read_bin(int(b)) for b in bins], self.spec.collate)
+        batch["bin_ids"] = bins
+        return batch
 
-    def future_shards(self, k_start: int) -> Iterator[tuple[int, int]]:
-        """(k, shard index) for each shard in the order this rank first needs it from micro-batch k_start on."""
-        recent: OrderedDict[int, None] = OrderedDict()
-        k = k_start
-        while True:
-            for s in self.spec.manifest.shard_of_bin(self.bins(k)):
-                s = int(s)
-                if s not in recent:
-                    yield k, s
-                recent[s] = None
-                recent.move_to_end(s)
-                if len(recent) > 4 * self.spec.shard_window:
-                    recent.popitem(last=False)
-            k += 1
+    def new_shards(self, k: int, recent: OrderedDict[int, None]) -> list[int]:
+        """Shards of micro-batch k not among the `recent` ones (which it updates, keeping a few)."""
+        new = []
+        for s in dict.fromkeys(self.spec.manifest.shard_of_bin(self.bins(k)).tolist()):
+            if s not in recent:
+                new.append(s)
+            recent[s] = None
+            recent.move_to_end(s)
+            if len(recent) > 2 * self.spec.shard_window:
+                recent.popitem(last=False)
+        return new
 
     def close(self) -> None:
         self.readers.close()
 
 
 class Prefetcher(threading.Thread):
-    """Fetches the shards of the next micro-batches, at most `ahead` distinct shards past the consumer."""
+    """Fetches the shards of the coming micro-batches, at most `ahead` distinct shards past the consumer."""
 
-    def __init__(self, producer: Producer, k_start: int, ahead: int) -> None:
+    MAX_LOOKAHEAD_MICRO_BATCHES = 256
+
+    def __init__(self, producer: Producer, k_start: int, k_end: int | None, ahead: int) -> None:
         super().__init__(daemon=True, name="mmpack-prefetch")
-        self.producer, self.k_start, self.ahead = producer, k_start, ahead
+        self.producer, self.k_start, self.k_end, self.ahead = producer, k_start, k_end, ahead
         self.position = k_start  # the consumer's current micro-batch; written by the consumer thread
         self.stop = threading.Event()
 
+    def _wait_for_room(self, k: int, fetched: deque[int]) -> bool:
+        while not self.stop.is_set():
+            while fetched and fetched[0] < self.position:
+                fetched.popleft()
+            if len(fetched) < self.ahead and k - self.position < self.MAX_LOOKAHEAD_MICRO_BATCHES:
+                return True
+            time.sleep(0.005)
+        return False
+
     def run(self) -> None:
-        fetched: deque[int] = deque()
-        store, shards = self.producer.store, self.producer.spec.manifest.shards
+        fetched: deque[int] = deque()  # micro-batch index of each shard fetched ahead, in order
+        recent: OrderedDict[int, None] = OrderedDict()
+        shards = self.producer.spec.manifest.shards
+        k = self.k_start
         try:
-            for k, s in self.producer.future_shards(self.k_start):
-                while not self.stop.is_set():
-                    while fetched and fetched[0] < self.position:
-                        fetched.popleft()
-                    if len(fetched) < self.ahead:
-                        break
-                    time.sleep(0.005)
-                if self.stop.is_set():
+            while self.k_end is None or k < self.k_end:
+                if not self._wait_for_room(k, fetched):
                     return
-                store.fetch(shards[s], wait=False)  # a shard another process is fetching is skipped
-                fetched.append(k)
+                for s in self.producer.new_shards(k, recent):
+                    self.producer.store.fetch(shards[s], wait=False)  # skipped if another process has it
+                    fetched.append(k)
+                k += 1
         except Exception:  # the consumer fetches on demand and reports errors with context
             return
 
@@ -156,7 +163,9 @@ def worker_loop(
 ) -> None:
     """Entry point of a worker process: produce micro-batches k_start+worker_id, +num_workers, ... in order."""
     producer = Producer(spec)
-    prefetcher = Prefetcher(producer, k_start, spec.prefetch_shards) if spec.prefetch_shards > 0 else None
+    prefetcher = (
+        Prefetcher(producer, k_start, k_end, spec.prefetch_shards) if spec.prefetch_shards > 0 else None
+    )
     if prefetcher is not None:
         prefetcher.start()
     k = k_start + worker_id
@@ -188,3 +197,5 @@ def worker_loop(
         if prefetcher is not None:
             prefetcher.stop.set()
         producer.close()
+        if stop_ev.is_set():  # the consumer is gone: do not block exit on batches nobody will read
+            out_q.cancel_join_thread()
