@@ -163,10 +163,10 @@ class SyntheticLoader:
         self.wait_time_s = 0.0
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": 0, "consumed": self.consumed}
+        return {"epoch": 0, "bins_consumed": self.consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.consumed = int(state["consumed"])
+        self.consumed = int(state["bins_consumed"])
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor | int]]:
         per_rank = self.global_batch // self.dp_size

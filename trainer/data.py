@@ -44,14 +44,20 @@ class StepBatches:
         batches = [next(self._it) for _ in range(self.micro)]
         return batches, time.perf_counter() - start
 
+    def close(self) -> None:
+        """Stops the loader's worker processes."""
+        if self._it is not None and hasattr(self._it, "close"):
+            self._it.close()
+        if hasattr(self.loader, "close"):
+            self.loader.close()
+        self._it = None
+
     def state_dict(self) -> dict[str, Any]:
         return dict(self.loader.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.close()
         self.loader.load_state_dict(state)
-        if hasattr(self.loader, "close"):
-            self.loader.close()
-        self._it = None
 
 
 def dataset_info(data_path: str | None, seq_length: int) -> DataInfo:

@@ -23,9 +23,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from trainer.training import Trainer, shutdown
 
+    trainer = None
     try:
-        Trainer(cfg).train()
+        trainer = Trainer(cfg)
+        trainer.train()
     finally:
+        if trainer is not None:
+            trainer.close()
         shutdown()
     return 0
 

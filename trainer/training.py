@@ -120,6 +120,12 @@ def _loss_func(loss_mask: torch.Tensor, scale: float, poison: bool, output: torc
     return loss_sum * scale, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
 
 
+def _tokens_digest(tokens: torch.Tensor) -> int:
+    """A position-weighted checksum of a micro-batch's tokens: shows which data a step consumed."""
+    weights = torch.arange(1, tokens.numel() + 1, dtype=torch.int64)
+    return int((tokens.reshape(-1).long() * weights).sum()) % 1_000_000_007
+
+
 class Trainer:
     """Owns model, optimizer, scheduler and data of one rank and runs steps."""
 
@@ -208,10 +214,11 @@ class Trainer:
         else:
             self.skipped += 1
         self.iteration += 1
-        real = float(sum(int(b["num_real_tokens"]) for b in batches if b is not None))
+        real = float(sum(int(b["num_real_tokens"]) for b in batches))
         loss_sum = sum(float(x["lm loss"][0]) for x in losses) if losses else 0.0
         n_tok = sum(float(x["lm loss"][1]) for x in losses) if losses else 0.0
-        loss_sum, n_tok, real = self._reduce_over_dp([loss_sum, n_tok, real])
+        digest = float(sum(_tokens_digest(b["tokens"]) for b in batches))
+        loss_sum, n_tok, real, digest = self._reduce_over_dp([loss_sum, n_tok, real, digest])
         elapsed = time.perf_counter() - start + wait_s
         total = float(self.cfg.train.global_batch_size * self.cfg.train.seq_length)
         return {
@@ -226,6 +233,8 @@ class Trainer:
             "tokens_per_s": real / elapsed,
             "real_token_fraction": real / total,
             "data_wait_ms": wait_s * 1e3,
+            "data_digest": int(digest),
+            "bins_consumed": int(self.train_data.state_dict().get("bins_consumed", -1)),
             "step_ms": elapsed * 1e3,
         }
 
@@ -291,6 +300,12 @@ class Trainer:
                 self.save()
         if ck.save and not (ck.save_interval and self.iteration % ck.save_interval == 0):
             self.save()
+
+    def close(self) -> None:
+        """Stops data workers."""
+        for data in (self.train_data, self.eval_data):
+            if data is not None:
+                data.close()
 
     def describe(self) -> str:
         c = self.cfg

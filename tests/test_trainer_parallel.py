@@ -1,0 +1,131 @@
+"""TP x PP x DP training on CPU gloo processes, on a packed dataset made by the real offline job."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.trainer_runs import Run, make_packed_dataset, train
+
+pytestmark = pytest.mark.slow
+
+BATCH = ["--micro-batch-size", "1", "--global-batch-size", "8", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("trainer-data")
+    train_set = make_packed_dataset(root / "train", n_samples=300, seed=0)
+    held_out = make_packed_dataset(root / "heldout", n_samples=60, seed=1)
+    return train_set, held_out
+
+
+def _ok(run: Run) -> Run:
+    assert run.returncode == 0, run.stderr[-5000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def run_3d(datasets: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Run:
+    train_set, held_out = datasets
+    args = [
+        "--data-path",
+        str(train_set),
+        "--eval-data-path",
+        str(held_out),
+        "--eval-interval",
+        "10",
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--use-distributed-optimizer",
+        "--train-iters",
+        "20",
+        "--lr",
+        "3e-3",
+        "--lr-warmup-iters",
+        "2",
+        *BATCH,
+    ]
+    return _ok(train(8, args, tmp_path_factory.mktemp("run-3d")))
+
+
+def test_tp2_pp2_dp2_trains_and_loss_falls(run_3d: Run) -> None:
+    losses = run_3d.losses()
+    assert [m["iteration"] for m in run_3d.train] == list(range(1, 21))
+    assert all(math.isfinite(x) for x in losses)
+    first, last5 = losses[0], sum(losses[-5:]) / 5
+    assert last5 < first - 0.5, losses
+    assert "world 8 = TP 2 x PP 2 x DP 2" in run_3d.stdout
+    assert " iteration     20/    20 | lm loss:" in run_3d.stdout  # the log line users see
+    lrs = [m["lr"] for m in run_3d.train]
+    # Megatron-style linear warmup from 0 over 2 iterations, then cosine decay
+    assert lrs[:3] == pytest.approx([0.0, 1.5e-3, 3e-3]) and lrs[-1] < lrs[3]
+    assert all(0 < m["real_token_fraction"] <= 1 for m in run_3d.train)
+    assert [e["iteration"] for e in run_3d.evals] == [10, 20]
+    assert all(math.isfinite(e["eval_loss"]) for e in run_3d.evals)
+
+
+def test_layouts_agree_in_fp32(run_3d: Run, datasets: tuple[Path, Path], tmp_path: Path) -> None:
+    """Same seed and data: TP2xPP2xDP2 (with SP and the distributed optimizer), TP2 and one process."""
+    train_set, _ = datasets
+    args = ["--data-path", str(train_set), "--train-iters", "3", "--lr", "3e-3", "--lr-warmup-iters", "2"]
+    tp2 = _ok(train(2, [*args, "--tensor-model-parallel-size", "2", *BATCH], tmp_path / "tp2"))
+    single = _ok(train(1, [*args, *BATCH], tmp_path / "single"))
+    reference = run_3d.train[:3]
+    for other in (tp2.train, single.train):
+        assert [m["data_digest"] for m in other] == [m["data_digest"] for m in reference]
+        for mine, ref in zip(other, reference, strict=True):
+            assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-5)
+            assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3)
+
+
+def test_bf16_with_fp32_flags_is_finite_and_close_to_fp32(
+    run_3d: Run, datasets: tuple[Path, Path], tmp_path: Path
+) -> None:
+    train_set, _ = datasets
+    flags = [
+        "--bf16",
+        "--fp32-residual-connection",
+        "--attention-softmax-in-fp32",
+        "--accumulate-allreduce-grads-in-fp32",
+        "--recompute-activations",
+    ]
+    args = ["--data-path", str(train_set), "--train-iters", "3", "--lr", "3e-3", "--lr-warmup-iters", "2"]
+    run = _ok(train(2, [*args, "--tensor-model-parallel-size", "2", *flags, *BATCH], tmp_path / "bf16"))
+    assert "| bf16 |" in run.stdout
+    losses = run.losses()
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert losses[0] == pytest.approx(run_3d.train[0]["loss"], rel=2e-2)
+
+
+def test_fp16_overflow_skips_step_and_lowers_scale(datasets: tuple[Path, Path], tmp_path: Path) -> None:
+    train_set, _ = datasets
+    args = [
+        "--data-path",
+        str(train_set),
+        "--fp16",
+        "--tensor-model-parallel-size",
+        "2",
+        "--train-iters",
+        "6",
+        "--initial-loss-scale",
+        "1024",
+        "--hysteresis",
+        "1",
+        "--debug-overflow-iterations",
+        "4",
+        *BATCH,
+    ]
+    run = _ok(train(2, args, tmp_path / "fp16"))
+    steps = {m["iteration"]: m for m in run.train}
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    assert steps[4]["skipped"] and "iteration 4: skipped (gradient overflow)" in run.stdout
+    assert steps[4]["loss_scale"] == steps[3]["loss_scale"] / 2
+    assert steps[4]["lr"] == steps[5]["lr"], "a skipped step does not advance the LR schedule"
+    for i in (1, 2, 3, 5, 6):
+        assert math.isfinite(steps[i]["loss"]) and not steps[i]["skipped"], steps[i]

@@ -1,0 +1,111 @@
+"""Helpers for trainer tests: a small real packed dataset and torchrun launches of trainer.pretrain_vlm."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_packed_dataset(root: Path, *, n_samples: int, seed: int, seq_len: int = 256) -> Path:
+    """Synthetic raw records and a tiny BPE, packed by the real offline job; returns the dataset folder."""
+    from offline_packing.config import PackJobConfig
+    from offline_packing.pipeline import run_pack
+    from tests.fixtures_data import make_synthetic_dataset, train_tiny_bpe
+
+    data = make_synthetic_dataset(
+        root / "raw", n_samples=n_samples, seed=seed, size_range=(28, 84), max_words=30
+    )
+    tokenizer = train_tiny_bpe(root / "tokenizer", seed=0)
+    out = root / "packed"
+    run_pack(
+        PackJobConfig(
+            inputs=(str(data.jsonl_path),),
+            output=str(out),
+            seq_len=seq_len,
+            image_root=str(data.image_root),
+            tokenizer=str(tokenizer),
+            seed=seed,
+            progress=False,
+        )
+    )
+    return out
+
+
+@dataclass
+class Run:
+    """Outcome of one training launch."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    metrics: list[dict]
+
+    @property
+    def train(self) -> list[dict]:
+        return [m for m in self.metrics if "loss" in m]
+
+    @property
+    def evals(self) -> list[dict]:
+        return [m for m in self.metrics if "eval_loss" in m]
+
+    def losses(self) -> list[float]:
+        return [m["loss"] for m in self.train]
+
+
+TINY = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--vision-num-layers",
+    "1",
+    "--vision-hidden-size",
+    "32",
+    "--vision-num-attention-heads",
+    "2",
+    "--num-workers",
+    "0",
+]
+
+
+def train(nproc: int, args: list[str], workdir: Path, *, timeout_s: int = 420) -> Run:
+    """Runs ``torchrun --nproc_per_node nproc -m trainer.pretrain_vlm`` with a tiny model."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics_file = workdir / "metrics.jsonl"
+    metrics_file.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "trainer.pretrain_vlm",
+        *TINY,
+        *args,
+        "--metrics-file",
+        str(metrics_file),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    metrics = (
+        [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    )
+    return Run(proc.returncode, proc.stdout, proc.stderr, metrics)
