@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer_runs import Run, make_packed_dataset, train
+from tests.test_trainer_support import Run, make_packed_dataset, train
 
 pytestmark = pytest.mark.slow
 

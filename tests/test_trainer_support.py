@@ -1,4 +1,5 @@
-"""Helpers for trainer tests: a small real packed dataset and torchrun launches of trainer.pretrain_vlm."""
+"""Helpers for trainer tests (no tests here): a small real packed dataset and torchrun launches of
+trainer.pretrain_vlm."""
 
 from __future__ import annotations
 
