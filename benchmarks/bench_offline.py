@@ -16,10 +16,12 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,6 +79,11 @@ def _copy_baselines(out: Path, manifest: dict, dest: Path) -> dict:
     }
 
 
+def _cpu_s() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def run_once(jsonl: Path, image_root: Path, tokenizer: str, workers: int, args: argparse.Namespace) -> dict:
     out = args.data_dir / f"out-w{workers}"
     shutil.rmtree(out, ignore_errors=True)
@@ -90,16 +97,23 @@ def run_once(jsonl: Path, image_root: Path, tokenizer: str, workers: int, args: 
         workers=workers,
         progress=False,
     )
+    # stage by stage, to record CPU seconds (this process + its finished workers) next to wall seconds:
+    # on a shared machine wall time depends on the load, CPU time much less
+    stages = {}
     t = time.perf_counter()
-    summary = run_pack(cfg)
+    for number, name in enumerate(("scan", "lengths", "binpack", "write"), start=1):
+        cpu0, wall0 = _cpu_s(), time.perf_counter()
+        summary = run_pack(replace(cfg, only_stage=number))
+        stages[name] = {"seconds": time.perf_counter() - wall0, "cpu_seconds": _cpu_s() - cpu0}
     total_s = time.perf_counter() - t
+    summary = run_pack(cfg)  # all stages complete: just the summary
     manifest = read_manifest(str(out))
     n = summary.samples_read
-    stages = {
-        name: {"seconds": s, "samples_per_s": (n if name == "scan" else summary.samples_packed) / s}
-        for name, s in summary.stage_seconds.items()
-    }
-    stages["write"]["MBps"] = summary.output_bytes / 2**20 / summary.stage_seconds["write"]
+    for name, st in stages.items():
+        count = n if name == "scan" else summary.samples_packed
+        st["samples_per_s"] = count / st["seconds"]
+        st["samples_per_cpu_s"] = count / st["cpu_seconds"]
+    stages["write"]["MBps"] = summary.output_bytes / 2**20 / stages["write"]["seconds"]
     result = {
         "workers": workers,
         "samples_read": n,
@@ -170,14 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"{'workers':>7} {'scan/s':>9} {'lengths/s':>10} {'binpack/s':>11} {'write/s':>9} {'write MB/s':>10} "
     )
-    header += f"{'end2end/s':>10} {'shard cp MB/s':>13} {'img gather MB/s':>15}"
+    header += f"{'end2end/s':>10} {'shard cp MB/s':>13} {'img gather MB/s':>15}  samples per CPU-s: scan/lengths/write"
     print(header)
     for r in runs:
         s = r["stages"]
         print(
             f"{r['workers']:>7} {s['scan']['samples_per_s']:>9.0f} {s['lengths']['samples_per_s']:>10.0f} "
             f"{s['binpack']['samples_per_s']:>11.0f} {s['write']['samples_per_s']:>9.0f} {s['write']['MBps']:>10.1f} "
-            f"{r['end_to_end_samples_per_s']:>10.0f} {r['shard_copy_MBps']:>13.1f} {r['image_gather_MBps']:>15.1f}"
+            f"{r['end_to_end_samples_per_s']:>10.0f} {r['shard_copy_MBps']:>13.1f} {r['image_gather_MBps']:>15.1f}  "
+            f"{s['scan']['samples_per_cpu_s']:.0f}/{s['lengths']['samples_per_cpu_s']:.0f}/{s['write']['samples_per_cpu_s']:.0f}"
         )
     result = {
         "benchmark": "offline_packing",
