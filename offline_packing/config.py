@@ -43,6 +43,7 @@ class PackJobConfig:
     energon: bool = False  # also write .nv-meta for Megatron-Energon (needs a wds output)
     shard_prefix: str = "packed"
     work_dir: str | None = None  # local folder for stage outputs and markers (default <output>/_work)
+    clean_work: bool = False  # delete the work folder after a successful job (a rerun then starts over)
     chunk_size: int = 2048  # samples per scan/lengths chunk (the unit of parallel work)
     start_stage: int | None = None  # -S: rerun from this stage (earlier ones must be complete); None = resume
     only_stage: int | None = None  # run only this stage (python -m offline_packing.<stage>)

@@ -112,6 +112,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "default: resume, skipping completed stages",
     )
     g.add_argument("--work-dir", default=None, help="local folder for stage outputs (default <output>/_work)")
+    g.add_argument(
+        "--clean-work",
+        action="store_true",
+        help="delete the work folder after success (saves space; a rerun then redoes every stage)",
+    )
     g.add_argument("--chunk-size", type=int, default=2048, help="samples per unit of parallel work")
     g.add_argument(
         "--strict", action="store_true", help="fail on the first bad sample instead of rejecting it"
@@ -146,6 +151,7 @@ def config_from_args(args: argparse.Namespace, only_stage: int | None = None) ->
         energon=args.energon,
         shard_prefix=args.shard_prefix,
         work_dir=args.work_dir,
+        clean_work=args.clean_work,
         chunk_size=args.chunk_size,
         start_stage=args.start_stage,
         only_stage=only_stage,

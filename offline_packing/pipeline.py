@@ -118,6 +118,10 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
         summary.stage_seconds[name] = time.perf_counter() - start
     if wd.is_done("write", cfg.stage_fingerprint(4)):
         _fill_summary(summary, cfg)
+        if cfg.clean_work:
+            import shutil
+
+            shutil.rmtree(wd.root)
     return summary
 
 

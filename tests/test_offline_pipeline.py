@@ -153,8 +153,9 @@ def test_workers_and_reruns_are_byte_identical(packed, raw, tmp_path: Path) -> N
     run_pack(_cfg(raw, two, workers=2))
     assert dataset_files(two) == reference
     again = tmp_path / "w1"
-    run_pack(_cfg(raw, again, chunk_size=7))
+    run_pack(_cfg(raw, again, chunk_size=7, clean_work=True))
     assert dataset_files(again) == reference
+    assert not (again / "_work").exists()
 
 
 def test_resume_skips_complete_stages_and_minus_s_reruns(raw, tmp_path: Path) -> None:
