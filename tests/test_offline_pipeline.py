@@ -143,6 +143,7 @@ def test_bins_hold_exact_samples(packed, raw) -> None:
                     img_pos += 1
                 seen.append(sid)
             assert img_pos == len(row["images"])
+            _assert_images_match_pad_runs(row, m)
     assert sorted(seen) == sorted(convs)
 
 
@@ -239,6 +240,19 @@ def test_auto_pipe_sh(raw, tmp_path: Path) -> None:
     assert usage.returncode == 0 and "-L" in usage.stdout
 
 
+def _assert_images_match_pad_runs(row: dict, manifest: dict) -> None:
+    """The i-th image fills the i-th run of <|image_pad|> tokens, with grid_h * grid_w / merge**2 of them."""
+    pad = manifest["tokenizer"]["special_ids"]["image_pad"]
+    merge = manifest["image_rule"]["merge_size"]
+    ids = np.asarray(row["input_ids"])
+    is_pad = np.concatenate([[0], (ids == pad).astype(np.int8), [0]])
+    starts, ends = np.flatnonzero(np.diff(is_pad) == 1), np.flatnonzero(np.diff(is_pad) == -1)
+    assert len(starts) == len(row["images"]) == len(row["image_grid_thw"])
+    for (t, gh, gw), a, b in zip(row["image_grid_thw"], starts, ends):
+        assert b - a == t * gh * gw // merge**2
+    assert not np.asarray(row["loss_mask"])[ids == pad].any()
+
+
 def test_overlength_policies(raw, tmp_path: Path) -> None:
     seq_len = 200
     drop = run_pack(_cfg(raw, tmp_path / "drop", seq_len=seq_len, overlength="drop"))
@@ -254,6 +268,8 @@ def test_overlength_policies(raw, tmp_path: Path) -> None:
         if e["format"] == "arrow":
             for row in read_arrow_bins(tmp_path / "trunc" / e["path"]):
                 assert sum(row["seq_lens"]) <= seq_len
+                _assert_images_match_pad_runs(row, m)
+
     with pytest.raises(PackError, match="overlength"):
         run_pack(_cfg(raw, tmp_path / "err", seq_len=seq_len, overlength="error"))
 
