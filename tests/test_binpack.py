@@ -191,14 +191,16 @@ def test_item_with_too_many_images_is_rejected(algorithm):
     assert_valid(result, [2, 2, 2], 10, None, [1, 5, 2], 3)
 
 
-def test_patterns_reach_l2_where_bfd_does_not():
-    # Many small distinct lengths: the histogram patterns close every gap exactly, down to the bound.
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(1, 64, size=2000)
-    auto = pack_lengths(lengths, 64)
-    obfd = pack_lengths(lengths, 64, algorithm="obfd")
-    assert auto.num_bins <= obfd.num_bins
-    assert auto.num_bins == lower_bound_l2(lengths, 64)
+@pytest.mark.parametrize("seed", [0, 3])
+def test_auto_reaches_l2_where_best_fit_does_not(seed):
+    # BERT-like: a quarter at full length, the rest skewed short with a long tail
+    rng = np.random.default_rng(seed)
+    rest = np.clip(rng.lognormal(4.6, 0.9, 15000), 5, 511).astype(np.int64)
+    lengths = np.concatenate([np.full(5000, 512), rest])
+    auto = pack_lengths(lengths, 512)
+    obfd = pack_lengths(lengths, 512, algorithm="obfd")
+    assert auto.num_bins == lower_bound_l2(lengths, 512) < obfd.num_bins
+    assert auto.algorithm == "patterns"
 
 
 def test_bins_lists_sorted_member_indices():
