@@ -5,8 +5,10 @@ Algorithms:
 
 - ``"nf"``: next fit in input order (baseline).
 - ``"ffd"``: first fit decreasing.
-- ``"obfd"``: best fit decreasing. Without per-bin caps it runs over the length histogram (bins with
-  equal remaining space move together), otherwise item by item over bins grouped by remaining space.
+- ``"obfd"``: best fit decreasing. Without an image cap it runs over the length histogram (bins with
+  equal remaining space and item count move together), with one item by item over bins grouped by
+  remaining space and image room. Ties go to the bin with fewer items (or less image room), then to
+  the bin updated last.
 - ``"patterns"``: greedy minimum-slack patterns over the length histogram: the longest remaining
   length is completed to the fullest bin the remaining items allow (an exact dynamic program over
   the gap where distinct lengths x capacity is small, else the best one or two fillers), and that
