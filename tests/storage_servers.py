@@ -79,7 +79,7 @@ def s3_storage_options(endpoint_url: str) -> dict[str, Any]:
     return {
         "key": "testing",
         "secret": "testing",
-        "client_kwargs": {"endpoint_url": endpoint_url, "region_name": "us-east-1"},
+        "client_kwargs": {"endpoint_url": endpoint_url},
         "config_kwargs": {"retries": {"max_attempts": 1}},  # let the loader's own retries do the work
     }
 
@@ -91,6 +91,7 @@ def moto_s3() -> Iterator[S3Endpoint]:
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

@@ -1,0 +1,209 @@
+"""The loader reading from real servers on 127.0.0.1: moto S3 (via s3fs), plain HTTP, and a fault proxy."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dataloader import ShardError, Topology, build_loader, load_manifest
+from dataloader.storage import ShardStore, StorageConfig
+from tests.storage_servers import (
+    FaultPlan,
+    FaultProxy,
+    S3Endpoint,
+    build_packed_dataset,
+    http_server,
+    moto_s3,
+    s3_storage_options,
+)
+
+TOPO = Topology(dp_rank=1, dp_size=2)
+N_MICRO = 10
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_packed_dataset(tmp_path_factory.mktemp("storage"), fmt="both", max_bins_per_shard=3)
+
+
+@pytest.fixture(scope="module")
+def s3(dataset: Path) -> Iterator[tuple[S3Endpoint, str]]:
+    with moto_s3() as endpoint:
+        yield endpoint, endpoint.upload_folder(dataset, "mmpack-test", "packed")
+
+
+@pytest.fixture(scope="module")
+def http_url(dataset: Path) -> Iterator[str]:
+    with http_server(dataset.parent) as base:
+        yield f"{base}/{dataset.name}"
+
+
+def stream(path: str, n: int = N_MICRO, **kw: Any) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    kw.setdefault("micro_batch_size", 2)
+    kw.setdefault("global_batch_size", 8)
+    kw.setdefault("num_workers", 2)
+    kw.setdefault("seed", 5)
+    ld = build_loader(path, topology=TOPO, **kw)
+    batches = list(itertools.islice(iter(ld), n))
+    ld.close()
+    return batches, ld.metrics()
+
+
+def assert_same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            if isinstance(x[key], torch.Tensor):
+                assert torch.equal(x[key], y[key]), key
+            else:
+                assert x[key] == y[key], key
+
+
+@pytest.fixture(scope="module")
+def local_stream(dataset: Path) -> list[dict[str, Any]]:
+    return stream(str(dataset), num_workers=0)[0]
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "wds"])
+def test_s3_stream_equals_local_and_hits_cache_second_time(
+    s3: tuple[S3Endpoint, str], local_stream: list[dict[str, Any]], tmp_path: Path, fmt: str
+) -> None:
+    endpoint, url = s3
+    opts = endpoint.storage_options
+    first, m1 = stream(url, storage_options=opts, cache_dir=str(tmp_path), shard_format=fmt)
+    assert_same(first, local_stream)  # both formats hold the same bins
+    assert m1["cache_misses"] > 0 and m1["bytes_read"] > 0
+    second, m2 = stream(
+        url, storage_options=opts, cache_dir=str(tmp_path), shard_format=fmt, prefetch_shards=0
+    )
+    assert_same(first, second)
+    assert m2["bytes_read"] == 0 and m2["cache_hits"] > 0 and m2["cache_misses"] == 0
+
+
+def test_s3_endpoint_from_environment(
+    s3: tuple[S3Endpoint, str],
+    local_stream: list[dict[str, Any]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    endpoint, url = s3
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint.endpoint_url)
+    got, _ = stream(url, storage_options={"key": "testing", "secret": "testing"}, cache_dir=str(tmp_path))
+    assert_same(got, local_stream)
+
+
+def test_http_stream_equals_local(http_url: str, local_stream: list[dict[str, Any]], tmp_path: Path) -> None:
+    got, metrics = stream(http_url, cache_dir=str(tmp_path))
+    assert_same(got, local_stream)
+    assert metrics["bytes_read"] > 0
+
+
+ALL_FAULTS = FaultPlan(kinds=("503", "reset", "truncate", "slow", "corrupt"), max_faults_per_path=3)
+
+
+def test_faults_between_loader_and_http_change_nothing(
+    http_url: str, local_stream: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    base, _, rest = http_url.removeprefix("http://").partition("/")
+    plan = FaultPlan(kinds=ALL_FAULTS.kinds, max_faults_per_path=ALL_FAULTS.max_faults_per_path)
+    with FaultProxy(f"http://{base}", plan) as proxy:
+        got, metrics = stream(f"{proxy.url}/{rest}", cache_dir=str(tmp_path))
+        faults = proxy.faults_injected
+    assert_same(got, local_stream)
+    assert faults > 0 and metrics["retries"] > 0 and metrics["redownloads"] > 0
+
+
+def test_faults_between_loader_and_s3_change_nothing(
+    s3: tuple[S3Endpoint, str], local_stream: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    endpoint, url = s3
+    plan = FaultPlan(kinds=ALL_FAULTS.kinds, max_faults_per_path=ALL_FAULTS.max_faults_per_path)
+    with FaultProxy(endpoint.endpoint_url, plan) as proxy:
+        got, metrics = stream(url, storage_options=s3_storage_options(proxy.url), cache_dir=str(tmp_path))
+        faults = proxy.faults_injected
+    assert_same(got, local_stream)
+    assert faults > 0 and metrics["retries"] > 0
+
+
+def test_persistently_corrupt_shard_fails_naming_it(dataset: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "served" / "packed"
+    shutil.copytree(dataset, copy)
+    m = load_manifest(str(copy))
+    bad = m.shards[0]
+    data = bytearray((copy / bad.path).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (copy / bad.path).write_bytes(bytes(data))
+    with http_server(copy.parent) as base:
+        store = ShardStore(StorageConfig(root=f"{base}/packed", cache_dir=str(tmp_path / "c"), max_attempts=3,
+                                         backoff_s=0.01))  # fmt: skip
+        with pytest.raises(ShardError, match=bad.path) as err:
+            store.local_path(bad)
+        assert "after 3 attempts" in str(err.value) and "sha256" in str(err.value)
+        assert store.metrics.redownloads == 3
+        left = [f for f in (tmp_path / "c").rglob("*") if f.is_file() and not f.name.endswith(".lock")]
+        assert not left  # nothing bad (and no reservation) left in the cache
+        # The same through the loader and its worker processes: a clear error, not a hang.
+        with pytest.raises(ShardError, match=r"shards/.*could not be read correctly"):
+            stream(f"{base}/packed", n=10**6, cache_dir=str(tmp_path / "d"), max_attempts=2, num_epochs=1)
+    with pytest.raises(ShardError, match="is corrupted"):
+        stream(str(copy), n=10**6, num_workers=0, num_epochs=1)
+
+
+def test_missing_shard_fails_naming_it(dataset: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "served" / "packed"
+    shutil.copytree(dataset, copy)
+    gone = load_manifest(str(copy)).shards[-1]
+    os.unlink(copy / gone.path)
+    with http_server(copy.parent) as base:
+        store = ShardStore(StorageConfig(root=f"{base}/packed", cache_dir=str(tmp_path / "c")))
+        with pytest.raises(ShardError, match=f"{gone.path} not found"):
+            store.local_path(gone)
+
+
+def test_cache_never_exceeds_its_bound(
+    s3: tuple[S3Endpoint, str], dataset: Path, local_stream: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    endpoint, url = s3
+    m = load_manifest(str(dataset))
+    limit = int(2.5 * max(s.bytes for s in m.shards))
+    cache = tmp_path / "cache"
+    sizes: list[int] = []
+    done = threading.Event()
+
+    def cache_bytes() -> int:
+        total = 0
+        for folder, _, files in os.walk(cache):
+            for name in files:
+                with contextlib.suppress(FileNotFoundError):  # evicted while we look
+                    total += os.stat(os.path.join(folder, name)).st_size
+        return total
+
+    def watch() -> None:
+        while not done.is_set():
+            sizes.append(cache_bytes())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        steps = 2 * m.num_bins // 8  # two epochs
+        got, metrics = stream(url, n=steps * 2, storage_options=endpoint.storage_options, cache_dir=str(cache),
+                              cache_limit_bytes=limit)  # fmt: skip
+    finally:
+        done.set()
+        watcher.join()
+    assert_same(got[:N_MICRO], local_stream)
+    assert max(sizes) <= limit and len(sizes) > 10
+    assert metrics["evictions"] > 0
+    with pytest.raises(ShardError, match="larger than cache_limit_bytes"):
+        stream(url, n=1, storage_options=endpoint.storage_options, cache_dir=str(tmp_path / "tiny"),
+               cache_limit_bytes=16, num_workers=0)  # fmt: skip
