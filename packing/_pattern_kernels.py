@@ -190,7 +190,7 @@ def _pair_fill(counts, gap, largest, max_fillers, below, used):
 
 
 @njit(cache=True)
-def pattern_greedy_kernel(counts, capacity, max_items, fewest_below=0, cheap=False):
+def pattern_greedy_kernel(counts, capacity, max_items, fewest_below=0, cheap=False, work_budget=1 << 62):
     """Pack a histogram by repeated minimum-slack patterns.
 
     Take the longest remaining length s, fill the rest of its bin as fully as possible (fewest
@@ -198,7 +198,8 @@ def pattern_greedy_kernel(counts, capacity, max_items, fewest_below=0, cheap=Fal
     Each emission exhausts at least one length's count, so there are few patterns.
     Anchors shorter than `fewest_below` take the fewest fillers, longer ones the most (only under
     an item cap of at most 16). `cheap` replaces the exact fill (a dynamic program over the gap)
-    by the best one or two fillers plus the longest that still fit, for large capacities.
+    by the best one or two fillers plus the longest that still fit, for large capacities; so does
+    running out of `work_budget` (about the number of dynamic-program steps), which bounds the time.
     Returns (starts, pattern_lengths, pattern_counts, multiplicity): pattern p is the pairs
     (pattern_lengths[e], pattern_counts[e]) for e in starts[p]:starts[p+1], used multiplicity[p] times.
     """
@@ -214,6 +215,7 @@ def pattern_greedy_kernel(counts, capacity, max_items, fewest_below=0, cheap=Fal
     pattern_counts.pop()
     multiplicity.pop()
     longest = capacity
+    work = 0
     while True:
         while longest > 0 and remaining[longest] == 0:
             longest -= 1
@@ -223,7 +225,7 @@ def pattern_greedy_kernel(counts, capacity, max_items, fewest_below=0, cheap=Fal
         remaining[longest] -= 1
         if gap == 0 or max_items <= 1:
             num_used = 0
-        elif cheap:
+        elif cheap or work > work_budget:
             num_used = _pair_fill(remaining, gap, longest, max_items - 1, below, used)
         elif max_items > 16 and remaining[gap] > 0:
             used[0, 0] = gap
@@ -231,8 +233,10 @@ def pattern_greedy_kernel(counts, capacity, max_items, fewest_below=0, cheap=Fal
             num_used = 1
         elif max_items <= 16 and longest >= fewest_below:
             num_used = _best_fill_capped(remaining, gap, longest, max_items - 1, used)
+            work += gap * min(gap, longest) * (max_items - 1)
         else:
             num_used = _best_fill(remaining, gap, longest, max_items - 1, min_items, used)
+            work += gap * min(gap, longest)
         remaining[longest] += 1
         own = 1  # copies of `longest` in the pattern
         for k in range(num_used):

@@ -37,6 +37,8 @@ ALGORITHMS: tuple[str, ...] = ("auto", "obfd", "ffd", "nf", "patterns")
 MAX_INDEXED_CAPACITY = 1 << 24
 # "auto" runs "patterns" when distinct lengths x capacity (x fillers under a small cap) is below this.
 AUTO_PATTERNS_BUDGET = 1 << 20
+# Total dynamic-program steps one "patterns" pass may take before it falls back to the cheap fill.
+PATTERNS_WORK_BUDGET = 1 << 28
 _UNLIMITED = 1 << 62
 
 
@@ -216,7 +218,7 @@ class _Packer:
         cheap = not self._patterns_affordable()
         for fewest_below in [0] if cheap else self._filler_thresholds():
             patterns = pattern_kernels.pattern_greedy_kernel(
-                counts, self.capacity, self.max_items, fewest_below, cheap
+                counts, self.capacity, self.max_items, fewest_below, cheap, PATTERNS_WORK_BUDGET
             )
             if best is None or patterns[3].sum() < best[3].sum():
                 best = patterns

@@ -80,12 +80,13 @@ def test_pair_fill_is_feasible_and_at_least_the_best_single_item(problem):
     st.lists(st.integers(0, 4), min_size=30, max_size=30),
     st.sampled_from([1 << 62, 1, 2, 3, 5]),
     st.booleans(),
+    st.sampled_from([0, 50, 1 << 40]),
 )
-def test_patterns_use_every_item_once_and_fit(capacity, raw_counts, max_items, cheap):
+def test_patterns_use_every_item_once_and_fit(capacity, raw_counts, max_items, cheap, work_budget):
     counts = np.zeros(capacity + 1, dtype=np.int64)
     counts[1:] = raw_counts[:capacity]
     starts, lengths, copies, multiplicity = kernels.pattern_greedy_kernel(
-        counts, capacity, max_items, capacity // 2, cheap
+        counts, capacity, max_items, capacity // 2, cheap, work_budget
     )
     used = np.zeros_like(counts)
     for p in range(len(multiplicity)):
