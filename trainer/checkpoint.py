@@ -12,6 +12,7 @@ on save (megatron-core's "dp_zero" format) and re-scattered on load, so it can c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from pathlib import Path
@@ -28,6 +29,34 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 def _rank_file(root: str, iteration: int, tp: int, pp: int, dp: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}" / f"tp{tp:02d}_pp{pp:02d}_dp{dp:02d}.pt"
+
+
+def _distopt_file(root: str, iteration: int, tp: int, pp: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}" / f"distopt_tp{tp:02d}_pp{pp:02d}.pt"
+
+
+def _uses_distributed_optimizer(optimizer: Any) -> bool:
+    return bool(getattr(optimizer.config, "use_distributed_optimizer", False))
+
+
+@contextlib.contextmanager
+def _step_state_set_aside(optimizer: Any):
+    """torch's AdamW (the fallback without Apex/TE) keeps "step" in each parameter's state, which
+    megatron-core's distributed-optimizer state files do not hold (the step is restored from the param
+    groups by ``load_state_dict``); the loader would look for it there. Set it aside while loading, and give
+    every parameter its own step tensor again (``load_state_dict`` shares one, which torch's foreach AdamW
+    would then increment once per parameter)."""
+    aside = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in inner.state.values() if inner is not None else ():
+            if "step" in state:
+                aside.append((state, state.pop("step")))
+    try:
+        yield
+    finally:
+        for state, step in aside:
+            state["step"] = step.clone()
 
 
 def _coords() -> tuple[int, int, int]:
@@ -60,13 +89,14 @@ def save_checkpoint(
     """Collective: every rank writes its file; rank 0 then updates the tracker file."""
     tp, pp, dp = _coords()
     path = _rank_file(root, iteration, tp, pp, dp)
-    distributed_opt = bool(getattr(optimizer.config, "use_distributed_optimizer", False))
-    param_state = optimizer.get_parameter_state_dp_zero() if distributed_opt else None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if _uses_distributed_optimizer(optimizer):
+        # collective over DP: DP rank 0 writes the gathered (DP-size independent) parameter state
+        optimizer.save_parameter_state(str(_distopt_file(root, iteration, tp, pp)))
     payload = {
         "iteration": iteration,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
-        "optimizer_param_state": param_state if dp == 0 else None,
         "scheduler": scheduler.state_dict(),
         "rng": _rng_state(),
         "loader": loader_state,
@@ -76,7 +106,6 @@ def save_checkpoint(
             "dp": ps.get_data_parallel_world_size(),
         },
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save(payload, tmp)
     os.replace(tmp, path)
@@ -109,10 +138,10 @@ def load_checkpoint(root: str, model: Any, optimizer: Any, scheduler: Any) -> tu
     base = torch.load(zero, map_location="cpu", weights_only=False)
     model.load_state_dict(base["model"])
     optimizer.load_state_dict(base["optimizer"])
-    if base.get("optimizer_param_state") is not None or getattr(
-        optimizer.config, "use_distributed_optimizer", False
-    ):
-        optimizer.load_parameter_state_from_dp_zero(base["optimizer_param_state"] if dp == 0 else None)
+    if _uses_distributed_optimizer(optimizer):
+        # no_grad: it copies into views of parameters that require grad
+        with _step_state_set_aside(optimizer), torch.no_grad():
+            optimizer.load_parameter_state(str(_distopt_file(root, iteration, tp, pp)))
     scheduler.load_state_dict(base["scheduler"])
     same_layout = own.exists() and base["layout"]["dp"] == ps.get_data_parallel_world_size()
     mine = torch.load(own, map_location="cpu", weights_only=False) if same_layout else base
