@@ -46,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("model")
-    g.add_argument("--model-size", choices=sorted(MODEL_PRESETS), default=None, help="size preset")
+    g.add_argument(
+        "--model-size",
+        choices=sorted(MODEL_PRESETS),
+        default=None,
+        help="size preset (tiny when not given); explicit size flags override it",
+    )
     g.add_argument("--num-layers", type=int, default=None, help="language model layers")
     g.add_argument("--hidden-size", type=int, default=None, help="language model hidden size")
     g.add_argument("--num-attention-heads", type=int, default=None, help="language model heads")
@@ -82,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
-    g.add_argument("--global-batch-size", type=int, default=1, help="sequences per optimizer step")
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=0,
+        help="sequences per optimizer step; 0 = micro-batch size x DP (no accumulation)",
+    )
     g.add_argument("--seq-length", type=int, default=0, help="0 = the dataset's seq_len")
     g.add_argument("--train-iters", type=int, default=10, help="optimizer steps")
     g.add_argument("--seed", type=int, default=1234, help="model init, data order and RNG seed")
@@ -105,12 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warmup iterations")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument(
-        "--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "inverse-square-root"]
+        "--lr-decay-style",
+        default="cosine",
+        choices=["constant", "linear", "cosine", "inverse-square-root"],
+        help="decay after warmup",
     )
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.95, help="Adam beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
     g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip (0 = off)")
 
     g = p.add_argument_group("data")

@@ -122,7 +122,7 @@ class TrainConfig:
 
     seq_length: int = 0  # from the dataset manifest when 0
     micro_batch_size: int = 1
-    global_batch_size: int = 1
+    global_batch_size: int = 0  # 0 = micro_batch_size x DP
     train_iters: int = 10
     seed: int = 1234
     log_interval: int = 1
@@ -133,8 +133,8 @@ class TrainConfig:
     debug_overflow_iterations: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.micro_batch_size < 1 or self.global_batch_size < 1 or self.train_iters < 0:
-            raise ValueError("batch sizes must be >= 1 and --train-iters >= 0")
+        if self.micro_batch_size < 1 or self.global_batch_size < 0 or self.train_iters < 0:
+            raise ValueError("--micro-batch-size must be >= 1, --global-batch-size and --train-iters >= 0")
 
     def num_microbatches(self, dp_size: int) -> int:
         """Micro-batches per step and DP rank: global / (micro x DP), which must divide exactly."""

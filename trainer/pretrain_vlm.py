@@ -9,13 +9,25 @@ Without CUDA the same command runs on CPU processes with gloo. ``--help`` lists 
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 from collections.abc import Sequence
 
-from trainer.arguments import parse_args
+
+def _quiet_cpu_warnings() -> None:
+    """Without CUDA, megatron-core's "Apex/Transformer Engine not installed" warnings are expected noise."""
+    import torch
+
+    if not torch.cuda.is_available():
+        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed.*")
+        warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _quiet_cpu_warnings()  # before megatron-core is imported
+    from trainer.arguments import parse_args
+
     try:
         cfg = parse_args(argv)
     except ValueError as e:
@@ -27,6 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         trainer = Trainer(cfg)
         trainer.train()
+    except ValueError as e:  # a configuration the user can fix: one clear line, not a traceback per rank
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_vlm: error: {e}", file=sys.stderr)
+        return 2
     finally:
         if trainer is not None:
             trainer.close()

@@ -58,8 +58,9 @@ def initialize_distributed(cfg: RunConfig) -> bool:
     return on_cpu
 
 
-def resolve_model_config(cfg: RunConfig, info: DataInfo) -> RunConfig:
-    """Fill in what comes from the dataset: vocabulary, special ids, image geometry, sequence length."""
+def resolve_model_config(cfg: RunConfig, info: DataInfo, dp_size: int) -> RunConfig:
+    """Fill in what comes from the dataset (vocabulary, special ids, image geometry, sequence length) and
+    the default global batch (one micro-batch per DP rank)."""
     model = dataclasses.replace(
         cfg.model,
         vocab_size=info.vocab_size,
@@ -67,7 +68,8 @@ def resolve_model_config(cfg: RunConfig, info: DataInfo) -> RunConfig:
         patch_size=info.patch_size,
         merge_size=info.merge_size,
     )
-    train = dataclasses.replace(cfg.train, seq_length=info.seq_length)
+    global_batch = cfg.train.global_batch_size or cfg.train.micro_batch_size * dp_size
+    train = dataclasses.replace(cfg.train, seq_length=info.seq_length, global_batch_size=global_batch)
     return dataclasses.replace(cfg, model=model, train=train)
 
 
@@ -132,10 +134,10 @@ class Trainer:
     def __init__(self, cfg: RunConfig) -> None:
         self.on_cpu = initialize_distributed(cfg)
         info = dataset_info(cfg.data.data_path, cfg.train.seq_length)
-        self.cfg = cfg = resolve_model_config(cfg, info)
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.cfg = cfg = resolve_model_config(cfg, info, self.dp_size)
         self.use_te = te_available()
         self.mcfg = build_megatron_configs(cfg)
-        self.dp_size = ps.get_data_parallel_world_size()
         self.num_micro = cfg.train.num_microbatches(self.dp_size)
         self.model = build_model(cfg, self.mcfg, use_te=self.use_te)
         self.optimizer = get_megatron_optimizer(self.mcfg.optimizer, [self.model])

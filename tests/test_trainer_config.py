@@ -1,0 +1,92 @@
+"""Flags -> configs -> megatron-core configs: each Megatron flag reaches the megatron-core field it names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.arguments import build_parser, parse_args
+from trainer.batches import block_causal_mask
+from trainer.config import ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig, build_megatron_configs
+
+BASE = ["--mock-data", "--seq-length", "64"]
+
+
+def test_mixed_precision_and_parallel_flags_reach_megatron_configs() -> None:
+    cfg = parse_args(
+        [
+            *BASE,
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--use-distributed-optimizer",
+            "--bf16",
+            "--fp32-residual-connection",
+            "--attention-softmax-in-fp32",
+            "--accumulate-allreduce-grads-in-fp32",
+            "--recompute-activations",
+            "--clip-grad",
+            "0.5",
+        ]
+    )
+    m = build_megatron_configs(cfg)
+    lang = m.language
+    assert (lang.tensor_model_parallel_size, lang.pipeline_model_parallel_size) == (2, 2)
+    assert lang.sequence_parallel and lang.bf16 and not lang.fp16
+    assert lang.fp32_residual_connection and lang.attention_softmax_in_fp32
+    assert lang.pipeline_dtype == torch.float32  # the fp32 residual stream crosses pipeline stages
+    assert lang.recompute_granularity == "selective"
+    assert m.ddp.grad_reduce_in_fp32 and m.ddp.use_distributed_optimizer
+    assert m.optimizer.bf16 and m.optimizer.use_distributed_optimizer and m.optimizer.clip_grad == 0.5
+    assert not m.vision.sequence_parallel  # image tokens stay whole on every TP rank
+
+
+def test_fp16_dynamic_loss_scaling_options() -> None:
+    cfg = parse_args([*BASE, "--fp16", "--initial-loss-scale", "512", "--hysteresis", "1"])
+    m = build_megatron_configs(cfg)
+    assert m.language.fp16 and m.language.pipeline_dtype == torch.float16
+    assert m.optimizer.fp16 and m.optimizer.loss_scale is None  # None = dynamic
+    assert (m.optimizer.initial_loss_scale, m.optimizer.hysteresis) == (512, 1)
+
+
+def test_presets_and_explicit_sizes() -> None:
+    cfg = parse_args([*BASE, "--model-size", "tiny", "--hidden-size", "96", "--num-attention-heads", "6"])
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads) == (4, 96, 6)
+    assert "--fp32-residual-connection" in build_parser().format_help()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: PrecisionConfig(bf16=True, fp16=True),
+        lambda: ParallelConfig(sequence_parallel=True),
+        lambda: ModelConfig(hidden_size=30, num_attention_heads=4),
+        lambda: TrainConfig(micro_batch_size=0),
+    ],
+)
+def test_invalid_configs_raise(make) -> None:
+    with pytest.raises(ValueError):
+        make()
+
+
+def test_batch_geometry() -> None:
+    assert TrainConfig(micro_batch_size=2, global_batch_size=16).num_microbatches(dp_size=2) == 4
+    with pytest.raises(ValueError, match="multiple of"):
+        TrainConfig(micro_batch_size=2, global_batch_size=6).num_microbatches(dp_size=2)
+    with pytest.raises(ValueError, match="not divisible"):
+        ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2).data_parallel_size(6)
+    with pytest.raises(SystemExit):
+        parse_args(["--mock-data", "--bogus-flag"])
+
+
+def test_block_causal_mask_from_cu_seqlens() -> None:
+    # two rows of 4: row 0 = samples of 3 and 1 tokens, row 1 = 2 tokens + 2 padding
+    mask = block_causal_mask(torch.tensor([0, 3, 4, 6, 8], dtype=torch.int32), 2, 4)
+    assert mask.shape == (2, 1, 4, 4)
+    visible = ~mask[:, 0]
+    assert visible[0, 2].tolist() == [True, True, True, False]
+    assert visible[0, 3].tolist() == [False, False, False, True]  # new sample sees only itself
+    assert visible[1, 1].tolist() == [True, True, False, False]
+    assert visible[1, 2].tolist() == [False, False, True, False]  # padding is its own segment
