@@ -145,3 +145,13 @@ def test_image_check_decode_catches_mid_file_corruption(tmp_path: Path) -> None:
     decode = run_pack(_cfg(inputs, root, tmp_path / "decode", image_check="decode"))
     assert (decode.samples_read, decode.samples_rejected) == (1, 1)
     assert decode.rejected_by_reason == {"unreadable_image": 1}
+
+
+def test_all_rejected_input_gives_an_empty_committed_dataset(tmp_path: Path) -> None:
+    (tmp_path / "d.jsonl").write_text('{"bad": 1}\n\n{"conversations": []}\n')
+    out = tmp_path / "out"
+    summary = run_pack(_cfg([tmp_path / "d.jsonl"], None, out, format="both"))
+    assert (summary.samples_read, summary.samples_packed, summary.bins) == (2, 0, 0)
+    m = read_manifest(str(out))
+    assert m["shards"] == [] and m["counts"]["samples_rejected"] == 2
+    assert [r["line"] for r in _rejects(out)] == [1, 3]
