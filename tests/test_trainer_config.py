@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,3 +91,27 @@ def test_block_causal_mask_from_cu_seqlens() -> None:
     assert visible[0, 3].tolist() == [False, False, False, True]  # new sample sees only itself
     assert visible[1, 1].tolist() == [True, True, False, False]
     assert visible[1, 2].tolist() == [False, False, True, False]  # padding is its own segment
+
+
+def test_thd_inputs_flatten_the_micro_batch() -> None:
+    from trainer.batches import Sample, make_micro_batch
+    from trainer.data import model_inputs
+
+    def sample(n: int) -> Sample:
+        return Sample(
+            input_ids=np.arange(1, n + 1),
+            loss_mask=np.ones(n, dtype=np.uint8),
+            image_grid_thw=np.zeros((0, 3), dtype=np.int64),
+            pixel_values=np.zeros((0, 588), dtype=np.float32),
+        )
+
+    batch = make_micro_batch([[sample(3), sample(2)], [sample(4)]], 6, 0, attention_mask=False)
+    thd = model_inputs(batch, use_thd=True)
+    params = thd["packed_seq_params"]
+    assert params.qkv_format == "thd" and thd["attention_mask"] is None
+    assert thd["tokens"].shape == (1, 12)
+    assert params.cu_seqlens_q.tolist() == [0, 3, 5, 6, 10, 12]  # padding segments included
+    assert params.max_seqlen_q == 4
+    dense = model_inputs(batch, use_thd=False)
+    assert dense["attention_mask"].shape == (2, 1, 6, 6) and "packed_seq_params" not in dense
+    assert (dense["labels"] >= 0).all()  # ignored positions are masked by loss_mask, not by -100

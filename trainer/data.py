@@ -156,7 +156,7 @@ def model_inputs(batch: dict[str, Any], *, use_thd: bool) -> dict[str, Any]:
         "pixel_values": batch.get("pixel_values"),
         "image_grid_thw": batch.get("image_grid_thw"),
     }
-    cu = batch["cu_seqlens"].to(torch.int32)
+    cu = batch["cu_seqlens"].to(device=tokens.device, dtype=torch.int32)
     if use_thd:
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -164,11 +164,12 @@ def model_inputs(batch: dict[str, Any], *, use_thd: bool) -> dict[str, Any]:
         inputs["attention_mask"] = None
         inputs["packed_seq_params"] = PackedSeqParams(
             qkv_format="thd",
-            cu_seqlens_q=cu.cuda(),
-            cu_seqlens_kv=cu.cuda(),
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
             max_seqlen_q=max_len,
             max_seqlen_kv=max_len,
         )
+        # THD: the micro-batch is one flattened sequence; cu_seqlens already runs over the flattened batch
         for key in ("tokens", "position_ids", "labels"):
             inputs[key] = inputs[key].reshape(1, b * seq)
     else:

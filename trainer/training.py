@@ -172,11 +172,13 @@ class Trainer:
     # -- steps --------------------------------------------------------------------------------------------
     def _forward_step(self, scale: float, poison: bool, data_iterator: Any, model: Any):
         batch = next(data_iterator)
-        inputs = model_inputs(batch, use_thd=self.use_te)
         if torch.cuda.is_available():
-            inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+            batch = {
+                k: v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+            }
+        inputs = model_inputs(batch, use_thd=self.use_te)
         output = model(**inputs)
-        return output, partial(_loss_func, batch["loss_mask"].to(output.device), scale, poison)
+        return output, partial(_loss_func, batch["loss_mask"], scale, poison)
 
     def _run_schedule(self, batches: list[dict[str, Any]], *, forward_only: bool, poison: bool = False):
         target_tokens = self._reduce_over_dp([float(sum(float(x["loss_mask"].sum()) for x in batches))])[0]
@@ -197,7 +199,8 @@ class Trainer:
 
     def _reduce_over_dp(self, values: list[float]) -> list[float]:
         """Sums ``values`` over this stage's DP group (meaningful on the last pipeline stage)."""
-        t = torch.tensor(values, dtype=torch.float64)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL reduces CUDA tensors only
+        t = torch.tensor(values, dtype=torch.float64, device=device)
         dist.all_reduce(t, group=ps.get_data_parallel_group())
         return t.tolist()
 
