@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from types import ModuleType
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "pack": ("offline_packing.pack_cli", "pack raw multimodal samples into a sharded packed dataset"),
@@ -17,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, object | None]:
+def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, ModuleType | None]:
     """Build the top-level parser; only the chosen subcommand's module is imported."""
     parser = argparse.ArgumentParser(
         prog="mmpack", description="mmpack: packing for vision-language training"
