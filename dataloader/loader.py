@@ -11,15 +11,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
 from dataloader.collate import CollateConfig
 from dataloader.manifest import Manifest, load_manifest
 from dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan
 from dataloader.storage import ShardError, StorageConfig, resolve_storage_options
 from dataloader.topology import Topology
-from dataloader.worker import Prefetcher, Producer, ProducerSpec, worker_loop
+from dataloader.worker import Prefetcher, Producer, ProducerSpec, to_torch, worker_loop
 from packing.image_tokens import ImageTokenRule
 
 STATE_VERSION = 1
@@ -46,15 +43,6 @@ class LoaderConfig:
             raise ValueError("num_workers and prefetch_shards must be >= 0 and prefetch_batches >= 1")
         if self.num_epochs is not None and self.num_epochs < 1:
             raise ValueError(f"num_epochs must be >= 1 or None (endless), got {self.num_epochs}")
-
-
-def _to_torch(batch: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in batch.items():
-        out[key] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
-    if out.get("attention_mask") is not None and out["attention_mask"].dim() == 3:
-        out["attention_mask"] = out["attention_mask"].unsqueeze(1)  # [B, L, L] -> [B, 1, L, L]
-    return out
 
 
 class PackedLoader:
@@ -208,7 +196,7 @@ class PackedLoader:
             while k_end is None or k < k_end:
                 prefetcher.position = k
                 t0 = time.perf_counter()
-                batch = _to_torch(producer.produce(k))
+                batch = to_torch(producer.produce(k))
                 self._worker_metrics[0] = producer.store.metrics.as_dict()
                 yield batch, time.perf_counter() - t0
                 k += 1
@@ -246,7 +234,7 @@ class PackedLoader:
                 if kind != "ok":
                     raise RuntimeError(f"loader worker {w} failed on micro-batch {got_k}:\n{payload}")
                 assert got_k == k, f"worker {w} sent micro-batch {got_k}, expected {k}"
-                yield _to_torch(payload), wait_s
+                yield payload, wait_s
                 k += 1
         finally:
             stop_ev.set()  # workers stop at once and drop unread batches (never drain: a read could block)

@@ -161,7 +161,10 @@ class ShardStore:
         with _flock(path + _LOCK_SUFFIX, blocking=wait) as got:
             if not got:
                 return False
-            if not os.path.exists(path):
+            if os.path.exists(path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.utime(path)  # about to be used: most recently used
+            else:
                 self._download_verified(shard, path)
         return True
 
@@ -187,7 +190,8 @@ class ShardStore:
 
     # -- remote ---------------------------------------------------------------------------------------------
     def _cache_path(self, shard: ShardInfo) -> str:
-        return os.path.join(self.cache_dir, shard.path.replace("/", "__"))
+        # The digest is part of the name: a dataset rewritten at the same URL never reuses stale bytes.
+        return os.path.join(self.cache_dir, f"{shard.sha256[:16]}-{shard.path.replace('/', '__')}")
 
     def _filesystem(self) -> Any:
         if self._fs is None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
+import torch.multiprocessing
 
 from dataloader.collate import CollateConfig, collate_bins
 from dataloader.manifest import Manifest
@@ -152,6 +154,11 @@ class Prefetcher(threading.Thread):
             return
 
 
+def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
+    """Numpy arrays to tensors (sharing memory); sent through a queue they travel as shared memory."""
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+
+
 def worker_loop(
     spec: ProducerSpec,
     worker_id: int,
@@ -177,7 +184,7 @@ def worker_loop(
                 item: tuple[str, int, Any, dict[str, int]] = (
                     "ok",
                     k,
-                    producer.produce(k),
+                    to_torch(producer.produce(k)),
                     producer.store.metrics.as_dict(),
                 )
             except Exception as e:
@@ -191,8 +198,10 @@ def worker_loop(
                 except queue.Full:
                     continue
             if item[0] != "ok":
-                return
+                break
             k += num_workers
+        # Tensors travel as shared-memory handles served by this process: stay until the consumer is done.
+        stop_ev.wait()
     finally:
         if prefetcher is not None:
             prefetcher.stop.set()

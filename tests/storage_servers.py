@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import http.server
+import logging
 import os
 import socket
 import struct
@@ -92,6 +93,7 @@ def moto_s3() -> Iterator[S3Endpoint]:
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
