@@ -55,7 +55,10 @@ class ReaderPool:
         reader = self._reader(s)
         if len(reader) != shard.bins:
             raise ShardError(f"shard {shard.path} holds {len(reader)} bins, the manifest says {shard.bins}")
-        return reader.read(bin_id - shard.first_bin)
+        try:
+            return reader.read(bin_id - shard.first_bin)
+        except (OSError, ValueError, KeyError) as e:
+            raise ShardError(f"shard {shard.path}: cannot read bin {bin_id}: {e}") from e
 
     def _reader(self, s: int) -> ArrowShardReader | WdsShardReader:
         if s in self._open:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import itertools
 import os
 import shutil
@@ -207,3 +209,22 @@ def test_cache_never_exceeds_its_bound(
     with pytest.raises(ShardError, match="larger than cache_limit_bytes"):
         stream(url, n=1, storage_options=endpoint.storage_options, cache_dir=str(tmp_path / "tiny"),
                cache_limit_bytes=16, num_workers=0)  # fmt: skip
+
+
+def test_cache_is_keyed_by_digest(dataset: Path, tmp_path: Path) -> None:
+    """A dataset rewritten at the same URL never serves stale cached bytes."""
+    served = tmp_path / "served" / "packed"
+    shutil.copytree(dataset, served)
+    shard = load_manifest(str(served)).shards[0]
+    with http_server(served.parent) as base:
+        store = ShardStore(StorageConfig(root=f"{base}/packed", cache_dir=str(tmp_path / "c")))
+        old_path = store.local_path(shard)
+        new_bytes = (served / load_manifest(str(served)).shards[1].path).read_bytes()
+        (served / shard.path).write_bytes(new_bytes)
+        rewritten = dataclasses.replace(
+            shard, bytes=len(new_bytes), sha256=hashlib.sha256(new_bytes).hexdigest()
+        )
+        new_path = store.local_path(rewritten)
+        assert new_path != old_path and Path(new_path).read_bytes() == new_bytes
+        assert store.metrics.cache_misses == 2 and store.local_path(rewritten) == new_path
+        assert store.metrics.cache_hits == 1
