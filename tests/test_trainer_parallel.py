@@ -111,6 +111,8 @@ def test_fp16_overflow_skips_step_and_lowers_scale(datasets: tuple[Path, Path], 
         "--fp16",
         "--tensor-model-parallel-size",
         "2",
+        "--pipeline-model-parallel-size",
+        "2",
         "--train-iters",
         "6",
         "--initial-loss-scale",
@@ -121,7 +123,7 @@ def test_fp16_overflow_skips_step_and_lowers_scale(datasets: tuple[Path, Path], 
         "4",
         *BATCH,
     ]
-    run = _ok(train(2, args, tmp_path / "fp16"))
+    run = _ok(train(4, args, tmp_path / "fp16"))  # the overflow is found on every TP rank and stage
     steps = {m["iteration"]: m for m in run.train}
     assert sorted(steps) == [1, 2, 3, 4, 5, 6]
     assert steps[4]["skipped"] and "iteration 4: skipped (gradient overflow)" in run.stdout

@@ -84,7 +84,9 @@ TINY = [
 ]
 
 
-def train(nproc: int, args: list[str], workdir: Path, *, timeout_s: int = 420) -> Run:
+def train(
+    nproc: int, args: list[str], workdir: Path, *, timeout_s: int = 420, env: dict[str, str] | None = None
+) -> Run:
     """Runs ``torchrun --nproc_per_node nproc -m trainer.pretrain_vlm`` with a tiny model."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics_file = workdir / "metrics.jsonl"
@@ -104,8 +106,8 @@ def train(nproc: int, args: list[str], workdir: Path, *, timeout_s: int = 420) -
         "--metrics-file",
         str(metrics_file),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s)
     metrics = (
         [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     )
