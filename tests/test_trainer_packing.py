@@ -6,6 +6,7 @@ Loss convention on both sides: sum over target tokens / number of target tokens.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -25,37 +26,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(out_path: str, tp: int) -> None:
+def _synthetic_bin_and_samples():
+    """A bin of three synthetic samples (with images) and each sample as its own micro-batch."""
     import numpy as np
-    import torch
 
-    from trainer.batches import SyntheticSpec, block_causal_mask, make_micro_batch, synthetic_sample
-    from trainer.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig, build_megatron_configs
-    from trainer.data import MOCK_VOCAB, model_inputs
-    from trainer.model import VisionLanguageModel, init_layout_invariant
-    from trainer.training import initialize_distributed
+    from trainer.batches import SyntheticSpec, make_micro_batch, synthetic_sample
+    from trainer.data import MOCK_VOCAB
 
-    model_cfg = ModelConfig(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        vision_num_layers=1,
-        vision_hidden_size=32,
-        vision_num_attention_heads=2,
-        vocab_size=MOCK_VOCAB["vocab_size"],
-        image_pad_id=MOCK_VOCAB["image_pad"],
-    )
-    cfg = RunConfig(
-        model=model_cfg,
-        parallel=ParallelConfig(tensor_model_parallel_size=tp),
-        train=TrainConfig(seq_length=SEQ, seed=3),
-    )
-    initialize_distributed(cfg)
-    mcfg = build_megatron_configs(cfg)
-    model = VisionLanguageModel(
-        mcfg.language, mcfg.vision, model_cfg, seq_length=SEQ, pre_process=True, post_process=True
-    )
-    init_layout_invariant(model, 3, 0.02, model_cfg.num_layers)
     spec = SyntheticSpec(
         vocab_size=MOCK_VOCAB["vocab_size"],
         pad_id=MOCK_VOCAB["pad"],
@@ -71,6 +48,110 @@ def _worker(out_path: str, tp: int) -> None:
     assert sum(len(s.input_ids) for s in samples) < SEQ  # leaves a padding segment too
     assert sum(len(s.image_grid_thw) for s in samples) >= 2, "want several images in the bin"
 
+    packed = make_micro_batch([samples], SEQ, spec.pad_id)
+    alone = [make_micro_batch([[s]], len(s.input_ids), spec.pad_id) for s in samples]
+    return packed, alone
+
+
+def _loader_bin_and_samples(data_path: str, seq: int, image_pad_id: int, merge: int):
+    """The first loader micro-batch (one real bin) with >= 2 samples and an image, and each of its samples
+    cut out of it as a micro-batch of its own (tokens, labels, positions, its images' patches)."""
+    import torch
+
+    from dataloader import Topology, build_loader
+
+    loader = build_loader(
+        data_path,
+        topology=Topology(dp_rank=0, dp_size=1),
+        micro_batch_size=1,
+        global_batch_size=1,
+        num_workers=0,
+        num_epochs=1,
+    )
+    for batch in loader:
+        cu = batch["cu_seqlens"].tolist()
+        real = int(batch["num_real_tokens"])
+        bounds = [(a, b) for a, b in itertools.pairwise(cu) if b <= real]
+        if len(bounds) >= 2 and len(batch["image_grid_thw"]) >= 1:
+            break
+    else:
+        raise AssertionError("no bin with two samples and an image")
+    loader.close()
+    grids = batch["image_grid_thw"]
+    patches_per_image = (grids[:, 0] * grids[:, 1] * grids[:, 2]).tolist()
+    tokens_per_image = [p // merge**2 for p in patches_per_image]
+    patch_starts = [0, *torch.tensor(patches_per_image).cumsum(0).tolist()]
+    samples, image = [], 0
+    for a, b in bounds:
+        toks = batch["tokens"][:, a:b]
+        n_img, pads = 0, int((toks == image_pad_id).sum())
+        while pads > 0:
+            pads -= tokens_per_image[image + n_img]
+            n_img += 1
+        assert pads == 0
+        samples.append(
+            {
+                "tokens": toks,
+                "labels": batch["labels"][:, a:b],
+                "loss_mask": batch["loss_mask"][:, a:b],
+                "position_ids": batch["position_ids"][:, a:b],
+                "cu_seqlens": torch.tensor([0, b - a], dtype=torch.int32),
+                "max_seqlen": b - a,
+                "pixel_values": batch["pixel_values"][patch_starts[image] : patch_starts[image + n_img]],
+                "image_grid_thw": grids[image : image + n_img],
+                "num_real_tokens": b - a,
+            }
+        )
+        image += n_img
+    assert image == len(grids)
+    return batch, samples
+
+
+def _worker(out_path: str, tp: int, source: str) -> None:
+    import torch
+
+    from trainer.batches import block_causal_mask
+    from trainer.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig, build_megatron_configs
+    from trainer.data import MOCK_VOCAB, model_inputs
+    from trainer.model import VisionLanguageModel, init_layout_invariant
+    from trainer.training import initialize_distributed
+
+    vocab, image_pad, seq, patch, merge = MOCK_VOCAB["vocab_size"], MOCK_VOCAB["image_pad"], SEQ, 14, 2
+    if source != "synthetic":
+        from trainer.data import dataset_info
+
+        info = dataset_info(source, 0)
+        vocab, image_pad, seq = info.vocab_size, info.image_pad_id, info.seq_length
+        patch, merge = info.patch_size, info.merge_size
+    model_cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        vision_num_layers=1,
+        vision_hidden_size=32,
+        vision_num_attention_heads=2,
+        vocab_size=vocab,
+        image_pad_id=image_pad,
+        patch_size=patch,
+        merge_size=merge,
+    )
+    cfg = RunConfig(
+        model=model_cfg,
+        parallel=ParallelConfig(tensor_model_parallel_size=tp),
+        train=TrainConfig(seq_length=seq, seed=3),
+    )
+    initialize_distributed(cfg)
+    mcfg = build_megatron_configs(cfg)
+    model = VisionLanguageModel(
+        mcfg.language, mcfg.vision, model_cfg, seq_length=seq, pre_process=True, post_process=True
+    )
+    # a wide init so attention is far from uniform: leaks across samples would show clearly
+    init_layout_invariant(model, 3, 0.2, model_cfg.num_layers)
+    if source == "synthetic":
+        packed, alone = _synthetic_bin_and_samples()
+    else:
+        packed, alone = _loader_bin_and_samples(source, seq, image_pad, merge)
+
     def run(batch: dict, mask_override: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = model_inputs(batch, use_thd=False)
         if mask_override is not None:
@@ -79,22 +160,20 @@ def _worker(out_path: str, tp: int) -> None:
         mask = batch["loss_mask"]
         return (per_token * mask).sum(), mask.sum()
 
-    packed = make_micro_batch([samples], SEQ, spec.pad_id)
     loss_sum, n_targets = run(packed)
     (loss_sum / n_targets).backward()
     packed_grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
     model.zero_grad()
 
     separate_sum = torch.zeros(())
-    for s in samples:
-        alone = make_micro_batch([[s]], len(s.input_ids), spec.pad_id)
-        s_sum, _ = run(alone)
+    for one in alone:
+        s_sum, _ = run(one)
         (s_sum / n_targets).backward()
         separate_sum = separate_sum + s_sum.detach()
     separate_grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
 
     # Negative control: plain causal attention across the whole row lets samples see each other.
-    causal_only = block_causal_mask(torch.tensor([0, SEQ], dtype=torch.int32), 1, SEQ)
+    causal_only = block_causal_mask(torch.tensor([0, seq], dtype=torch.int32), 1, seq)
     with torch.no_grad():
         leaky_sum, _ = run(packed, causal_only)
 
@@ -116,8 +195,13 @@ def _worker(out_path: str, tp: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
-def test_packed_bin_equals_samples_one_by_one(tmp_path: Path, tp: int) -> None:
+@pytest.mark.parametrize(("source", "tp"), [("synthetic", 1), ("synthetic", 2), ("loader", 2)])
+def test_packed_bin_equals_samples_one_by_one(tmp_path: Path, source: str, tp: int) -> None:
+    """``loader``: a real bin (offline packer -> loader, real JPEG/PNG patches) cut into its samples."""
+    if source == "loader":
+        from tests.test_trainer_support import make_packed_dataset
+
+        source = str(make_packed_dataset(tmp_path / "data", n_samples=60, seed=4))
     out = tmp_path / "result.json"
     cmd = [
         sys.executable,
@@ -130,16 +214,18 @@ def test_packed_bin_equals_samples_one_by_one(tmp_path: Path, tp: int) -> None:
         str(Path(__file__).resolve()),
         str(out),
         str(tp),
+        source,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
     assert r["params_without_grad"] == [], "every parameter (vision encoder included) must get a gradient"
-    assert r["packed_loss"] == pytest.approx(r["separate_loss"], rel=1e-5)
-    assert r["max_grad_diff"] <= 1e-5 * r["max_grad"] + 1e-8, r
-    assert abs(r["leaky_loss"] - r["packed_loss"]) > 1e-4, "control: without the block mask samples leak"
+    assert r["packed_loss"] == pytest.approx(r["separate_loss"], rel=1e-6)
+    assert r["max_grad_diff"] <= 2e-6 * r["max_grad"] + 1e-8, r
+    leak = abs(r["leaky_loss"] - r["packed_loss"])
+    assert leak > 1e-3, f"control: with a plain causal mask the samples must leak (diff {leak})"
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]))
+    _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3])
