@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing as mp
 import queue
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -221,12 +222,20 @@ class PackedLoader:
         ]
         for p in procs:
             p.start()
+        ready: queue.Queue[_Item] = queue.Queue(maxsize=max(2, n * self.config.prefetch_batches))
+        halt = threading.Event()
+        receiver = threading.Thread(
+            target=_receive,
+            args=(queues, procs, k_start, k_end, ready, halt),
+            daemon=True,
+            name="mmpack-receive",
+        )
+        receiver.start()
         k = k_start
         try:
             while k_end is None or k < k_end:
-                w = (k - k_start) % n
                 t0 = time.perf_counter()
-                kind, got_k, payload, metrics = _get(queues[w], procs[w])
+                kind, got_k, payload, metrics, w = _take(ready, receiver)
                 wait_s = time.perf_counter() - t0
                 self._worker_metrics[w] = metrics
                 if kind == "shard_error":
@@ -237,7 +246,9 @@ class PackedLoader:
                 yield payload, wait_s
                 k += 1
         finally:
+            halt.set()
             stop_ev.set()  # workers stop at once and drop unread batches (never drain: a read could block)
+            receiver.join(timeout=5)
             for p in procs:
                 p.join(timeout=5)
                 if p.is_alive():
@@ -248,6 +259,40 @@ class PackedLoader:
                 q.cancel_join_thread()
 
 
+# (kind, micro-batch index, payload or error text, worker metrics, worker id)
+_Item = tuple[str, int, Any, dict[str, int], int]
+
+
+def _receive(queues: list[Any], procs: list[Any], k_start: int, k_end: int | None,
+             ready: queue.Queue[_Item], halt: threading.Event) -> None:  # fmt: skip
+    """Takes batches from the workers in order into `ready`, off the consumer's critical path.
+
+    Receiving a shared-memory tensor needs a round trip to the sending worker; doing it here lets that
+    overlap with the consumer's step.
+    """
+    n = len(queues)
+    k = k_start
+    while not halt.is_set() and (k_end is None or k < k_end):
+        w = (k - k_start) % n
+        try:
+            got = _get(queues[w], procs[w], halt)
+        except RuntimeError as e:
+            got = ("error", k, str(e), {})
+        if got is None:
+            return
+        kind, got_k, payload, metrics = got
+        item: _Item = (kind, got_k, to_torch(payload) if kind == "ok" else payload, metrics, w)
+        while not halt.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        if kind != "ok":
+            return
+        k += 1
+
+
 def _nothing(k_start: int, k_end: int | None) -> Iterator[tuple[None, float]]:
     k = k_start
     while k_end is None or k < k_end:
@@ -255,15 +300,26 @@ def _nothing(k_start: int, k_end: int | None) -> Iterator[tuple[None, float]]:
         k += 1
 
 
-def _get(q: Any, proc: Any) -> tuple[str, int, Any, dict[str, int]]:
-    while True:
+def _get(q: Any, proc: Any, halt: threading.Event) -> tuple[str, int, Any, dict[str, int]] | None:
+    """The next item of one worker's queue; None once `halt` is set."""
+    while not halt.is_set():
         try:
-            return q.get(timeout=0.5)
+            return q.get(timeout=0.1)
         except queue.Empty:
             if not proc.is_alive():
                 raise RuntimeError(
                     f"loader worker {proc.name} exited with code {proc.exitcode} without sending its batch"
                 ) from None
+    return None
+
+
+def _take(ready: queue.Queue[_Item], receiver: threading.Thread) -> _Item:
+    while True:
+        try:
+            return ready.get(timeout=0.5)
+        except queue.Empty:
+            if not receiver.is_alive() and ready.empty():
+                raise RuntimeError("the loader's receiving thread stopped without a batch") from None
 
 
 def build_loader(

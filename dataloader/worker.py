@@ -9,6 +9,7 @@ the cache's per-shard locks keep two workers from downloading the same shard.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -157,9 +158,19 @@ class Prefetcher(threading.Thread):
             return
 
 
-def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
-    """Numpy arrays to tensors (sharing memory); sent through a queue they travel as shared memory."""
-    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+SHARED_MEMORY_MIN_BYTES = 1 << 20
+
+
+def to_torch(batch: dict[str, Any], *, min_bytes: int = 0) -> dict[str, Any]:
+    """Numpy arrays of at least `min_bytes` to tensors (sharing memory with the array).
+
+    Sent through a queue, a tensor travels as a shared-memory handle, but each handle costs a round trip
+    to the sending worker; small arrays are cheaper pickled by value, so workers convert only big ones.
+    """
+    return {
+        k: torch.from_numpy(v) if isinstance(v, np.ndarray) and v.nbytes >= min_bytes else v
+        for k, v in batch.items()
+    }
 
 
 def worker_loop(
@@ -172,6 +183,9 @@ def worker_loop(
     stop_ev: Any,
 ) -> None:
     """Entry point of a worker process: produce micro-batches k_start+worker_id, +num_workers, ... in order."""
+    # Handing a tensor to the consumer needs this process's resource-sharer thread to answer; a short GIL
+    # switch interval keeps that answer from waiting behind a long decode in the main thread.
+    sys.setswitchinterval(0.0005)
     producer = Producer(spec)
     prefetcher = (
         Prefetcher(producer, k_start, k_end, spec.prefetch_shards) if spec.prefetch_shards > 0 else None
@@ -187,7 +201,7 @@ def worker_loop(
                 item: tuple[str, int, Any, dict[str, int]] = (
                     "ok",
                     k,
-                    to_torch(producer.produce(k)),
+                    to_torch(producer.produce(k), min_bytes=SHARED_MEMORY_MIN_BYTES),
                     producer.store.metrics.as_dict(),
                 )
             except Exception as e:

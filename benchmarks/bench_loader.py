@@ -1,0 +1,247 @@
+"""Loader throughput, side by side on the same packed WebDataset shards, from local disk and from moto S3.
+
+Contenders (same decoding and batching: npy/json members, Pillow decode + patchify, packing.layout collation):
+  raw       sequential read of every shard's bytes (the storage's read bandwidth; no decoding)
+  webdataset plain `webdataset` pipeline + WebLoader (shards in order, split by worker)
+  mmpack    `dataloader.build_loader` (global shuffled order, sha256 checks, cache, read-ahead)
+
+Reported per contender and storage: bins/s, MB/s of shard bytes, time to first batch, and the data-wait
+fraction when a consumer takes a fixed time per micro-batch. Usage:
+
+    python benchmarks/bench_loader.py [--samples 2000] [--workers 2] [--step-ms 400] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from dataloader import Topology, build_loader, load_manifest  # noqa: E402
+from dataloader.collate import CollateConfig, collate_bins  # noqa: E402
+from packing.format import ARRAY_FIELDS  # noqa: E402
+from packing.image_tokens import ImageTokenRule  # noqa: E402
+from tests.storage_servers import build_packed_dataset, moto_s3  # noqa: E402
+
+_IMG_RE = re.compile(r"^img(\d+)\.([a-z0-9]+)$")
+
+
+# -- plain webdataset -----------------------------------------------------------------------------------------
+def wds_sample_to_record(sample: dict[str, Any]) -> dict[str, Any]:
+    """A webdataset sample (member suffix -> bytes) to the record the collation takes."""
+    meta = json.loads(sample["json"])
+    rec: dict[str, Any] = {"key": sample["__key__"], "sample_ids": meta["sample_ids"]}
+    for name, dtype in ARRAY_FIELDS.items():
+        rec[name] = np.load(io.BytesIO(sample[f"{name}.npy"]), allow_pickle=False).astype(dtype, copy=False)
+    rec["image_grid_thw"] = rec["image_grid_thw"].reshape(-1, 3)
+    images = sorted((int(m.group(1)), k) for k in sample if (m := _IMG_RE.match(k)))
+    rec["images"] = [sample[k] for _, k in images]
+    rec["image_formats"] = meta.get("image_formats", [])
+    return rec
+
+
+class _Collate:
+    def __init__(self, cfg: CollateConfig) -> None:
+        self.cfg = cfg
+
+    def __call__(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        return collate_bins(records, self.cfg)
+
+
+def fsspec_opener(
+    storage_options: dict[str, Any],
+) -> Callable[[Iterable[dict[str, Any]]], Iterator[dict[str, Any]]]:
+    def open_urls(src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        from fsspec.core import url_to_fs
+
+        for sample in src:
+            fs, path = url_to_fs(sample["url"], **storage_options)
+            with fs.open(path, "rb", block_size=8 << 20) as stream:
+                yield {**sample, "stream": stream}
+
+    return open_urls
+
+
+def webdataset_loader(urls: list[str], cfg: CollateConfig, micro: int, workers: int,
+                      storage_options: dict[str, Any] | None) -> Iterable[Any]:  # fmt: skip
+    import webdataset as wds
+    from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
+
+    opener = url_opener if storage_options is None else fsspec_opener(storage_options)
+    pipe = wds.DataPipeline(
+        wds.SimpleShardList(urls),
+        wds.split_by_worker,
+        opener,
+        wds.pipelinefilter(tar_file_expander)(),
+        wds.pipelinefilter(group_by_keys)(),
+        wds.map(wds_sample_to_record),
+        wds.batched(micro, collation_fn=_Collate(cfg), partial=False),
+    )
+    return wds.WebLoader(pipe, batch_size=None, num_workers=workers, persistent_workers=False)
+
+
+# -- measurement ---------------------------------------------------------------------------------------------
+def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+
+
+def measure(
+    make: Callable[[], Iterable[Any]], total_bytes: int, step_s: float, max_batches: int | None
+) -> dict:
+    """One pass over `make()`: time to first batch, bins/s, MB/s; with step_s > 0, the data-wait fraction."""
+    t0 = time.perf_counter()
+    it = iter(make())
+    first = None
+    bins = batches = 0
+    wait = 0.0
+    while max_batches is None or batches < max_batches:
+        t_req = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        now = time.perf_counter()
+        wait += now - t_req
+        if first is None:
+            first = now - t0
+        batch = batch if isinstance(batch.get("tokens"), torch.Tensor) else to_torch(batch)
+        bins += int(batch["tokens"].shape[0])
+        batches += 1
+        if step_s:
+            time.sleep(step_s)
+    elapsed = time.perf_counter() - t0
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
+    out = {"batches": batches, "bins": bins, "seconds": elapsed, "time_to_first_batch_s": first}
+    if step_s:
+        out["data_wait_fraction"] = (wait - (first or 0.0)) / max(elapsed - (first or 0.0), 1e-9)
+    else:
+        out["bins_per_s"] = bins / elapsed
+        out["MB_per_s"] = total_bytes / elapsed / 1e6
+    return out
+
+
+def raw_read(urls: list[str], storage_options: dict[str, Any] | None) -> dict:
+    import fsspec
+
+    t0 = time.perf_counter()
+    first = None
+    size = 0
+    for url in urls:
+        with fsspec.open(url, "rb", **(storage_options or {})) as f:
+            while chunk := f.read(8 << 20):
+                size += len(chunk)
+                first = first if first is not None else time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    return {
+        "seconds": elapsed,
+        "MB_per_s": size / elapsed / 1e6,
+        "time_to_first_batch_s": first,
+        "bytes": size,
+    }
+
+
+def run_storage(name: str, root: str, storage_options: dict[str, Any] | None, args: argparse.Namespace,
+                tmp: Path) -> dict[str, dict]:  # fmt: skip
+    m = load_manifest(root, storage_options=storage_options, shard_format="wds")
+    urls = [f"{root}/{s.path}" for s in m.shards]
+    total = sum(s.bytes for s in m.shards)
+    rule_fields = ImageTokenRule.__dataclass_fields__
+    rule = ImageTokenRule(**{k: v for k, v in m.raw["image_rule"].items() if k in rule_fields})
+    cfg = CollateConfig(seq_len=m.seq_len, pad_id=m.pad_id, image_pad_id=m.image_pad_id, rule=rule)
+    micro = args.micro_batch
+    counter = iter(range(10**6))
+
+    def mmpack() -> Iterable[Any]:
+        return build_loader(root, topology=Topology(dp_rank=0, dp_size=1), micro_batch_size=micro,
+                            global_batch_size=micro, num_workers=args.workers, shard_format="wds", num_epochs=1,
+                            storage_options=storage_options, cache_dir=str(tmp / f"cache-{name}-{next(counter)}"))  # fmt: skip
+
+    def plain() -> Iterable[Any]:
+        return webdataset_loader(urls, cfg, micro, args.workers, storage_options)
+
+    results: dict[str, dict] = {"raw": raw_read(urls, storage_options)}
+    for label, make in (("webdataset", plain), ("mmpack", mmpack)):
+        full = measure(make, total, 0.0, None)
+        consumer = measure(make, total, args.step_ms / 1000, args.consumer_batches)
+        results[label] = {**full, "data_wait_fraction": consumer["data_wait_fraction"]}
+    results["_dataset"] = {"shards": len(m.shards), "bins": m.num_bins, "bytes": total}
+    return results
+
+
+def print_table(all_results: dict[str, dict[str, dict]]) -> None:
+    head = f"{'storage':8} {'loader':11} {'bins/s':>8} {'MB/s':>8} {'1st batch s':>11} {'data wait':>10}"
+    print(head)
+    print("-" * len(head))
+    for storage, results in all_results.items():
+        for label in ("raw", "webdataset", "mmpack"):
+            r = results[label]
+            bins_s = f"{r['bins_per_s']:8.1f}" if "bins_per_s" in r else f"{'-':>8}"
+            wait = f"{100 * r['data_wait_fraction']:9.2f}%" if "data_wait_fraction" in r else f"{'-':>10}"
+            first = r["time_to_first_batch_s"] or 0.0
+            print(f"{storage:8} {label:11} {bins_s} {r['MB_per_s']:8.1f} {first:11.3f} {wait}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--samples", type=int, default=2000, help="raw synthetic samples to pack")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--bins-per-shard", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--step-ms", type=float, default=400.0, help="consumer time per micro-batch")
+    p.add_argument("--consumer-batches", type=int, default=20)
+    p.add_argument("--storages", default="local,s3")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with tempfile.TemporaryDirectory(prefix="mmpack-bench-loader-") as tmp_name:
+        tmp = Path(tmp_name)
+        dataset = build_packed_dataset(tmp / "data", n_samples=args.samples, seq_len=args.seq_len, fmt="wds",
+                                       max_bins_per_shard=args.bins_per_shard, size_range=(64, 512),
+                                       max_words=120)  # fmt: skip
+        all_results: dict[str, dict[str, dict]] = {}
+        storages = args.storages.split(",")
+        if "local" in storages:
+            all_results["local"] = run_storage("local", str(dataset), None, args, tmp)
+        if "s3" in storages:
+            with moto_s3() as s3:
+                url = s3.upload_folder(dataset, "bench", "packed")
+                all_results["s3"] = run_storage("s3", url, s3.storage_options, args, tmp)
+    print_table(all_results)
+    record = {
+        "benchmark": "bench_loader",
+        "args": vars(args),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "loadavg_1m": os.getloadavg()[0],
+        },
+        "results": all_results,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_loader.json").write_text(json.dumps(record, indent=2))
+    print(f"wrote {out / 'bench_loader.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
