@@ -30,7 +30,12 @@ def _ok(run: Run) -> Run:
 @pytest.fixture(scope="module")
 def run_3d(datasets: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Run:
     train_set, held_out = datasets
+    workdir = tmp_path_factory.mktemp("run-3d")
     args = [
+        "--save",
+        str(workdir / "ckpt"),
+        "--save-interval",
+        "10",
         "--data-path",
         str(train_set),
         "--eval-data-path",
@@ -51,7 +56,7 @@ def run_3d(datasets: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
         "2",
         *BATCH,
     ]
-    return _ok(train(8, args, tmp_path_factory.mktemp("run-3d")))
+    return _ok(train(8, args, workdir))
 
 
 def test_tp2_pp2_dp2_trains_and_loss_falls(run_3d: Run) -> None:
@@ -131,3 +136,40 @@ def test_fp16_overflow_skips_step_and_lowers_scale(datasets: tuple[Path, Path], 
     assert steps[4]["lr"] == steps[5]["lr"], "a skipped step does not advance the LR schedule"
     for i in (1, 2, 3, 5, 6):
         assert math.isfinite(steps[i]["loss"]) and not steps[i]["skipped"], steps[i]
+
+
+def test_3d_checkpoint_resumes_with_fewer_dp_ranks(
+    run_3d: Run, datasets: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Saved at 10 by TP2xPP2xDP2 (distributed optimizer, SP); resumed by TP2xPP2xDP1: same 11..20."""
+    train_set, _ = datasets
+    ckpt = Path(run_3d.stdout.split("saved checkpoint at iteration 10 to ")[1].split()[0])
+    view = tmp_path / "ckpt-view"
+    view.mkdir()
+    (view / "iter_0000010").symlink_to(ckpt / "iter_0000010")
+    (view / "latest_checkpointed_iteration.txt").write_text("10")
+    args = [
+        "--load",
+        str(view),
+        "--data-path",
+        str(train_set),
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--use-distributed-optimizer",
+        "--train-iters",
+        "20",
+        "--lr",
+        "3e-3",
+        "--lr-warmup-iters",
+        "2",
+        *BATCH,
+    ]
+    resumed = _ok(train(4, args, tmp_path / "resumed"))
+    tail = run_3d.train[10:]
+    assert [m["iteration"] for m in resumed.train] == list(range(11, 21))
+    assert [m["data_digest"] for m in resumed.train] == [m["data_digest"] for m in tail]
+    for mine, ref in zip(resumed.train, tail, strict=True):
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4)
