@@ -16,12 +16,14 @@ from collections.abc import Sequence
 
 
 def _quiet_cpu_warnings() -> None:
-    """Without CUDA, megatron-core's "Apex/Transformer Engine not installed" warnings are expected noise."""
+    """Without CUDA, megatron-core's warnings about Apex/Transformer Engine/CUDA settings are expected noise."""
     import torch
 
     if not torch.cuda.is_available():
         warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed.*")
         warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
+        warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+        warnings.filterwarnings("ignore", message=r".*using transformer_engine as the transformer.*")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
