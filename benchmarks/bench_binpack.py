@@ -9,7 +9,8 @@ the Wikipedia (BERT pretraining, max length 512) histogram published by Krell et
 "Efficient Sequence Packing without Cross-contamination" (arXiv:2107.02027).
 
 Times are medians over --repeats runs after one warm-up run (the warm-up time, which includes
-numba JIT compilation or loading it from the cache, is reported on its own). Peers get their input
+numba JIT compilation or loading it from the cache, is reported on its own): wall clock, and the
+process CPU time, which a shared, loaded machine disturbs less (all kernels here are single-threaded). Peers get their input
 as a ready Python list (conversion not timed). The `binpacking` package is pure Python and slow, so it
 runs on a subsample (--binpacking-n), next to mmpack on the same subsample.
 Results go to benchmarks/results/bench_binpack.json.
@@ -25,6 +26,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -116,17 +118,27 @@ def histogram_shapes(total: int, seed: int = 0) -> dict[str, np.ndarray]:
     return result
 
 
-def timed(fn: Callable[[], object], repeats: int) -> tuple[object, float, float]:
-    """(result, warm-up seconds, median seconds over `repeats` further runs)."""
-    start = time.perf_counter()
+@dataclass(frozen=True)
+class Timing:
+    warmup_s: float  # first call: includes numba JIT compilation or loading it from the cache
+    median_s: float  # wall clock, median of the repeats
+    cpu_median_s: float  # process CPU time, median of the repeats: less sensitive to a loaded machine
+
+
+def timed(fn: Callable[[], object], repeats: int) -> tuple[object, Timing]:
+    """Run `fn` once to warm up, then `repeats` times; returns the last result and the timings."""
+    start, start_cpu = time.perf_counter(), time.process_time()
     result = fn()
-    warmup = time.perf_counter() - start
-    runs = []
+    warmup, warmup_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    walls, cpus = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         result = fn()
-        runs.append(time.perf_counter() - start)
-    return result, warmup, statistics.median(runs) if runs else warmup
+        walls.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - start_cpu)
+    if not walls:
+        return result, Timing(warmup, warmup, warmup_cpu)
+    return result, Timing(warmup, statistics.median(walls), statistics.median(cpus))
 
 
 def check_lists(bins: list, lengths: np.ndarray, capacity: int, *, values: bool = False) -> int:
@@ -176,16 +188,16 @@ def run_lognormal(args: argparse.Namespace, rows: list[dict]) -> None:
             fn = getattr(lightbinpack, name)
             entries.append((f"lightbinpack {name}", lambda f=fn, x=as_list: f(x, capacity), lambda r: len(r)))
         for label, fn, count in entries:
-            result, warmup, median = timed(fn, args.repeats)
+            result, timing = timed(fn, args.repeats)
             if label.startswith("lightbinpack"):
                 check_lists(result, lengths, capacity)
-            rows.append(_row("lognormal", label, lengths, capacity, count(result), bound, warmup, median))
+            rows.append(_row("lognormal", label, lengths, capacity, count(result), bound, timing))
             print(_format(rows[-1]), flush=True)
         del as_list, entries
         small = lengths[: args.binpacking_n]
         small_bound = lower_bound_l2(small, capacity)
         small_list = small.tolist()
-        result, warmup, median = timed(lambda s=small_list: binpacking.to_constant_volume(s, capacity), 0)
+        result, timing = timed(lambda s=small_list: binpacking.to_constant_volume(s, capacity), 0)
         rows.append(
             _row(
                 "lognormal",
@@ -194,8 +206,7 @@ def run_lognormal(args: argparse.Namespace, rows: list[dict]) -> None:
                 capacity,
                 check_lists(result, small, capacity, values=True),
                 small_bound,
-                warmup,
-                warmup,
+                timing,
             )
         )
         print(_format(rows[-1]), flush=True)
@@ -203,9 +214,9 @@ def run_lognormal(args: argparse.Namespace, rows: list[dict]) -> None:
             ("mmpack auto", lambda x=small: pack_lengths(x, capacity)),
             ("lightbinpack obfd", lambda x=small_list: lightbinpack.obfd(x, capacity)),
         ):
-            result, warmup, median = timed(fn, args.repeats)
+            result, timing = timed(fn, args.repeats)
             count = check_result(result, small, capacity) if isinstance(result, PackResult) else len(result)
-            rows.append(_row("lognormal", label, small, capacity, count, small_bound, warmup, median))
+            rows.append(_row("lognormal", label, small, capacity, count, small_bound, timing))
             print(_format(rows[-1]), flush=True)
 
 
@@ -225,19 +236,17 @@ def run_histograms(args: argparse.Namespace, rows: list[dict]) -> None:
             ("mmpack obfd, max 3/bin", {"algorithm": "obfd", "max_items_per_bin": 3}),
         ]
         for label, kwargs in runs:
-            result, warmup, median = timed(
-                lambda kw=kwargs, x=lengths: pack_lengths(x, capacity, **kw), args.repeats
-            )
+            result, timing = timed(lambda kw=kwargs, x=lengths: pack_lengths(x, capacity, **kw), args.repeats)
             cap = kwargs.get("max_items_per_bin")
             bins = check_result(result, lengths, capacity, cap)
             row_bound = bound if cap is None else max(bound, lower_bound_item_cap(lengths, capacity, cap))
-            row = _row(f"histogram: {shape}", label, lengths, capacity, bins, row_bound, warmup, median)
+            row = _row(f"histogram: {shape}", label, lengths, capacity, bins, row_bound, timing)
             row["chosen"] = result.algorithm
             rows.append(row)
             print(_format(row), flush=True)
         if args.peers_on_histograms and shape.startswith("wikipedia"):
             as_list = lengths.tolist()
-            result, warmup, median = timed(
+            result, timing = timed(
                 lambda s=as_list: lightbinpack.obfd(s, capacity), max(1, args.repeats // 2)
             )
             rows.append(
@@ -248,8 +257,7 @@ def run_histograms(args: argparse.Namespace, rows: list[dict]) -> None:
                     capacity,
                     check_lists(result, lengths, capacity),
                     bound,
-                    warmup,
-                    median,
+                    timing,
                 )
             )
             print(_format(rows[-1]), flush=True)
@@ -257,14 +265,7 @@ def run_histograms(args: argparse.Namespace, rows: list[dict]) -> None:
 
 
 def _row(
-    section: str,
-    label: str,
-    lengths: np.ndarray,
-    capacity: int,
-    bins: int,
-    bound: int,
-    warmup: float,
-    median: float,
+    section: str, label: str, lengths: np.ndarray, capacity: int, bins: int, bound: int, timing: Timing
 ) -> dict:
     tokens = int(lengths[lengths <= capacity].sum())
     return {
@@ -275,15 +276,16 @@ def _row(
         "fill_pct": 100.0 * tokens / (bins * capacity) if bins else 0.0,
         "lower_bound": int(bound),
         "gap_to_bound_pct": 100.0 * (bins - bound) / bound if bound else 0.0,
-        "time_median_s": median,
-        "warmup_s": warmup,
+        "time_median_s": timing.median_s,
+        "cpu_median_s": timing.cpu_median_s,
+        "warmup_s": timing.warmup_s,
     }
 
 
 def _format(row: dict) -> str:
     return (
         f"{row['section'][:44]:<44} {row['algorithm']:<30} {row['n']:>10,} {row['bins']:>10,} "
-        f"{row['fill_pct']:>8.3f}% {row['gap_to_bound_pct']:>9.4f}% {row['time_median_s']:>9.4f} {row['warmup_s']:>8.3f}"
+        f"{row['fill_pct']:>8.3f}% {row['gap_to_bound_pct']:>9.4f}% {row['time_median_s']:>9.4f} {row['cpu_median_s']:>8.4f} {row['warmup_s']:>8.3f}"
     )
 
 
@@ -318,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     print(
         f"{'section':<44} {'algorithm':<30} {'n':>10} {'bins':>10} {'fill':>9} {'over_LB':>10} "
-        f"{'median_s':>9} {'warmup_s':>8}"
+        f"{'median_s':>9} {'cpu_s':>8} {'warmup_s':>8}"
     )
     rows: list[dict] = []
     if not args.skip_lognormal:
