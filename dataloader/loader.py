@@ -222,7 +222,7 @@ class PackedLoader:
         ]
         for p in procs:
             p.start()
-        ready: queue.Queue[_Item] = queue.Queue(maxsize=max(2, n * self.config.prefetch_batches))
+        ready: queue.Queue[_Item] = queue.Queue(maxsize=self.config.prefetch_batches)
         halt = threading.Event()
         receiver = threading.Thread(
             target=_receive,
@@ -349,7 +349,9 @@ def build_loader(
     "wds" shards when the dataset has both (default: arrow).
     """
     storage_options = resolve_storage_options(path, storage_options)
-    manifest = load_manifest(path, storage_options=storage_options, shard_format=shard_format)
+    manifest = load_manifest(
+        path, storage_options=storage_options, shard_format=shard_format, max_attempts=max_attempts
+    )
     raw_rule = manifest.raw.get("image_rule") or {}
     rule_fields = ImageTokenRule.__dataclass_fields__
     rule = ImageTokenRule(**{k: v for k, v in raw_rule.items() if k in rule_fields})

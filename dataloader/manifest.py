@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,7 +97,11 @@ def join_url(root: str, rel: str) -> str:
 
 
 def load_manifest(
-    root: str, *, storage_options: dict[str, Any] | None = None, shard_format: str | None = None
+    root: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    shard_format: str | None = None,
+    max_attempts: int = 6,
 ) -> Manifest:
     """Reads `<root>/manifest.json` through fsspec."""
     from fsspec.core import url_to_fs
@@ -105,8 +110,16 @@ def load_manifest(
 
     url = join_url(root, MANIFEST_NAME)
     fs, fs_path = url_to_fs(url, **resolve_storage_options(url, storage_options))
-    try:
-        raw = json.loads(fs.cat_file(fs_path))
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"no packed dataset at {root!r}: {url} not found") from e
+    for attempt in range(max_attempts):
+        try:
+            raw = json.loads(fs.cat_file(fs_path))
+            break
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"no packed dataset at {root!r}: {url} not found") from e
+        except Exception as e:  # transient network errors and truncated bodies: retry with backoff
+            if attempt == max_attempts - 1:
+                raise OSError(
+                    f"cannot read {url} after {max_attempts} attempts: {type(e).__name__}: {e}"
+                ) from e
+            time.sleep(min(4.0, 0.1 * 2**attempt))
     return Manifest.from_dict(raw, shard_format=shard_format)

@@ -117,12 +117,16 @@ def test_faults_between_loader_and_http_change_nothing(
     http_url: str, local_stream: list[dict[str, Any]], tmp_path: Path
 ) -> None:
     base, _, rest = http_url.removeprefix("http://").partition("/")
-    plan = FaultPlan(kinds=ALL_FAULTS.kinds, max_faults_per_path=ALL_FAULTS.max_faults_per_path)
+    # Every GET may fail here, the manifest's included.
+    plan = FaultPlan(
+        kinds=ALL_FAULTS.kinds, max_faults_per_path=ALL_FAULTS.max_faults_per_path, fault_path_part="/"
+    )
     with FaultProxy(f"http://{base}", plan) as proxy:
         got, metrics = stream(f"{proxy.url}/{rest}", cache_dir=str(tmp_path))
         faults = proxy.faults_injected
     assert_same(got, local_stream)
     assert faults > 0 and metrics["retries"] > 0 and metrics["redownloads"] > 0
+    assert plan.injected.get(f"/{rest}/manifest.json", 0) > 0
 
 
 def test_faults_between_loader_and_s3_change_nothing(
