@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
-import queue
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,9 +10,10 @@ from typing import Any
 from dataloader.collate import CollateConfig
 from dataloader.manifest import Manifest, load_manifest
 from dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan
-from dataloader.storage import ShardError, StorageConfig, resolve_storage_options
+from dataloader.pool import no_data, run_in_process, run_workers
+from dataloader.storage import StorageConfig, resolve_storage_options
 from dataloader.topology import Topology
-from dataloader.worker import Prefetcher, Producer, ProducerSpec, to_torch, worker_loop
+from dataloader.worker import ProducerSpec
 from packing.image_tokens import ImageTokenRule
 
 STATE_VERSION = 1
@@ -169,12 +165,21 @@ class PackedLoader:
         k_start = self.step * m
         end_step = self._end_step()
         k_end = None if end_step is None else end_step * m
+        source: Iterator[tuple[dict[str, Any] | None, float]]
         if not self.topology.needs_data:
-            source: Iterator[tuple[dict[str, Any] | None, float]] = _nothing(k_start, k_end)
+            source = no_data(k_start, k_end)
         elif self.config.num_workers == 0:
-            source = self._in_process(k_start, k_end)
+            source = run_in_process(self.spec, k_start, k_end, metrics=self._worker_metrics)
         else:
-            source = self._with_workers(k_start, k_end)
+            source = run_workers(
+                self.spec,
+                k_start,
+                k_end,
+                num_workers=self.config.num_workers,
+                prefetch_batches=self.config.prefetch_batches,
+                start_method=self.config.start_method,
+                metrics=self._worker_metrics,
+            )
         k = k_start
         try:
             for batch, wait_s in source:
@@ -186,140 +191,6 @@ class PackedLoader:
                 yield batch
         finally:
             source.close()  # type: ignore[attr-defined]
-
-    def _in_process(self, k_start: int, k_end: int | None) -> Iterator[tuple[dict[str, Any] | None, float]]:
-        producer = Producer(self.spec)
-        prefetcher = Prefetcher(producer, k_start, k_end, self.config.prefetch_shards)
-        if self.config.prefetch_shards:
-            prefetcher.start()
-        k = k_start
-        try:
-            while k_end is None or k < k_end:
-                prefetcher.position = k
-                t0 = time.perf_counter()
-                batch = to_torch(producer.produce(k))
-                self._worker_metrics[0] = producer.store.metrics.as_dict()
-                yield batch, time.perf_counter() - t0
-                k += 1
-        finally:
-            prefetcher.stop.set()
-            producer.close()
-
-    def _with_workers(self, k_start: int, k_end: int | None) -> Iterator[tuple[dict[str, Any] | None, float]]:
-        n = self.config.num_workers
-        method = self.config.start_method or ("fork" if sys.platform == "linux" else "spawn")
-        ctx: Any = mp.get_context(method)
-        stop_ev = ctx.Event()
-        queues = [ctx.Queue(maxsize=self.config.prefetch_batches) for _ in range(n)]
-        procs = [
-            ctx.Process(
-                target=worker_loop,
-                args=(self.spec, w, n, k_start, k_end, queues[w], stop_ev),
-                daemon=True,
-                name=f"mmpack-loader-{w}",
-            )
-            for w in range(n)
-        ]
-        for p in procs:
-            p.start()
-        ready: queue.Queue[_Item] = queue.Queue(maxsize=self.config.prefetch_batches)
-        halt = threading.Event()
-        receiver = threading.Thread(
-            target=_receive,
-            args=(queues, procs, k_start, k_end, ready, halt),
-            daemon=True,
-            name="mmpack-receive",
-        )
-        receiver.start()
-        k = k_start
-        try:
-            while k_end is None or k < k_end:
-                t0 = time.perf_counter()
-                kind, got_k, payload, metrics, w = _take(ready, receiver)
-                wait_s = time.perf_counter() - t0
-                self._worker_metrics[w] = metrics
-                if kind == "shard_error":
-                    raise ShardError(payload)
-                if kind != "ok":
-                    raise RuntimeError(f"loader worker {w} failed on micro-batch {got_k}:\n{payload}")
-                assert got_k == k, f"worker {w} sent micro-batch {got_k}, expected {k}"
-                yield payload, wait_s
-                k += 1
-        finally:
-            halt.set()
-            stop_ev.set()  # workers stop at once and drop unread batches (never drain: a read could block)
-            receiver.join(timeout=5)
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.terminate()
-                    p.join(timeout=5)
-            for q in queues:
-                q.close()
-                q.cancel_join_thread()
-
-
-# (kind, micro-batch index, payload or error text, worker metrics, worker id)
-_Item = tuple[str, int, Any, dict[str, int], int]
-
-
-def _receive(queues: list[Any], procs: list[Any], k_start: int, k_end: int | None,
-             ready: queue.Queue[_Item], halt: threading.Event) -> None:  # fmt: skip
-    """Takes batches from the workers in order into `ready`, off the consumer's critical path.
-
-    Receiving a shared-memory tensor needs a round trip to the sending worker; doing it here lets that
-    overlap with the consumer's step.
-    """
-    n = len(queues)
-    k = k_start
-    while not halt.is_set() and (k_end is None or k < k_end):
-        w = (k - k_start) % n
-        try:
-            got = _get(queues[w], procs[w], halt)
-        except RuntimeError as e:
-            got = ("error", k, str(e), {})
-        if got is None:
-            return
-        kind, got_k, payload, metrics = got
-        item: _Item = (kind, got_k, to_torch(payload) if kind == "ok" else payload, metrics, w)
-        while not halt.is_set():
-            try:
-                ready.put(item, timeout=0.1)
-                break
-            except queue.Full:
-                continue
-        if kind != "ok":
-            return
-        k += 1
-
-
-def _nothing(k_start: int, k_end: int | None) -> Iterator[tuple[None, float]]:
-    k = k_start
-    while k_end is None or k < k_end:
-        yield None, 0.0
-        k += 1
-
-
-def _get(q: Any, proc: Any, halt: threading.Event) -> tuple[str, int, Any, dict[str, int]] | None:
-    """The next item of one worker's queue; None once `halt` is set."""
-    while not halt.is_set():
-        try:
-            return q.get(timeout=0.1)
-        except queue.Empty:
-            if not proc.is_alive():
-                raise RuntimeError(
-                    f"loader worker {proc.name} exited with code {proc.exitcode} without sending its batch"
-                ) from None
-    return None
-
-
-def _take(ready: queue.Queue[_Item], receiver: threading.Thread) -> _Item:
-    while True:
-        try:
-            return ready.get(timeout=0.5)
-        except queue.Empty:
-            if not receiver.is_alive() and ready.empty():
-                raise RuntimeError("the loader's receiving thread stopped without a batch") from None
 
 
 def build_loader(
