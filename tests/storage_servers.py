@@ -243,6 +243,7 @@ def build_packed_dataset(
     seed: int = 0,
     size_range: tuple[int, int] = (28, 120),
     max_words: int = 30,
+    record_formats: Sequence[str] | None = None,
 ) -> Path:
     """Synthetic raw records (tests.fixtures_data) packed by the real offline job; returns the dataset folder."""
     from offline_packing.config import PackJobConfig
@@ -250,8 +251,9 @@ def build_packed_dataset(
     from tests.fixtures_data import make_synthetic_dataset, train_tiny_bpe
 
     root = Path(root)
+    extra = {} if record_formats is None else {"formats": tuple(record_formats)}
     data = make_synthetic_dataset(
-        root / "raw", n_samples=n_samples, seed=seed, size_range=size_range, max_words=max_words
+        root / "raw", n_samples=n_samples, seed=seed, size_range=size_range, max_words=max_words, **extra
     )
     tokenizer = train_tiny_bpe(root / "tokenizer", seed=seed)
     out = root / "packed"
