@@ -138,7 +138,15 @@ def pack_lengths(
 class _Packer:
     """Holds validated inputs and the shared intermediate results (histogram, order)."""
 
-    def __init__(self, lengths, capacity, max_items, images, max_images, image_capped):
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        capacity: int,
+        max_items: int,
+        images: np.ndarray,
+        max_images: int,
+        image_capped: bool,
+    ) -> None:
         self.lengths = lengths
         self.capacity = capacity
         self.max_items = max_items
