@@ -125,6 +125,7 @@ def measure(
         batch = batch if isinstance(batch.get("tokens"), torch.Tensor) else to_torch(batch)
         bins += int(batch["tokens"].shape[0])
         batches += 1
+        del batch  # the consumer drops its batch within its step (freeing shared memory takes a few ms)
         if step_s:
             time.sleep(step_s)
     elapsed = time.perf_counter() - t0

@@ -10,7 +10,7 @@ from typing import Any
 from dataloader.collate import CollateConfig
 from dataloader.manifest import Manifest, load_manifest
 from dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan
-from dataloader.pool import no_data, run_in_process, run_workers
+from dataloader.pool import no_data, run_in_process, run_workers, take_batch
 from dataloader.storage import StorageConfig, resolve_storage_options
 from dataloader.topology import Topology
 from dataloader.worker import ProducerSpec
@@ -165,7 +165,7 @@ class PackedLoader:
         k_start = self.step * m
         end_step = self._end_step()
         k_end = None if end_step is None else end_step * m
-        source: Iterator[tuple[dict[str, Any] | None, float]]
+        source: Iterator[list[Any]]
         if not self.topology.needs_data:
             source = no_data(k_start, k_end)
         elif self.config.num_workers == 0:
@@ -182,13 +182,13 @@ class PackedLoader:
             )
         k = k_start
         try:
-            for batch, wait_s in source:
-                self._data_wait_s += wait_s
+            for pair in source:
+                self._data_wait_s += pair[1]
                 self._micro_batches += 1
                 k += 1
                 if k % m == 0:
                     self._bins_consumed = (k // m) * self.plan.global_batch_size
-                yield batch
+                yield take_batch(pair)
         finally:
             source.close()  # type: ignore[attr-defined]
 

@@ -17,16 +17,27 @@ from typing import Any
 from dataloader.storage import ShardError
 from dataloader.worker import Prefetcher, Producer, ProducerSpec, to_torch, worker_loop
 
-Batches = Iterator[tuple[dict[str, Any] | None, float]]
-# (kind, micro-batch index, payload or error text, worker metrics, worker id)
-_Item = tuple[str, int, Any, dict[str, int], int]
+Batches = Iterator[list[Any]]  # [micro-batch or None, seconds waited]
+# [kind, micro-batch index, payload or error text, worker metrics, worker id]
+_Item = list[Any]
 
 
-def no_data(k_start: int, k_end: int | None) -> Iterator[tuple[None, float]]:
+def take_batch(pair: list[Any]) -> Any:
+    """Removes and returns the batch of a [batch, wait_s] pair.
+
+    Runners yield mutable pairs and the consumer takes the batch out, so no suspended generator keeps a
+    reference to it: a batch's (shared) memory is released when the consumer drops it, not inside the
+    next `next()` call, where it would count as data wait.
+    """
+    batch, pair[0] = pair[0], None
+    return batch
+
+
+def no_data(k_start: int, k_end: int | None) -> Batches:
     """One None per micro-batch, for pipeline stages that take no data."""
     k = k_start
     while k_end is None or k < k_end:
-        yield None, 0.0
+        yield [None, 0.0]
         k += 1
 
 
@@ -43,9 +54,10 @@ def run_in_process(
         while k_end is None or k < k_end:
             prefetcher.position = k
             t0 = time.perf_counter()
-            batch = to_torch(producer.produce(k))
+            pair = [to_torch(producer.produce(k)), 0.0]
+            pair[1] = time.perf_counter() - t0
             metrics[0] = producer.store.metrics.as_dict()
-            yield batch, time.perf_counter() - t0
+            yield pair
             k += 1
     finally:
         prefetcher.stop.set()
@@ -92,15 +104,18 @@ def run_workers(
     try:
         while k_end is None or k < k_end:
             t0 = time.perf_counter()
-            kind, got_k, payload, worker_metrics, w = _take(ready, receiver)
+            item = _take(ready, receiver)  # [kind, micro-batch index, payload, worker metrics, worker id]
             wait_s = time.perf_counter() - t0
-            metrics[w] = worker_metrics
+            kind, got_k, w = item[0], item[1], item[4]
+            metrics[w] = item[3]
             if kind == "shard_error":
-                raise ShardError(payload)
+                raise ShardError(item[2])
             if kind != "ok":
-                raise RuntimeError(f"loader worker {w} failed on micro-batch {got_k}:\n{payload}")
+                raise RuntimeError(f"loader worker {w} failed on micro-batch {got_k}:\n{item[2]}")
             assert got_k == k, f"worker {w} sent micro-batch {got_k}, expected {k}"
-            yield payload, wait_s
+            pair = [item[2], wait_s]
+            item[2] = None
+            yield pair
             k += 1
     finally:
         halt.set()
@@ -134,13 +149,14 @@ def _receive(queues: list[Any], procs: list[Any], k_start: int, k_end: int | Non
         if got is None:
             return
         kind, got_k, payload, metrics = got
-        item: _Item = (kind, got_k, to_torch(payload) if kind == "ok" else payload, metrics, w)
+        item: _Item = [kind, got_k, to_torch(payload) if kind == "ok" else payload, metrics, w]
         while not halt.is_set():
             try:
                 ready.put(item, timeout=0.1)
                 break
             except queue.Full:
                 continue
+        del got, payload, item  # the batch's memory is released when the consumer drops it
         if kind != "ok":
             return
         k += 1
