@@ -144,8 +144,8 @@ def _receive(queues: list[Any], procs: list[Any], k_start: int, k_end: int | Non
         w = (k - k_start) % n
         try:
             got = _get(queues[w], procs[w], halt)
-        except RuntimeError as e:
-            got = ("error", k, str(e), {})
+        except Exception as e:  # a dead worker, or a batch that cannot be received: report, never hang
+            got = ("error", k, f"{type(e).__name__}: {e}", {})
         if got is None:
             return
         kind, got_k, payload, metrics = got

@@ -246,3 +246,23 @@ def test_bad_arguments_are_explained(dataset: Path, tmp_path: Path) -> None:
         loader(dataset, Topology(dp_rank=0, dp_size=3), micro_batch_size=1, global_batch_size=4)
     with pytest.raises(FileNotFoundError, match="no packed dataset"):
         loader(tmp_path, Topology(dp_rank=0, dp_size=1))
+
+
+def test_dead_worker_is_an_error_not_a_hang(dataset: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from dataloader import worker
+
+    real = worker.Producer.produce
+
+    def produce_or_die(self: worker.Producer, k: int) -> dict[str, Any]:
+        if k == 3:
+            os._exit(3)  # a worker killed from outside (OOM killer, segfault) sends nothing
+        return real(self, k)
+
+    monkeypatch.setattr(worker.Producer, "produce", produce_or_die)  # inherited by forked workers
+    ld = loader(dataset, Topology(dp_rank=0, dp_size=1), num_workers=2)
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        take(iter(ld), 10)
+    # The dying worker may take its last unsent batch with it; the state never counts a batch not handed out.
+    assert ld.state_dict()["bins_consumed"] in (0, 4)
