@@ -78,8 +78,9 @@ def fsspec_opener(
     return open_urls
 
 
-def webdataset_loader(urls: list[str], cfg: CollateConfig, micro: int, workers: int,
-                      storage_options: dict[str, Any] | None) -> Iterable[Any]:  # fmt: skip
+def webdataset_loader(
+    urls: list[str], cfg: CollateConfig, micro: int, workers: int, storage_options: dict[str, Any] | None
+) -> Iterable[Any]:
     import webdataset as wds
     from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
 
@@ -161,8 +162,9 @@ def raw_read(urls: list[str], storage_options: dict[str, Any] | None) -> dict:
     }
 
 
-def run_storage(name: str, root: str, storage_options: dict[str, Any] | None, args: argparse.Namespace,
-                tmp: Path) -> dict[str, dict]:  # fmt: skip
+def run_storage(
+    name: str, root: str, storage_options: dict[str, Any] | None, args: argparse.Namespace, tmp: Path
+) -> dict[str, dict]:
     m = load_manifest(root, storage_options=storage_options, shard_format="wds")
     urls = [f"{root}/{s.path}" for s in m.shards]
     total = sum(s.bytes for s in m.shards)
@@ -173,9 +175,17 @@ def run_storage(name: str, root: str, storage_options: dict[str, Any] | None, ar
     counter = iter(range(10**6))
 
     def mmpack() -> Iterable[Any]:
-        return build_loader(root, topology=Topology(dp_rank=0, dp_size=1), micro_batch_size=micro,
-                            global_batch_size=micro, num_workers=args.workers, shard_format="wds", num_epochs=1,
-                            storage_options=storage_options, cache_dir=str(tmp / f"cache-{name}-{next(counter)}"))  # fmt: skip
+        return build_loader(
+            root,
+            topology=Topology(dp_rank=0, dp_size=1),
+            micro_batch_size=micro,
+            global_batch_size=micro,
+            num_workers=args.workers,
+            shard_format="wds",
+            num_epochs=1,
+            storage_options=storage_options,
+            cache_dir=str(tmp / f"cache-{name}-{next(counter)}"),
+        )
 
     def plain() -> Iterable[Any]:
         return webdataset_loader(urls, cfg, micro, args.workers, storage_options)
@@ -222,14 +232,26 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_name)
         datasets = {
             # image-text bins: decoding and patchifying images dominates
-            "vlm": build_packed_dataset(tmp / "vlm", n_samples=args.samples, seq_len=args.seq_len, fmt="wds",
-                                        max_bins_per_shard=args.bins_per_shard, size_range=(64, 512),
-                                        max_words=120),
+            "vlm": build_packed_dataset(
+                tmp / "vlm",
+                n_samples=args.samples,
+                seq_len=args.seq_len,
+                fmt="wds",
+                max_bins_per_shard=args.bins_per_shard,
+                size_range=(64, 512),
+                max_words=120,
+            ),
             # text-only bins: shows what the storage and reading path cost without image work
-            "text": build_packed_dataset(tmp / "text", n_samples=args.text_samples, seq_len=args.seq_len,
-                                         fmt="wds", max_bins_per_shard=args.bins_per_shard, max_words=400,
-                                         record_formats=("text",)),
-        }  # fmt: skip
+            "text": build_packed_dataset(
+                tmp / "text",
+                n_samples=args.text_samples,
+                seq_len=args.seq_len,
+                fmt="wds",
+                max_bins_per_shard=args.bins_per_shard,
+                max_words=400,
+                record_formats=("text",),
+            ),
+        }
         all_results: dict[str, dict[str, dict]] = {}
         storages = args.storages.split(",")
         for data_name, dataset in datasets.items():

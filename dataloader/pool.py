@@ -131,8 +131,14 @@ def run_workers(
             q.cancel_join_thread()
 
 
-def _receive(queues: list[Any], procs: list[Any], k_start: int, k_end: int | None,
-             ready: queue.Queue[_Item], halt: threading.Event) -> None:  # fmt: skip
+def _receive(
+    queues: list[Any],
+    procs: list[Any],
+    k_start: int,
+    k_end: int | None,
+    ready: queue.Queue[_Item],
+    halt: threading.Event,
+) -> None:
     """Takes batches from the workers in order into `ready`, off the consumer's critical path.
 
     Receiving a shared-memory tensor needs a round trip to the sending worker; doing it here lets that

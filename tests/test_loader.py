@@ -56,8 +56,9 @@ def reference_mask(cu: np.ndarray, total: int) -> np.ndarray:
     return ~((seg[:, None] == seg[None, :]) & causal)
 
 
-def check_contract(batch: dict[str, Any], records: dict[int, dict[str, Any]], seq_len: int, pad_id: int,
-                   image_pad_id: int) -> None:  # fmt: skip
+def check_contract(
+    batch: dict[str, Any], records: dict[int, dict[str, Any]], seq_len: int, pad_id: int, image_pad_id: int
+) -> None:
     b = len(batch["bin_ids"])
     for key in ("tokens", "labels", "position_ids"):
         assert batch[key].shape == (b, seq_len) and batch[key].dtype == torch.int64, key
@@ -81,8 +82,14 @@ def check_contract(batch: dict[str, Any], records: dict[int, dict[str, Any]], se
     rule = ImageTokenRule()
     for row, bin_id in enumerate(batch["bin_ids"].tolist()):
         rec = records[bin_id]
-        ref = build_packed_sequence(rec["input_ids"], rec["loss_mask"], rec["seq_lens"], pad_to=seq_len,
-                                    pad_id=pad_id, ignore_ids=(image_pad_id,))  # fmt: skip
+        ref = build_packed_sequence(
+            rec["input_ids"],
+            rec["loss_mask"],
+            rec["seq_lens"],
+            pad_to=seq_len,
+            pad_id=pad_id,
+            ignore_ids=(image_pad_id,),
+        )
         np.testing.assert_array_equal(batch["tokens"][row].numpy(), ref.tokens)
         np.testing.assert_array_equal(batch["labels"][row].numpy(), ref.labels)
         np.testing.assert_array_equal(batch["position_ids"][row].numpy(), ref.position_ids)

@@ -34,8 +34,14 @@ def rank_main(rank: int, world: int, port: int, dataset: str, out_dir: str) -> N
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
         topo = Topology.from_megatron()
-        ld = build_loader(dataset, topology=topo, micro_batch_size=MICRO, global_batch_size=GLOBAL_BATCH,
-                          num_workers=0, num_epochs=1)  # fmt: skip
+        ld = build_loader(
+            dataset,
+            topology=topo,
+            micro_batch_size=MICRO,
+            global_batch_size=GLOBAL_BATCH,
+            num_workers=0,
+            num_epochs=1,
+        )
         steps: list[list[list[int]]] = []
         for i, batch in enumerate(ld):
             if i % ld.micro_batches_per_step == 0:

@@ -150,8 +150,11 @@ def test_persistently_corrupt_shard_fails_naming_it(dataset: Path, tmp_path: Pat
     data[len(data) // 2] ^= 0xFF
     (copy / bad.path).write_bytes(bytes(data))
     with http_server(copy.parent) as base:
-        store = ShardStore(StorageConfig(root=f"{base}/packed", cache_dir=str(tmp_path / "c"), max_attempts=3,
-                                         backoff_s=0.01))  # fmt: skip
+        store = ShardStore(
+            StorageConfig(
+                root=f"{base}/packed", cache_dir=str(tmp_path / "c"), max_attempts=3, backoff_s=0.01
+            )
+        )
         with pytest.raises(ShardError, match=bad.path) as err:
             store.local_path(bad)
         assert "after 3 attempts" in str(err.value) and "sha256" in str(err.value)
@@ -202,8 +205,13 @@ def test_cache_never_exceeds_its_bound(
     watcher.start()
     try:
         steps = 2 * m.num_bins // 8  # two epochs
-        got, metrics = stream(url, n=steps * 2, storage_options=endpoint.storage_options, cache_dir=str(cache),
-                              cache_limit_bytes=limit)  # fmt: skip
+        got, metrics = stream(
+            url,
+            n=steps * 2,
+            storage_options=endpoint.storage_options,
+            cache_dir=str(cache),
+            cache_limit_bytes=limit,
+        )
     finally:
         done.set()
         watcher.join()
@@ -211,8 +219,14 @@ def test_cache_never_exceeds_its_bound(
     assert max(sizes) <= limit and len(sizes) > 10
     assert metrics["evictions"] > 0
     with pytest.raises(ShardError, match="larger than cache_limit_bytes"):
-        stream(url, n=1, storage_options=endpoint.storage_options, cache_dir=str(tmp_path / "tiny"),
-               cache_limit_bytes=16, num_workers=0)  # fmt: skip
+        stream(
+            url,
+            n=1,
+            storage_options=endpoint.storage_options,
+            cache_dir=str(tmp_path / "tiny"),
+            cache_limit_bytes=16,
+            num_workers=0,
+        )
 
 
 def test_cache_is_keyed_by_digest(dataset: Path, tmp_path: Path) -> None:
@@ -232,3 +246,36 @@ def test_cache_is_keyed_by_digest(dataset: Path, tmp_path: Path) -> None:
         assert new_path != old_path and Path(new_path).read_bytes() == new_bytes
         assert store.metrics.cache_misses == 2 and store.local_path(rewritten) == new_path
         assert store.metrics.cache_hits == 1
+
+
+def test_ranks_sharing_one_cache_folder(s3: tuple[S3Endpoint, str], dataset: Path, tmp_path: Path) -> None:
+    """Two DP ranks (each with worker processes) on one node share a small cache; streams stay exact."""
+    endpoint, url = s3
+    m = load_manifest(str(dataset))
+    limit = 3 * max(s.bytes for s in m.shards)
+    kw: dict[str, Any] = {"micro_batch_size": 2, "global_batch_size": 8, "seed": 2, "num_epochs": 1}
+    expected = [
+        list(build_loader(str(dataset), topology=Topology(dp_rank=r, dp_size=2), num_workers=0, **kw))
+        for r in range(2)
+    ]
+    shared = [
+        build_loader(
+            url,
+            topology=Topology(dp_rank=r, dp_size=2),
+            num_workers=2,
+            storage_options=endpoint.storage_options,
+            cache_dir=str(tmp_path),
+            cache_limit_bytes=limit,
+            **kw,
+        )
+        for r in range(2)
+    ]
+    its = [iter(ld) for ld in shared]
+    got: list[list[dict[str, Any]]] = [[], []]
+    for _ in range(len(expected[0])):  # lockstep, as in training
+        for r in range(2):
+            got[r].append(next(its[r]))
+    for r in range(2):
+        assert_same(got[r], expected[r])
+        shared[r].close()
+    assert sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file()) <= limit
