@@ -1,7 +1,17 @@
 """mmpack dataloader: packed shards from disk, S3 or HTTP to every DP/TP/PP rank, deterministic and resumable.
 
 `build_loader(...)` is the entry point; `bin_order` and `micro_batch_bins` are the single place where the
-global order and the rank assignment are decided.
+global order and the rank assignment are decided. Typical use on one rank::
+
+    loader = build_loader("s3://bucket/packed", topology=Topology.from_megatron(), micro_batch_size=2,
+                          global_batch_size=64, cache_dir="/local/cache", cache_limit_bytes=50 << 30)
+    loader.load_state_dict(checkpoint["loader"])      # optional: continue exactly (any DP size)
+    it = iter(loader)
+    for step in range(train_iters):
+        for _ in range(loader.micro_batches_per_step):
+            batch = next(it)                          # dict of tensors (None on middle pipeline stages)
+        checkpoint["loader"] = loader.state_dict()    # between steps
+        log(loader.metrics())                         # data_wait_s, bytes_read, cache_hits, ...
 """
 
 from dataloader.loader import LoaderConfig, PackedLoader, build_loader
