@@ -35,9 +35,10 @@ if str(REPO) not in sys.path:
 
 from dataloader import Topology, build_loader, load_manifest  # noqa: E402
 from dataloader.collate import CollateConfig, collate_bins  # noqa: E402
+from offline_packing.synthetic import build_packed_dataset  # noqa: E402
 from packing.format import ARRAY_FIELDS  # noqa: E402
 from packing.image_tokens import ImageTokenRule  # noqa: E402
-from tests.storage_servers import build_packed_dataset, moto_s3  # noqa: E402
+from tests.storage_servers import moto_s3  # noqa: E402
 
 _IMG_RE = re.compile(r"^img(\d+)\.([a-z0-9]+)$")
 

@@ -239,6 +239,53 @@ def train_tiny_bpe(directory: Path, vocab_size: int = 600, seed: int = 0) -> Pat
     return out
 
 
+def build_packed_dataset(
+    root: str | Path,
+    *,
+    n_samples: int = 96,
+    seq_len: int = 384,
+    fmt: str = "both",
+    max_bins_per_shard: int = 4,
+    seed: int = 0,
+    tokenizer_seed: int | None = None,
+    size_range: tuple[int, int] = (28, 120),
+    max_words: int = 30,
+    record_formats: Sequence[str] | None = None,
+) -> Path:
+    """Synthetic raw records and a tiny BPE under `root`, packed by the real offline job (`run_pack`).
+
+    Returns the packed dataset folder (`root/packed`). `tokenizer_seed` defaults to `seed`.
+    """
+    from offline_packing.config import PackJobConfig
+    from offline_packing.pipeline import run_pack
+
+    root = Path(root)
+    data = make_synthetic_dataset(
+        root / "raw",
+        n_samples=n_samples,
+        seed=seed,
+        formats=RECORD_FORMATS if record_formats is None else tuple(record_formats),
+        size_range=size_range,
+        max_words=max_words,
+    )
+    tokenizer = train_tiny_bpe(root / "tokenizer", seed=seed if tokenizer_seed is None else tokenizer_seed)
+    out = root / "packed"
+    run_pack(
+        PackJobConfig(
+            inputs=(str(data.jsonl_path),),
+            output=str(out),
+            seq_len=seq_len,
+            image_root=str(data.image_root),
+            tokenizer=str(tokenizer),
+            format=fmt,
+            max_bins_per_shard=max_bins_per_shard,
+            seed=seed,
+            progress=False,
+        )
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Write a synthetic dataset (and optionally a tiny tokenizer) from the command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

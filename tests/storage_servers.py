@@ -69,7 +69,17 @@ class S3Endpoint:
         """Creates `bucket` if needed, copies the folder there; returns the s3:// URL of the copy."""
         fs = self.filesystem()
         if not fs.exists(bucket):
-            fs.mkdir(bucket)
+            # boto3, not fs.mkdir: s3fs sends LocationConstraint=us-east-1, which S3 (and moto) reject
+            import boto3
+
+            boto3.client(
+                "s3",
+                endpoint_url=self.endpoint_url,
+                region_name="us-east-1",
+                aws_access_key_id=self.storage_options["key"],
+                aws_secret_access_key=self.storage_options["secret"],
+            ).create_bucket(Bucket=bucket)
+            fs.invalidate_cache()
         local = Path(local)
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
             fs.put_file(str(path), f"{bucket}/{prefix}/{path.relative_to(local).as_posix()}")
@@ -231,41 +241,3 @@ class FaultProxy:
                 time.sleep(self.plan.slow_delay_s)
         else:
             h.wfile.write(data)
-
-
-def build_packed_dataset(
-    root: str | Path,
-    *,
-    n_samples: int = 96,
-    seq_len: int = 384,
-    fmt: str = "both",
-    max_bins_per_shard: int = 4,
-    seed: int = 0,
-    size_range: tuple[int, int] = (28, 120),
-    max_words: int = 30,
-    record_formats: Sequence[str] | None = None,
-) -> Path:
-    """Synthetic raw records (tests.fixtures_data) packed by the real offline job; returns the dataset folder."""
-    from offline_packing.config import PackJobConfig
-    from offline_packing.pipeline import run_pack
-    from tests.fixtures_data import make_synthetic_dataset, train_tiny_bpe
-
-    root = Path(root)
-    extra = {} if record_formats is None else {"formats": tuple(record_formats)}
-    data = make_synthetic_dataset(
-        root / "raw", n_samples=n_samples, seed=seed, size_range=size_range, max_words=max_words, **extra
-    )
-    tokenizer = train_tiny_bpe(root / "tokenizer", seed=seed)
-    out = root / "packed"
-    run_pack(
-        PackJobConfig(
-            inputs=(str(data.jsonl_path),),
-            output=str(out),
-            seq_len=seq_len,
-            tokenizer=str(tokenizer),
-            format=fmt,
-            max_bins_per_shard=max_bins_per_shard,
-            seed=seed,
-        )
-    )
-    return out

@@ -15,9 +15,9 @@ from PIL import Image
 
 from dataloader import PackedLoader, Topology, bin_order, build_loader, load_manifest
 from dataloader.readers import open_shard_reader
+from offline_packing.synthetic import build_packed_dataset
 from packing.image_tokens import ImageTokenRule, image_to_patches
 from packing.layout import build_packed_sequence
-from tests.storage_servers import build_packed_dataset
 
 IGNORE = -100
 

@@ -18,11 +18,11 @@ import torch
 
 from dataloader import ShardError, Topology, build_loader, load_manifest
 from dataloader.storage import ShardStore, StorageConfig
+from offline_packing.synthetic import build_packed_dataset
 from tests.storage_servers import (
     FaultPlan,
     FaultProxy,
     S3Endpoint,
-    build_packed_dataset,
     http_server,
     moto_s3,
     s3_storage_options,

@@ -3,7 +3,6 @@ the algorithm comparison, and clear errors (exit code 2) on bad input."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import math
@@ -671,49 +670,7 @@ def test_dataset_reading_skips_image_bytes(tmp_path: Path, capsys: pytest.Captur
 # remote datasets: moto's S3 server and a plain HTTP server on 127.0.0.1
 
 
-@contextlib.contextmanager
-def _local_moto_s3() -> Iterator[Any]:
-    # used only when tests/storage_servers.py (the shared storage fixtures) is absent
-    from types import SimpleNamespace
-
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield SimpleNamespace(endpoint_url=f"http://{host}:{port}")
-    finally:
-        server.stop()
-
-
-@contextlib.contextmanager
-def _local_http_server(directory: Path) -> Iterator[str]:
-    import functools
-    import http.server
-    import threading
-
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(Quiet, directory=str(directory))
-    )
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-
-try:
-    from tests.storage_servers import http_server, moto_s3
-except ImportError:
-    http_server, moto_s3 = _local_http_server, _local_moto_s3  # type: ignore[assignment]
+from tests.storage_servers import http_server, moto_s3  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -723,28 +680,10 @@ def s3() -> Iterator[Any]:
         yield endpoint
 
 
-def upload(s3: Any, folder: Path, bucket: str, prefix: str) -> str:
-    """Copy a folder into a new bucket of the moto server; returns its s3:// URL."""
-    import boto3
-
-    # boto3 rather than s3fs: s3fs's mkdir sends LocationConstraint=us-east-1, which S3 (and moto) reject
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3.endpoint_url,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
-    client.create_bucket(Bucket=bucket)
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
-    return f"s3://{bucket}/{prefix}"
-
-
 def test_dataset_on_s3(tmp_path: Path, capsys: pytest.CaptureFixture[str], s3: Any) -> None:
     root = write_tiny_dataset(tmp_path / "ds")
     local = run_json(capsys, str(root))
-    url = upload(s3, root, "stats-bucket", "datasets/tiny")
+    url = s3.upload_folder(root, "stats-bucket", "datasets/tiny")
     flags = [
         "--endpoint-url",
         s3.endpoint_url,
@@ -850,7 +789,7 @@ def test_packed_dataset_on_s3_matches_local(
     packed_dataset: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, s3: Any
 ) -> None:
     local = run_json(capsys, str(packed_dataset))
-    url = upload(s3, packed_dataset, "packed", "run1")
+    url = s3.upload_folder(packed_dataset, "packed", "run1")
     # endpoint and credentials from the environment, as s3fs/botocore users set them
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint_url)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")

@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from offline_packing.synthetic import build_packed_dataset
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -22,27 +24,17 @@ def free_port() -> int:
 
 def make_packed_dataset(root: Path, *, n_samples: int, seed: int, seq_len: int = 256) -> Path:
     """Synthetic raw records and a tiny BPE, packed by the real offline job; returns the dataset folder."""
-    from offline_packing.config import PackJobConfig
-    from offline_packing.pipeline import run_pack
-    from tests.fixtures_data import make_synthetic_dataset, train_tiny_bpe
-
-    data = make_synthetic_dataset(
-        root / "raw", n_samples=n_samples, seed=seed, size_range=(28, 84), max_words=30
+    return build_packed_dataset(
+        root,
+        n_samples=n_samples,
+        seed=seed,
+        tokenizer_seed=0,
+        seq_len=seq_len,
+        fmt="arrow",
+        max_bins_per_shard=1024,
+        size_range=(28, 84),
+        max_words=30,
     )
-    tokenizer = train_tiny_bpe(root / "tokenizer", seed=0)
-    out = root / "packed"
-    run_pack(
-        PackJobConfig(
-            inputs=(str(data.jsonl_path),),
-            output=str(out),
-            seq_len=seq_len,
-            image_root=str(data.image_root),
-            tokenizer=str(tokenizer),
-            seed=seed,
-            progress=False,
-        )
-    )
-    return out
 
 
 @dataclass
