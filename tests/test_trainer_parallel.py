@@ -12,6 +12,13 @@ from tests.test_trainer_support import Run, make_packed_dataset, train
 pytestmark = pytest.mark.slow
 
 BATCH = ["--micro-batch-size", "1", "--global-batch-size", "8", "--seed", "5"]
+# TP2 x PP2 with sequence parallelism and the distributed optimizer, 20 iterations (run and its resume)
+RUN_3D = [
+    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+    "--sequence-parallel", "--use-distributed-optimizer",
+    "--train-iters", "20", "--lr", "3e-3", "--lr-warmup-iters", "2",
+    *BATCH,
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +49,7 @@ def run_3d(datasets: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
         str(held_out),
         "--eval-interval",
         "10",
-        "--tensor-model-parallel-size",
-        "2",
-        "--pipeline-model-parallel-size",
-        "2",
-        "--sequence-parallel",
-        "--use-distributed-optimizer",
-        "--train-iters",
-        "20",
-        "--lr",
-        "3e-3",
-        "--lr-warmup-iters",
-        "2",
-        *BATCH,
+        *RUN_3D,
     ]
     return _ok(train(8, args, workdir))
 
@@ -153,19 +148,7 @@ def test_3d_checkpoint_resumes_with_fewer_dp_ranks(
         str(view),
         "--data-path",
         str(train_set),
-        "--tensor-model-parallel-size",
-        "2",
-        "--pipeline-model-parallel-size",
-        "2",
-        "--sequence-parallel",
-        "--use-distributed-optimizer",
-        "--train-iters",
-        "20",
-        "--lr",
-        "3e-3",
-        "--lr-warmup-iters",
-        "2",
-        *BATCH,
+        *RUN_3D,
     ]
     resumed = _ok(train(4, args, tmp_path / "resumed"))
     tail = run_3d.train[10:]
