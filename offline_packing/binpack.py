@@ -13,7 +13,7 @@ import numpy as np
 
 from offline_packing.config import PackJobConfig
 from offline_packing.lengths import load_lengths
-from offline_packing.workdir import WorkDir, atomic_write_bytes
+from offline_packing.workdir import WorkDir, atomic_write_npy
 
 STAGE = "binpack"
 # Shard-size estimate per bin: token ids (4 B) + loss mask (1 B) per token, the image bytes, and a
@@ -64,12 +64,6 @@ def plan_shards(bin_tokens: np.ndarray, bin_image_bytes: np.ndarray, cfg: PackJo
     return np.asarray(firsts if len(bin_tokens) else [0], dtype=np.int64)
 
 
-def _save(path, arr: np.ndarray) -> None:
-    from offline_packing.lengths import _npy_bytes
-
-    atomic_write_bytes(path, _npy_bytes(arr))
-
-
 def run_binpack(cfg: PackJobConfig, wd: WorkDir) -> dict:
     """Stage 3; returns the marker info (bins, shards, algorithm)."""
     n_chunks = len(wd.read_marker("scan")["chunks"])
@@ -82,13 +76,13 @@ def run_binpack(cfg: PackJobConfig, wd: WorkDir) -> dict:
     bin_ibytes = np.add.reduceat(ibytes[order], bin_offsets[:-1]) if bins else np.zeros(0, np.int64)
     shard_first_bin = plan_shards(bin_tokens, bin_ibytes, cfg)
     d = wd.stage_dir(STAGE)
-    _save(d / "order.npy", order)
-    _save(d / "bin_offsets.npy", bin_offsets)
-    _save(d / "shard_first_bin.npy", shard_first_bin)
+    atomic_write_npy(d / "order.npy", order)
+    atomic_write_npy(d / "bin_offsets.npy", bin_offsets)
+    atomic_write_npy(d / "shard_first_bin.npy", shard_first_bin)
     bin_ids = np.full(len(lengths), -1, dtype=np.int64)
     for b, members in enumerate(bins):
         bin_ids[members] = b
-    _save(d / "bin_ids.npy", bin_ids)
+    atomic_write_npy(d / "bin_ids.npy", bin_ids)
     info = {
         "algorithm": algorithm,
         "bins": len(bins),

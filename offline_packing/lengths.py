@@ -10,7 +10,6 @@ Run alone: `python -m offline_packing.lengths <mmpack pack flags>`.
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from offline_packing.workdir import (
     WorkDir,
     atomic_write_bytes,
     atomic_write_json,
+    atomic_write_npy,
     read_json,
     read_jsonl,
     run_parallel,
@@ -110,12 +110,6 @@ def tokenize_scanned(sample: dict, cfg: PackJobConfig, rule: Any, tokenizer: Any
     return tok, meta
 
 
-def _npy_bytes(arr: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, arr, allow_pickle=False)
-    return buf.getvalue()
-
-
 def lengths_chunk(task: LengthsTask) -> dict:
     """Tokenize one scanned chunk and write its arrays; returns its counts. Pure function of the task."""
     wd = WorkDir(task.work_dir)
@@ -141,16 +135,11 @@ def lengths_chunk(task: LengthsTask) -> dict:
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(x) for x in ids], dtype=np.int64)
     path = lambda suffix: wd.chunk_path(STAGE, task.chunk, suffix)  # noqa: E731
-    atomic_write_bytes(path("ids.npy"), _npy_bytes(np.concatenate(ids) if ids else np.zeros(0, np.uint32)))
-    atomic_write_bytes(
-        path("mask.npy"), _npy_bytes(np.concatenate(masks) if masks else np.zeros(0, np.uint8))
-    )
-    atomic_write_bytes(path("offsets.npy"), _npy_bytes(offsets))
-    atomic_write_bytes(
-        path("nimg.npy"), _npy_bytes(np.array([len(m["images"]) for m in metas], dtype=np.int64))
-    )
-    ibytes = np.array([sum(m["nbytes"]) for m in metas], dtype=np.int64)
-    atomic_write_bytes(path("ibytes.npy"), _npy_bytes(ibytes))
+    atomic_write_npy(path("ids.npy"), np.concatenate(ids) if ids else np.zeros(0, np.uint32))
+    atomic_write_npy(path("mask.npy"), np.concatenate(masks) if masks else np.zeros(0, np.uint8))
+    atomic_write_npy(path("offsets.npy"), offsets)
+    atomic_write_npy(path("nimg.npy"), np.array([len(m["images"]) for m in metas], dtype=np.int64))
+    atomic_write_npy(path("ibytes.npy"), np.array([sum(m["nbytes"]) for m in metas], dtype=np.int64))
     lines = [
         json.dumps(m, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode() + b"\n"
         for m in metas
@@ -158,9 +147,7 @@ def lengths_chunk(task: LengthsTask) -> dict:
     line_offsets = np.zeros(len(lines) + 1, dtype=np.int64)
     line_offsets[1:] = np.cumsum([len(x) for x in lines], dtype=np.int64)
     atomic_write_bytes(path("samples.jsonl"), b"".join(lines))
-    atomic_write_bytes(
-        path("meta_offsets.npy"), _npy_bytes(line_offsets)
-    )  # random access for the write stage
+    atomic_write_npy(path("meta_offsets.npy"), line_offsets)  # random access for the write stage
     write_jsonl(path("rejects.jsonl"), rejects)
     counts = {
         "fingerprint": task.fingerprint,

@@ -17,6 +17,7 @@ from typing import IO, Any
 import numpy as np
 import pyarrow as pa
 
+from offline_packing.workdir import npy_bytes
 from packing.format import WDS_IMAGE_MEMBER, WDS_JSON_MEMBER
 
 ARROW_BATCH_ROWS = 64
@@ -132,12 +133,6 @@ class ArrowShardWriter:
         self._writer.close()
 
 
-def _npy_bytes(arr: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
-    return buf.getvalue()
-
-
 def image_extension(fmt: str) -> str:
     """A safe member extension for an image format name ("jpg", "png", ...)."""
     ext = fmt.lower()
@@ -155,12 +150,12 @@ def wds_members(packed: PackedBin) -> list[tuple[str, bytes]]:
     }
     members = [
         (f"{k}.{WDS_JSON_MEMBER}", json.dumps(meta, sort_keys=True, ensure_ascii=False).encode()),
-        (f"{k}.input_ids.npy", _npy_bytes(packed.input_ids.astype(np.uint32, copy=False))),
-        (f"{k}.loss_mask.npy", _npy_bytes(packed.loss_mask.astype(np.uint8, copy=False))),
-        (f"{k}.seq_lens.npy", _npy_bytes(packed.seq_lens.astype(np.int32, copy=False))),
+        (f"{k}.input_ids.npy", npy_bytes(packed.input_ids.astype(np.uint32, copy=False))),
+        (f"{k}.loss_mask.npy", npy_bytes(packed.loss_mask.astype(np.uint8, copy=False))),
+        (f"{k}.seq_lens.npy", npy_bytes(packed.seq_lens.astype(np.int32, copy=False))),
         (
             f"{k}.image_grid_thw.npy",
-            _npy_bytes(packed.image_grid_thw.astype(np.int32, copy=False).reshape(-1, 3)),
+            npy_bytes(packed.image_grid_thw.astype(np.int32, copy=False).reshape(-1, 3)),
         ),
     ]
     for i, (data, fmt) in enumerate(zip(packed.images, packed.image_formats)):

@@ -7,6 +7,7 @@ outputs, so a killed job leaves either complete files or none, never a partial o
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing
 import os
@@ -14,6 +15,8 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
+
+import numpy as np
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -31,6 +34,18 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def atomic_write_json(path: Path, obj: Any) -> None:
     """Write `obj` as sorted, indented JSON (deterministic bytes)."""
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def npy_bytes(arr: np.ndarray) -> bytes:
+    """The bytes of `arr` as a C-order .npy file (no pickled objects)."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
+    return buf.getvalue()
+
+
+def atomic_write_npy(path: Path, arr: np.ndarray) -> None:
+    """Write `arr` to `path` as a .npy file, atomically."""
+    atomic_write_bytes(path, npy_bytes(arr))
 
 
 def read_json(path: Path) -> Any:
