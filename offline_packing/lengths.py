@@ -23,7 +23,7 @@ from offline_packing.workdir import (
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_npy,
-    read_json,
+    read_done_marker,
     read_jsonl,
     run_parallel,
     write_jsonl,
@@ -114,8 +114,8 @@ def lengths_chunk(task: LengthsTask) -> dict:
     """Tokenize one scanned chunk and write its arrays; returns its counts. Pure function of the task."""
     wd = WorkDir(task.work_dir)
     done = wd.chunk_path(STAGE, task.chunk, "done.json")
-    if done.is_file() and read_json(done).get("fingerprint") == task.fingerprint:
-        return read_json(done)
+    if (marker := read_done_marker(done, task.fingerprint)) is not None:
+        return marker
     cfg = task.cfg
     rule, tokenizer = image_rule(cfg), get_tokenizer(cfg.tokenizer)
     ids, masks, metas, rejects = [], [], [], []

@@ -22,7 +22,13 @@ from offline_packing.sources import (
     read_chunk,
     resolve_image_path,
 )
-from offline_packing.workdir import WorkDir, atomic_write_json, read_json, run_parallel, write_jsonl
+from offline_packing.workdir import (
+    WorkDir,
+    atomic_write_json,
+    read_done_marker,
+    run_parallel,
+    write_jsonl,
+)
 
 STAGE = "scan"
 
@@ -129,8 +135,8 @@ def scan_chunk(task: ScanTask) -> dict:
     """Scan one chunk and write its outputs; returns its counts. Pure function of the task."""
     wd = WorkDir(task.work_dir)
     done = wd.chunk_path(STAGE, task.chunk.index, "done.json")
-    if done.is_file() and read_json(done).get("fingerprint") == task.fingerprint:
-        return read_json(done)
+    if (marker := read_done_marker(done, task.fingerprint)) is not None:
+        return marker
     chunk = task.chunk
     image_root = task.image_root or str(Path(chunk.path).parent)
     samples, rejects = [], []

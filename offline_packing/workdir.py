@@ -61,6 +61,14 @@ def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
     atomic_write_bytes(path, data.encode())
 
 
+def read_done_marker(path: Path, fingerprint: str) -> dict | None:
+    """The completion marker at `path` if it records `fingerprint` (same options as now), else None."""
+    if not path.is_file():
+        return None
+    marker = read_json(path)
+    return marker if marker.get("fingerprint") == fingerprint else None
+
+
 def read_jsonl(path: Path) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -85,8 +93,7 @@ class WorkDir:
 
     def is_done(self, stage: str, fingerprint: str) -> bool:
         """True when `stage` completed with the same options (fingerprint) as now."""
-        path = self.marker(stage)
-        return path.is_file() and read_json(path).get("fingerprint") == fingerprint
+        return read_done_marker(self.marker(stage), fingerprint) is not None
 
     def mark_done(self, stage: str, fingerprint: str, info: dict) -> None:
         atomic_write_json(self.marker(stage), {"fingerprint": fingerprint, **info})
