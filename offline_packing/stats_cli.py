@@ -291,25 +291,24 @@ def _compare(
 
 
 def _as_packed_row(report: dict) -> dict:
+    from offline_packing.stats_compare import result_columns
+
     algorithm = report["dataset"].get("algorithm") or {}
-    l2 = int(report["l2_lower_bound_bins"])
-    bins = int(report["num_bins"])
-    return {
+    caps = algorithm if isinstance(algorithm, dict) else {}
+    row = {
         "algorithm": "as packed",
-        "max_samples_per_bin": algorithm.get("max_items_per_bin") if isinstance(algorithm, dict) else None,
-        "max_images_per_bin": algorithm.get("max_images_per_bin") if isinstance(algorithm, dict) else None,
-        "num_bins": bins,
-        "fill_efficiency": float(report["fill_efficiency"]),
-        "l2_lower_bound_bins": l2,
-        "gap_to_l2_bins": bins - l2,
-        "gap_to_l2": (bins - l2) / l2 if l2 else 0.0,
-        "time_s": None,
-        **(
-            {"caps_lower_bound_bins": report["source"]["caps_lower_bound_bins"]}
-            if "caps_lower_bound_bins" in report["source"]
-            else {}
+        "max_samples_per_bin": caps.get("max_items_per_bin"),
+        "max_images_per_bin": caps.get("max_images_per_bin"),
+        **result_columns(
+            int(report["num_bins"]),
+            float(report["fill_efficiency"]),
+            int(report["l2_lower_bound_bins"]),
+            None,
         ),
     }
+    if "caps_lower_bound_bins" in report["source"]:
+        row["caps_lower_bound_bins"] = report["source"]["caps_lower_bound_bins"]
+    return row
 
 
 def _to_json(value: Any) -> Any:

@@ -41,6 +41,18 @@ def caps_lower_bound(
     return bound
 
 
+def result_columns(num_bins: int, fill_efficiency: float, l2: int, time_s: float | None) -> dict[str, Any]:
+    """The outcome columns of a compare row: bins, fill, L2 and the gap to it, time."""
+    return {
+        "num_bins": num_bins,
+        "fill_efficiency": fill_efficiency,
+        "l2_lower_bound_bins": l2,
+        "gap_to_l2_bins": num_bins - l2,
+        "gap_to_l2": (num_bins - l2) / l2 if l2 else 0.0,
+        "time_s": time_s,
+    }
+
+
 def compare_algorithms(
     lengths: np.ndarray,
     capacity: int,
@@ -82,17 +94,12 @@ def compare_algorithms(
                 rows.append({**row, "error": str(e)})
                 continue
             stats = packing_stats(lengths, result.bin_ids, capacity, image_counts=image_counts)
-            bins = int(result.num_bins)
+            fill = float(stats["fill_efficiency"])
             rows.append(
                 {
                     **row,
                     "resolved_algorithm": str(result.algorithm),
-                    "num_bins": bins,
-                    "fill_efficiency": float(stats["fill_efficiency"]),
-                    "l2_lower_bound_bins": l2,
-                    "gap_to_l2_bins": bins - l2,
-                    "gap_to_l2": (bins - l2) / l2 if l2 else 0.0,
-                    "time_s": elapsed,
+                    **result_columns(int(result.num_bins), fill, l2, elapsed),
                 }
             )
             if capped:
