@@ -6,6 +6,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -43,8 +44,9 @@ class Manifest:
     fingerprint: str
     raw: dict[str, Any] = field(repr=False, compare=False)
 
-    @property
+    @cached_property
     def shard_first_bins(self) -> np.ndarray:
+        """First global bin of each shard (computed once: `shard_of_bin` runs for every bin read)."""
         return np.array([s.first_bin for s in self.shards], dtype=np.int64)
 
     def shard_of_bin(self, bins: np.ndarray) -> np.ndarray:

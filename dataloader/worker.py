@@ -54,8 +54,6 @@ class ReaderPool:
         s = int(self.manifest.shard_of_bin(np.array([bin_id]))[0])
         shard = self.manifest.shards[s]
         reader = self._reader(s)
-        if len(reader) != shard.bins:
-            raise ShardError(f"shard {shard.path} holds {len(reader)} bins, the manifest says {shard.bins}")
         try:
             return reader.read(bin_id - shard.first_bin)
         except (OSError, ValueError, KeyError) as e:
@@ -76,6 +74,9 @@ class ReaderPool:
                     raise
             except (OSError, ValueError) as e:
                 raise ShardError(f"shard {shard.path} is unreadable: {e}") from e
+        if (held := len(reader)) != shard.bins:  # checked once per open, not on every read
+            reader.close()
+            raise ShardError(f"shard {shard.path} holds {held} bins, the manifest says {shard.bins}")
         self._open[s] = reader
         while len(self._open) > self.max_open:
             self._open.popitem(last=False)[1].close()

@@ -273,3 +273,19 @@ def test_dead_worker_is_an_error_not_a_hang(dataset: Path, monkeypatch: pytest.M
         take(iter(ld), 10)
     # The dying worker may take its last unsent batch with it; the state never counts a batch not handed out.
     assert ld.state_dict()["bins_consumed"] in (0, 4)
+
+
+def test_shard_with_other_bin_count_than_manifest_fails_naming_it(dataset: Path) -> None:
+    from dataclasses import replace
+
+    from dataloader import ShardError, ShardStore, StorageConfig
+    from dataloader.worker import ReaderPool
+
+    m = load_manifest(str(dataset))
+    wrong = replace(m.shards[0], bins=m.shards[0].bins + 1)
+    pool = ReaderPool(
+        replace(m, shards=(wrong, *m.shards[1:])), ShardStore(StorageConfig(root=str(dataset))), 2
+    )
+    with pytest.raises(ShardError, match=f"{wrong.path} holds {wrong.bins - 1} bins, the manifest says"):
+        pool.read_bin(0)
+    pool.close()
