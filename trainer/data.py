@@ -74,10 +74,8 @@ def dataset_info(data_path: str | None, seq_length: int) -> DataInfo:
             merge_size=2,
         )
     from dataloader import load_manifest
-    from dataloader.storage import resolve_storage_options
 
-    # same endpoint resolution as the loader (AWS_ENDPOINT_URL for s3://)
-    manifest = load_manifest(data_path, storage_options=resolve_storage_options(data_path, None))
+    manifest = load_manifest(data_path)  # resolves the S3 endpoint (AWS_ENDPOINT_URL) like the loader
     if seq_length and seq_length != manifest.seq_len:
         raise ValueError(f"--seq-length {seq_length} differs from the dataset's seq_len {manifest.seq_len}")
     vocab = int(manifest.raw.get("tokenizer", {}).get("vocab_size", 0))
