@@ -12,8 +12,9 @@ from rich.table import Table
 from rich.text import Text
 
 from offline_packing.stats_dataset import DatasetPacking
+from packing.stats import FILL_BUCKETS
 
-FILL_BANDS = ("0-50%", "50-70%", "70-85%", "85-95%", "95-100%")
+FILL_BANDS = tuple(f"{name}%" for name, _, _ in FILL_BUCKETS)
 # length bands as fractions of the capacity: (lo, hi] in tokens
 _LENGTH_BAND_EDGES = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)
 
