@@ -227,6 +227,15 @@ def first_fit_decreasing_kernel(lengths, order, capacity, max_items, image_count
 
 
 @njit(cache=True)
+def _push_bin(bits, offsets, head, next_in_class, key, b):
+    """Put bin `b` on top of the stack of class `key`, marking the class non-empty."""
+    if head[key] == -1:
+        _bitset_set(bits, offsets, key)
+    next_in_class[b] = head[key]
+    head[key] = b
+
+
+@njit(cache=True)
 def best_fit_decreasing_kernel(lengths, order, capacity, max_items, image_counts, max_images, room_classes):
     """Best fit over items in `order`, with per-bin caps on items and images.
 
@@ -275,19 +284,8 @@ def best_fit_decreasing_kernel(lengths, order, capacity, max_items, image_counts
         images[b] += need
         if space[b] > 0 and items[b] < max_items:
             key = min(max_images - images[b], room_classes - 1) * stride + space[b]
-            next_in_class[b] = head[key]
-            if head[key] == -1:
-                _bitset_set(bits, offsets, key)
-            head[key] = b
+            _push_bin(bits, offsets, head, next_in_class, key, b)
     return bin_ids, num_bins
-
-
-@njit(cache=True)
-def _push_bin(bits, offsets, head, next_in_class, key, b):
-    if head[key] == -1:
-        _bitset_set(bits, offsets, key)
-    next_in_class[b] = head[key]
-    head[key] = b
 
 
 @njit(cache=True)
