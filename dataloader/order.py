@@ -133,19 +133,3 @@ def bins_for(
     )
     stream = StreamOrder(_as_manifest(manifest), seed, shard_window=shard_window)
     return micro_batch_bins(stream, step, micro_batch, topology, plan)
-
-
-@dataclass(frozen=True)
-class LoaderState:
-    """Where the stream stands: global bins consumed (always a whole number of global batches)."""
-
-    bins_consumed: int
-    num_bins: int
-
-    @property
-    def epoch(self) -> int:
-        return self.bins_consumed // self.num_bins
-
-    @property
-    def bins_consumed_in_epoch(self) -> int:
-        return self.bins_consumed % self.num_bins

@@ -15,7 +15,7 @@ import os
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from dataloader.manifest import ShardInfo, join_url
@@ -107,17 +107,9 @@ class StorageMetrics:
     retries: int = 0
     redownloads: int = 0
     evictions: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, int]:
-        return {
-            "bytes_read": self.bytes_read,
-            "cache_hits": self.cache_hits,
-            "cache_misses": self.cache_misses,
-            "retries": self.retries,
-            "redownloads": self.redownloads,
-            "evictions": self.evictions,
-        }
+        return asdict(self)
 
 
 class ShardStore:
@@ -167,10 +159,6 @@ class ShardStore:
             else:
                 self._download_verified(shard, path)
         return True
-
-    def cached_bytes(self) -> int:
-        """Sum of sizes of files (shards and reservations) in the cache folder."""
-        return sum(size for _, size, _ in self._cache_entries(include_parts=True))
 
     # -- local ----------------------------------------------------------------------------------------------
     def _local_in_place(self, shard: ShardInfo) -> str:
@@ -250,10 +238,11 @@ class ShardStore:
         self.metrics.bytes_read += size
         return h.hexdigest(), size
 
-    def _cache_entries(self, *, include_parts: bool) -> list[tuple[str, int, float]]:
+    def _cache_entries(self) -> list[tuple[str, int, float]]:
+        """(path, size, mtime) of every shard and reservation in the cache folder."""
         out = []
         for entry in os.scandir(self.cache_dir):
-            if entry.name.endswith(_LOCK_SUFFIX) or (entry.name.endswith(_PART_SUFFIX) and not include_parts):
+            if entry.name.endswith(_LOCK_SUFFIX):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 st = entry.stat()
@@ -270,7 +259,7 @@ class ShardStore:
         deadline = time.monotonic() + 120.0
         while True:
             with _flock(os.path.join(self.cache_dir, ".cache" + _LOCK_SUFFIX)):
-                entries = self._cache_entries(include_parts=True)
+                entries = self._cache_entries()
                 used = sum(size for _, size, _ in entries)
                 done = sorted((e for e in entries if not e[0].endswith(_PART_SUFFIX)), key=lambda e: e[2])
                 for victim, size, _ in done:
