@@ -80,8 +80,7 @@ def run_binpack(cfg: PackJobConfig, wd: WorkDir) -> dict:
     atomic_write_npy(d / "bin_offsets.npy", bin_offsets)
     atomic_write_npy(d / "shard_first_bin.npy", shard_first_bin)
     bin_ids = np.full(len(lengths), -1, dtype=np.int64)
-    for b, members in enumerate(bins):
-        bin_ids[members] = b
+    bin_ids[order] = np.repeat(np.arange(len(bins), dtype=np.int64), np.diff(bin_offsets))
     atomic_write_npy(d / "bin_ids.npy", bin_ids)
     info = {
         "algorithm": algorithm,
