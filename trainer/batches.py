@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from packing.layout import PackedSequence, build_packed_sequence, collate_packed
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -31,59 +31,41 @@ def block_causal_mask(cu_seqlens: torch.Tensor, batch: int, seq_length: int) -> 
     return ~(same & causal)[:, None]
 
 
-def _row(samples: Sequence[Sample], seq_length: int, pad_id: int) -> dict[str, np.ndarray]:
-    n = sum(len(s.input_ids) for s in samples)
-    if n > seq_length:
-        raise ValueError(f"samples of {n} tokens do not fit a sequence of {seq_length}")
-    tokens = np.full(seq_length, pad_id, dtype=np.int64)
-    labels = np.full(seq_length, IGNORE_INDEX, dtype=np.int64)
-    position_ids = np.zeros(seq_length, dtype=np.int64)
-    seg_lens = []
-    start = 0
-    for s in samples:
-        k = len(s.input_ids)
-        tokens[start : start + k] = s.input_ids
-        # labels[i] = token i+1 of the same sample when that token is a target
-        targets = np.where(s.loss_mask[1:] == 1, s.input_ids[1:], IGNORE_INDEX)
-        labels[start : start + k - 1] = targets
-        position_ids[start : start + k] = np.arange(k)
-        seg_lens.append(k)
-        start += k
-    if start < seq_length:
-        position_ids[start:] = np.arange(seq_length - start)
-        seg_lens.append(seq_length - start)
-    return {"tokens": tokens, "labels": labels, "position_ids": position_ids, "seg_lens": np.array(seg_lens)}
+def _pack_row(
+    samples: Sequence[Sample], seq_length: int, pad_id: int, *, attention_mask: bool
+) -> PackedSequence:
+    """One row of samples laid out by packing.layout, as the loader lays out a bin."""
+    ids = [s.input_ids for s in samples]
+    return build_packed_sequence(
+        np.concatenate(ids) if ids else [],
+        np.concatenate([s.loss_mask for s in samples]) if ids else [],
+        [len(x) for x in ids],
+        pad_to=seq_length,
+        pad_id=pad_id,
+        build_attention_mask=attention_mask,
+    )
 
 
 def make_micro_batch(
     rows: Sequence[Sequence[Sample]], seq_length: int, pad_id: int, *, attention_mask: bool = True
 ) -> dict[str, torch.Tensor | int]:
     """Pack each row's samples into one sequence of ``seq_length`` and collate the rows."""
-    built = [_row(r, seq_length, pad_id) for r in rows]
-    seg = np.concatenate([b["seg_lens"] for b in built])
-    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(seg)]).astype(np.int32))
+    packed = [_pack_row(r, seq_length, pad_id, attention_mask=attention_mask) for r in rows]
+    batch: dict[str, torch.Tensor | int] = {
+        k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in collate_packed(packed).items()
+    }
     samples = [s for r in rows for s in r]
     grids = [s.image_grid_thw for s in samples if len(s.image_grid_thw)]
     pixels = [s.pixel_values for s in samples if len(s.pixel_values)]
     patch_dim = samples[0].pixel_values.shape[1] if samples else 0
-    labels = torch.from_numpy(np.stack([b["labels"] for b in built]))
-    batch: dict[str, torch.Tensor | int] = {
-        "tokens": torch.from_numpy(np.stack([b["tokens"] for b in built])),
-        "labels": labels,
-        "loss_mask": (labels != IGNORE_INDEX).float(),
-        "position_ids": torch.from_numpy(np.stack([b["position_ids"] for b in built])),
-        "cu_seqlens": cu,
-        "max_seqlen": int(seg.max()),
-        "pixel_values": torch.from_numpy(np.concatenate(pixels))
-        if pixels
-        else torch.zeros(0, patch_dim, dtype=torch.float32),
-        "image_grid_thw": torch.from_numpy(np.concatenate(grids).astype(np.int64))
+    batch["pixel_values"] = (
+        torch.from_numpy(np.concatenate(pixels)) if pixels else torch.zeros(0, patch_dim, dtype=torch.float32)
+    )
+    batch["image_grid_thw"] = (
+        torch.from_numpy(np.concatenate(grids).astype(np.int64))
         if grids
-        else torch.zeros(0, 3, dtype=torch.int64),
-        "num_real_tokens": sum(len(s.input_ids) for s in samples),
-    }
-    if attention_mask:
-        batch["attention_mask"] = block_causal_mask(cu, len(rows), seq_length)
+        else torch.zeros(0, 3, dtype=torch.int64)
+    )
     return batch
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from trainer.batches import IGNORE_INDEX, SyntheticLoader, SyntheticSpec, block_causal_mask
+from packing.layout import IGNORE_INDEX
+from trainer.batches import SyntheticLoader, SyntheticSpec, block_causal_mask
 
 # The ids of the byte-level fallback tokenizer (packing.tokenizer.ByteTokenizer), used by --mock-data.
 MOCK_VOCAB = {"vocab_size": 262, "pad": 256, "vision_start": 259, "vision_end": 260, "image_pad": 261}
