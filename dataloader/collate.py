@@ -69,5 +69,4 @@ def collate_bins(records: Sequence[BinRecord], cfg: CollateConfig) -> dict[str, 
     width = 3 * cfg.rule.patch_size**2
     out["pixel_values"] = np.concatenate(patches) if patches else np.zeros((0, width), dtype=np.float32)
     out["image_grid_thw"] = np.stack(grids) if grids else np.zeros((0, 3), dtype=np.int64)
-    out["num_real_tokens"] = int(sum(len(rec["input_ids"]) for rec in records))
     return out
