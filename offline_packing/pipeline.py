@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 from offline_packing.config import STAGES, PackJobConfig, PackSummary
 from offline_packing.errors import PackError
 from offline_packing.storage import OutputStore
-from offline_packing.workdir import WorkDir, read_json
+from offline_packing.workdir import WorkDir
 from packing.format import MANIFEST_NAME, STATS_NAME
 
 
@@ -133,15 +134,11 @@ def _outputs_present(cfg: PackJobConfig, stage: str) -> bool:
 
 
 def _fill_summary(summary: PackSummary, cfg: PackJobConfig) -> None:
-    import json
-
     from offline_packing.finalize import fill_efficiency
 
     store = OutputStore(cfg.output, cfg.storage_options)
-    with store.fs.open(store.full_path(MANIFEST_NAME), "rb") as f:
-        manifest = json.load(f)
-    with store.fs.open(store.full_path(STATS_NAME), "rb") as f:
-        stats = json.load(f)
+    manifest = _read_output_json(store, MANIFEST_NAME)
+    stats = _read_output_json(store, STATS_NAME)
     counts = manifest["counts"]
     summary.samples_read = counts["samples_read"]
     summary.samples_packed = counts["samples_packed"]
@@ -157,10 +154,9 @@ def _fill_summary(summary: PackSummary, cfg: PackJobConfig) -> None:
 
 def read_manifest(output: str, storage_options: dict | None = None) -> dict:
     """The manifest of a packed dataset (helper for tests and tools)."""
-    store = OutputStore(output, storage_options)
-    if store.is_local:
-        return read_json(store.local_path(MANIFEST_NAME))
-    import json
+    return _read_output_json(OutputStore(output, storage_options), MANIFEST_NAME)
 
-    with store.fs.open(store.full_path(MANIFEST_NAME), "rb") as f:
+
+def _read_output_json(store: OutputStore, name: str) -> dict:
+    with store.fs.open(store.full_path(name), "rb") as f:
         return json.load(f)
