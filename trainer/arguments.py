@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from trainer.config import (
     CheckpointConfig,
@@ -15,6 +17,11 @@ from trainer.config import (
     RunConfig,
     TrainConfig,
 )
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+C = TypeVar("C", bound="DataclassInstance")
 
 # Model presets: flags given explicitly on the command line override them.
 MODEL_PRESETS: dict[str, dict[str, int]] = {
@@ -140,71 +147,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _config_from_args(cls: type[C], args: argparse.Namespace, **given: Any) -> C:
+    """``cls`` built from the flags named like its fields; ``given`` values take precedence."""
+    names = {f.name for f in dataclasses.fields(cls)} - given.keys()
+    return cls(**{k: v for k, v in vars(args).items() if k in names}, **given)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     """Parse flags into a validated :class:`RunConfig` (raises ``SystemExit``/``ValueError`` on bad input)."""
     args = build_parser().parse_args(argv)
     preset = MODEL_PRESETS.get(args.model_size or "tiny", {})
     size = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in preset.items()}
-    model = ModelConfig(
-        **size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        max_position_embeddings=args.max_position_embeddings,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-    )
     return RunConfig(
-        model=model,
-        parallel=ParallelConfig(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            sequence_parallel=args.sequence_parallel,
-            use_distributed_optimizer=args.use_distributed_optimizer,
+        model=_config_from_args(ModelConfig, args, **size),
+        parallel=_config_from_args(ParallelConfig, args),
+        precision=_config_from_args(PrecisionConfig, args),
+        optim=_config_from_args(OptimConfig, args),
+        train=_config_from_args(
+            TrainConfig, args, debug_overflow_iterations=tuple(args.debug_overflow_iterations)
         ),
-        precision=PrecisionConfig(
-            bf16=args.bf16,
-            fp16=args.fp16,
-            fp32_residual_connection=args.fp32_residual_connection,
-            attention_softmax_in_fp32=args.attention_softmax_in_fp32,
-            accumulate_allreduce_grads_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-            loss_scale=args.loss_scale,
-            initial_loss_scale=args.initial_loss_scale,
-            min_loss_scale=args.min_loss_scale,
-            loss_scale_window=args.loss_scale_window,
-            hysteresis=args.hysteresis,
-        ),
-        optim=OptimConfig(
-            lr=args.lr,
-            min_lr=args.min_lr,
-            lr_warmup_iters=args.lr_warmup_iters,
-            lr_decay_iters=args.lr_decay_iters,
-            lr_decay_style=args.lr_decay_style,
-            weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            adam_eps=args.adam_eps,
-            clip_grad=args.clip_grad,
-        ),
-        train=TrainConfig(
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            global_batch_size=args.global_batch_size,
-            train_iters=args.train_iters,
-            seed=args.seed,
-            log_interval=args.log_interval,
-            eval_interval=args.eval_interval,
-            eval_iters=args.eval_iters,
-            recompute_activations=args.recompute_activations,
-            metrics_file=args.metrics_file,
-            debug_overflow_iterations=tuple(args.debug_overflow_iterations),
-        ),
-        data=DataConfig(
-            data_path=args.data_path,
-            eval_data_path=args.eval_data_path,
-            num_workers=args.num_workers,
-            cache_dir=args.data_cache_dir,
-            mock_data=args.mock_data,
-        ),
-        checkpoint=CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval),
+        data=_config_from_args(DataConfig, args, cache_dir=args.data_cache_dir),
+        checkpoint=_config_from_args(CheckpointConfig, args),
     )
