@@ -18,10 +18,10 @@ FILL_BUCKETS: tuple[tuple[str, float, float], ...] = (
 _HISTOGRAM_CAPACITY_LIMIT = 1 << 24
 
 
-def _check_capacity(capacity: int) -> int:
-    if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer) or capacity < 1:
-        raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
-    return int(capacity)
+def _positive_int(value: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def _fitting_lengths(lengths: np.ndarray, capacity: int) -> np.ndarray:
@@ -36,7 +36,7 @@ def _fitting_lengths(lengths: np.ndarray, capacity: int) -> np.ndarray:
 
 def lower_bound_l1(lengths: np.ndarray, capacity: int) -> int:
     """ceil(sum of the lengths that fit / capacity)."""
-    capacity = _check_capacity(capacity)
+    capacity = _positive_int(capacity, "capacity")
     return -(-int(_fitting_lengths(lengths, capacity).sum()) // capacity)
 
 
@@ -46,7 +46,7 @@ def lower_bound_l2_from_counts(counts: np.ndarray, capacity: int) -> int:
     For each 0 <= k <= capacity/2: J1 = items > capacity - k, J2 = items in (capacity/2, capacity - k],
     J3 = items in [k, capacity/2]; L(k) = |J1| + |J2| + max(0, ceil((sum J3 - free space in J2) / capacity)).
     """
-    capacity = _check_capacity(capacity)
+    capacity = _positive_int(capacity, "capacity")
     counts = np.asarray(counts, dtype=np.int64)
     if len(counts) != capacity + 1:
         raise ValueError(f"counts must have capacity + 1 = {capacity + 1} entries, got {len(counts)}")
@@ -69,7 +69,7 @@ def lower_bound_l2_from_counts(counts: np.ndarray, capacity: int) -> int:
 
 def lower_bound_l2(lengths: np.ndarray, capacity: int) -> int:
     """Martello-Toth L2 lower bound on the number of bins for the lengths that fit."""
-    capacity = _check_capacity(capacity)
+    capacity = _positive_int(capacity, "capacity")
     fits = _fitting_lengths(lengths, capacity)
     if capacity <= _HISTOGRAM_CAPACITY_LIMIT:
         return lower_bound_l2_from_counts(np.bincount(fits, minlength=capacity + 1), capacity)
@@ -99,9 +99,8 @@ def lower_bound_item_cap(lengths: np.ndarray, capacity: int, max_items: int) -> 
     A full-length item fills its bin; an item longer than capacity/2 shares its bin with at most
     max_items - 1 items of at most capacity/2; the other short items need bins of max_items each.
     """
-    capacity = _check_capacity(capacity)
-    if isinstance(max_items, bool) or not isinstance(max_items, int | np.integer) or max_items < 1:
-        raise ValueError(f"max_items must be a positive integer, got {max_items!r}")
+    capacity = _positive_int(capacity, "capacity")
+    max_items = _positive_int(max_items, "max_items")
     fits = _fitting_lengths(lengths, capacity)
     full = int(np.count_nonzero(fits == capacity))
     big = int(np.count_nonzero((2 * fits > capacity) & (fits < capacity)))
@@ -126,7 +125,7 @@ def packing_stats(
     were padded to capacity / padding after packing; None when packing leaves no padding),
     samples_per_bin {mean, p50, max}, images_per_bin {mean, max}, fill_histogram {range: bins}.
     """
-    capacity = _check_capacity(capacity)
+    capacity = _positive_int(capacity, "capacity")
     lengths = np.asarray(lengths)
     bin_ids = np.asarray(bin_ids)
     if lengths.ndim != 1 or bin_ids.shape != lengths.shape:
