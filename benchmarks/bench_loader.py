@@ -37,7 +37,6 @@ from dataloader import Topology, build_loader, load_manifest  # noqa: E402
 from dataloader.collate import CollateConfig, collate_bins  # noqa: E402
 from offline_packing.synthetic import build_packed_dataset  # noqa: E402
 from packing.format import ARRAY_FIELDS  # noqa: E402
-from packing.image_tokens import ImageTokenRule  # noqa: E402
 from tests.storage_servers import moto_s3  # noqa: E402
 
 _IMG_RE = re.compile(r"^img(\d+)\.([a-z0-9]+)$")
@@ -169,9 +168,7 @@ def run_storage(
     m = load_manifest(root, storage_options=storage_options, shard_format="wds")
     urls = [f"{root}/{s.path}" for s in m.shards]
     total = sum(s.bytes for s in m.shards)
-    rule_fields = ImageTokenRule.__dataclass_fields__
-    rule = ImageTokenRule(**{k: v for k, v in m.raw["image_rule"].items() if k in rule_fields})
-    cfg = CollateConfig(seq_len=m.seq_len, pad_id=m.pad_id, image_pad_id=m.image_pad_id, rule=rule)
+    cfg = CollateConfig(seq_len=m.seq_len, pad_id=m.pad_id, image_pad_id=m.image_pad_id, rule=m.image_rule)
     micro = args.micro_batch
     counter = iter(range(10**6))
 

@@ -14,7 +14,6 @@ from dataloader.pool import no_data, run_in_process, run_workers, take_batch
 from dataloader.storage import StorageConfig, resolve_storage_options
 from dataloader.topology import Topology
 from dataloader.worker import ProducerSpec
-from packing.image_tokens import ImageTokenRule
 
 STATE_VERSION = 1
 
@@ -223,9 +222,6 @@ def build_loader(
     manifest = load_manifest(
         path, storage_options=storage_options, shard_format=shard_format, max_attempts=max_attempts
     )
-    raw_rule = manifest.raw.get("image_rule") or {}
-    rule_fields = ImageTokenRule.__dataclass_fields__
-    rule = ImageTokenRule(**{k: v for k, v in raw_rule.items() if k in rule_fields})
     config = LoaderConfig(
         micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size,
@@ -248,7 +244,7 @@ def build_loader(
         seq_len=manifest.seq_len,
         pad_id=manifest.pad_id,
         image_pad_id=manifest.image_pad_id,
-        rule=rule,
+        rule=manifest.image_rule,
         build_attention_mask=build_attention_mask,
     )
     return PackedLoader(path, manifest, topology, config, storage, collate)

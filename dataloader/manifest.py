@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from packing.format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
+from packing.image_tokens import ImageTokenRule
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,17 @@ class Manifest:
     shards: tuple[ShardInfo, ...]
     pad_id: int
     image_pad_id: int
-    patch_size: int
-    merge_size: int
+    image_rule: ImageTokenRule
     fingerprint: str
     raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @property
+    def patch_size(self) -> int:
+        return self.image_rule.patch_size
+
+    @property
+    def merge_size(self) -> int:
+        return self.image_rule.merge_size
 
     @cached_property
     def shard_first_bins(self) -> np.ndarray:
@@ -75,7 +83,7 @@ class Manifest:
                 raise ValueError(f"shard {s.path} starts at bin {s.first_bin}, expected {expected}")
             expected += s.bins
         specials = raw.get("tokenizer", {}).get("special_ids", {})
-        rule = raw.get("image_rule", {})
+        rule = raw.get("image_rule") or {}
         canon = json.dumps(
             {"seq_len": raw["seq_len"], "shards": [(s.path, s.bins, s.sha256) for s in shards]},
             sort_keys=True,
@@ -86,8 +94,9 @@ class Manifest:
             shards=shards,
             pad_id=int(specials.get("pad", 0)),
             image_pad_id=int(specials.get("image_pad", -1)),
-            patch_size=int(rule.get("patch_size", 14)),
-            merge_size=int(rule.get("merge_size", 2)),
+            image_rule=ImageTokenRule(
+                **{k: v for k, v in rule.items() if k in ImageTokenRule.__dataclass_fields__}
+            ),
             fingerprint=hashlib.sha256(canon.encode()).hexdigest()[:16],
             raw=raw,
         )
