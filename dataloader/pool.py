@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dataloader.storage import ShardError
-from dataloader.worker import Prefetcher, Producer, ProducerSpec, to_torch, worker_loop
+from dataloader.worker import Producer, ProducerSpec, to_torch, worker_loop
 
 Batches = Iterator[list[Any]]  # [micro-batch or None, seconds waited]
 # [kind, micro-batch index, payload or error text, worker metrics, worker id]
@@ -45,14 +45,10 @@ def run_in_process(
     spec: ProducerSpec, k_start: int, k_end: int | None, *, metrics: dict[int, dict[str, int]]
 ) -> Batches:
     """Makes every micro-batch here (num_workers=0); the wait is the time spent making it."""
-    producer = Producer(spec)
-    prefetcher = Prefetcher(producer, k_start, k_end, spec.prefetch_shards)
-    if spec.prefetch_shards:
-        prefetcher.start()
+    producer = Producer(spec, k_start, k_end)
     k = k_start
     try:
         while k_end is None or k < k_end:
-            prefetcher.position = k
             t0 = time.perf_counter()
             pair = [to_torch(producer.produce(k)), 0.0]
             pair[1] = time.perf_counter() - t0
@@ -60,7 +56,6 @@ def run_in_process(
             yield pair
             k += 1
     finally:
-        prefetcher.stop.set()
         producer.close()
 
 

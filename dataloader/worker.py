@@ -88,19 +88,26 @@ class ReaderPool:
 
 
 class Producer:
-    """Builds micro-batch k (absolute index on this rank: step * micro_batches_per_step + micro_batch)."""
+    """Builds micro-batch k (absolute index on this rank: step * micro_batches_per_step + micro_batch).
 
-    def __init__(self, spec: ProducerSpec) -> None:
+    While it builds micro-batches of k_start..k_end-1, a `Prefetcher` thread fetches their shards ahead.
+    """
+
+    def __init__(self, spec: ProducerSpec, k_start: int, k_end: int | None) -> None:
         self.spec = spec
         self.stream = StreamOrder(spec.manifest, spec.seed, shard_window=spec.shard_window)
         self.store = ShardStore(spec.storage)
         self.readers = ReaderPool(spec.manifest, self.store, max_open=spec.shard_window + 1)
+        self.prefetcher = Prefetcher(self, k_start, k_end, spec.prefetch_shards)
+        if spec.prefetch_shards:
+            self.prefetcher.start()
 
     def bins(self, k: int) -> np.ndarray:
         m = self.spec.plan.micro_batches_per_step
         return micro_batch_bins(self.stream, k // m, k % m, self.spec.topology, self.spec.plan)
 
     def produce(self, k: int) -> dict[str, Any]:
+        self.prefetcher.position = k
         bins = self.bins(k)
         batch = collate_bins([self.readers.read_bin(int(b)) for b in bins], self.spec.collate)
         batch["bin_ids"] = bins
@@ -119,6 +126,7 @@ class Producer:
         return new
 
     def close(self) -> None:
+        self.prefetcher.stop.set()
         self.readers.close()
 
 
@@ -187,17 +195,10 @@ def worker_loop(
     # Handing a tensor to the consumer needs this process's resource-sharer thread to answer; a short GIL
     # switch interval keeps that answer from waiting behind a long decode in the main thread.
     sys.setswitchinterval(0.0005)
-    producer = Producer(spec)
-    prefetcher = (
-        Prefetcher(producer, k_start, k_end, spec.prefetch_shards) if spec.prefetch_shards > 0 else None
-    )
-    if prefetcher is not None:
-        prefetcher.start()
+    producer = Producer(spec, k_start, k_end)
     k = k_start + worker_id
     try:
         while not stop_ev.is_set() and (k_end is None or k < k_end):
-            if prefetcher is not None:
-                prefetcher.position = k
             try:
                 item: tuple[str, int, Any, dict[str, int]] = (
                     "ok",
@@ -221,8 +222,6 @@ def worker_loop(
         # Tensors travel as shared-memory handles served by this process: stay until the consumer is done.
         stop_ev.wait()
     finally:
-        if prefetcher is not None:
-            prefetcher.stop.set()
         producer.close()
         if stop_ev.is_set():  # the consumer is gone: do not block exit on batches nobody will read
             out_q.cancel_join_thread()
