@@ -219,20 +219,17 @@ def _dataset_report(
         raise StatsInputError(f"{data.url}: the dataset holds no samples")
     report = dict(packing_stats(lengths, bin_ids, data.capacity, image_counts=images))
     algorithm = data.manifest.get("algorithm") or {}
-    report["source"] = {
-        "path": data.url,
-        "kind": "dataset",
-        "algorithm": algorithm.get("name") if isinstance(algorithm, dict) else algorithm,
-    }
-    if isinstance(algorithm, dict):
-        _add_caps_bound(
-            report,
-            lengths,
-            data.capacity,
-            images,
-            algorithm.get("max_items_per_bin"),
-            algorithm.get("max_images_per_bin"),
-        )
+    if not isinstance(algorithm, dict):  # a manifest may name the algorithm only
+        algorithm = {"name": algorithm}
+    report["source"] = {"path": data.url, "kind": "dataset", "algorithm": algorithm.get("name")}
+    _add_caps_bound(
+        report,
+        lengths,
+        data.capacity,
+        images,
+        algorithm.get("max_items_per_bin"),
+        algorithm.get("max_images_per_bin"),
+    )
     report["length_distribution"] = length_distribution(lengths, data.capacity)
     report["dataset"] = dataset_fields(data)
     if args.compare:
@@ -243,7 +240,7 @@ def _dataset_report(
             )
         capacity = args.capacity or data.capacity
         # the dataset's own sample cap, so that its packing is compared like for like
-        own_cap = algorithm.get("max_items_per_bin") if isinstance(algorithm, dict) else None
+        own_cap = algorithm.get("max_items_per_bin")
         rows = _compare(args, lengths, capacity, None, default_caps=(own_cap, None))
         if capacity == data.capacity:
             rows.insert(0, _as_packed_row(report))
