@@ -12,6 +12,7 @@ import json
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ class ShardBins:
 
 @dataclass(frozen=True)
 class DatasetPacking:
-    """The packing of a whole dataset, in global bin order."""
+    """The packing of a whole dataset, in global bin order (per-dataset arrays are built once, on first use)."""
 
     url: str
     manifest: dict
@@ -49,20 +50,20 @@ class DatasetPacking:
     shards: list[ShardBins]
     warnings: list[str] = field(default_factory=list)
 
-    @property
+    @cached_property
     def samples_per_bin(self) -> np.ndarray:
         return np.concatenate([s.samples_per_bin for s in self.shards] or [np.zeros(0, np.int64)])
 
-    @property
+    @cached_property
     def lengths(self) -> np.ndarray:
         return np.concatenate([s.sample_lengths for s in self.shards] or [np.zeros(0, np.int64)])
 
-    @property
+    @cached_property
     def bin_ids(self) -> np.ndarray:
         spb = self.samples_per_bin
         return np.repeat(np.arange(spb.size, dtype=np.int64), spb)
 
-    @property
+    @cached_property
     def image_counts(self) -> np.ndarray:
         """Per-sample image counts. Shards only record images per bin, so each bin's images are put on its
         first sample: per-bin image statistics are exact, per-sample ones are not available."""
