@@ -274,9 +274,13 @@ class Trainer:
             f" data-wait ms: {m['data_wait_ms']:.1f} | step ms: {m['step_ms']:.1f} |"
             f" skipped iterations: {m['skipped_total']} |"
         )
-        if self.cfg.train.metrics_file:
+        self.write_metrics(m)
+
+    def write_metrics(self, record: dict[str, Any]) -> None:
+        """Appends ``record`` as one JSON line to --metrics-file (logging rank only)."""
+        if self.is_logger and self.cfg.train.metrics_file:
             with open(self.cfg.train.metrics_file, "a") as f:
-                f.write(json.dumps(m) + "\n")
+                f.write(json.dumps(record) + "\n")
 
     def save(self) -> None:
         ck = self.cfg.checkpoint
@@ -298,9 +302,7 @@ class Trainer:
             if tr.eval_interval and self.iteration % tr.eval_interval == 0:
                 loss = self.evaluate()
                 self.log_text(f" validation loss at iteration {self.iteration} | lm loss: {loss:.6E} |")
-                if self.is_logger and tr.metrics_file:
-                    with open(tr.metrics_file, "a") as f:
-                        f.write(json.dumps({"iteration": self.iteration, "eval_loss": loss}) + "\n")
+                self.write_metrics({"iteration": self.iteration, "eval_loss": loss})
             if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
                 self.save()
         if ck.save and not (ck.save_interval and self.iteration % ck.save_interval == 0):
