@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer_support import Run, make_packed_dataset, train
+from tests.test_trainer_support import Run, checkpoint_view, make_packed_dataset, train
 
 pytestmark = pytest.mark.slow
 
@@ -139,13 +139,9 @@ def test_3d_checkpoint_resumes_with_fewer_dp_ranks(
     """Saved at 10 by TP2xPP2xDP2 (distributed optimizer, SP); resumed by TP2xPP2xDP1: same 11..20."""
     train_set, _ = datasets
     ckpt = Path(run_3d.stdout.split("saved checkpoint at iteration 10 to ")[1].split()[0])
-    view = tmp_path / "ckpt-view"
-    view.mkdir()
-    (view / "iter_0000010").symlink_to(ckpt / "iter_0000010")
-    (view / "latest_checkpointed_iteration.txt").write_text("10")
     args = [
         "--load",
-        str(view),
+        str(checkpoint_view(ckpt, 10, tmp_path)),
         "--data-path",
         str(train_set),
         *RUN_3D,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_trainer_support import Run, make_packed_dataset, train
+from tests.test_trainer_support import Run, checkpoint_view, make_packed_dataset, train
 
 pytestmark = pytest.mark.slow
 
@@ -73,26 +73,14 @@ def test_checkpoint_holds_every_dp_ranks_loader_state(setup: tuple[Path, Path, R
 
 def test_resume_same_dp_size_is_exact(setup: tuple[Path, Path, Run], tmp_path: Path) -> None:
     data, ckpt, full = setup
-    # load the iteration-10 checkpoint: point the tracker of a copy at it
-    resumed = _ok(
-        train(2, ["--data-path", str(data), *COMMON, "--load", str(_at(ckpt, 10, tmp_path))], tmp_path)
-    )
+    view = checkpoint_view(ckpt, 10, tmp_path)
+    resumed = _ok(train(2, ["--data-path", str(data), *COMMON, "--load", str(view)], tmp_path))
     assert "resumed from" in resumed.stdout
     _check_continues(resumed, full, rel=1e-6)
 
 
 def test_resume_with_other_dp_size(setup: tuple[Path, Path, Run], tmp_path: Path) -> None:
     data, ckpt, full = setup
-    resumed = _ok(
-        train(1, ["--data-path", str(data), *COMMON, "--load", str(_at(ckpt, 10, tmp_path))], tmp_path)
-    )
+    view = checkpoint_view(ckpt, 10, tmp_path)
+    resumed = _ok(train(1, ["--data-path", str(data), *COMMON, "--load", str(view)], tmp_path))
     _check_continues(resumed, full, rel=1e-4)  # DP 2 -> 1 changes only the order of float sums
-
-
-def _at(ckpt: Path, iteration: int, tmp: Path) -> Path:
-    """A checkpoint folder whose latest iteration is ``iteration`` (links to the saved files)."""
-    view = tmp / "ckpt-view"
-    view.mkdir()
-    (view / f"iter_{iteration:07d}").symlink_to(ckpt / f"iter_{iteration:07d}")
-    (view / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-    return view

@@ -104,3 +104,12 @@ def train(
         [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     )
     return Run(proc.returncode, proc.stdout, proc.stderr, metrics)
+
+
+def checkpoint_view(ckpt: Path, iteration: int, tmp: Path) -> Path:
+    """A checkpoint folder under ``tmp`` whose latest iteration is ``iteration`` (links to the saved files)."""
+    view = tmp / "ckpt-view"
+    view.mkdir()
+    (view / f"iter_{iteration:07d}").symlink_to(ckpt / f"iter_{iteration:07d}")
+    (view / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return view
