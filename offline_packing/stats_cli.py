@@ -160,6 +160,7 @@ def build_report(
 def _length_file_report(
     args: argparse.Namespace, storage_options: dict[str, Any]
 ) -> tuple[dict, np.ndarray, np.ndarray]:
+    from offline_packing.stats_compare import add_caps_bound
     from offline_packing.stats_report import length_distribution
     from packing.binpack import pack_lengths
     from packing.stats import packing_stats
@@ -192,7 +193,7 @@ def _length_file_report(
         "max_samples_per_bin": args.max_samples_per_bin,
         "max_images_per_bin": args.max_images_per_bin,
     }
-    _add_caps_bound(
+    add_caps_bound(
         report,
         data.lengths,
         args.capacity,
@@ -209,6 +210,7 @@ def _length_file_report(
 def _dataset_report(
     args: argparse.Namespace, storage_options: dict[str, Any]
 ) -> tuple[dict, np.ndarray, np.ndarray]:
+    from offline_packing.stats_compare import add_caps_bound
     from offline_packing.stats_dataset import read_dataset
     from offline_packing.stats_report import dataset_fields, length_distribution
     from packing.stats import packing_stats
@@ -222,7 +224,7 @@ def _dataset_report(
     if not isinstance(algorithm, dict):  # a manifest may name the algorithm only
         algorithm = {"name": algorithm}
     report["source"] = {"path": data.url, "kind": "dataset", "algorithm": algorithm.get("name")}
-    _add_caps_bound(
+    add_caps_bound(
         report,
         lengths,
         data.capacity,
@@ -246,24 +248,6 @@ def _dataset_report(
             rows.insert(0, _as_packed_row(report))
         report["compare"] = rows
     return report, lengths, bin_ids
-
-
-def _add_caps_bound(
-    report: dict,
-    lengths: np.ndarray,
-    capacity: int,
-    images: np.ndarray | None,
-    max_items: int | None,
-    max_images: int | None,
-) -> None:
-    """With per-bin caps, L2 can be far below what is reachable: also give the bound that counts the caps."""
-    from offline_packing.stats_compare import caps_lower_bound
-
-    if max_items is None and max_images is None:
-        return
-    report["source"]["caps_lower_bound_bins"] = caps_lower_bound(
-        lengths, capacity, max_items=max_items, image_counts=images, max_images=max_images
-    )
 
 
 def _compare(

@@ -41,6 +41,22 @@ def caps_lower_bound(
     return bound
 
 
+def add_caps_bound(
+    report: dict,
+    lengths: np.ndarray,
+    capacity: int,
+    images: np.ndarray | None,
+    max_items: int | None,
+    max_images: int | None,
+) -> None:
+    """With per-bin caps, L2 can be far below what is reachable: also give the bound that counts the caps."""
+    if max_items is None and max_images is None:
+        return
+    report["source"]["caps_lower_bound_bins"] = caps_lower_bound(
+        lengths, capacity, max_items=max_items, image_counts=images, max_images=max_images
+    )
+
+
 def result_columns(num_bins: int, fill_efficiency: float, l2: int, time_s: float | None) -> dict[str, Any]:
     """The outcome columns of a compare row: bins, fill, L2 and the gap to it, time."""
     return {
