@@ -35,15 +35,9 @@ from packing.image_tokens import (
 )
 from packing.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from tests.conftest import QWEN3_TOKENIZER
+from tests.fixtures_data import SPECIAL_TOKENS
 
-SPECIALS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-]
+SPECIALS = list(SPECIAL_TOKENS)  # <|image_pad|> last
 CORPUS = [
     "system user assistant You are a helpful assistant.",
     "What is in this picture? A cat sits on a red mat near the window.",
