@@ -144,6 +144,10 @@ class SyntheticLoader:
         self.consumed = 0
         self.wait_time_s = 0.0
 
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.global_batch // self.dp_size // self.micro
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": 0, "bins_consumed": self.consumed}
 
@@ -152,7 +156,7 @@ class SyntheticLoader:
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor | int]]:
         per_rank = self.global_batch // self.dp_size
-        micro_per_step = per_rank // self.micro
+        micro_per_step = self.micro_batches_per_step
         micro_index = 0
         while True:
             first = self.consumed + self.dp_rank * per_rank + micro_index * self.micro

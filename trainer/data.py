@@ -32,9 +32,9 @@ class DataInfo:
 class StepBatches:
     """Pulls the micro-batches of one step from a loader, timing how long the trainer waited for them."""
 
-    def __init__(self, loader: Any, micro_batches_per_step: int) -> None:
+    def __init__(self, loader: Any) -> None:
         self.loader = loader
-        self.micro = micro_batches_per_step
+        self.micro = loader.micro_batches_per_step
         self._it: Iterator[Any] | None = None
 
     def next_step(self) -> tuple[list[dict[str, Any]], float]:
@@ -106,7 +106,6 @@ def build_step_batches(
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    micro_per_step = global_batch_size // (micro_batch_size * dp_size)
     if not data_path:
         spec = SyntheticSpec(
             vocab_size=info.vocab_size,
@@ -126,7 +125,7 @@ def build_step_batches(
             dp_size=dp_size,
             seed=seed,
         )
-        return StepBatches(synthetic, micro_per_step)
+        return StepBatches(synthetic)
     from dataloader import Topology, build_loader
 
     topology = Topology.from_megatron()
@@ -142,7 +141,7 @@ def build_step_batches(
         num_workers=num_workers,
         cache_dir=cache_dir,
     )
-    return StepBatches(loader, micro_per_step)
+    return StepBatches(loader)
 
 
 def model_inputs(batch: dict[str, Any], *, use_thd: bool) -> dict[str, Any]:
