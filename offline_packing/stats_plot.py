@@ -56,19 +56,19 @@ def plot_packing(
     return out
 
 
+def _histogram_bars(ax: Any, values: np.ndarray, edges: np.ndarray, color: str) -> np.ndarray:
+    """Draw the histogram of `values` over `edges` as bars; returns the counts."""
+    # computed with numpy, drawn as bars: matplotlib's hist would copy millions of floats
+    counts, _ = np.histogram(values, bins=edges)
+    ax.bar(
+        edges[:-1], counts, width=np.diff(edges), align="edge", color=color, edgecolor="white", linewidth=0.3
+    )
+    return counts
+
+
 def _plot_lengths(ax: Any, lengths: np.ndarray, capacity: int) -> None:
     hi = max(int(lengths.max()), capacity) if lengths.size else capacity
-    # histogram computed with numpy, drawn as bars: matplotlib's hist would copy millions of floats
-    counts, edges = np.histogram(lengths, bins=np.linspace(0, hi, 81))
-    ax.bar(
-        edges[:-1],
-        counts,
-        width=np.diff(edges),
-        align="edge",
-        color="#4C72B0",
-        edgecolor="white",
-        linewidth=0.3,
-    )
+    _histogram_bars(ax, lengths, np.linspace(0, hi, 81), "#4C72B0")
     ax.axvline(capacity, color="#C44E52", linestyle="--", linewidth=1.2, label=f"capacity {capacity:,}")
     ax.set_title("Sample length distribution")
     ax.set_xlabel("tokens per sample")
@@ -80,16 +80,7 @@ def _plot_lengths(ax: Any, lengths: np.ndarray, capacity: int) -> None:
 
 def _plot_fill(ax: Any, fill: np.ndarray, efficiency: float) -> None:
     # a histogram rather than one bar per bin: readable for millions of bins
-    counts, edges = np.histogram(100 * fill, bins=np.linspace(0, 100, 51))
-    ax.bar(
-        edges[:-1],
-        counts,
-        width=np.diff(edges),
-        align="edge",
-        color="#55A868",
-        edgecolor="white",
-        linewidth=0.3,
-    )
+    counts = _histogram_bars(ax, 100 * fill, np.linspace(0, 100, 51), "#55A868")
     ax.axvline(
         100 * efficiency, color="black", linestyle="--", linewidth=1.0, label=f"mean {100 * efficiency:.2f}%"
     )
