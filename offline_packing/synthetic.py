@@ -20,14 +20,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-)
+from packing.tokenizer import SPECIAL_TOKENS as CHAT_SPECIAL_TOKENS
+
+SPECIAL_TOKENS = tuple(CHAT_SPECIAL_TOKENS.values())  # the control tokens the packer expects
 RECORD_FORMATS = ("llava", "sharegpt", "caption", "text")
 
 _SYLLABLES = [
