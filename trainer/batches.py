@@ -23,11 +23,16 @@ class Sample:
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, batch: int, seq_length: int) -> torch.Tensor:
-    """[B, 1, L, L] bool, True = masked: a token sees the earlier tokens of its own segment only."""
+    """[B, 1, L, L] bool, True = masked: a token sees the earlier tokens of its own segment only.
+
+    Built on ``cu_seqlens``' device (the torch twin of ``packing.layout.build_attention_mask_from_cu_seqlens``,
+    for batches already on the accelerator)."""
+    device = cu_seqlens.device
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths).reshape(batch, seq_length)
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+    segment = segment.reshape(batch, seq_length)
     same = segment[:, :, None] == segment[:, None, :]
-    causal = torch.ones(seq_length, seq_length, dtype=torch.bool).tril()
+    causal = torch.ones(seq_length, seq_length, dtype=torch.bool, device=device).tril()
     return ~(same & causal)[:, None]
 
 
