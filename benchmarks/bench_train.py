@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from offline_packing.config import PackJobConfig  # noqa: E402
 from offline_packing.pipeline import run_pack  # noqa: E402
-from tests.fixtures_data import make_synthetic_dataset, train_tiny_bpe  # noqa: E402
+from offline_packing.synthetic import make_synthetic_dataset, train_tiny_bpe  # noqa: E402
 
 
 def _pack(raw, tokenizer: Path, out: Path, seq_len: int, max_per_bin: int | None) -> dict:
