@@ -58,7 +58,7 @@ def compute_stats(wd: WorkDir, cfg: PackJobConfig, counts: dict) -> dict:
     distribution), computed from the job's own lengths and bins, plus the manifest counts."""
     from offline_packing.binpack import load_plan
     from offline_packing.lengths import load_lengths
-    from offline_packing.stats_compare import add_caps_bound
+    from offline_packing.stats_compare import caps_bound_field
     from offline_packing.stats_report import length_distribution
     from packing.stats import packing_stats
 
@@ -67,7 +67,9 @@ def compute_stats(wd: WorkDir, cfg: PackJobConfig, counts: dict) -> dict:
     stats = dict(packing_stats(lengths, bin_ids, cfg.seq_len, image_counts=nimg))
     # no "path": the dataset may be copied or moved, and reruns into another folder stay byte-identical
     stats["source"] = {"kind": "dataset", "algorithm": wd.read_marker("binpack")["algorithm"]}
-    add_caps_bound(stats, lengths, cfg.seq_len, nimg, cfg.max_samples_per_bin, cfg.max_images_per_bin)
+    stats["source"] |= caps_bound_field(
+        lengths, cfg.seq_len, nimg, cfg.max_samples_per_bin, cfg.max_images_per_bin
+    )
     if len(lengths):
         stats["length_distribution"] = length_distribution(lengths, cfg.seq_len)
     stats["counts"] = counts

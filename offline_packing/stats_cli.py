@@ -160,7 +160,7 @@ def build_report(
 def _length_file_report(
     args: argparse.Namespace, storage_options: dict[str, Any]
 ) -> tuple[dict, np.ndarray, np.ndarray]:
-    from offline_packing.stats_compare import add_caps_bound
+    from offline_packing.stats_compare import caps_bound_field
     from offline_packing.stats_report import length_distribution
     from packing.binpack import pack_lengths
     from packing.stats import packing_stats
@@ -193,8 +193,7 @@ def _length_file_report(
         "max_samples_per_bin": args.max_samples_per_bin,
         "max_images_per_bin": args.max_images_per_bin,
     }
-    add_caps_bound(
-        report,
+    report["source"] |= caps_bound_field(
         data.lengths,
         args.capacity,
         data.image_counts,
@@ -210,7 +209,7 @@ def _length_file_report(
 def _dataset_report(
     args: argparse.Namespace, storage_options: dict[str, Any]
 ) -> tuple[dict, np.ndarray, np.ndarray]:
-    from offline_packing.stats_compare import add_caps_bound
+    from offline_packing.stats_compare import caps_bound_field
     from offline_packing.stats_dataset import read_dataset
     from offline_packing.stats_report import dataset_fields, length_distribution
     from packing.stats import packing_stats
@@ -224,8 +223,7 @@ def _dataset_report(
     if not isinstance(algorithm, dict):  # a manifest may name the algorithm only
         algorithm = {"name": algorithm}
     report["source"] = {"path": data.url, "kind": "dataset", "algorithm": algorithm.get("name")}
-    add_caps_bound(
-        report,
+    report["source"] |= caps_bound_field(
         lengths,
         data.capacity,
         images,

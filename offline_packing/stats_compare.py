@@ -41,20 +41,20 @@ def caps_lower_bound(
     return bound
 
 
-def add_caps_bound(
-    report: dict,
+def caps_bound_field(
     lengths: np.ndarray,
     capacity: int,
     images: np.ndarray | None,
     max_items: int | None,
     max_images: int | None,
-) -> None:
-    """With per-bin caps, L2 can be far below what is reachable: also give the bound that counts the caps."""
+) -> dict[str, int]:
+    """{"caps_lower_bound_bins": bound} under per-bin caps (where L2 can be far below what is reachable), else {}."""
     if max_items is None and max_images is None:
-        return
-    report["source"]["caps_lower_bound_bins"] = caps_lower_bound(
+        return {}
+    bound = caps_lower_bound(
         lengths, capacity, max_items=max_items, image_counts=images, max_images=max_images
     )
+    return {"caps_lower_bound_bins": bound}
 
 
 def result_columns(num_bins: int, fill_efficiency: float, l2: int, time_s: float | None) -> dict[str, Any]:
@@ -91,10 +91,7 @@ def compare_algorithms(
         if max_images is not None:
             caps["max_images_per_bin"] = max_images
         images = image_counts if max_images is not None else None
-        capped = max_items is not None or max_images is not None
-        caps_bound = caps_lower_bound(
-            lengths, capacity, max_items=max_items, image_counts=images, max_images=max_images
-        )
+        caps_bound = caps_bound_field(lengths, capacity, images, max_items, max_images)
         for algorithm in algorithms or algorithm_names():
             row: dict[str, Any] = {
                 "algorithm": algorithm,
@@ -116,8 +113,7 @@ def compare_algorithms(
                     **row,
                     "resolved_algorithm": str(result.algorithm),
                     **result_columns(int(result.num_bins), fill, l2, elapsed),
+                    **caps_bound,
                 }
             )
-            if capped:
-                rows[-1]["caps_lower_bound_bins"] = caps_bound
     return rows
