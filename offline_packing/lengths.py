@@ -10,7 +10,6 @@ Run alone: `python -m offline_packing.lengths <mmpack pack flags>`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +22,7 @@ from offline_packing.workdir import (
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_npy,
+    jsonl_line,
     read_done_marker,
     read_jsonl,
     run_parallel,
@@ -140,10 +140,7 @@ def lengths_chunk(task: LengthsTask) -> dict:
     atomic_write_npy(path("offsets.npy"), offsets)
     atomic_write_npy(path("nimg.npy"), np.array([len(m["images"]) for m in metas], dtype=np.int64))
     atomic_write_npy(path("ibytes.npy"), np.array([sum(m["nbytes"]) for m in metas], dtype=np.int64))
-    lines = [
-        json.dumps(m, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode() + b"\n"
-        for m in metas
-    ]
+    lines = [jsonl_line(m) for m in metas]
     line_offsets = np.zeros(len(lines) + 1, dtype=np.int64)
     line_offsets[1:] = np.cumsum([len(x) for x in lines], dtype=np.int64)
     atomic_write_bytes(path("samples.jsonl"), b"".join(lines))

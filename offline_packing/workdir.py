@@ -53,12 +53,14 @@ def read_json(path: Path) -> Any:
         return json.load(f)
 
 
+def jsonl_line(row: dict) -> bytes:
+    """One compact sorted-key JSON object and its newline (deterministic bytes)."""
+    return (json.dumps(row, ensure_ascii=False, sort_keys=True, separators=(",", ":")) + "\n").encode()
+
+
 def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
     """Atomically write one compact sorted-key JSON object per line."""
-    data = "".join(
-        json.dumps(r, ensure_ascii=False, sort_keys=True, separators=(",", ":")) + "\n" for r in rows
-    )
-    atomic_write_bytes(path, data.encode())
+    atomic_write_bytes(path, b"".join(jsonl_line(r) for r in rows))
 
 
 def read_done_marker(path: Path, fingerprint: str) -> dict | None:
