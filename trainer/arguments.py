@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from trainer.config import (
+    LR_DECAY_STYLES,
     CheckpointConfig,
     DataConfig,
     ModelConfig,
@@ -124,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--lr-decay-style",
         default="cosine",
-        choices=["constant", "linear", "cosine", "inverse-square-root"],
+        choices=LR_DECAY_STYLES,
         help="decay after warmup",
     )
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")

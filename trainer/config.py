@@ -94,6 +94,11 @@ class PrecisionConfig:
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
 
+# LR decay styles of megatron-core's OptimizerParamScheduler that need no further settings ("WSD" needs
+# wsd_decay_steps, which the trainer does not set).
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
 @dataclass(kw_only=True, frozen=True)
 class OptimConfig:
     """Adam, LR schedule (linear warmup, then decay) and gradient clipping."""
@@ -110,7 +115,7 @@ class OptimConfig:
     clip_grad: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root", "WSD"):
+        if self.lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"unknown --lr-decay-style {self.lr_decay_style!r}")
         if self.min_lr > self.lr:
             raise ValueError("--min-lr must not exceed --lr")
