@@ -20,7 +20,7 @@ import numpy as np
 from offline_packing.config import PackJobConfig
 from offline_packing.shard_writers import HashingWriter, PackedBin, open_shard_writer
 from offline_packing.storage import OutputStore
-from offline_packing.workdir import WorkDir, atomic_write_json, read_json, run_parallel
+from offline_packing.workdir import WorkDir, atomic_write_json, read_done_marker, run_parallel
 from packing.format import bin_key, shard_name
 
 STAGE = "write"
@@ -122,12 +122,9 @@ def write_shard(task: ShardTask) -> list[dict]:
     wd = WorkDir(task.work_dir)
     store = OutputStore(cfg.output, cfg.storage_options, staging_dir=wd.stage_dir(STAGE))
     done = wd.stage_dir(STAGE) / f"shard-{task.shard:06d}.json"
-    if done.is_file():
-        entries = read_json(done)
-        if entries["fingerprint"] == task.fingerprint and all(
-            store.size(e["path"]) == e["bytes"] for e in entries["shards"]
-        ):
-            return entries["shards"]
+    marker = read_done_marker(done, task.fingerprint)
+    if marker is not None and all(store.size(e["path"]) == e["bytes"] for e in marker["shards"]):
+        return marker["shards"]
     source = _bin_source(task.work_dir, cfg.shard_prefix)
     rels = [shard_name(cfg.shard_prefix, task.shard, fmt) for fmt in cfg.formats]
     samples = tokens = 0
