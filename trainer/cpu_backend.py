@@ -15,7 +15,6 @@ On a CUDA machine :func:`activate` returns ``False`` and changes nothing.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -26,11 +25,9 @@ from torch.overrides import TorchFunctionMode
 _lock = threading.Lock()
 _active_mode: TorchFunctionMode | None = None
 
-_DEVICE_KWARGS = ("device",)
-
 
 def _to_cpu_device(device: Any) -> Any:
-    """Map a CUDA device designation (str, torch.device, int index) to CPU; leave others alone."""
+    """Map a CUDA device designation (str, torch.device, int index) to CPU; leave anything else alone."""
     if isinstance(device, bool):
         return device
     if isinstance(device, int):
@@ -42,34 +39,22 @@ def _to_cpu_device(device: Any) -> Any:
     return device
 
 
-def _is_device_like(arg: Any) -> bool:
-    if isinstance(arg, bool):
-        return False
-    return isinstance(arg, int | torch.device) or (isinstance(arg, str) and arg.startswith("cuda"))
-
-
 class CudaToCpuMode(TorchFunctionMode):
     """Redirects CUDA placements to CPU for every torch call made while the mode is active."""
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None):
         kwargs = dict(kwargs or {})
-        for key in _DEVICE_KWARGS:
-            if key in kwargs:
-                kwargs[key] = _to_cpu_device(kwargs[key])
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
         if func is torch.Tensor.cuda:
             return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and _is_device_like(args[1]):
+        if func is torch.Tensor.to and len(args) > 1:  # .to(device, ...); a dtype or tensor passes unchanged
             args = (args[0], _to_cpu_device(args[1]), *args[2:])
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # Optimizers check `param.type() == "torch.cuda.FloatTensor"`; CPU tensors play that part here.
             name = func(*args)
             return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         return func(*args, **kwargs)
-
-
-def cuda_is_present() -> bool:
-    """True when a usable CUDA device exists (then the CPU backend stays off)."""
-    return torch.cuda.is_available()
 
 
 def is_active() -> bool:
@@ -111,7 +96,7 @@ def _install_cpu_rng_tracker() -> None:
 def activate() -> bool:
     """Install the CPU backend if CUDA is absent. Idempotent; returns whether it is active."""
     global _active_mode
-    if cuda_is_present():
+    if torch.cuda.is_available():
         return False
     with _lock:
         if _active_mode is None:
@@ -121,16 +106,3 @@ def activate() -> bool:
             mode.__enter__()
             _active_mode = mode
     return True
-
-
-@contextlib.contextmanager
-def cpu_backend_thread():
-    """Enter the CUDA->CPU mode in a thread other than the one that called :func:`activate`.
-
-    Torch function modes are thread-local; helper threads that call megatron-core need their own.
-    """
-    if _active_mode is None:
-        yield
-        return
-    with CudaToCpuMode():
-        yield
