@@ -55,7 +55,7 @@ def _read_image(path: str, full_decode: bool) -> tuple[int, int, str, int]:
         src: str | bytes = read_image_bytes(path) if is_member_ref(path) else path
         w, h, fmt = read_image_size(src, check_truncated=True)
         if full_decode:
-            _decode_fully(src if isinstance(src, bytes) else read_image_bytes(path))
+            _decode_fully(src if isinstance(src, bytes) else read_image_bytes(path), path)
         size = len(src) if isinstance(src, bytes) else os.path.getsize(path)
         return w, h, fmt, size
     except FileNotFoundError:
@@ -66,14 +66,15 @@ def _read_image(path: str, full_decode: bool) -> tuple[int, int, str, int]:
         raise SampleReject("unreadable_image", str(exc)) from None
 
 
-def _decode_fully(data: bytes) -> None:
+def _decode_fully(data: bytes, name: str) -> None:
     import io
 
-    from PIL import Image, ImageFile
+    from PIL import Image
 
-    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    from packing.image_tokens import decode_or_raise
+
     with Image.open(io.BytesIO(data)) as im:
-        im.load()
+        decode_or_raise(im, name)
 
 
 def _locate_image(image: str, rec: RawRecord, source: str, image_root: str) -> str:

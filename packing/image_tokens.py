@@ -168,7 +168,7 @@ def _read_size(f: IO[bytes], name: str, check_truncated: bool) -> tuple[int, int
             width, height = im.size
             transposed = _orientation_swaps_axes(im)
             if check_truncated and _looks_truncated(f, pil_format):
-                _decode_or_raise(im, name)
+                decode_or_raise(im, name)
     except (UnidentifiedImageError, SyntaxError, struct.error, Image.DecompressionBombError) as exc:
         raise ImageHeaderError(f"cannot read image header of {name}: {exc}") from exc
     except OSError as exc:
@@ -216,7 +216,8 @@ def _looks_truncated(f: IO[bytes], pil_format: str) -> bool:
     return False
 
 
-def _decode_or_raise(im: Any, name: str) -> None:
+def decode_or_raise(im: Any, name: str) -> None:
+    """Fully decode an opened PIL image; `ImageHeaderError` (a ValueError) if it is truncated or corrupt."""
     from PIL import ImageFile
 
     previous = ImageFile.LOAD_TRUNCATED_IMAGES
