@@ -11,10 +11,11 @@ from typing import Any
 import torch
 
 from packing.layout import IGNORE_INDEX
+from packing.tokenizer import ByteTokenizer
 from trainer.batches import SyntheticLoader, SyntheticSpec, block_causal_mask
 
-# The ids of the byte-level fallback tokenizer (packing.tokenizer.ByteTokenizer), used by --mock-data.
-MOCK_VOCAB = {"vocab_size": 262, "pad": 256, "vision_start": 259, "vision_end": 260, "image_pad": 261}
+# --mock-data uses the ids of the byte-level fallback tokenizer: vocab_size and pad, vision_start, ... ids.
+MOCK_VOCAB = {"vocab_size": ByteTokenizer.vocab_size, **ByteTokenizer().special_ids}
 
 
 @dataclass(kw_only=True, frozen=True)
