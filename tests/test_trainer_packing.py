@@ -9,21 +9,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 SEQ = 160
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _synthetic_bin_and_samples():
@@ -198,9 +190,10 @@ def _worker(out_path: str, tp: int, source: str) -> None:
 @pytest.mark.parametrize(("source", "tp"), [("synthetic", 1), ("synthetic", 2), ("loader", 2)])
 def test_packed_bin_equals_samples_one_by_one(tmp_path: Path, source: str, tp: int) -> None:
     """``loader``: a real bin (offline packer -> loader, real JPEG/PNG patches) cut into its samples."""
-    if source == "loader":
-        from tests.test_trainer_support import make_packed_dataset
+    # imported here: this file is also the torchrun worker script, where the tests package is not importable
+    from tests.test_trainer_support import REPO, free_port, make_packed_dataset
 
+    if source == "loader":
         source = str(make_packed_dataset(tmp_path / "data", n_samples=60, seed=4))
     out = tmp_path / "result.json"
     cmd = [
@@ -210,7 +203,7 @@ def test_packed_bin_equals_samples_one_by_one(tmp_path: Path, source: str, tp: i
         "--nproc_per_node",
         str(tp),
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         str(Path(__file__).resolve()),
         str(out),
         str(tp),
