@@ -146,19 +146,21 @@ class Trainer:
         lang.grad_scale_func = self.optimizer.scale_loss
         lang.finalize_model_grads_func = finalize_model_grads
         lang.no_sync_func = self.model.no_sync
-        kw = dict(
+        step_batches = partial(
+            build_step_batches,
+            info=info,
             micro_batch_size=cfg.train.micro_batch_size,
             global_batch_size=cfg.train.global_batch_size,
             num_workers=cfg.data.num_workers,
             cache_dir=cfg.data.cache_dir,
         )
-        self.train_data = build_step_batches(cfg.data.data_path, info, seed=cfg.train.seed, **kw)  # type: ignore[arg-type]
+        self.train_data = step_batches(cfg.data.data_path, seed=cfg.train.seed)
         self.eval_data: StepBatches | None = None
         if cfg.train.eval_interval > 0:
             eval_path = cfg.data.eval_data_path
             if cfg.data.data_path and not eval_path:
                 raise ValueError("--eval-interval needs --eval-data-path (a held-out packed dataset)")
-            self.eval_data = build_step_batches(eval_path, info, seed=cfg.train.seed + 1, **kw)  # type: ignore[arg-type]
+            self.eval_data = step_batches(eval_path, seed=cfg.train.seed + 1)
         self.iteration = 0
         self.skipped = 0
         self.is_logger = dist.get_rank() == dist.get_world_size() - 1
