@@ -14,19 +14,17 @@ fraction when a consumer takes a fixed time per micro-batch. Usage:
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
-import re
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,33 +33,16 @@ if str(REPO) not in sys.path:
 
 from dataloader import Topology, build_loader, load_manifest  # noqa: E402
 from dataloader.collate import CollateConfig, collate_bins  # noqa: E402
+from dataloader.readers import decode_wds_bin  # noqa: E402
+from dataloader.worker import to_torch  # noqa: E402
 from offline_packing.synthetic import build_packed_dataset  # noqa: E402
-from packing.format import ARRAY_FIELDS  # noqa: E402
 from tests.storage_servers import moto_s3  # noqa: E402
-
-_IMG_RE = re.compile(r"^img(\d+)\.([a-z0-9]+)$")
 
 
 # -- plain webdataset -----------------------------------------------------------------------------------------
 def wds_sample_to_record(sample: dict[str, Any]) -> dict[str, Any]:
     """A webdataset sample (member suffix -> bytes) to the record the collation takes."""
-    meta = json.loads(sample["json"])
-    rec: dict[str, Any] = {"key": sample["__key__"], "sample_ids": meta["sample_ids"]}
-    for name, dtype in ARRAY_FIELDS.items():
-        rec[name] = np.load(io.BytesIO(sample[f"{name}.npy"]), allow_pickle=False).astype(dtype, copy=False)
-    rec["image_grid_thw"] = rec["image_grid_thw"].reshape(-1, 3)
-    images = sorted((int(m.group(1)), k) for k in sample if (m := _IMG_RE.match(k)))
-    rec["images"] = [sample[k] for _, k in images]
-    rec["image_formats"] = meta.get("image_formats", [])
-    return rec
-
-
-class _Collate:
-    def __init__(self, cfg: CollateConfig) -> None:
-        self.cfg = cfg
-
-    def __call__(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        return collate_bins(records, self.cfg)
+    return decode_wds_bin(sample["__key__"], sample, sample.__getitem__, label=sample.get("__url__", "wds"))
 
 
 def fsspec_opener(
@@ -92,16 +73,12 @@ def webdataset_loader(
         wds.pipelinefilter(tar_file_expander)(),
         wds.pipelinefilter(group_by_keys)(),
         wds.map(wds_sample_to_record),
-        wds.batched(micro, collation_fn=_Collate(cfg), partial=False),
+        wds.batched(micro, collation_fn=partial(collate_bins, cfg=cfg), partial=False),
     )
     return wds.WebLoader(pipe, batch_size=None, num_workers=workers, persistent_workers=False)
 
 
 # -- measurement ---------------------------------------------------------------------------------------------
-def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
-    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
-
-
 def measure(
     make: Callable[[], Iterable[Any]], total_bytes: int, step_s: float, max_batches: int | None
 ) -> dict:

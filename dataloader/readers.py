@@ -12,6 +12,7 @@ import io
 import json
 import re
 import tarfile
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -117,26 +118,33 @@ class WdsShardReader:
             raise IndexError(f"{self.label}: row {row} out of range [0, {len(self)})")
         key = self._keys[row]
         members = self._members[key]
-        try:
-            meta = json.loads(self._bytes(members[WDS_JSON_MEMBER]))
-            rec: BinRecord = {"key": key, "sample_ids": list(meta["sample_ids"])}
-            for name, dtype in ARRAY_FIELDS.items():
-                arr = np.load(io.BytesIO(self._bytes(members[f"{name}.npy"])), allow_pickle=False)
-                rec[name] = np.asarray(arr, dtype=dtype)
-        except KeyError as e:
-            raise ValueError(f"{self.label}: bin {key} lacks member {e}") from None
-        rec["image_grid_thw"] = rec["image_grid_thw"].reshape(-1, 3)
-        images = sorted(
-            (int(m.group(1)), m.group(2), suffix)
-            for suffix in members
-            if (m := _IMG_RE.match(suffix)) is not None
-        )
-        rec["images"] = [self._bytes(members[suffix]) for _, _, suffix in images]
-        rec["image_formats"] = list(meta.get("image_formats") or [ext for _, ext, _ in images])
-        return rec
+        return decode_wds_bin(key, members, lambda suffix: self._bytes(members[suffix]), label=self.label)
 
     def close(self) -> None:
         self._fh.close()
+
+
+def decode_wds_bin(
+    key: str, suffixes: Iterable[str], read: Callable[[str], bytes], *, label: str
+) -> BinRecord:
+    """The record of bin `key` from its WebDataset members; `read(suffix)` gives a member's bytes."""
+    try:
+        meta = json.loads(read(WDS_JSON_MEMBER))
+        rec: BinRecord = {"key": key, "sample_ids": list(meta["sample_ids"])}
+        for name, dtype in ARRAY_FIELDS.items():
+            arr = np.load(io.BytesIO(read(f"{name}.npy")), allow_pickle=False)
+            rec[name] = np.asarray(arr, dtype=dtype)
+    except KeyError as e:
+        raise ValueError(f"{label}: bin {key} lacks member {e}") from None
+    rec["image_grid_thw"] = rec["image_grid_thw"].reshape(-1, 3)
+    images = sorted(
+        (int(m.group(1)), m.group(2), suffix)
+        for suffix in suffixes
+        if (m := _IMG_RE.match(suffix)) is not None
+    )
+    rec["images"] = [read(suffix) for _, _, suffix in images]
+    rec["image_formats"] = list(meta.get("image_formats") or [ext for _, ext, _ in images])
+    return rec
 
 
 def open_shard_reader(path: str, fmt: str, *, label: str) -> ArrowShardReader | WdsShardReader:
