@@ -99,7 +99,9 @@ def run_workers(
     try:
         while k_end is None or k < k_end:
             t0 = time.perf_counter()
-            item = _take(ready, receiver)  # [kind, micro-batch index, payload, worker metrics, worker id]
+            item = _take(
+                ready, receiver, procs
+            )  # [kind, micro-batch index, payload, worker metrics, worker id]
             wait_s = time.perf_counter() - t0
             kind, got_k, w = item[0], item[1], item[4]
             metrics[w] = item[3]
@@ -176,10 +178,18 @@ def _get(q: Any, proc: Any, halt: threading.Event) -> tuple[str, int, Any, dict[
     return None
 
 
-def _take(ready: queue.Queue[_Item], receiver: threading.Thread) -> _Item:
+def _take(ready: queue.Queue[_Item], receiver: threading.Thread, procs: list[Any]) -> _Item:
+    """The next received item; an error, never a hang, once the receiver or a worker is gone."""
     while True:
         try:
             return ready.get(timeout=0.5)
         except queue.Empty:
             if not receiver.is_alive() and ready.empty():
                 raise RuntimeError("the loader's receiving thread stopped without a batch") from None
+            # Workers live until the consumer stops them. One killed while sending leaves a partial message
+            # that blocks the receiver for good (this process holds the pipe's write end too), so look here.
+            for p in procs:
+                if not p.is_alive():
+                    raise RuntimeError(
+                        f"loader worker {p.name} exited with code {p.exitcode} without sending its batch"
+                    ) from None
