@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dataloader.storage import ShardError
-from dataloader.worker import Producer, ProducerSpec, to_torch, worker_loop
+from dataloader.worker import Producer, ProducerSpec, put_until_stopped, to_torch, worker_loop
 
 Batches = Iterator[list[Any]]  # [micro-batch or None, seconds waited]
 # [kind, micro-batch index, payload or error text, worker metrics, worker id]
@@ -153,12 +153,7 @@ def _receive(
             return
         kind, got_k, payload, metrics = got
         item: _Item = [kind, got_k, to_torch(payload) if kind == "ok" else payload, metrics, w]
-        while not halt.is_set():
-            try:
-                ready.put(item, timeout=0.1)
-                break
-            except queue.Full:
-                continue
+        put_until_stopped(ready, item, halt)
         del got, payload, item  # the batch's memory is released when the consumer drops it
         if kind != "ok":
             return

@@ -182,6 +182,16 @@ def to_torch(batch: dict[str, Any], *, min_bytes: int = 0) -> dict[str, Any]:
     }
 
 
+def put_until_stopped(q: Any, item: Any, stop: Any) -> None:
+    """Puts `item` on the bounded queue `q`, giving up once the event `stop` is set (nobody will read it)."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            continue
+
+
 def worker_loop(
     spec: ProducerSpec,
     worker_id: int,
@@ -210,12 +220,7 @@ def worker_loop(
                 kind = "shard_error" if isinstance(e, ShardError) else "error"
                 detail = str(e) if kind == "shard_error" else traceback.format_exc()
                 item = (kind, k, detail, producer.store.metrics.as_dict())
-            while not stop_ev.is_set():
-                try:
-                    out_q.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
+            put_until_stopped(out_q, item, stop_ev)
             if item[0] != "ok":
                 break
             k += num_workers
