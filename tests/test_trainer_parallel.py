@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer_support import Run, checkpoint_view, make_packed_dataset, train
+from tests.test_trainer_support import Run, checkpoint_view, make_packed_dataset, ok, train
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +29,6 @@ def datasets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return train_set, held_out
 
 
-def _ok(run: Run) -> Run:
-    assert run.returncode == 0, run.stderr[-5000:]
-    return run
-
-
 @pytest.fixture(scope="module")
 def run_3d(datasets: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Run:
     train_set, held_out = datasets
@@ -51,7 +46,7 @@ def run_3d(datasets: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
         "10",
         *RUN_3D,
     ]
-    return _ok(train(8, args, workdir))
+    return ok(train(8, args, workdir))
 
 
 def test_tp2_pp2_dp2_trains_and_loss_falls(run_3d: Run) -> None:
@@ -74,8 +69,8 @@ def test_layouts_agree_in_fp32(run_3d: Run, datasets: tuple[Path, Path], tmp_pat
     """Same seed and data: TP2xPP2xDP2 (with SP and the distributed optimizer), TP2 and one process."""
     train_set, _ = datasets
     args = ["--data-path", str(train_set), "--train-iters", "3", "--lr", "3e-3", "--lr-warmup-iters", "2"]
-    tp2 = _ok(train(2, [*args, "--tensor-model-parallel-size", "2", *BATCH], tmp_path / "tp2"))
-    single = _ok(train(1, [*args, *BATCH], tmp_path / "single"))
+    tp2 = ok(train(2, [*args, "--tensor-model-parallel-size", "2", *BATCH], tmp_path / "tp2"))
+    single = ok(train(1, [*args, *BATCH], tmp_path / "single"))
     reference = run_3d.train[:3]
     for other in (tp2.train, single.train):
         assert [m["data_digest"] for m in other] == [m["data_digest"] for m in reference]
@@ -96,7 +91,7 @@ def test_bf16_with_fp32_flags_is_finite_and_close_to_fp32(
         "--recompute-activations",
     ]
     args = ["--data-path", str(train_set), "--train-iters", "3", "--lr", "3e-3", "--lr-warmup-iters", "2"]
-    run = _ok(train(2, [*args, "--tensor-model-parallel-size", "2", *flags, *BATCH], tmp_path / "bf16"))
+    run = ok(train(2, [*args, "--tensor-model-parallel-size", "2", *flags, *BATCH], tmp_path / "bf16"))
     assert "| bf16 |" in run.stdout
     losses = run.losses()
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
@@ -123,7 +118,7 @@ def test_fp16_overflow_skips_step_and_lowers_scale(datasets: tuple[Path, Path], 
         "4",
         *BATCH,
     ]
-    run = _ok(train(4, args, tmp_path / "fp16"))  # the overflow is found on every TP rank and stage
+    run = ok(train(4, args, tmp_path / "fp16"))  # the overflow is found on every TP rank and stage
     steps = {m["iteration"]: m for m in run.train}
     assert sorted(steps) == [1, 2, 3, 4, 5, 6]
     assert steps[4]["skipped"] and "iteration 4: skipped (gradient overflow)" in run.stdout
@@ -146,7 +141,7 @@ def test_3d_checkpoint_resumes_with_fewer_dp_ranks(
         str(train_set),
         *RUN_3D,
     ]
-    resumed = _ok(train(4, args, tmp_path / "resumed"))
+    resumed = ok(train(4, args, tmp_path / "resumed"))
     tail = run_3d.train[10:]
     assert [m["iteration"] for m in resumed.train] == list(range(11, 21))
     assert [m["data_digest"] for m in resumed.train] == [m["data_digest"] for m in tail]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_trainer_support import Run, checkpoint_view, make_packed_dataset, train
+from tests.test_trainer_support import Run, checkpoint_view, make_packed_dataset, ok, train
 
 pytestmark = pytest.mark.slow
 
@@ -29,17 +29,12 @@ COMMON = [
 ]
 
 
-def _ok(run: Run) -> Run:
-    assert run.returncode == 0, run.stderr[-5000:]
-    return run
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Run]:
     root = tmp_path_factory.mktemp("resume")
     data = make_packed_dataset(root / "data", n_samples=160, seed=2)
     ckpt = root / "ckpt"
-    full = _ok(
+    full = ok(
         train(
             2,
             ["--data-path", str(data), *COMMON, "--save", str(ckpt), "--save-interval", "10"],
@@ -74,7 +69,7 @@ def test_checkpoint_holds_every_dp_ranks_loader_state(setup: tuple[Path, Path, R
 def test_resume_same_dp_size_is_exact(setup: tuple[Path, Path, Run], tmp_path: Path) -> None:
     data, ckpt, full = setup
     view = checkpoint_view(ckpt, 10, tmp_path)
-    resumed = _ok(train(2, ["--data-path", str(data), *COMMON, "--load", str(view)], tmp_path))
+    resumed = ok(train(2, ["--data-path", str(data), *COMMON, "--load", str(view)], tmp_path))
     assert "resumed from" in resumed.stdout
     _check_continues(resumed, full, rel=1e-6)
 
@@ -82,5 +77,5 @@ def test_resume_same_dp_size_is_exact(setup: tuple[Path, Path, Run], tmp_path: P
 def test_resume_with_other_dp_size(setup: tuple[Path, Path, Run], tmp_path: Path) -> None:
     data, ckpt, full = setup
     view = checkpoint_view(ckpt, 10, tmp_path)
-    resumed = _ok(train(1, ["--data-path", str(data), *COMMON, "--load", str(view)], tmp_path))
+    resumed = ok(train(1, ["--data-path", str(data), *COMMON, "--load", str(view)], tmp_path))
     _check_continues(resumed, full, rel=1e-4)  # DP 2 -> 1 changes only the order of float sums

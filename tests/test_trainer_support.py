@@ -58,6 +58,12 @@ class Run:
         return [m["loss"] for m in self.train]
 
 
+def ok(run: Run) -> Run:
+    """``run``, after checking that it exited 0 (showing the tail of its stderr if not)."""
+    assert run.returncode == 0, run.stderr[-5000:]
+    return run
+
+
 TINY = [
     "--num-layers",
     "4",
