@@ -42,11 +42,13 @@ class LoaderConfig:
 
 
 class PackedLoader:
-    """Iterates this rank's micro-batches from the current state; `state_dict()` is (epoch, bins consumed).
+    """Iterates this rank's micro-batches from the current state.
+
+    `state_dict()` is (epoch, bins consumed in whole global batches, micro-batches into the current step).
 
     Every rank yields `micro_batches_per_step` items per step; pipeline stages that take no data yield None.
-    The state advances when the last micro-batch of a step is handed out, so a checkpoint taken between
-    steps resumes exactly; a partly consumed step is replayed from its start.
+    The state counts the micro-batches handed out, so any checkpoint resumes exactly: one taken between steps
+    with any DP size, one taken inside a step with the same DP size and micro-batch size.
     """
 
     def __init__(
@@ -76,7 +78,7 @@ class PackedLoader:
         )
         if manifest.num_bins == 0:
             raise ValueError(f"packed dataset {root} has no bins")
-        self._bins_consumed = 0
+        self._micro_batches_done = 0  # handed out by this rank since the stream start
         self._data_wait_s = 0.0
         self._micro_batches = 0
         self._worker_metrics: dict[int, dict[str, int]] = {}
@@ -94,7 +96,7 @@ class PackedLoader:
 
     @property
     def step(self) -> int:
-        return self._bins_consumed // self.plan.global_batch_size
+        return self._micro_batches_done // self.micro_batches_per_step
 
     def _end_step(self) -> int | None:
         if self.config.num_epochs is None:
@@ -104,11 +106,16 @@ class PackedLoader:
     # -- state --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         n = self.manifest.num_bins
+        step, in_step = divmod(self._micro_batches_done, self.micro_batches_per_step)
+        consumed = step * self.plan.global_batch_size  # whole global batches
         return {
             "version": STATE_VERSION,
-            "epoch": self._bins_consumed // n,
-            "bins_consumed_in_epoch": self._bins_consumed % n,
-            "bins_consumed": self._bins_consumed,
+            "epoch": consumed // n,
+            "bins_consumed_in_epoch": consumed % n,
+            "bins_consumed": consumed,
+            "micro_batches_in_step": in_step,
+            "micro_batch_size": self.plan.micro_batch_size,
+            "dp_size": self.plan.dp_size,
             "seed": self.config.seed,
             "global_batch_size": self.plan.global_batch_size,
             "shard_window": self.config.shard_window,
@@ -117,7 +124,7 @@ class PackedLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continues from `state` (saved with any DP size; seed, global batch and dataset must match)."""
+        """Continues from `state` (seed, global batch and dataset must match; DP size too inside a step)."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"loader state version {state.get('version')} is not {STATE_VERSION}")
         mine = self.state_dict()
@@ -130,8 +137,21 @@ class PackedLoader:
         consumed = int(state["epoch"]) * self.manifest.num_bins + int(state["bins_consumed_in_epoch"])
         if consumed != int(state["bins_consumed"]) or consumed % self.plan.global_batch_size:
             raise ValueError(f"inconsistent loader state {state}")
+        in_step = int(state.get("micro_batches_in_step", 0))  # older states lack it (saved between steps)
+        if in_step:
+            geometry = (state["micro_batch_size"], state["dp_size"])
+            if geometry != (mine["micro_batch_size"], mine["dp_size"]):
+                raise ValueError(
+                    f"loader state was saved {in_step} micro-batches into a step with (micro_batch_size, "
+                    f"dp_size)={geometry}, this loader has {(mine['micro_batch_size'], mine['dp_size'])}; "
+                    "only the same ones continue a partly consumed step exactly (or save between steps)"
+                )
+            if not 0 < in_step < self.micro_batches_per_step:
+                raise ValueError(f"inconsistent loader state {state}")
         self.close()
-        self._bins_consumed = consumed
+        self._micro_batches_done = (
+            consumed // self.plan.global_batch_size * self.micro_batches_per_step + in_step
+        )
 
     # -- metrics ------------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -161,7 +181,7 @@ class PackedLoader:
 
     def _iterate(self) -> Iterator[dict[str, Any] | None]:
         m = self.micro_batches_per_step
-        k_start = self.step * m
+        k_start = self._micro_batches_done
         end_step = self._end_step()
         k_end = None if end_step is None else end_step * m
         source: Iterator[list[Any]]
@@ -179,14 +199,11 @@ class PackedLoader:
                 start_method=self.config.start_method,
                 metrics=self._worker_metrics,
             )
-        k = k_start
         try:
             for pair in source:
                 self._data_wait_s += pair[1]
                 self._micro_batches += 1
-                k += 1
-                if k % m == 0:
-                    self._bins_consumed = (k // m) * self.plan.global_batch_size
+                self._micro_batches_done += 1
                 yield take_batch(pair)
         finally:
             source.close()  # type: ignore[attr-defined]

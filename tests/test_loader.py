@@ -220,6 +220,29 @@ def test_resume_is_exact_also_across_dp_sizes(
     assert flat == chained[: len(flat)].tolist()
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_inside_a_step_is_exact(dataset: Path, workers: int) -> None:
+    kw: dict[str, Any] = {"micro_batch_size": 1, "global_batch_size": 8, "seed": 4, "num_workers": workers}
+    topo = Topology(dp_rank=1, dp_size=2)
+
+    def ids(ld: PackedLoader, n: int) -> list[list[int]]:
+        out = [b["bin_ids"].tolist() for b in take(iter(ld), n)]
+        ld.close()
+        return out
+
+    reference = ids(loader(dataset, topo, **kw), 10)
+    first = loader(dataset, topo, **kw)
+    head = ids(first, 6)  # step 0, then 2 of step 1's 4 micro-batches
+    state = first.state_dict()
+    assert state["bins_consumed"] == 8 and state["micro_batches_in_step"] == 2
+    second = loader(dataset, topo, **kw)
+    second.load_state_dict(state)
+    assert head + ids(second, 4) == reference
+    for other in (Topology(dp_rank=0, dp_size=1), Topology(dp_rank=0, dp_size=4)):
+        with pytest.raises(ValueError, match="2 micro-batches into a step"):
+            loader(dataset, other, **kw).load_state_dict(state)
+
+
 def test_state_mismatch_is_refused(dataset: Path) -> None:
     ld = loader(dataset, Topology(dp_rank=0, dp_size=1), seed=1)
     state = ld.state_dict()
