@@ -26,10 +26,6 @@ class ShardInfo:
     bytes: int
     sha256: str
 
-    @property
-    def name(self) -> str:
-        return self.path.rsplit("/", 1)[-1]
-
 
 @dataclass(frozen=True)
 class Manifest:
