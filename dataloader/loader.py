@@ -11,7 +11,7 @@ from dataloader.collate import CollateConfig
 from dataloader.manifest import Manifest, load_manifest
 from dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan
 from dataloader.pool import no_data, run_in_process, run_workers, take_batch
-from dataloader.storage import StorageConfig, resolve_storage_options
+from dataloader.storage import StorageConfig
 from dataloader.topology import Topology
 from dataloader.worker import ProducerSpec
 
@@ -235,7 +235,6 @@ def build_loader(
     loader stops after the last whole global batch of `num_epochs` epochs. `shard_format` picks "arrow" or
     "wds" shards when the dataset has both (default: arrow).
     """
-    storage_options = resolve_storage_options(path, storage_options)
     manifest = load_manifest(
         path, storage_options=storage_options, shard_format=shard_format, max_attempts=max_attempts
     )
