@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             if "local" in storages:
                 all_results[f"{data_name}/local"] = run_storage("local", str(dataset), None, args, tmp)
             if "s3" in storages:
-                with moto_s3() as s3:
+                with moto_s3(own_process=True) as s3:
                     url = s3.upload_folder(dataset, "bench", data_name)
                     all_results[f"{data_name}/s3"] = run_storage("s3", url, s3.storage_options, args, tmp)
     print_table(all_results)

@@ -96,13 +96,22 @@ def s3_storage_options(endpoint_url: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def moto_s3() -> Iterator[S3Endpoint]:
-    """Starts moto's S3 server on a free port of 127.0.0.1."""
-    from moto.server import ThreadedMotoServer
+def moto_s3(*, own_process: bool = False) -> Iterator[S3Endpoint]:
+    """Starts moto's S3 server on a free port of 127.0.0.1.
 
+    By default the server runs in a thread of this process (cheap, for tests). Benchmarks pass
+    `own_process=True`: a server thread would compete with the measured reader for this process's GIL,
+    which a real object store never does.
+    """
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    if own_process:
+        with _moto_server_process() as endpoint:
+            yield S3Endpoint(endpoint, s3_storage_options(endpoint))
+        return
+    from moto.server import ThreadedMotoServer
+
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -112,6 +121,36 @@ def moto_s3() -> Iterator[S3Endpoint]:
         yield S3Endpoint(endpoint, s3_storage_options(endpoint))
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def _moto_server_process(start_timeout_s: float = 30.0) -> Iterator[str]:
+    """`python -m moto.server` on a free port of 127.0.0.1; yields its URL once it answers."""
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto server on port {port} did not start") from None
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 @dataclass
