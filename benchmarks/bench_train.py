@@ -25,23 +25,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from offline_packing.config import PackJobConfig  # noqa: E402
-from offline_packing.pipeline import run_pack  # noqa: E402
-from offline_packing.synthetic import make_synthetic_dataset, train_tiny_bpe  # noqa: E402
+from offline_packing.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe  # noqa: E402
 
 
 def _pack(raw, tokenizer: Path, out: Path, seq_len: int, max_per_bin: int | None) -> dict:
-    run_pack(
-        PackJobConfig(
-            inputs=(str(raw.jsonl_path),),
-            output=str(out),
-            seq_len=seq_len,
-            image_root=str(raw.image_root),
-            tokenizer=str(tokenizer),
-            max_samples_per_bin=max_per_bin,
-            progress=False,
-        )
-    )
+    pack_synthetic(raw, tokenizer, out, seq_len=seq_len, max_samples_per_bin=max_per_bin)
     return json.loads((out / "manifest.json").read_text())["counts"]
 
 

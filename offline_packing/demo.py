@@ -17,6 +17,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from offline_packing.synthetic import SyntheticData
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +49,7 @@ def _banner(text: str) -> None:
     print(f"\n=== {text} ===", flush=True)
 
 
-def _make_raw_data(out: Path, samples: int, seed: int) -> tuple[Path, Path, Path]:
+def _make_raw_data(out: Path, samples: int, seed: int) -> tuple[SyntheticData, Path]:
     from offline_packing.synthetic import make_synthetic_dataset, train_tiny_bpe
 
     raw = make_synthetic_dataset(out / "raw", n_samples=samples, seed=seed, size_range=(56, 448))
@@ -54,25 +58,23 @@ def _make_raw_data(out: Path, samples: int, seed: int) -> tuple[Path, Path, Path
         f"{raw.n_samples} records ({raw.counts_by_format}), {raw.n_images} images "
         f"({raw.image_bytes / 2**20:.1f} MiB) in {raw.image_root}; tokenizer {tokenizer}"
     )
-    return raw.jsonl_path, raw.image_root, tokenizer
+    return raw, tokenizer
 
 
-def _pack(args: argparse.Namespace, jsonl: Path, image_root: Path, tokenizer: Path, packed: Path) -> None:
-    from offline_packing.config import PackJobConfig
-    from offline_packing.pipeline import run_pack
+def _pack(args: argparse.Namespace, raw: SyntheticData, tokenizer: Path, packed: Path) -> None:
+    from offline_packing.synthetic import pack_synthetic
 
-    cfg = PackJobConfig(
-        inputs=(str(jsonl),),
-        image_root=str(image_root),
-        output=str(packed),
+    summary = pack_synthetic(
+        raw,
+        tokenizer,
+        packed,
         seq_len=args.seq_len,
-        tokenizer=str(tokenizer),
         max_bins_per_shard=16,
         format="both",
         workers=args.workers,
         seed=args.seed,
+        progress=True,
     )
-    summary = run_pack(cfg)
     print(summary.format_table())
 
 
@@ -111,10 +113,10 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     _banner("1/4 build a small multimodal dataset")
-    jsonl, image_root, tokenizer = _make_raw_data(out, args.samples, args.seed)
+    raw, tokenizer = _make_raw_data(out, args.samples, args.seed)
     packed = out / "packed"
     _banner(f"2/4 pack it (seq_len {args.seq_len})")
-    _pack(args, jsonl, image_root, tokenizer, packed)
+    _pack(args, raw, tokenizer, packed)
     _banner("3/4 packing statistics")
     rc = mmpack_main(["stats", str(packed)])
     if rc != 0:

@@ -16,9 +16,13 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
+
+if TYPE_CHECKING:
+    from offline_packing.config import PackSummary
 
 from packing.tokenizer import SPECIAL_TOKENS as CHAT_SPECIAL_TOKENS
 
@@ -251,9 +255,6 @@ def build_packed_dataset(
 
     Returns the packed dataset folder (`root/packed`). `tokenizer_seed` defaults to `seed`.
     """
-    from offline_packing.config import PackJobConfig
-    from offline_packing.pipeline import run_pack
-
     root = Path(root)
     data = make_synthetic_dataset(
         root / "raw",
@@ -265,20 +266,31 @@ def build_packed_dataset(
     )
     tokenizer = train_tiny_bpe(root / "tokenizer", seed=seed if tokenizer_seed is None else tokenizer_seed)
     out = root / "packed"
-    run_pack(
-        PackJobConfig(
-            inputs=(str(data.jsonl_path),),
-            output=str(out),
-            seq_len=seq_len,
-            image_root=str(data.image_root),
-            tokenizer=str(tokenizer),
-            format=fmt,
-            max_bins_per_shard=max_bins_per_shard,
-            seed=seed,
-            progress=False,
-        )
+    pack_synthetic(
+        data, tokenizer, out, seq_len=seq_len, format=fmt, max_bins_per_shard=max_bins_per_shard, seed=seed
     )
     return out
+
+
+def pack_synthetic(
+    data: SyntheticData, tokenizer: Path, output: Path, *, seq_len: int, **options: Any
+) -> PackSummary:
+    """Packs `data` with `tokenizer` into `output` by the real offline job; `options` are PackJobConfig fields.
+
+    Progress bars are off unless `progress=True` is given.
+    """
+    from offline_packing.config import PackJobConfig
+    from offline_packing.pipeline import run_pack
+
+    cfg = PackJobConfig(
+        inputs=(str(data.jsonl_path),),
+        image_root=str(data.image_root),
+        output=str(output),
+        seq_len=seq_len,
+        tokenizer=str(tokenizer),
+        **{"progress": False, **options},
+    )
+    return run_pack(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
