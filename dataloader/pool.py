@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dataloader.storage import ShardError
+from dataloader.transport import SlotReader
 from dataloader.worker import Producer, ProducerSpec, put_until_stopped, to_torch, worker_loop
 
 Batches = Iterator[list[Any]]  # [micro-batch or None, seconds waited]
@@ -75,10 +76,13 @@ def run_workers(
     ctx: Any = mp.get_context(method)
     stop_ev = ctx.Event()
     queues = [ctx.Queue(maxsize=prefetch_batches) for _ in range(n)]
+    # One slot per queued batch, one being written, one being copied out by the receiver.
+    num_slots = prefetch_batches + 2
+    free_slots = [ctx.Semaphore(num_slots) for _ in range(n)]
     procs = [
         ctx.Process(
             target=worker_loop,
-            args=(spec, w, n, k_start, k_end, queues[w], stop_ev),
+            args=(spec, w, n, k_start, k_end, queues[w], free_slots[w], num_slots, stop_ev),
             daemon=True,
             name=f"mmpack-loader-{w}",
         )
@@ -90,7 +94,7 @@ def run_workers(
     halt = threading.Event()
     receiver = threading.Thread(
         target=_receive,
-        args=(queues, procs, k_start, k_end, ready, halt),
+        args=(queues, [SlotReader(sem) for sem in free_slots], procs, k_start, k_end, ready, halt),
         daemon=True,
         name="mmpack-receive",
     )
@@ -130,6 +134,7 @@ def run_workers(
 
 def _receive(
     queues: list[Any],
+    readers: list[SlotReader],
     procs: list[Any],
     k_start: int,
     k_end: int | None,
@@ -138,8 +143,8 @@ def _receive(
 ) -> None:
     """Takes batches from the workers in order into `ready`, off the consumer's critical path.
 
-    Receiving a shared-memory tensor needs a round trip to the sending worker; doing it here lets that
-    overlap with the consumer's step.
+    Copying a batch out of its worker's slot (and, for a new slot, a round trip to the worker for its
+    shared-memory handle) happens here, overlapping the consumer's step.
     """
     n = len(queues)
     k = k_start
@@ -152,7 +157,12 @@ def _receive(
         if got is None:
             return
         kind, got_k, payload, metrics = got
-        item: _Item = [kind, got_k, to_torch(payload) if kind == "ok" else payload, metrics, w]
+        if kind == "ok":
+            try:
+                payload = readers[w].take(payload)
+            except Exception as e:
+                kind, payload = "error", f"cannot receive the batch: {type(e).__name__}: {e}"
+        item: _Item = [kind, got_k, payload, metrics, w]
         put_until_stopped(ready, item, halt)
         del got, payload, item  # the batch's memory is released when the consumer drops it
         if kind != "ok":

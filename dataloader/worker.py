@@ -9,7 +9,6 @@ the cache's per-shard locks keep two workers from downloading the same shard.
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 import traceback
@@ -27,6 +26,7 @@ from dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
 from dataloader.readers import ArrowShardReader, BinRecord, WdsShardReader, open_shard_reader
 from dataloader.storage import ShardError, ShardStore, StorageConfig
 from dataloader.topology import Topology
+from dataloader.transport import SlotWriter
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -167,19 +167,9 @@ class Prefetcher(threading.Thread):
             return
 
 
-SHARED_MEMORY_MIN_BYTES = 1 << 20
-
-
-def to_torch(batch: dict[str, Any], *, min_bytes: int = 0) -> dict[str, Any]:
-    """Numpy arrays of at least `min_bytes` to tensors (sharing memory with the array).
-
-    Sent through a queue, a tensor travels as a shared-memory handle, but each handle costs a round trip
-    to the sending worker; small arrays are cheaper pickled by value, so workers convert only big ones.
-    """
-    return {
-        k: torch.from_numpy(v) if isinstance(v, np.ndarray) and v.nbytes >= min_bytes else v
-        for k, v in batch.items()
-    }
+def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
+    """Numpy arrays to tensors (sharing memory with the array); other values as they are."""
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 
 def put_until_stopped(q: Any, item: Any, stop: Any) -> None:
@@ -199,23 +189,26 @@ def worker_loop(
     k_start: int,
     k_end: int | None,
     out_q: Any,
+    free_slots: Any,
+    num_slots: int,
     stop_ev: Any,
 ) -> None:
-    """Entry point of a worker process: produce micro-batches k_start+worker_id, +num_workers, ... in order."""
-    # Handing a tensor to the consumer needs this process's resource-sharer thread to answer; a short GIL
-    # switch interval keeps that answer from waiting behind a long decode in the main thread.
-    sys.setswitchinterval(0.0005)
+    """Entry point of a worker process: produce micro-batches k_start+worker_id, +num_workers, ... in order.
+
+    Batches travel through this worker's shared-memory slots (dataloader.transport); `free_slots` counts
+    the slots the consumer has emptied.
+    """
     producer = Producer(spec, k_start, k_end)
+    writer = SlotWriter(num_slots, free_slots, stop_ev)
     k = k_start + worker_id
     try:
         while not stop_ev.is_set() and (k_end is None or k < k_end):
+            item: tuple[str, int, Any, dict[str, int]]
             try:
-                item: tuple[str, int, Any, dict[str, int]] = (
-                    "ok",
-                    k,
-                    to_torch(producer.produce(k), min_bytes=SHARED_MEMORY_MIN_BYTES),
-                    producer.store.metrics.as_dict(),
-                )
+                msg = writer.put(producer.produce(k))
+                if msg is None:  # stopped while waiting for a free slot
+                    break
+                item = ("ok", k, msg, producer.store.metrics.as_dict())
             except Exception as e:
                 kind = "shard_error" if isinstance(e, ShardError) else "error"
                 detail = str(e) if kind == "shard_error" else traceback.format_exc()
@@ -224,7 +217,7 @@ def worker_loop(
             if item[0] != "ok":
                 break
             k += num_workers
-        # Tensors travel as shared-memory handles served by this process: stay until the consumer is done.
+        # A new slot travels as a shared-memory handle served by this process: stay until the consumer is done.
         stop_ev.wait()
     finally:
         producer.close()
