@@ -4,6 +4,15 @@ Several processes (loader workers, several ranks on one node) may share one cach
 file lock makes exactly one of them download a shard, and one cache-wide lock serialises space accounting.
 Space is reserved (a sparse `.part` file of the shard's size) before a download starts, so the sum of
 file sizes in the cache never exceeds `cache_limit_bytes`.
+
+Cache folder layout: `<cache_dir>/<sha256[:16]>-<shard path>` (verified shards), `....part` (downloads in
+progress), and `.locks/` with the cache-wide lock plus one empty lock file per shard ever cached. Lock files
+are never deleted (another process may be waiting on one); they take no space and are not counted.
+
+A `ShardStore` may be used by several threads at once (the loader's prefetcher runs
+`download_concurrency` downloads in parallel): flock locks belong to an open file description, so two
+threads of one process exclude each other exactly as two processes do; counters and the shared fsspec
+filesystem are guarded by a lock.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import fcntl
 import hashlib
 import os
 import random
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -21,7 +31,9 @@ from typing import Any
 from dataloader.manifest import ShardInfo, join_url
 
 CHUNK_BYTES = 4 << 20
-_LOCK_SUFFIX, _PART_SUFFIX = ".lock", ".part"
+# Shards up to this size are read with one GET (`cat_file`) and held in memory once; bigger ones stream.
+WHOLE_READ_MAX_BYTES = 64 << 20
+_LOCK_SUFFIX, _PART_SUFFIX, _LOCK_DIR = ".lock", ".part", ".locks"
 
 
 class ShardError(RuntimeError):
@@ -33,7 +45,8 @@ class StorageConfig:
     """Where shards live and how they are fetched.
 
     root: dataset folder or URL. cache_dir: local cache for remote shards (None: a folder under the
-    system temp dir). Local datasets are read in place, never copied.
+    system temp dir). Local datasets are read in place, never copied. download_concurrency: downloads the
+    prefetcher of each loader worker keeps in flight.
     """
 
     root: str
@@ -43,12 +56,15 @@ class StorageConfig:
     max_attempts: int = 6
     backoff_s: float = 0.1
     max_backoff_s: float = 4.0
+    download_concurrency: int = 4
 
     def __post_init__(self) -> None:
         if self.cache_limit_bytes <= 0:
             raise ValueError(f"cache_limit_bytes must be > 0, got {self.cache_limit_bytes}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.download_concurrency < 1:
+            raise ValueError(f"download_concurrency must be >= 1, got {self.download_concurrency}")
 
     @property
     def is_local(self) -> bool:
@@ -113,13 +129,14 @@ class StorageMetrics:
 
 
 class ShardStore:
-    """Gives a verified local path for each shard, fetching it into the cache when needed."""
+    """Gives a verified local path for each shard, fetching it into the cache when needed (thread-safe)."""
 
     def __init__(self, config: StorageConfig) -> None:
         self.config = config
         self.metrics = StorageMetrics()
         self._verified: set[str] = set()
         self._fs: Any = None
+        self._lock = threading.Lock()  # guards metrics, _verified and the lazy filesystem
         if config.is_local:
             self.cache_dir = ""
         else:
@@ -128,7 +145,7 @@ class ShardStore:
             base = config.cache_dir or os.path.join(tempfile.gettempdir(), "mmpack-cache")
             tag = hashlib.sha256(config.root.rstrip("/").encode()).hexdigest()[:12]
             self.cache_dir = os.path.join(base, tag)
-            os.makedirs(self.cache_dir, exist_ok=True)
+            os.makedirs(os.path.join(self.cache_dir, _LOCK_DIR), exist_ok=True)
 
     # -- public -------------------------------------------------------------------------------------------
     def local_path(self, shard: ShardInfo) -> str:
@@ -137,28 +154,34 @@ class ShardStore:
             return self._local_in_place(shard)
         path = self._cache_path(shard)
         if os.path.exists(path):
-            self.metrics.cache_hits += 1
+            self._count("cache_hits")
             with contextlib.suppress(FileNotFoundError):
                 os.utime(path)  # LRU order is mtime order
             return path
-        self.metrics.cache_misses += 1
+        self._count("cache_misses")
         self.fetch(shard)
         return path
 
-    def fetch(self, shard: ShardInfo, *, wait: bool = True) -> bool:
-        """Makes sure the shard is cached. With wait=False, returns False at once if another process holds it."""
+    def fetch(self, shard: ShardInfo, *, wait: bool = True, cancel: threading.Event | None = None) -> bool:
+        """Makes sure the shard is cached. With wait=False, returns False at once if another process or
+        thread holds it. Setting `cancel` makes a download in progress give up (ShardError) at its next
+        chunk, retry or wait."""
         if self.config.is_local:
             return True
         path = self._cache_path(shard)
-        with _flock(path + _LOCK_SUFFIX, blocking=wait) as got:
+        with _flock(self._lock_path(os.path.basename(path)), blocking=wait) as got:
             if not got:
                 return False
             if os.path.exists(path):
                 with contextlib.suppress(FileNotFoundError):
                     os.utime(path)  # about to be used: most recently used
             else:
-                self._download_verified(shard, path)
+                self._download_verified(shard, path, cancel)
         return True
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self.metrics, name, getattr(self.metrics, name) + n)
 
     # -- local ----------------------------------------------------------------------------------------------
     def _local_in_place(self, shard: ShardInfo) -> str:
@@ -172,8 +195,10 @@ class ShardStore:
                     f"shard {shard.path} at {path} is corrupted: sha256 {digest[:12]}... "
                     f"does not match the manifest's {shard.sha256[:12]}..."
                 )
-            self._verified.add(path)
-            self.metrics.bytes_read += shard.bytes
+            with self._lock:
+                if path not in self._verified:
+                    self._verified.add(path)
+                    self.metrics.bytes_read += shard.bytes
         return path
 
     # -- remote ---------------------------------------------------------------------------------------------
@@ -181,36 +206,50 @@ class ShardStore:
         # The digest is part of the name: a dataset rewritten at the same URL never reuses stale bytes.
         return os.path.join(self.cache_dir, f"{shard.sha256[:16]}-{shard.path.replace('/', '__')}")
 
+    def _lock_path(self, name: str) -> str:
+        return os.path.join(self.cache_dir, _LOCK_DIR, name + _LOCK_SUFFIX)
+
     def _filesystem(self) -> Any:
-        if self._fs is None:
-            from fsspec.core import url_to_fs
+        with self._lock:
+            if self._fs is None:
+                from fsspec.core import url_to_fs
 
-            opts = resolve_storage_options(self.config.root, self.config.storage_options)
-            self._fs, _ = url_to_fs(self.config.root, **opts)
-        return self._fs
+                opts = resolve_storage_options(self.config.root, self.config.storage_options)
+                fs, _ = url_to_fs(self.config.root, **opts)
+                if getattr(fs, "async_impl", False) and hasattr(fs, "set_session"):
+                    # Create the client now: first calls from several threads at once would each make one.
+                    from fsspec.asyn import sync
 
-    def _download_verified(self, shard: ShardInfo, path: str) -> None:
+                    sync(fs.loop, fs.set_session)
+                self._fs = fs
+            return self._fs
+
+    def _download_verified(self, shard: ShardInfo, path: str, cancel: threading.Event | None) -> None:
         url = join_url(self.config.root, shard.path)
         part = path + _PART_SUFFIX
-        self._reserve(shard, part)
+        self._reserve(shard, part, cancel)
         last_error = "unknown error"
         try:
             for attempt in range(self.config.max_attempts):
+                if cancel is not None and cancel.is_set():
+                    raise ShardError(f"download of shard {shard.path} cancelled")
                 if attempt:
-                    self.metrics.retries += 1
+                    self._count("retries")
                     delay = min(self.config.max_backoff_s, self.config.backoff_s * 2 ** (attempt - 1))
-                    time.sleep(delay * (0.5 + random.random()))
+                    _sleep(delay * (0.5 + random.random()), cancel, shard)
                 try:
-                    digest, size = self._download_once(url, part)
+                    digest, size = self._download_once(url, part, shard.bytes, cancel)
                 except FileNotFoundError as e:
                     raise ShardError(f"shard {shard.path} not found at {url}") from e
+                except _Cancelled:
+                    raise ShardError(f"download of shard {shard.path} cancelled") from None
                 except Exception as e:  # network errors come in many types (aiohttp, botocore, OSError)
                     last_error = f"{type(e).__name__}: {e}"
                     continue
                 if size == shard.bytes and digest == shard.sha256:
                     os.replace(part, path)
                     return
-                self.metrics.redownloads += 1
+                self._count("redownloads")
                 last_error = (
                     f"got {size} bytes with sha256 {digest[:12]}..., manifest says "
                     f"{shard.bytes} bytes with sha256 {shard.sha256[:12]}..."
@@ -224,32 +263,48 @@ class ShardStore:
             f"{self.config.max_attempts} attempts; last error: {last_error}"
         )
 
-    def _download_once(self, url: str, part: str) -> tuple[str, int]:
+    def _download_once(
+        self, url: str, part: str, expected_bytes: int, cancel: threading.Event | None
+    ) -> tuple[str, int]:
+        """Writes the object at `url` into `part`; returns its sha256 and size (a short body shows there)."""
         fs = self._filesystem()
         h = hashlib.sha256()
         size = 0
-        # block_size=0 streams plain HTTP bodies (no Range support needed); s3fs reads sequentially.
-        open_kw: dict[str, Any] = {"block_size": 0} if url.startswith(("http://", "https://")) else {}
-        with fs.open(url, "rb", **open_kw) as src, open(part, "r+b") as dst:
-            while chunk := src.read(CHUNK_BYTES):
-                h.update(chunk)
-                dst.write(chunk)
-                size += len(chunk)
-        self.metrics.bytes_read += size
+        with open(part, "r+b") as dst:
+            if expected_bytes <= WHOLE_READ_MAX_BYTES:
+                # One GET. s3fs's open() (and cat_file with max_concurrency > 1) sends a HEAD first, and on
+                # small objects that round trip costs as much as the body.
+                kw: dict[str, Any] = {"max_concurrency": 1} if url.startswith(("s3://", "s3a://")) else {}
+                data = fs.cat_file(url, **kw)
+                h.update(data)
+                dst.write(data)
+                size = len(data)
+            else:
+                # block_size=0 streams plain HTTP bodies (no Range support needed); s3fs reads sequentially.
+                open_kw: dict[str, Any] = {"block_size": 0} if url.startswith(("http://", "https://")) else {}
+                with fs.open(url, "rb", **open_kw) as src:
+                    while chunk := src.read(CHUNK_BYTES):
+                        if cancel is not None and cancel.is_set():
+                            raise _Cancelled
+                        h.update(chunk)
+                        dst.write(chunk)
+                        size += len(chunk)
+        self._count("bytes_read", size)
         return h.hexdigest(), size
 
     def _cache_entries(self) -> list[tuple[str, int, float]]:
         """(path, size, mtime) of every shard and reservation in the cache folder."""
         out = []
         for entry in os.scandir(self.cache_dir):
-            if entry.name.endswith(_LOCK_SUFFIX):
+            # `.locks/` is a folder; top-level `.lock` files are left by older versions.
+            if entry.name.endswith(_LOCK_SUFFIX) or not entry.is_file(follow_symlinks=False):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 st = entry.stat()
                 out.append((entry.path, st.st_size, st.st_mtime))
         return out
 
-    def _reserve(self, shard: ShardInfo, part: str) -> None:
+    def _reserve(self, shard: ShardInfo, part: str, cancel: threading.Event | None = None) -> None:
         """Evicts least-recently-used shards until `shard.bytes` fits, then creates its sparse `.part`."""
         limit = self.config.cache_limit_bytes
         if shard.bytes > limit:
@@ -258,7 +313,7 @@ class ShardStore:
             )
         deadline = time.monotonic() + 120.0
         while True:
-            with _flock(os.path.join(self.cache_dir, ".cache" + _LOCK_SUFFIX)):
+            with _flock(self._lock_path(".cache")):
                 entries = self._cache_entries()
                 used = sum(size for _, size, _ in entries)
                 done = sorted((e for e in entries if not e[0].endswith(_PART_SUFFIX)), key=lambda e: e[2])
@@ -268,7 +323,7 @@ class ShardStore:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(victim)
                         used -= size
-                        self.metrics.evictions += 1
+                        self._count("evictions")
                 if used + shard.bytes <= limit:
                     with open(part, "wb") as f:
                         f.truncate(shard.bytes)
@@ -279,4 +334,16 @@ class ShardStore:
                     f"no room in the cache for shard {shard.path}: cache_limit_bytes={limit} is held by "
                     "downloads in progress; raise cache_limit_bytes"
                 )
-            time.sleep(0.05)
+            _sleep(0.05, cancel, shard)
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def _sleep(seconds: float, cancel: threading.Event | None, shard: ShardInfo) -> None:
+    """Sleeps, or raises ShardError at once when `cancel` is set."""
+    if cancel is None:
+        time.sleep(seconds)
+    elif cancel.wait(seconds):
+        raise ShardError(f"download of shard {shard.path} cancelled")
