@@ -124,7 +124,8 @@ class WdsShardReader:
         key = self._keys[row]
         members = self._members[key]
         start, end = self._spans[key]
-        # Members of a key are adjacent in the tar: one read covers them all, headers in between included.
+        # A bin's members are adjacent in the tars we write: one read covers them and the headers between them
+        # (were they scattered, the read would just cover more of the file).
         data = os.pread(self._fh.fileno(), end - start, start)
         if len(data) != end - start:
             raise ValueError(f"{self.label}: truncated tar member")
@@ -191,11 +192,15 @@ def _walk_plain_tar(buf: Any, *, label: str) -> list[TarEntry] | None:
         if checksum != sum(header) - sum(header[148:156]) + 8 * 32 and checksum != _signed_checksum(header):
             raise ValueError(f"{label}: bad tar header checksum at offset {offset}")
         typeflag, data = header[156:157], offset + _BLOCK
+        if typeflag not in (b"0", b"\0", b"x", b"L") or (extended and typeflag in (b"x", b"L")):
+            return None  # global pax header, link, directory, ...: tarfile's rules apply
         size = _header_number(header[124:136], label, offset)
+        if typeflag in (b"0", b"\0") and long_size is not None:
+            size = long_size
         if size < 0 or data + size > end:
             raise ValueError(f"{label}: truncated tar member at offset {offset} (size {size})")
         offset = data + -(-size // _BLOCK) * _BLOCK
-        if typeflag in (b"x", b"L") and not extended:
+        if typeflag in (b"x", b"L"):
             extended = True
             if typeflag == b"L":
                 long_name = _header_string(buf[data : data + size])
@@ -204,8 +209,6 @@ def _walk_plain_tar(buf: Any, *, label: str) -> list[TarEntry] | None:
             else:
                 long_name, long_size = pax
             continue
-        if typeflag not in (b"0", b"\0"):
-            return None  # global pax header, link, directory, ...: tarfile's rules apply
         name = _header_string(header[0:100])
         if header[257:265] == _POSIX_MAGIC and (prefix := _header_string(header[345:500])):
             name = f"{prefix}/{name}"
@@ -214,10 +217,6 @@ def _walk_plain_tar(buf: Any, *, label: str) -> list[TarEntry] | None:
         name = name if long_name is None else long_name
         if _MEMBER_RE.match(name) is None:
             return None  # let tarfile name it exactly as before
-        if long_size is not None:
-            size, offset = long_size, data + -(-long_size // _BLOCK) * _BLOCK
-            if data + size > end:
-                raise ValueError(f"{label}: truncated tar member at offset {data - _BLOCK} (size {size})")
         entries.append((name, data, size))
         long_name, long_size, extended = None, None, False
 

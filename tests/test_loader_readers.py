@@ -15,7 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dataloader.readers import WdsShardReader, _walk_plain_tar, decode_npy, index_tar, open_shard_reader
+from dataloader.readers import (
+    WdsShardReader,
+    _walk_plain_tar,
+    decode_npy,
+    decode_wds_bin,
+    index_tar,
+    open_shard_reader,
+)
 
 
 def write_tar(path: Path, members: list[tuple[str, bytes]], *, symlink: str | None = None) -> Path:
@@ -316,3 +323,11 @@ def test_signed_header_checksum_is_accepted_like_tarfile(tmp_path: Path) -> None
     data[148:156] = b"%06o\0 " % signed
     path.write_bytes(bytes(data))
     assert fast_view(path) == tarfile_view(path) and len(tarfile_view(path)) == 5
+
+
+def test_decode_wds_bin_takes_a_webdataset_sample_of_bytes() -> None:
+    sample = {name.split(".", 1)[1]: data for name, data in good_bin("p-000000003")}
+    sample["img0.jpg"] = b"\xff\xd8jpeg"
+    rec = decode_wds_bin("p-000000003", sample, sample.__getitem__, label="s")
+    assert rec["input_ids"].tolist() == list(range(6)) and rec["loss_mask"].dtype == np.uint8
+    assert rec["images"] == [b"\xff\xd8jpeg"] and rec["image_grid_thw"].shape == (0, 3)
