@@ -75,14 +75,14 @@ def run_workers(
     method = start_method or ("fork" if sys.platform == "linux" else "spawn")
     ctx: Any = mp.get_context(method)
     stop_ev = ctx.Event()
-    queues = [ctx.Queue(maxsize=prefetch_batches) for _ in range(n)]
-    # One slot per queued batch, one being written, one being copied out by the receiver.
+    pipes = [ctx.Pipe(duplex=False) for _ in range(n)]  # (receiving end, sending end)
+    # Batches a worker may have made ahead: the ones waiting in `ready`, one being copied out, one being written.
     num_slots = prefetch_batches + 2
     free_slots = [ctx.Semaphore(num_slots) for _ in range(n)]
     procs = [
         ctx.Process(
             target=worker_loop,
-            args=(spec, w, n, k_start, k_end, queues[w], free_slots[w], num_slots, stop_ev),
+            args=(spec, w, n, k_start, k_end, pipes[w][1], free_slots[w], num_slots, stop_ev),
             daemon=True,
             name=f"mmpack-loader-{w}",
         )
@@ -90,11 +90,14 @@ def run_workers(
     ]
     for p in procs:
         p.start()
+    for _, send_end in pipes:
+        send_end.close()  # the workers hold theirs: a worker that dies shows as end of file
+    conns = [recv_end for recv_end, _ in pipes]
     ready: queue.Queue[_Item] = queue.Queue(maxsize=prefetch_batches)
     halt = threading.Event()
     receiver = threading.Thread(
         target=_receive,
-        args=(queues, [SlotReader(sem) for sem in free_slots], procs, k_start, k_end, ready, halt),
+        args=(conns, [SlotReader(sem) for sem in free_slots], procs, k_start, k_end, ready, halt),
         daemon=True,
         name="mmpack-receive",
     )
@@ -127,13 +130,12 @@ def run_workers(
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
-        for q in queues:
-            q.close()
-            q.cancel_join_thread()
+        for conn in conns:
+            conn.close()
 
 
 def _receive(
-    queues: list[Any],
+    conns: list[Any],
     readers: list[SlotReader],
     procs: list[Any],
     k_start: int,
@@ -146,22 +148,22 @@ def _receive(
     Copying a batch out of its worker's slot (and, for a new slot, a round trip to the worker for its
     shared-memory handle) happens here, overlapping the consumer's step.
     """
-    n = len(queues)
+    n = len(conns)
     k = k_start
     while not halt.is_set() and (k_end is None or k < k_end):
         w = (k - k_start) % n
         try:
-            got = _get(queues[w], procs[w], halt)
+            got = _get(conns[w], procs[w], halt)
         except Exception as e:  # a dead worker, or a batch that cannot be received: report, never hang
-            got = ("error", k, f"{type(e).__name__}: {e}", {})
+            got = ("error", k, _why_not_received(procs[w], e), {})
         if got is None:
             return
         kind, got_k, payload, metrics = got
         if kind == "ok":
             try:
                 payload = readers[w].take(payload)
-            except Exception as e:
-                kind, payload = "error", f"cannot receive the batch: {type(e).__name__}: {e}"
+            except Exception as e:  # e.g. the worker died before handing over a new slot's memory
+                kind, payload = "error", _why_not_received(procs[w], e)
         item: _Item = [kind, got_k, payload, metrics, w]
         put_until_stopped(ready, item, halt)
         del got, payload, item  # the batch's memory is released when the consumer drops it
@@ -170,16 +172,27 @@ def _receive(
         k += 1
 
 
-def _get(q: Any, proc: Any, halt: threading.Event) -> tuple[str, int, Any, dict[str, int]] | None:
-    """The next item of one worker's queue; None once `halt` is set."""
+def _why_not_received(proc: Any, error: BaseException) -> str:
+    """Names a worker that died (the usual reason a batch cannot be received), else the error itself."""
+    proc.join(timeout=1.0)
+    if not proc.is_alive():
+        return f"loader worker {proc.name} exited with code {proc.exitcode} without sending its batch"
+    return f"cannot receive a batch from loader worker {proc.name}: {type(error).__name__}: {error}"
+
+
+def _get(conn: Any, proc: Any, halt: threading.Event) -> tuple[str, int, Any, dict[str, int]] | None:
+    """The next message from one worker; None once `halt` is set."""
     while not halt.is_set():
-        try:
-            return q.get(timeout=0.1)
-        except queue.Empty:
-            if not proc.is_alive():
-                raise RuntimeError(
-                    f"loader worker {proc.name} exited with code {proc.exitcode} without sending its batch"
-                ) from None
+        if conn.poll(0.1):
+            try:
+                return conn.recv()
+            except EOFError:
+                pass
+        elif proc.is_alive():
+            continue
+        raise RuntimeError(
+            f"loader worker {proc.name} exited with code {proc.exitcode} without sending its batch"
+        ) from None
     return None
 
 
@@ -191,8 +204,7 @@ def _take(ready: queue.Queue[_Item], receiver: threading.Thread, procs: list[Any
         except queue.Empty:
             if not receiver.is_alive() and ready.empty():
                 raise RuntimeError("the loader's receiving thread stopped without a batch") from None
-            # Workers live until the consumer stops them. One killed while sending leaves a partial message
-            # that blocks the receiver for good (this process holds the pipe's write end too), so look here.
+            # Workers live until the consumer stops them: one that is gone will never send its batch.
             for p in procs:
                 if not p.is_alive():
                     raise RuntimeError(

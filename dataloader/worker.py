@@ -13,6 +13,8 @@ import threading
 import time
 import traceback
 from collections import OrderedDict, deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +101,7 @@ class Producer:
         self.store = ShardStore(spec.storage)
         self.readers = ReaderPool(spec.manifest, self.store, max_open=spec.shard_window + 1)
         self.prefetcher = Prefetcher(self, k_start, k_end, spec.prefetch_shards)
-        if spec.prefetch_shards:
+        if spec.prefetch_shards and not spec.storage.is_local:  # local shards are read in place
             self.prefetcher.start()
 
     def bins(self, k: int) -> np.ndarray:
@@ -131,40 +133,64 @@ class Producer:
 
 
 class Prefetcher(threading.Thread):
-    """Fetches the shards of the coming micro-batches, at most `ahead` distinct shards past the consumer."""
+    """Fetches the shards of the coming micro-batches in stream order of first need.
+
+    At most `ahead` distinct shards past the consumer are fetched ahead, `threads` of them (default: the
+    storage's `download_concurrency`) downloading at once. Errors here are ignored: the consumer fetches
+    on demand and reports them with context. Setting `stop` cancels queued downloads and makes running ones
+    give up at their next chunk or retry.
+    """
 
     MAX_LOOKAHEAD_MICRO_BATCHES = 256
 
-    def __init__(self, producer: Producer, k_start: int, k_end: int | None, ahead: int) -> None:
+    def __init__(
+        self, producer: Producer, k_start: int, k_end: int | None, ahead: int, threads: int | None = None
+    ) -> None:
         super().__init__(daemon=True, name="mmpack-prefetch")
         self.producer, self.k_start, self.k_end, self.ahead = producer, k_start, k_end, ahead
+        self.threads = threads or producer.spec.storage.download_concurrency
         self.position = k_start  # the consumer's current micro-batch; written by the consumer thread
         self.stop = threading.Event()
 
-    def _wait_for_room(self, k: int, fetched: deque[int]) -> bool:
+    def _wait_for_room(self, k: int, fetched: deque[int], running: set[Future[bool]]) -> bool:
         while not self.stop.is_set():
             while fetched and fetched[0] < self.position:
                 fetched.popleft()
-            if len(fetched) < self.ahead and k - self.position < self.MAX_LOOKAHEAD_MICRO_BATCHES:
+            running.difference_update([f for f in running if f.done()])
+            near = k - self.position < self.MAX_LOOKAHEAD_MICRO_BATCHES
+            if near and len(running) < self.threads and len(fetched) < self.ahead:
                 return True
-            time.sleep(0.005)
+            if len(running) >= self.threads:
+                wait_futures(running, timeout=0.05, return_when=FIRST_COMPLETED)
+            else:
+                time.sleep(0.005)
         return False
+
+    def _fetch(self, s: int) -> bool:
+        shard = self.producer.spec.manifest.shards[s]
+        try:  # skipped at once if another process or thread holds the shard
+            return self.producer.store.fetch(shard, wait=False, cancel=self.stop)
+        except Exception:  # the consumer fetches on demand and reports errors with context
+            return False
 
     def run(self) -> None:
         fetched: deque[int] = deque()  # micro-batch index of each shard fetched ahead, in order
+        running: set[Future[bool]] = set()
         recent: OrderedDict[int, None] = OrderedDict()
-        shards = self.producer.spec.manifest.shards
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="mmpack-download")
         k = self.k_start
         try:
             while self.k_end is None or k < self.k_end:
-                if not self._wait_for_room(k, fetched):
-                    return
                 for s in self.producer.new_shards(k, recent):
-                    self.producer.store.fetch(shards[s], wait=False)  # skipped if another process has it
+                    if not self._wait_for_room(k, fetched, running):
+                        return
+                    running.add(pool.submit(self._fetch, s))  # the pool starts them in submission order
                     fetched.append(k)
                 k += 1
-        except Exception:  # the consumer fetches on demand and reports errors with context
+        except Exception:  # as in _fetch: the consumer reports errors
             return
+        finally:
+            pool.shutdown(wait=False, cancel_futures=self.stop.is_set())
 
 
 def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
@@ -188,7 +214,7 @@ def worker_loop(
     num_workers: int,
     k_start: int,
     k_end: int | None,
-    out_q: Any,
+    conn: Any,
     free_slots: Any,
     num_slots: int,
     stop_ev: Any,
@@ -196,7 +222,9 @@ def worker_loop(
     """Entry point of a worker process: produce micro-batches k_start+worker_id, +num_workers, ... in order.
 
     Batches travel through this worker's shared-memory slots (dataloader.transport); `free_slots` counts
-    the slots the consumer has emptied.
+    the slots the consumer has emptied. Messages go straight down the pipe `conn` from this thread (no
+    feeder thread to wait for the GIL): each is small, and at most `num_slots` (+1 error) are ever unread,
+    so sending never blocks.
     """
     producer = Producer(spec, k_start, k_end)
     writer = SlotWriter(num_slots, free_slots, stop_ev)
@@ -213,13 +241,14 @@ def worker_loop(
                 kind = "shard_error" if isinstance(e, ShardError) else "error"
                 detail = str(e) if kind == "shard_error" else traceback.format_exc()
                 item = (kind, k, detail, producer.store.metrics.as_dict())
-            put_until_stopped(out_q, item, stop_ev)
+            conn.send(item)
             if item[0] != "ok":
                 break
             k += num_workers
         # A new slot travels as a shared-memory handle served by this process: stay until the consumer is done.
         stop_ev.wait()
+    except (BrokenPipeError, ConnectionResetError):  # the consumer is gone
+        pass
     finally:
         producer.close()
-        if stop_ev.is_set():  # the consumer is gone: do not block exit on batches nobody will read
-            out_q.cancel_join_thread()
+        conn.close()
