@@ -12,7 +12,7 @@ from PIL import Image
 
 from dataloader.readers import BinRecord
 from packing.image_tokens import ImageTokenRule, image_to_patches
-from packing.layout import build_packed_sequence, collate_packed
+from packing.layout import IGNORE_INDEX, build_attention_mask_from_cu_seqlens
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -35,37 +35,83 @@ def decode_image_patches(data: bytes, grid_thw: np.ndarray, rule: ImageTokenRule
 
 
 def collate_bins(records: Sequence[BinRecord], cfg: CollateConfig) -> dict[str, Any]:
-    """One micro-batch: packed layout of every bin (packing.layout) plus the image patches, as numpy."""
-    seqs = []
+    """One micro-batch, as numpy: the packed layout of every bin plus the image patches.
+
+    Rows are written straight into the batch arrays; the result equals `packing.layout.collate_packed` over
+    `build_packed_sequence` of each bin (the reference, checked by the tests), without its per-row copies.
+    """
+    if not records:
+        raise ValueError("collate_bins needs at least one bin")
+    b, length = len(records), cfg.seq_len
+    tokens = np.full((b, length), cfg.pad_id, dtype=np.int64)
+    labels = np.full((b, length), IGNORE_INDEX, dtype=np.int64)
+    position_ids = np.empty((b, length), dtype=np.int64)
+    cu: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
+    max_seqlen = num_real = 0
     patches: list[np.ndarray] = []
     grids: list[np.ndarray] = []
-    for rec in records:
-        if len(rec["input_ids"]) > cfg.seq_len:
-            raise ValueError(f"bin {rec['key']} has {len(rec['input_ids'])} tokens > seq_len {cfg.seq_len}")
-        seqs.append(
-            build_packed_sequence(
-                rec["input_ids"],
-                rec["loss_mask"],
-                rec["seq_lens"],
-                pad_to=cfg.seq_len,
-                pad_id=cfg.pad_id,
-                build_attention_mask=cfg.build_attention_mask,
-                ignore_ids=(cfg.image_pad_id,) if cfg.image_pad_id >= 0 else (),
+    for row, rec in enumerate(records):
+        ids = np.asarray(rec["input_ids"]).reshape(-1)
+        mask = np.asarray(rec["loss_mask"]).reshape(-1)
+        lens = np.asarray(rec["seq_lens"], dtype=np.int64).reshape(-1)
+        total = int(ids.shape[0])
+        if total > length:
+            raise ValueError(f"bin {rec['key']} has {total} tokens > seq_len {length}")
+        ends = np.cumsum(lens)
+        if mask.shape[0] != total or (ends[-1] if lens.size else 0) != total:
+            raise ValueError(
+                f"bin {rec['key']}: input_ids ({total}) and loss_mask ({mask.shape[0]}) must both have "
+                f"sum(seq_lens) = {int(ends[-1]) if lens.size else 0} tokens"
             )
+        if lens.size and int(lens.min()) < 1:
+            raise ValueError(f"bin {rec['key']}: seq_lens must all be >= 1, got {lens.tolist()}")
+        tokens[row, :total] = ids
+        if total > 1:
+            # Position i predicts i + 1 when that is a target of the same sample and not an image pad.
+            nxt = tokens[row, 1:total]
+            keep = mask[1:] != 0
+            keep[ends[:-1] - 1] = False
+            if cfg.image_pad_id >= 0:
+                keep &= nxt != cfg.image_pad_id
+            np.copyto(labels[row, : total - 1], nxt, where=keep)
+        segment_ends = ends if total == length else np.append(ends, length)
+        segment_lens = np.diff(segment_ends, prepend=0)
+        position_ids[row] = np.arange(length, dtype=np.int64) - np.repeat(
+            segment_ends - segment_lens, segment_lens
         )
+        cu.append(segment_ends + row * length)
+        max_seqlen = max(max_seqlen, int(segment_lens.max()))
+        num_real += total
         grid = np.asarray(rec["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
         if len(grid) != len(rec["images"]):
             raise ValueError(f"bin {rec['key']}: {len(rec['images'])} images but {len(grid)} grids")
-        expected_pads = sum(cfg.rule.tokens_of_grid(tuple(g)) for g in grid)
-        got_pads = int(np.count_nonzero(np.asarray(rec["input_ids"]) == cfg.image_pad_id)) if len(grid) else 0
-        if got_pads != expected_pads:
-            raise ValueError(
-                f"bin {rec['key']}: {got_pads} <|image_pad|> tokens, its images need {expected_pads}"
-            )
+        if len(grid):
+            expected_pads = sum(cfg.rule.tokens_of_grid(tuple(g)) for g in grid)
+            got_pads = int(np.count_nonzero(ids == cfg.image_pad_id))
+            if got_pads != expected_pads:
+                raise ValueError(
+                    f"bin {rec['key']}: {got_pads} <|image_pad|> tokens, its images need {expected_pads}"
+                )
         for data, g in zip(rec["images"], grid):
             patches.append(decode_image_patches(data, g, cfg.rule))
             grids.append(g)
-    out = dict(collate_packed(seqs))
+    cu_seqlens = np.concatenate(cu).astype(np.int32)
+    out: dict[str, Any] = {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": (labels != IGNORE_INDEX).astype(np.float32),
+        "position_ids": position_ids,
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": max_seqlen,
+        "num_real_tokens": num_real,
+    }
+    if cfg.build_attention_mask:
+        out["attention_mask"] = np.stack(
+            [
+                build_attention_mask_from_cu_seqlens(np.concatenate([[0], c - r * length]))[None]
+                for r, c in enumerate(cu[1:])
+            ]
+        )
     width = 3 * cfg.rule.patch_size**2
     out["pixel_values"] = np.concatenate(patches) if patches else np.zeros((0, width), dtype=np.float32)
     out["image_grid_thw"] = np.stack(grids) if grids else np.zeros((0, 3), dtype=np.int64)
