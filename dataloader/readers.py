@@ -9,6 +9,7 @@ plain one, otherwise by `np.load(allow_pickle=False)`, and nothing is unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -17,6 +18,7 @@ import os
 import re
 import struct
 import tarfile
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
 
@@ -87,16 +89,28 @@ def _columns_of(batch: Any) -> dict[str, Any]:
 
 
 class WdsShardReader:
-    """Indexes the members of a WebDataset tar once; reads all members of a bin with one `pread`."""
+    """Indexes the members of a WebDataset tar once; reads all members of a bin with one `pread`.
 
-    def __init__(self, path: str, *, label: str) -> None:
+    `index_cache`: a file where the tar index of this exact content is kept (name it by the shard's verified
+    sha256). The first reader on a machine writes it, atomically; later ones (other loader workers, other
+    ranks) load it instead of walking the archive again.
+    """
+
+    def __init__(self, path: str, *, label: str, index_cache: str | None = None) -> None:
         self.label = label
         self._fh = open(path, "rb")  # noqa: SIM115 - kept open for the reader's lifetime
         self._keys: list[str] = []
         self._members: dict[str, dict[str, tuple[int, int]]] = {}
         self._spans: dict[str, tuple[int, int]] = {}
         try:
-            for name, offset, size in index_tar(self._fh, label=label):
+            entries = (
+                None if index_cache is None else _load_index(index_cache, os.fstat(self._fh.fileno()).st_size)
+            )
+            if entries is None:
+                entries = index_tar(self._fh, label=label)
+                if index_cache is not None:
+                    _save_index(index_cache, entries, os.fstat(self._fh.fileno()).st_size)
+            for name, offset, size in entries:
                 self._add_member(name, offset, size)
         except BaseException:
             self._fh.close()
@@ -142,6 +156,37 @@ class WdsShardReader:
 
 
 TarEntry = tuple[str, int, int]  # (member name, offset of its data, size in bytes)
+INDEX_CACHE_VERSION = 1
+
+
+def _load_index(path: str, file_size: int) -> list[TarEntry] | None:
+    """A cached tar index for a file of `file_size` bytes; None when absent, unreadable or not for this file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        if doc["version"] != INDEX_CACHE_VERSION or doc["file_size"] != file_size:
+            return None
+        entries = [(str(n), int(o), int(s)) for n, o, s in doc["entries"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if any(o < 0 or s < 0 or o + s > file_size for _, o, s in entries):
+        return None
+    return entries
+
+
+def _save_index(path: str, entries: list[TarEntry], file_size: int) -> None:
+    """Writes the index atomically (a reader sees all of it or none); a cache that cannot be written is skipped."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"version": INDEX_CACHE_VERSION, "file_size": file_size, "entries": entries}, f)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
 _POSIX_MAGIC = b"ustar\x0000"
@@ -336,9 +381,12 @@ def decode_wds_bin(
     return rec
 
 
-def open_shard_reader(path: str, fmt: str, *, label: str) -> ArrowShardReader | WdsShardReader:
+def open_shard_reader(
+    path: str, fmt: str, *, label: str, index_cache: str | None = None
+) -> ArrowShardReader | WdsShardReader:
+    """A reader of the shard file at `path`; `index_cache` (WebDataset only) as in `WdsShardReader`."""
     if fmt == "arrow":
         return ArrowShardReader(path, label=label)
     if fmt == "wds":
-        return WdsShardReader(path, label=label)
+        return WdsShardReader(path, label=label, index_cache=index_cache)
     raise ValueError(f"unknown shard format {fmt!r} (want 'arrow' or 'wds')")

@@ -9,6 +9,13 @@ Cache folder layout: `<cache_dir>/<sha256[:16]>-<shard path>` (verified shards),
 progress), and `.locks/` with the cache-wide lock plus one empty lock file per shard ever cached. Lock files
 are never deleted (another process may be waiting on one); they take no space and are not counted.
 
+`.meta/` (also made for local datasets, which are read in place) holds small per-shard facts shared by every
+process on the machine, so each is worked out once rather than once per loader worker and rank: the tar
+index of a WebDataset shard (`<sha256>.tar-index.json`, valid for any file with that content), and for local
+shards a record that the file at a path, with its size, mtime and inode, was checked against its sha256
+(`<sha256>.verified.json`; a file rewritten in place with all three unchanged would not be checked again).
+They are a few KB each and not counted in `cache_limit_bytes`.
+
 A `ShardStore` may be used by several threads at once (the loader's prefetcher runs
 `download_concurrency` downloads in parallel): flock locks belong to an open file description, so two
 threads of one process exclude each other exactly as two processes do; counters and the shared fsspec
@@ -20,12 +27,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import random
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from dataloader.manifest import ShardInfo, join_url
@@ -33,7 +41,7 @@ from dataloader.manifest import ShardInfo, join_url
 CHUNK_BYTES = 4 << 20
 # Shards up to this size are read with one GET (`cat_file`) and held in memory once; bigger ones stream.
 WHOLE_READ_MAX_BYTES = 64 << 20
-_LOCK_SUFFIX, _PART_SUFFIX, _LOCK_DIR = ".lock", ".part", ".locks"
+_LOCK_SUFFIX, _PART_SUFFIX, _LOCK_DIR, _META_DIR = ".lock", ".part", ".locks", ".meta"
 
 
 class ShardError(RuntimeError):
@@ -125,7 +133,7 @@ class StorageMetrics:
     evictions: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return dict(vars(self))  # called per batch: a flat copy, not dataclasses.asdict's deep one
 
 
 class ShardStore:
@@ -137,13 +145,18 @@ class ShardStore:
         self._verified: set[str] = set()
         self._fs: Any = None
         self._lock = threading.Lock()  # guards metrics, _verified and the lazy filesystem
+        import tempfile
+
+        base = config.cache_dir or os.path.join(tempfile.gettempdir(), "mmpack-cache")
+        tag = hashlib.sha256(config.root.rstrip("/").encode()).hexdigest()[:12]
+        self.meta_dir = os.path.join(base, tag, _META_DIR)
+        try:
+            os.makedirs(self.meta_dir, exist_ok=True)
+        except OSError:  # facts are an optimisation: without a writable folder, each process works them out
+            self.meta_dir = ""
         if config.is_local:
             self.cache_dir = ""
         else:
-            import tempfile
-
-            base = config.cache_dir or os.path.join(tempfile.gettempdir(), "mmpack-cache")
-            tag = hashlib.sha256(config.root.rstrip("/").encode()).hexdigest()[:12]
             self.cache_dir = os.path.join(base, tag)
             os.makedirs(os.path.join(self.cache_dir, _LOCK_DIR), exist_ok=True)
 
@@ -179,6 +192,12 @@ class ShardStore:
                 self._download_verified(shard, path, cancel)
         return True
 
+    def index_cache_path(self, shard: ShardInfo) -> str | None:
+        """Where the tar index of this shard's content is shared on this machine (None: not shared)."""
+        if not self.meta_dir or shard.format != "wds":
+            return None
+        return os.path.join(self.meta_dir, f"{shard.sha256}.tar-index.json")
+
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             setattr(self.metrics, name, getattr(self.metrics, name) + n)
@@ -187,14 +206,22 @@ class ShardStore:
     def _local_in_place(self, shard: ShardInfo) -> str:
         path = join_url(local_root(self.config.root), shard.path)
         if path not in self._verified:
-            if not os.path.exists(path):
-                raise ShardError(f"shard {shard.path} not found at {path}")
-            digest = sha256_file(path)
-            if digest != shard.sha256:
-                raise ShardError(
-                    f"shard {shard.path} at {path} is corrupted: sha256 {digest[:12]}... "
-                    f"does not match the manifest's {shard.sha256[:12]}..."
-                )
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                raise ShardError(f"shard {shard.path} not found at {path}") from None
+            stamp = {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+            stamp |= {"inode": st.st_ino, "device": st.st_dev, "sha256": shard.sha256}
+            marker = os.path.join(self.meta_dir, f"{shard.sha256}.verified.json") if self.meta_dir else ""
+            if not (marker and _read_json(marker) == stamp):
+                digest = sha256_file(path)
+                if digest != shard.sha256:
+                    raise ShardError(
+                        f"shard {shard.path} at {path} is corrupted: sha256 {digest[:12]}... "
+                        f"does not match the manifest's {shard.sha256[:12]}..."
+                    )
+                if marker:
+                    _write_json_atomic(marker, stamp)
             with self._lock:
                 if path not in self._verified:
                     self._verified.add(path)
@@ -339,6 +366,26 @@ class ShardStore:
 
 class _Cancelled(Exception):
     pass
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json_atomic(path: str, doc: Any) -> None:
+    """Writes `doc` so readers see all of it or nothing; a failure only loses the shortcut."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def _sleep(seconds: float, cancel: threading.Event | None, shard: ShardInfo) -> None:

@@ -69,7 +69,12 @@ class ReaderPool:
         for attempt in range(3):
             path = self.store.local_path(shard)
             try:
-                reader = open_shard_reader(path, shard.format, label=f"shard {shard.path}")
+                reader = open_shard_reader(
+                    path,
+                    shard.format,
+                    label=f"shard {shard.path}",
+                    index_cache=self.store.index_cache_path(shard),
+                )
                 break
             except FileNotFoundError:  # evicted by another process between fetch and open
                 if attempt == 2:

@@ -162,7 +162,7 @@ def test_store_shared_by_threads_downloads_each_shard_once(dataset: Path, tmp_pa
     assert mt.bytes_read == sum(s.bytes for s in m.shards)
     # Only shards at the top of the cache folder; one lock file per shard (plus the cache-wide one) in .locks/
     top = sorted(os.listdir(store.cache_dir))
-    assert top == sorted([".locks"] + [os.path.basename(store._cache_path(s)) for s in m.shards])
+    assert top == sorted([".locks", ".meta"] + [os.path.basename(store._cache_path(s)) for s in m.shards])
     locks = os.listdir(os.path.join(store.cache_dir, ".locks"))
     assert len(locks) == len(m.shards) + 1 and all(n.endswith(".lock") for n in locks)
 

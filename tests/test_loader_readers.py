@@ -331,3 +331,47 @@ def test_decode_wds_bin_takes_a_webdataset_sample_of_bytes() -> None:
     rec = decode_wds_bin("p-000000003", sample, sample.__getitem__, label="s")
     assert rec["input_ids"].tolist() == list(range(6)) and rec["loss_mask"].dtype == np.uint8
     assert rec["images"] == [b"\xff\xd8jpeg"] and rec["image_grid_thw"].shape == (0, 3)
+
+
+def _same_records(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key, value in x.items():
+            if isinstance(value, np.ndarray):
+                np.testing.assert_array_equal(value, y[key])
+            else:
+                assert value == y[key], key
+
+
+def test_wds_index_is_shared_through_its_cache_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataloader.readers as readers
+
+    shard = write_tar(tmp_path / "s.tar", good_bin("000001") + good_bin("000002", np.arange(6, 12)))
+    cache = tmp_path / "meta" / "digest.tar-index.json"
+    first = WdsShardReader(str(shard), label="s", index_cache=str(cache))
+    want = [first.read(i) for i in range(len(first))]
+    first.close()
+    assert json.loads(cache.read_text())["file_size"] == shard.stat().st_size
+
+    walks: list[str] = []
+    real_index = readers.index_tar
+
+    def counting_index(fh: Any, *, label: str) -> Any:
+        walks.append(label)
+        return real_index(fh, label=label)
+
+    monkeypatch.setattr(readers, "index_tar", counting_index)
+    second = WdsShardReader(str(shard), label="s", index_cache=str(cache))
+    _same_records(want, [second.read(i) for i in range(len(second))])
+    second.close()
+    assert walks == []  # loaded, not walked
+
+    # A damaged cache file, or one made for other content (another size), is ignored and rewritten.
+    for damage in ("{not json", json.dumps({**json.loads(cache.read_text()), "file_size": 1})):
+        cache.write_text(damage)
+        third = WdsShardReader(str(shard), label="s", index_cache=str(cache))
+        _same_records(want, [third.read(i) for i in range(len(third))])
+        third.close()
+        assert json.loads(cache.read_text())["file_size"] == shard.stat().st_size
+    assert walks == ["s", "s"]

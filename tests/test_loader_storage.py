@@ -317,3 +317,35 @@ def test_shard_reads_through_faults_give_exact_bytes(
         faults = proxy.faults_injected
     # Which faults surface as our retries or redownloads depends on the client (botocore checks checksums).
     assert faults > 0 and store.metrics.retries > 0
+
+
+def test_local_shards_are_hashed_once_per_machine(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process (a new ShardStore) trusts the recorded check; a rewritten shard is checked again."""
+    import dataloader.storage as storage
+
+    copy = tmp_path / "packed"
+    shutil.copytree(dataset, copy)
+    shard = load_manifest(str(copy), shard_format="wds").shards[0]
+    config = StorageConfig(root=str(copy), cache_dir=str(tmp_path / "cache"))
+    hashed: list[str] = []
+    real = storage.sha256_file
+
+    def counting_sha256(p: str) -> str:
+        hashed.append(p)
+        return real(p)
+
+    monkeypatch.setattr(storage, "sha256_file", counting_sha256)
+    ShardStore(config).local_path(shard)
+    ShardStore(config).local_path(shard)
+    assert len(hashed) == 1
+    path = copy / shard.path
+    before = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # same size, other content
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))
+    with pytest.raises(ShardError, match=rf"shard {shard.path} .* is corrupted"):
+        ShardStore(config).local_path(shard)
+    assert len(hashed) == 2
