@@ -8,7 +8,6 @@ the cache's per-shard locks keep two workers from downloading the same shard.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 import traceback
@@ -201,16 +200,6 @@ class Prefetcher(threading.Thread):
 def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
     """Numpy arrays to tensors (sharing memory with the array); other values as they are."""
     return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
-
-
-def put_until_stopped(q: Any, item: Any, stop: Any) -> None:
-    """Puts `item` on the bounded queue `q`, giving up once the event `stop` is set (nobody will read it)."""
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=0.1)
-            return
-        except queue.Full:
-            continue
 
 
 def worker_loop(
