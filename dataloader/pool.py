@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dataloader.storage import ShardError
-from dataloader.transport import SlotReader
+from dataloader.transport import SlotReader, new_slot_flags
 from dataloader.worker import Producer, ProducerSpec, to_torch, worker_loop
 
 Batches = Iterator[list[Any]]  # [micro-batch or None, seconds waited]
@@ -68,21 +68,21 @@ def run_workers(
 ) -> Batches:
     """Worker w makes micro-batches k_start + w, + num_workers, ...; they are taken here in order.
 
-    Each worker runs up to `prefetch_batches + 1` micro-batches ahead (its slots). Taking one is a small
-    message and a copy out of shared memory, done in the consumer's thread: a receiving thread would add a
-    GIL hand-off per batch for no gain.
+    Each worker runs up to `prefetch_batches + 1` micro-batches ahead. Taking one is a small message whose
+    arrays are views of the worker's shared memory (no copy), done in the consumer's thread: a receiving
+    thread would add a GIL hand-off per batch for no gain.
     """
     n = num_workers
     method = start_method or ("fork" if sys.platform == "linux" else "spawn")
     ctx: Any = mp.get_context(method)
     stop_ev = ctx.Event()
     pipes = [ctx.Pipe(duplex=False) for _ in range(n)]  # (receiving end, sending end)
-    num_slots = prefetch_batches + 1  # made ahead, plus the one being written
-    free_slots = [ctx.Semaphore(num_slots) for _ in range(n)]
+    ahead = [ctx.Semaphore(prefetch_batches + 1) for _ in range(n)]  # made ahead, plus the one being made
+    flags = [new_slot_flags(ctx) for _ in range(n)]
     procs = [
         ctx.Process(
             target=worker_loop,
-            args=(spec, w, n, k_start, k_end, pipes[w][1], free_slots[w], num_slots, stop_ev),
+            args=(spec, w, n, k_start, k_end, pipes[w][1], flags[w], ahead[w], stop_ev),
             daemon=True,
             name=f"mmpack-loader-{w}",
         )
@@ -93,7 +93,7 @@ def run_workers(
     for _, send_end in pipes:
         send_end.close()  # the workers hold theirs: a worker that dies shows as end of file
     conns = [recv_end for recv_end, _ in pipes]
-    readers = [SlotReader(sem) for sem in free_slots]
+    readers = [SlotReader(flags[w], ahead[w]) for w in range(n)]
     k = k_start
     try:
         while k_end is None or k < k_end:

@@ -1,20 +1,21 @@
-"""Moving micro-batches from a worker process to the consumer through reused shared-memory slots.
+"""Moving micro-batches from a worker process to the consumer through reused shared-memory slots, zero-copy.
 
-Pickling a batch through a pipe copies it three times and wakes both processes per 64 KiB; sending tensors
-as torch shared-memory handles costs a new segment and a round trip to the sender per tensor. Instead each
-worker owns `num_slots` shared-memory buffers, allocated once and grown only when a batch does not fit. The
-worker copies a batch's arrays into its next slot and sends a small message (slot index, array layout,
-non-array values); the consumer copies the arrays out into tensors of its own and frees the slot, so the
-batches it hands on never alias memory a worker will overwrite.
+Pickling a batch through a pipe copies it three times; sending tensors as torch shared-memory handles costs
+a new segment and a round trip to the sender per tensor. Instead each worker writes a batch's arrays into
+one of its shared-memory slots (allocated once, reused) and sends a small message: slot id, array layout,
+non-array values. The consumer's tensors are views of the slot, so receiving costs no copy.
 
-Slots are used round-robin and freed in the same order (each worker's batches are received in order), so a
-semaphore counting free slots is all the synchronisation needed. A slot travels through the queue as a
-tensor only when it is new or has grown.
+A slot is reused only once the consumer has dropped every tensor and view of the batch it holds: the
+batch's arrays all hang off one per-batch array whose finalizer clears the slot's flag in a shared byte
+array. A consumer that keeps batches simply keeps their slots; the worker allocates new ones (and past
+`MAX_SLOTS` sends batches by value), so holding batches never stalls the workers. How far a worker runs
+ahead is bounded separately, by a semaphore the consumer releases as it takes each batch.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,17 +23,24 @@ import numpy as np
 import torch
 
 ALIGN = 64  # array offsets inside a slot, so any dtype view is aligned
+MAX_SLOTS = 1024  # per worker; beyond that (a consumer holding that many batches) batches travel by value
 
 
 @dataclass(frozen=True)
 class SlotMessage:
-    """What travels through the queue for one batch."""
+    """What travels through the pipe for one batch."""
 
-    slot: int
-    buffer: torch.Tensor | None  # the slot's shared buffer when new or grown since its last use
+    slot: int  # -1: no slot, the arrays are in `values`
+    buffer: torch.Tensor | None  # the slot's shared buffer, the first time the slot is used
     arrays: tuple[tuple[str, str, tuple[int, ...], int], ...]  # (key, dtype str, shape, byte offset)
-    values: dict[str, Any]  # everything that is not a numpy array, sent by value
+    nbytes: int  # bytes of the slot the arrays span
+    values: dict[str, Any]  # everything not in the slot, sent by value
     order: tuple[str, ...]  # the batch's keys in their original order
+
+
+def new_slot_flags(ctx: Any) -> Any:
+    """The shared per-slot 'held by the consumer' flags of one worker (0 = free)."""
+    return ctx.RawArray("B", MAX_SLOTS)
 
 
 def _layout(batch: dict[str, Any]) -> tuple[list[tuple[str, np.ndarray, int]], int]:
@@ -48,65 +56,89 @@ def _layout(batch: dict[str, Any]) -> tuple[list[tuple[str, np.ndarray, int]], i
 
 
 class SlotWriter:
-    """The worker side: writes batches into its slots, waiting for a free one."""
+    """The worker side: waits until it may run one more batch ahead, then writes it into a free slot."""
 
-    def __init__(self, num_slots: int, free_slots: Any, stop: Any) -> None:
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.num_slots, self.free_slots, self.stop = num_slots, free_slots, stop
-        self._buffers: list[torch.Tensor | None] = [None] * num_slots
-        self._next = 0
+    def __init__(self, flags: Any, ahead: Any, stop: Any) -> None:
+        self.flags, self.ahead, self.stop = flags, ahead, stop
+        self._buffers: list[torch.Tensor] = []  # slot id -> its shared buffer
 
-    def put(self, batch: dict[str, Any]) -> SlotMessage | None:
-        """Copies `batch` into the next slot once the consumer has freed it; None if stopped meanwhile."""
-        while not self.free_slots.acquire(timeout=0.1):
+    def wait_for_room(self) -> bool:
+        """Blocks until the consumer has taken enough batches; False if stopped meanwhile."""
+        while not self.ahead.acquire(timeout=0.1):
             if self.stop.is_set():
-                return None
-        slot, self._next = self._next, (self._next + 1) % self.num_slots
+                return False
+        return True
+
+    def put(self, batch: dict[str, Any]) -> SlotMessage:
+        """Copies `batch` into a free slot (a new one if none fits) and returns the message announcing it."""
         placed, need = _layout(batch)
-        buf = self._buffers[slot]
-        fresh = buf is None or buf.numel() < need
+        slot = self._free_slot(need)
+        values = {k: v for k, v in batch.items() if not isinstance(v, np.ndarray)}
+        if slot < 0:  # every slot is held by the consumer: send by value
+            return SlotMessage(
+                slot=-1, buffer=None, arrays=(), nbytes=0, values=dict(batch), order=tuple(batch)
+            )
+        fresh = slot == len(self._buffers)
         if fresh:
-            # Grow with headroom (batches vary with the images they hold) so regrowth stays rare.
+            # Headroom (batches vary with the images they hold) so later batches fit the slot too.
             size = max(ALIGN, 1 << math.ceil(math.log2(max(need, 1) * 5 // 4 + 1)))
-            buf = torch.empty(size, dtype=torch.uint8).share_memory_()
-            self._buffers[slot] = buf
-        assert buf is not None
-        view = buf.numpy()
+            self._buffers.append(torch.empty(size, dtype=torch.uint8).share_memory_())
+        view = self._buffers[slot].numpy()
         for _, arr, offset in placed:
             view[offset : offset + arr.nbytes] = arr.reshape(-1).view(np.uint8)
+        self.flags[slot] = 1  # held until the consumer drops the batch
         return SlotMessage(
             slot=slot,
-            buffer=buf if fresh else None,
+            buffer=self._buffers[slot] if fresh else None,
             arrays=tuple((key, arr.dtype.str, arr.shape, offset) for key, arr, offset in placed),
-            values={k: v for k, v in batch.items() if not isinstance(v, np.ndarray)},
+            nbytes=need,
+            values=values,
             order=tuple(batch),
         )
 
+    def _free_slot(self, need: int) -> int:
+        """The smallest free slot holding `need` bytes; a new slot id; or -1 when none may be made."""
+        best = -1
+        for slot, buf in enumerate(self._buffers):
+            if (
+                self.flags[slot] == 0
+                and buf.numel() >= need
+                and (best < 0 or buf.numel() < self._buffers[best].numel())
+            ):
+                best = slot
+        if best >= 0:
+            return best
+        return len(self._buffers) if len(self._buffers) < MAX_SLOTS else -1
+
+
+def _release(flags: Any, slot: int) -> None:
+    flags[slot] = 0
+
 
 class SlotReader:
-    """The consumer side of one worker: copies a batch out of its slot into tensors, then frees the slot."""
+    """The consumer side of one worker: turns a message into tensors that view the slot (no copy)."""
 
-    def __init__(self, free_slots: Any) -> None:
-        self.free_slots = free_slots
+    def __init__(self, flags: Any, ahead: Any) -> None:
+        self.flags, self.ahead = flags, ahead
         self._buffers: dict[int, np.ndarray] = {}
 
     def take(self, msg: SlotMessage) -> dict[str, Any]:
+        self.ahead.release()  # the worker may make another batch
+        if msg.slot < 0:
+            return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in msg.values.items()}
         if msg.buffer is not None:
             self._buffers[msg.slot] = msg.buffer.numpy()
         view = self._buffers.get(msg.slot)
         if view is None:
             raise RuntimeError(f"batch in slot {msg.slot} arrived before the slot's buffer")
-        arrays: dict[str, Any] = {}
-        try:
-            for key, dtype, shape, offset in msg.arrays:
-                dt = np.dtype(dtype)
-                count = math.prod(shape)
-                if count:
-                    arr = np.frombuffer(view, dtype=dt, count=count, offset=offset).reshape(shape).copy()
-                else:
-                    arr = np.empty(shape, dtype=dt)
-                arrays[key] = torch.from_numpy(arr)
-        finally:
-            self.free_slots.release()
+        # Every array below is a view of `lease` (numpy keeps a view's base at the first array whose base is
+        # not an array, here the memoryview), so `lease` dies, and frees the slot, with the batch's last view.
+        lease = np.frombuffer(view.data[: msg.nbytes], dtype=np.uint8)
+        weakref.finalize(lease, _release, self.flags, msg.slot)
+        arrays: dict[str, torch.Tensor] = {}
+        for key, dtype, shape, offset in msg.arrays:
+            dt = np.dtype(dtype)
+            count = math.prod(shape)
+            arr = lease[offset : offset + count * dt.itemsize].view(dt).reshape(shape)
+            arrays[key] = torch.from_numpy(arr)
         return {key: arrays[key] if key in arrays else msg.values[key] for key in msg.order}

@@ -209,28 +209,27 @@ def worker_loop(
     k_start: int,
     k_end: int | None,
     conn: Any,
-    free_slots: Any,
-    num_slots: int,
+    slot_flags: Any,
+    ahead: Any,
     stop_ev: Any,
 ) -> None:
     """Entry point of a worker process: produce micro-batches k_start+worker_id, +num_workers, ... in order.
 
-    Batches travel through this worker's shared-memory slots (dataloader.transport); `free_slots` counts
-    the slots the consumer has emptied. Messages go straight down the pipe `conn` from this thread (no
-    feeder thread to wait for the GIL): each is small, and at most `num_slots` (+1 error) are ever unread,
-    so sending never blocks.
+    Batches travel through this worker's shared-memory slots (dataloader.transport); `ahead` counts the
+    batches it may still make before the consumer takes one. Messages go straight down the pipe `conn` from
+    this thread (no feeder thread waiting for the GIL): each is small and few are ever unread, so sending
+    does not block.
     """
     producer = Producer(spec, k_start, k_end)
-    writer = SlotWriter(num_slots, free_slots, stop_ev)
+    writer = SlotWriter(slot_flags, ahead, stop_ev)
     k = k_start + worker_id
     try:
         while not stop_ev.is_set() and (k_end is None or k < k_end):
+            if not writer.wait_for_room():
+                break
             item: tuple[str, int, Any, dict[str, int]]
             try:
-                msg = writer.put(producer.produce(k))
-                if msg is None:  # stopped while waiting for a free slot
-                    break
-                item = ("ok", k, msg, producer.store.metrics.as_dict())
+                item = ("ok", k, writer.put(producer.produce(k)), producer.store.metrics.as_dict())
             except Exception as e:
                 kind = "shard_error" if isinstance(e, ShardError) else "error"
                 detail = str(e) if kind == "shard_error" else traceback.format_exc()

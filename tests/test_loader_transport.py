@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import threading
 from typing import Any
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from dataloader import transport
 from dataloader.transport import SlotMessage, SlotReader, SlotWriter
 
 
@@ -40,62 +42,96 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert b[key] == value
 
 
-def test_batches_round_trip_and_survive_slot_reuse() -> None:
-    """Every dtype/shape arrives intact; a batch taken earlier is not changed when its slot is rewritten."""
-    free, stop = threading.Semaphore(2), threading.Event()
-    writer, reader = SlotWriter(2, free, stop), SlotReader(free)
+def _pair(n_ahead: int = 64) -> tuple[SlotWriter, SlotReader]:
+    flags, ahead, stop = (
+        mp.get_context("fork").RawArray("B", transport.MAX_SLOTS),
+        threading.Semaphore(n_ahead),
+        threading.Event(),
+    )
+    return SlotWriter(flags, ahead, stop), SlotReader(flags, ahead)
+
+
+def _send(writer: SlotWriter, batch: dict[str, Any]) -> SlotMessage:
+    assert writer.wait_for_room()
+    return writer.put(batch)
+
+
+def test_held_batches_keep_their_slots_and_dropped_ones_are_reused() -> None:
+    writer, reader = _pair()
     rng = np.random.default_rng(0)
-    sent, got, grown = [], [], 0
-    for i in range(7):
-        batch = _batch(rng, n_patches=[0, 3, 50, 2, 400, 1, 0][i])  # sizes force slot growth and reuse
-        msg = writer.put(batch)
-        assert isinstance(msg, SlotMessage)
-        grown += msg.buffer is not None
-        sent.append(batch)
-        got.append(reader.take(msg))
-    assert 2 <= grown < 7  # slots are allocated once per slot, and again only when a batch outgrows one
-    for batch, received in zip(sent, got):
-        _same(batch, received)
+    sent = [_batch(rng, n) for n in (0, 3, 50, 2, 400, 1, 0)]
+    held = [reader.take(_send(writer, b)) for b in sent]  # the consumer keeps every batch
+    assert len(writer._buffers) == len(sent)  # each held batch has its own slot
+    for batch, received in zip(sent, held):
+        _same(batch, received)  # nothing was overwritten by later batches
+    # Zero-copy: the consumer's tensors are views of the slot the worker wrote.
+    assert np.shares_memory(held[2]["pixel_values"].numpy(), writer._buffers[2].numpy())
+    keep_view = held[4]["pixel_values"][10:20]  # a view alone keeps its batch's slot
+    del held
+    gc.collect()
+    before = len(writer._buffers)
+    again = [_batch(rng, n) for n in (5, 5, 5, 5, 5, 5)]
+    for b in again:
+        _same(b, reader.take(_send(writer, b)))  # each dropped at once: slots are reused
+    assert len(writer._buffers) == before
+    np.testing.assert_array_equal(keep_view.numpy(), sent[4]["pixel_values"][10:20])
 
 
-def test_writer_waits_for_a_free_slot_and_gives_up_when_stopped() -> None:
-    free, stop = threading.Semaphore(1), threading.Event()
-    writer = SlotWriter(1, free, stop)
-    assert writer.put({"x": np.ones(3)}) is not None
-    result: list[Any] = []
-    t = threading.Thread(target=lambda: result.append(writer.put({"x": np.ones(3)})))
+def test_past_max_slots_batches_travel_by_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport, "MAX_SLOTS", 3)
+    writer, reader = _pair()
+    rng = np.random.default_rng(1)
+    sent = [_batch(rng, 4) for _ in range(5)]
+    msgs = [_send(writer, b) for b in sent]
+    assert [m.slot for m in msgs] == [0, 1, 2, -1, -1]
+    for batch, msg in zip(sent, msgs):
+        _same(batch, reader.take(msg))
+
+
+def test_writer_waits_for_room_and_gives_up_when_stopped() -> None:
+    flags, ahead, stop = mp.get_context("fork").RawArray("B", 8), threading.Semaphore(1), threading.Event()
+    writer = SlotWriter(flags, ahead, stop)
+    assert writer.wait_for_room()
+    result: list[bool] = []
+    t = threading.Thread(target=lambda: result.append(writer.wait_for_room()))
     t.start()
     t.join(timeout=0.3)
-    assert t.is_alive()  # the only slot is still held by the consumer
+    assert t.is_alive()  # one batch ahead already, not yet taken by the consumer
     stop.set()
     t.join(timeout=5)
-    assert not t.is_alive() and result == [None]
+    assert not t.is_alive() and result == [False]
 
 
-def _produce(q: Any, free: Any, stop: Any, n: int) -> None:
-    writer = SlotWriter(3, free, stop)
-    rng = np.random.default_rng(1)
+def _produce(conn: Any, flags: Any, ahead: Any, stop: Any, n: int) -> None:
+    writer = SlotWriter(flags, ahead, stop)
+    rng = np.random.default_rng(2)
     for i in range(n):
-        q.put(writer.put(_batch(rng, n_patches=(i * 37) % 90)))
+        assert writer.wait_for_room()
+        conn.send(writer.put(_batch(rng, n_patches=(i * 37) % 90)))
     stop.wait()
 
 
 def test_across_processes() -> None:
     ctx = mp.get_context("fork")
-    q, free, stop = ctx.Queue(maxsize=2), ctx.Semaphore(3), ctx.Event()
-    proc = ctx.Process(target=_produce, args=(q, free, stop, 12), daemon=True)
+    recv_end, send_end = ctx.Pipe(duplex=False)
+    flags, ahead, stop = transport.new_slot_flags(ctx), ctx.Semaphore(2), ctx.Event()
+    proc = ctx.Process(target=_produce, args=(send_end, flags, ahead, stop, 12), daemon=True)
     proc.start()
     try:
-        reader = SlotReader(free)
-        rng = np.random.default_rng(1)
+        reader = SlotReader(flags, ahead)
+        rng = np.random.default_rng(2)
+        kept = []
         for i in range(12):
-            _same(_batch(rng, n_patches=(i * 37) % 90), reader.take(q.get(timeout=30)))
+            assert recv_end.poll(30)
+            got = reader.take(recv_end.recv())
+            _same(_batch(rng, n_patches=(i * 37) % 90), got)
+            if i % 4 == 0:
+                kept.append((i, got))
+        rng = np.random.default_rng(2)
+        expected = [_batch(rng, n_patches=(i * 37) % 90) for i in range(12)]
+        for i, got in kept:  # batches kept by the consumer were never overwritten by the worker
+            _same(expected[i], got)
     finally:
         stop.set()
         proc.join(timeout=10)
     assert proc.exitcode == 0
-
-
-def test_rejects_no_slots() -> None:
-    with pytest.raises(ValueError, match="num_slots"):
-        SlotWriter(0, threading.Semaphore(1), threading.Event())
