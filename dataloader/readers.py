@@ -174,6 +174,14 @@ def _load_index(path: str, file_size: int) -> list[TarEntry] | None:
     return entries
 
 
+def build_index_cache(path: str, index_cache: str, *, label: str) -> None:
+    """Makes sure `index_cache` holds the tar index of the shard file at `path` (walks it if not)."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if _load_index(index_cache, size) is None:
+            _save_index(index_cache, index_tar(fh, label=label), size)
+
+
 def _save_index(path: str, entries: list[TarEntry], file_size: int) -> None:
     """Writes the index atomically (a reader sees all of it or none); a cache that cannot be written is skipped."""
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"

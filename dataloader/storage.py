@@ -13,8 +13,9 @@ are never deleted (another process may be waiting on one); they take no space an
 process on the machine, so each is worked out once rather than once per loader worker and rank: the tar
 index of a WebDataset shard (`<sha256>.tar-index.json`, valid for any file with that content), and for local
 shards a record that the file at a path, with its size, mtime and inode, was checked against its sha256
-(`<sha256>.verified.json`; a file rewritten in place with all three unchanged would not be checked again).
-They are a few KB each and not counted in `cache_limit_bytes`.
+(`<sha256>.verified.json`; a file rewritten in place with all three unchanged would not be checked again;
+`<sha256>.lock` makes one process check it while the others wait for the record). They are a few KB each
+and not counted in `cache_limit_bytes`.
 
 A `ShardStore` may be used by several threads at once (the loader's prefetcher runs
 `download_concurrency` downloads in parallel): flock locks belong to an open file description, so two
@@ -164,7 +165,9 @@ class ShardStore:
     def local_path(self, shard: ShardInfo) -> str:
         """A local file holding exactly the manifest's bytes of `shard` (downloads on a miss)."""
         if self.config.is_local:
-            return self._local_in_place(shard)
+            local = self._local_in_place(shard)
+            assert local is not None  # waited for the lock
+            return local
         path = self._cache_path(shard)
         if os.path.exists(path):
             self._count("cache_hits")
@@ -176,10 +179,20 @@ class ShardStore:
         return path
 
     def fetch(self, shard: ShardInfo, *, wait: bool = True, cancel: threading.Event | None = None) -> bool:
-        """Makes sure the shard is cached. With wait=False, returns False at once if another process or
-        thread holds it. Setting `cancel` makes a download in progress give up (ShardError) at its next
-        chunk, retry or wait."""
+        """Makes sure the shard is cached (local shards: checked, and read ahead into the page cache).
+
+        With wait=False, returns False at once if another process or thread holds it. Setting `cancel`
+        makes a download in progress give up (ShardError) at its next chunk, retry or wait."""
         if self.config.is_local:
+            if self._local_in_place(shard, wait=wait) is None:
+                return False
+            path = join_url(local_root(self.config.root), shard.path)
+            with contextlib.suppress(OSError):  # a hint: read the file ahead, asynchronously
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
             return True
         path = self._cache_path(shard)
         with _flock(self._lock_path(os.path.basename(path)), blocking=wait) as got:
@@ -192,6 +205,14 @@ class ShardStore:
                 self._download_verified(shard, path, cancel)
         return True
 
+    def verified_path(self, shard: ShardInfo) -> str:
+        """Where the shard's checked bytes are once `fetch` returned True (nothing is counted or fetched)."""
+        return (
+            join_url(local_root(self.config.root), shard.path)
+            if self.config.is_local
+            else self._cache_path(shard)
+        )
+
     def index_cache_path(self, shard: ShardInfo) -> str | None:
         """Where the tar index of this shard's content is shared on this machine (None: not shared)."""
         if not self.meta_dir or shard.format != "wds":
@@ -203,29 +224,38 @@ class ShardStore:
             setattr(self.metrics, name, getattr(self.metrics, name) + n)
 
     # -- local ----------------------------------------------------------------------------------------------
-    def _local_in_place(self, shard: ShardInfo) -> str:
+    def _local_in_place(self, shard: ShardInfo, *, wait: bool = True) -> str | None:
+        """The path of a local shard, checked against its sha256 once per machine (None: wait=False and
+        another process or thread is checking it)."""
         path = join_url(local_root(self.config.root), shard.path)
-        if path not in self._verified:
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                raise ShardError(f"shard {shard.path} not found at {path}") from None
-            stamp = {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-            stamp |= {"inode": st.st_ino, "device": st.st_dev, "sha256": shard.sha256}
-            marker = os.path.join(self.meta_dir, f"{shard.sha256}.verified.json") if self.meta_dir else ""
-            if not (marker and _read_json(marker) == stamp):
-                digest = sha256_file(path)
-                if digest != shard.sha256:
-                    raise ShardError(
-                        f"shard {shard.path} at {path} is corrupted: sha256 {digest[:12]}... "
-                        f"does not match the manifest's {shard.sha256[:12]}..."
-                    )
-                if marker:
-                    _write_json_atomic(marker, stamp)
-            with self._lock:
-                if path not in self._verified:
-                    self._verified.add(path)
-                    self.metrics.bytes_read += shard.bytes
+        if path in self._verified:
+            return path
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise ShardError(f"shard {shard.path} not found at {path}") from None
+        stamp = {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        stamp |= {"inode": st.st_ino, "device": st.st_dev, "sha256": shard.sha256}
+        marker = os.path.join(self.meta_dir, f"{shard.sha256}.verified.json") if self.meta_dir else ""
+        if not (marker and _read_json(marker) == stamp):
+            # One checker per shard at a time; the others wait for its record instead of hashing too.
+            lock = os.path.join(self.meta_dir, f"{shard.sha256}.lock") if marker else ""
+            with _flock(lock, blocking=wait) if lock else contextlib.nullcontext(True) as got:
+                if not got:
+                    return None
+                if not (marker and _read_json(marker) == stamp):
+                    digest = sha256_file(path)
+                    if digest != shard.sha256:
+                        raise ShardError(
+                            f"shard {shard.path} at {path} is corrupted: sha256 {digest[:12]}... "
+                            f"does not match the manifest's {shard.sha256[:12]}..."
+                        )
+                    if marker:
+                        _write_json_atomic(marker, stamp)
+        with self._lock:
+            if path not in self._verified:
+                self._verified.add(path)
+                self.metrics.bytes_read += shard.bytes
         return path
 
     # -- remote ---------------------------------------------------------------------------------------------

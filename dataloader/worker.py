@@ -8,12 +8,11 @@ the cache's per-shard locks keep two workers from downloading the same shard.
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
-import time
 import traceback
 from collections import OrderedDict, deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,13 @@ import torch.multiprocessing
 from dataloader.collate import CollateConfig, collate_bins
 from dataloader.manifest import Manifest
 from dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
-from dataloader.readers import ArrowShardReader, BinRecord, WdsShardReader, open_shard_reader
+from dataloader.readers import (
+    ArrowShardReader,
+    BinRecord,
+    WdsShardReader,
+    build_index_cache,
+    open_shard_reader,
+)
 from dataloader.storage import ShardError, ShardStore, StorageConfig
 from dataloader.topology import Topology
 from dataloader.transport import SlotWriter
@@ -88,6 +93,17 @@ class ReaderPool:
             self._open.popitem(last=False)[1].close()
         return reader
 
+    def prepare(self, s: int, *, cancel: threading.Event | None = None) -> bool:
+        """Readies shard s ahead of use, unless another process or thread is on it (then False): fetched or
+        checked by the store, and its tar index worked out into the machine-wide cache."""
+        shard = self.manifest.shards[s]
+        if not self.store.fetch(shard, wait=False, cancel=cancel):
+            return False
+        index = self.store.index_cache_path(shard)
+        if index is not None and not os.path.exists(index):
+            build_index_cache(self.store.verified_path(shard), index, label=f"shard {shard.path}")
+        return True
+
     def close(self) -> None:
         while self._open:
             self._open.popitem()[1].close()
@@ -105,7 +121,7 @@ class Producer:
         self.store = ShardStore(spec.storage)
         self.readers = ReaderPool(spec.manifest, self.store, max_open=spec.shard_window + 1)
         self.prefetcher = Prefetcher(self, k_start, k_end, spec.prefetch_shards)
-        if spec.prefetch_shards and not spec.storage.is_local:  # local shards are read in place
+        if spec.prefetch_shards:
             self.prefetcher.start()
 
     def bins(self, k: int) -> np.ndarray:
@@ -113,7 +129,7 @@ class Producer:
         return micro_batch_bins(self.stream, k // m, k % m, self.spec.topology, self.spec.plan)
 
     def produce(self, k: int) -> dict[str, Any]:
-        self.prefetcher.position = k
+        self.prefetcher.advance(k)
         bins = self.bins(k)
         batch = collate_bins([self.readers.read_bin(int(b)) for b in bins], self.spec.collate)
         batch["bin_ids"] = bins
@@ -132,17 +148,20 @@ class Producer:
         return new
 
     def close(self) -> None:
-        self.prefetcher.stop.set()
+        self.prefetcher.close()
         self.readers.close()
+
+
+_PREFETCHER_IDS = itertools.count()
 
 
 class Prefetcher(threading.Thread):
     """Fetches the shards of the coming micro-batches in stream order of first need.
 
     At most `ahead` distinct shards past the consumer are fetched ahead, `threads` of them (default: the
-    storage's `download_concurrency`) downloading at once. Errors here are ignored: the consumer fetches
-    on demand and reports them with context. Setting `stop` cancels queued downloads and makes running ones
-    give up at their next chunk or retry.
+    storage's `download_concurrency`) at once, each in a short-lived thread (nothing idles once the work is
+    done). Errors here are ignored: the consumer fetches on demand and reports them with context. `close`
+    stops it; running downloads give up at their next chunk or retry.
     """
 
     MAX_LOOKAHEAD_MICRO_BATCHES = 256
@@ -153,48 +172,67 @@ class Prefetcher(threading.Thread):
         super().__init__(daemon=True, name="mmpack-prefetch")
         self.producer, self.k_start, self.k_end, self.ahead = producer, k_start, k_end, ahead
         self.threads = threads or producer.spec.storage.download_concurrency
-        self.position = k_start  # the consumer's current micro-batch; written by the consumer thread
+        self.thread_prefix = f"mmpack-download-{next(_PREFETCHER_IDS)}"  # names this prefetcher's threads
+        self.position = k_start  # the consumer's current micro-batch (set through `advance`)
         self.stop = threading.Event()
+        self._changed = threading.Condition()  # position, running count or stop changed
+        self._running = 0
 
-    def _wait_for_room(self, k: int, fetched: deque[int], running: set[Future[bool]]) -> bool:
-        while not self.stop.is_set():
-            while fetched and fetched[0] < self.position:
-                fetched.popleft()
-            running.difference_update([f for f in running if f.done()])
-            near = k - self.position < self.MAX_LOOKAHEAD_MICRO_BATCHES
-            if near and len(running) < self.threads and len(fetched) < self.ahead:
-                return True
-            if len(running) >= self.threads:
-                wait_futures(running, timeout=0.05, return_when=FIRST_COMPLETED)
-            else:
-                time.sleep(0.005)
+    def advance(self, k: int) -> None:
+        """The consumer has reached micro-batch k."""
+        with self._changed:
+            self.position = k
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        self.stop.set()
+        with self._changed:
+            self._changed.notify_all()
+
+    def _wait_for_room(self, k: int, fetched: deque[int], *, download: bool) -> bool:
+        """Waits until micro-batch k is near enough the consumer (and, for a download, until fewer than
+        `ahead` shards are fetched ahead and a download thread is free); False once stopped."""
+        with self._changed:
+            while not self.stop.is_set():
+                while fetched and fetched[0] < self.position:
+                    fetched.popleft()
+                near = k - self.position < self.MAX_LOOKAHEAD_MICRO_BATCHES
+                if near and not download:
+                    return True
+                if near and self._running < self.threads and len(fetched) < self.ahead:
+                    self._running += 1
+                    return True
+                self._changed.wait(timeout=1.0)
         return False
 
-    def _fetch(self, s: int) -> bool:
-        shard = self.producer.spec.manifest.shards[s]
+    def _fetch(self, s: int) -> None:
         try:  # skipped at once if another process or thread holds the shard
-            return self.producer.store.fetch(shard, wait=False, cancel=self.stop)
+            self.producer.readers.prepare(s, cancel=self.stop)
         except Exception:  # the consumer fetches on demand and reports errors with context
-            return False
+            pass
+        finally:
+            with self._changed:
+                self._running -= 1
+                self._changed.notify_all()
 
     def run(self) -> None:
         fetched: deque[int] = deque()  # micro-batch index of each shard fetched ahead, in order
-        running: set[Future[bool]] = set()
         recent: OrderedDict[int, None] = OrderedDict()
-        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="mmpack-download")
         k = self.k_start
         try:
             while self.k_end is None or k < self.k_end:
+                # Never past the look-ahead, even when no new shard comes up for a long while.
+                if not self._wait_for_room(k, fetched, download=False):
+                    return
                 for s in self.producer.new_shards(k, recent):
-                    if not self._wait_for_room(k, fetched, running):
+                    if not self._wait_for_room(k, fetched, download=True):
                         return
-                    running.add(pool.submit(self._fetch, s))  # the pool starts them in submission order
+                    name = f"{self.thread_prefix}_{s}"
+                    threading.Thread(target=self._fetch, args=(s,), daemon=True, name=name).start()
                     fetched.append(k)
                 k += 1
         except Exception:  # as in _fetch: the consumer reports errors
             return
-        finally:
-            pool.shutdown(wait=False, cancel_futures=self.stop.is_set())
 
 
 def to_torch(batch: dict[str, Any]) -> dict[str, Any]:

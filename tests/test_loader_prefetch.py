@@ -96,8 +96,10 @@ def producer_spec(url: str, cache: Path, *, threads: int, ahead: int) -> Produce
     return dataclasses.replace(spec, storage=storage, prefetch_shards=ahead)
 
 
-def download_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("mmpack-download")]
+def download_threads(producer: Producer) -> list[threading.Thread]:
+    """The download threads of this producer's prefetcher (other tests' loaders may still have theirs)."""
+    prefix = producer.prefetcher.thread_prefix + "_"
+    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
 
 
 def wait_until(cond: Any, timeout_s: float = 30.0) -> bool:
@@ -178,13 +180,13 @@ def test_prefetcher_runs_downloads_concurrently_once_each(dataset: Path, tmp_pat
 
             def count_in_flight() -> bool:
                 nonlocal in_flight
-                in_flight = max(in_flight, len(download_threads()))
+                in_flight = max(in_flight, len(download_threads(producer)))
                 return not producer.prefetcher.is_alive()
 
             assert wait_until(count_in_flight)
-            assert wait_until(lambda: not download_threads())
+            assert wait_until(lambda: not download_threads(producer))
             for k in range(n):  # everything is cached now: the consumer only hits
-                producer.prefetcher.position = k
+                producer.prefetcher.advance(k)
                 producer.produce(k)
         finally:
             producer.close()
@@ -248,7 +250,7 @@ def test_stop_while_downloads_are_in_flight(
         producer.close()
         producer.prefetcher.join(30)
         assert not producer.prefetcher.is_alive()
-        assert wait_until(lambda: not download_threads())
+        assert wait_until(lambda: not download_threads(producer))
         gets = server.shard_gets()
     assert 1 <= sum(gets.values()) <= 2  # no download started after the stop
     left = list(itertools.chain.from_iterable(files for _, _, files in os.walk(producer.store.cache_dir)))

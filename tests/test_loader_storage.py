@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import itertools
 import os
@@ -191,17 +192,29 @@ def test_cache_never_exceeds_its_bound(
 
     def cache_bytes() -> int:
         """Shards and reservations; `.meta/` (small per-shard facts) is documented as not counted."""
-        total = 0
+        sizes: dict[int, int] = {}  # by inode: a `.part` renamed into place while we list may show twice
         for folder, dirs, files in os.walk(cache):
             dirs[:] = [d for d in dirs if d != ".meta"]
             for name in files:
                 with contextlib.suppress(FileNotFoundError):  # evicted while we look
-                    total += os.stat(os.path.join(folder, name)).st_size
-        return total
+                    st = os.stat(os.path.join(folder, name))
+                    sizes[st.st_ino] = st.st_size
+        return sum(sizes.values())
 
     def watch() -> None:
+        lock = cache / ".locks" / ".cache.lock"
         while not done.is_set():
-            sizes.append(cache_bytes())
+            if not lock.exists():  # nothing reserved yet
+                sizes.append(cache_bytes())
+                continue
+            # Space only grows under the cache-wide lock: holding it gives a consistent snapshot (a walk
+            # racing an eviction and a new reservation could count both).
+            with open(lock, "rb") as fh:
+                fcntl.flock(fh, fcntl.LOCK_EX)
+                try:
+                    sizes.append(cache_bytes())
+                finally:
+                    fcntl.flock(fh, fcntl.LOCK_UN)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
