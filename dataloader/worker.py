@@ -55,6 +55,7 @@ class ReaderPool:
     def __init__(self, manifest: Manifest, store: ShardStore, max_open: int) -> None:
         self.manifest, self.store, self.max_open = manifest, store, max_open
         self._open: OrderedDict[int, ArrowShardReader | WdsShardReader] = OrderedDict()
+        self.prepared: set[int] = set()  # local shards `prepare` has readied in this process
 
     def read_bin(self, bin_id: int) -> BinRecord:
         s = int(self.manifest.shard_of_bin(np.array([bin_id]))[0])
@@ -102,6 +103,8 @@ class ReaderPool:
         index = self.store.index_cache_path(shard)
         if index is not None and not os.path.exists(index):
             build_index_cache(self.store.verified_path(shard), index, label=f"shard {shard.path}")
+        if self.store.config.is_local:  # stays so; a cached remote shard may be evicted
+            self.prepared.add(s)
         return True
 
     def close(self) -> None:
@@ -225,10 +228,15 @@ class Prefetcher(threading.Thread):
                 if not self._wait_for_room(k, fetched, download=False):
                     return
                 for s in self.producer.new_shards(k, recent):
+                    if s in self.producer.readers.prepared:
+                        continue  # nothing left to do for it
                     if not self._wait_for_room(k, fetched, download=True):
                         return
-                    name = f"{self.thread_prefix}_{s}"
-                    threading.Thread(target=self._fetch, args=(s,), daemon=True, name=name).start()
+                    if self.producer.spec.storage.is_local:  # CPU work (hashing, indexing): no thread needed
+                        self._fetch(s)
+                    else:
+                        name = f"{self.thread_prefix}_{s}"
+                        threading.Thread(target=self._fetch, args=(s,), daemon=True, name=name).start()
                     fetched.append(k)
                 k += 1
         except Exception:  # as in _fetch: the consumer reports errors
