@@ -304,7 +304,10 @@ class ShardStore:
                     last_error = f"{type(e).__name__}: {e}"
                     continue
                 if size == shard.bytes and digest == shard.sha256:
-                    os.replace(part, path)
+                    # Under the cache lock: a rename racing a space scan's directory listing can hide both
+                    # names from it, and the scan would then hand out space this shard holds.
+                    with _flock(self._lock_path(".cache")):
+                        os.replace(part, path)
                     return
                 self._count("redownloads")
                 last_error = (

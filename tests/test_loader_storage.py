@@ -202,11 +202,12 @@ def test_cache_never_exceeds_its_bound(
         return sum(sizes.values())
 
     def watch() -> None:
-        lock = cache / ".locks" / ".cache.lock"
         while not done.is_set():
-            if not lock.exists():  # nothing reserved yet
+            locks = list(cache.glob("*/.locks/.cache.lock"))  # <cache_dir>/<dataset tag>/.locks/
+            if not locks:  # nothing reserved yet
                 sizes.append(cache_bytes())
                 continue
+            (lock,) = locks
             # Space only grows under the cache-wide lock: holding it gives a consistent snapshot (a walk
             # racing an eviction and a new reservation could count both).
             with open(lock, "rb") as fh:
