@@ -228,12 +228,14 @@ def build_loader(
     prefetch_batches: int = 2,
     start_method: str | None = None,
     max_attempts: int = 6,
+    download_concurrency: int = 4,
 ) -> PackedLoader:
     """A loader of the packed dataset at `path` (folder or fsspec URL) for the rank `topology`.
 
     `num_epochs=None` streams epochs endlessly (Megatron style, stop after train-iters); otherwise the
     loader stops after the last whole global batch of `num_epochs` epochs. `shard_format` picks "arrow" or
-    "wds" shards when the dataset has both (default: arrow).
+    "wds" shards when the dataset has both (default: arrow). `download_concurrency`: shard downloads each
+    worker keeps in flight (remote datasets).
     """
     manifest = load_manifest(
         path, storage_options=storage_options, shard_format=shard_format, max_attempts=max_attempts
@@ -255,6 +257,7 @@ def build_loader(
         cache_limit_bytes=cache_limit_bytes,
         storage_options=storage_options,
         max_attempts=max_attempts,
+        download_concurrency=download_concurrency,
     )
     collate = CollateConfig(
         seq_len=manifest.seq_len,

@@ -276,6 +276,8 @@ def test_bad_arguments_are_explained(dataset: Path, tmp_path: Path) -> None:
         loader(dataset, Topology(dp_rank=0, dp_size=3), micro_batch_size=1, global_batch_size=4)
     with pytest.raises(FileNotFoundError, match="no packed dataset"):
         loader(tmp_path, Topology(dp_rank=0, dp_size=1))
+    with pytest.raises(ValueError, match="download_concurrency must be >= 1"):
+        loader(dataset, Topology(dp_rank=0, dp_size=1), download_concurrency=0)
 
 
 def test_dead_worker_is_an_error_not_a_hang(dataset: Path, monkeypatch: pytest.MonkeyPatch) -> None:
