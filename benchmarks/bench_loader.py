@@ -10,6 +10,10 @@ Contenders (same decoding and batching: npy/json members, Pillow decode + patchi
              turn) from shards already in memory (no storage, order, checks, or hand-over to a consumer): what
              the same decoding on as many processes costs on this machine
 
+Storages: local disk; moto S3 (`python -m moto.server` in its own process, on the same cores); "s3-link", the
+same server behind a proxy process that paces all response bodies to `--link-mb-s` together, a link slower than
+decoding, so that the storage and not the CPU is the bottleneck.
+
 Local files are evicted from the page cache (posix_fadvise DONTNEED) before each contender, so "local" means
 the disk, not memory; the warm (page cache) raw read is reported beside it. Reported per contender and
 storage: bins/s and MB/s of shard bytes end to end and in steady state (after the first batch), time to first
@@ -45,7 +49,7 @@ from dataloader.readers import WdsShardReader, decode_wds_bin  # noqa: E402
 from dataloader.storage import ShardStore, StorageConfig  # noqa: E402
 from dataloader.worker import to_torch  # noqa: E402
 from offline_packing.synthetic import build_packed_dataset  # noqa: E402
-from tests.storage_servers import moto_s3  # noqa: E402
+from tests.storage_servers import link_proxy_process, moto_s3, s3_storage_options  # noqa: E402
 
 
 # -- plain webdataset -----------------------------------------------------------------------------------------
@@ -355,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--step-ms", type=float, default=400.0, help="consumer time per micro-batch")
     p.add_argument("--consumer-batches", type=int, default=20)
-    p.add_argument("--storages", default="local,s3")
+    p.add_argument("--storages", default="local,s3,s3-link")
+    p.add_argument(
+        "--link-mb-s", type=float, default=5.0, help="bandwidth of the s3-link storage's link (MB/s, shared)"
+    )
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -397,11 +404,20 @@ def main(argv: list[str] | None = None) -> int:
             if "local" in storages:
                 all_results[f"{data_name}/local"] = run_storage("local", str(dataset), None, args, tmp)
                 all_results[f"{data_name}/local"]["decode ceiling"] = ceiling
-            if "s3" in storages:
+            if "s3" in storages or "s3-link" in storages:
                 with moto_s3(own_process=True) as s3:
                     url = s3.upload_folder(dataset, "bench", data_name)
-                    all_results[f"{data_name}/s3"] = run_storage("s3", url, s3.storage_options, args, tmp)
-                    all_results[f"{data_name}/s3"]["decode ceiling"] = ceiling
+                    if "s3" in storages:
+                        all_results[f"{data_name}/s3"] = run_storage("s3", url, s3.storage_options, args, tmp)
+                        all_results[f"{data_name}/s3"]["decode ceiling"] = ceiling
+                    if "s3-link" in storages:
+                        # The same server behind a link slower than decoding: the storage is the bottleneck.
+                        with link_proxy_process(s3.endpoint_url, args.link_mb_s * 1e6) as proxy:
+                            key = f"{data_name}/s3-link"
+                            all_results[key] = run_storage(
+                                "s3-link", url, s3_storage_options(proxy), args, tmp
+                            )
+                            all_results[key]["decode ceiling"] = ceiling
     print_table(all_results)
     record = {
         "benchmark": "bench_loader",

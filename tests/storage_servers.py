@@ -86,6 +86,34 @@ class S3Endpoint:
         return f"s3://{bucket}/{prefix}"
 
 
+@contextlib.contextmanager
+def link_proxy_process(upstream: str, link_bytes_per_s: float) -> Iterator[str]:
+    """A `FaultProxy` with no faults and a link of `link_bytes_per_s`, in its own process (so its work never
+    competes with the measured reader for a GIL); yields its URL."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    recv_end, send_end = ctx.Pipe(duplex=False)
+    stop = ctx.Event()
+    proc = ctx.Process(target=_run_link_proxy, args=(upstream, link_bytes_per_s, send_end, stop), daemon=True)
+    proc.start()
+    try:
+        if not recv_end.poll(30):
+            raise RuntimeError("the link proxy did not start")
+        yield recv_end.recv()
+    finally:
+        stop.set()
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.terminate()
+
+
+def _run_link_proxy(upstream: str, link_bytes_per_s: float, conn: Any, stop: Any) -> None:
+    with FaultProxy(upstream, FaultPlan(kinds=()), link_bytes_per_s=link_bytes_per_s) as proxy:
+        conn.send(proxy.url)
+        stop.wait()
+
+
 def s3_storage_options(endpoint_url: str) -> dict[str, Any]:
     return {
         "key": "testing",
@@ -171,10 +199,18 @@ class FaultPlan:
 
 
 class FaultProxy:
-    """Forwards HTTP requests to `upstream` ("http://host:port"), injecting the faults of `plan`."""
+    """Forwards HTTP requests to `upstream` ("http://host:port"), injecting the faults of `plan`.
 
-    def __init__(self, upstream: str, plan: FaultPlan | None = None) -> None:
+    `link_bytes_per_s` makes it a link of that bandwidth: response bodies of all connections together are
+    paced to it (64 KiB at a time), as a node's share of an object store's bandwidth would be.
+    """
+
+    def __init__(
+        self, upstream: str, plan: FaultPlan | None = None, link_bytes_per_s: float | None = None
+    ) -> None:
         self.plan = plan or FaultPlan()
+        self.link_bytes_per_s = link_bytes_per_s
+        self._link_free_at = 0.0  # when the link has sent everything handed to it
         host, _, port = upstream.removeprefix("http://").partition(":")
         self._upstream = (host, int(port or 80))
         self._lock = threading.Lock()
@@ -278,5 +314,15 @@ class FaultProxy:
                 h.wfile.write(data[i : i + step])
                 h.wfile.flush()
                 time.sleep(self.plan.slow_delay_s)
+        elif self.link_bytes_per_s:
+            step = 64 << 10
+            for i in range(0, len(data), step):
+                chunk = data[i : i + step]
+                with self._lock:  # take the next free slot of the shared link
+                    start = max(time.monotonic(), self._link_free_at)
+                    self._link_free_at = start + len(chunk) / self.link_bytes_per_s
+                    done_at = self._link_free_at
+                time.sleep(max(0.0, done_at - time.monotonic()))
+                h.wfile.write(chunk)
         else:
             h.wfile.write(data)
