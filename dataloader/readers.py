@@ -9,7 +9,6 @@ plain one, otherwise by `np.load(allow_pickle=False)`, and nothing is unpickled.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import math
@@ -18,7 +17,6 @@ import os
 import re
 import struct
 import tarfile
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
 
@@ -26,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from dataloader.storage import read_json, write_json_atomic
 from packing.format import ARRAY_FIELDS, WDS_JSON_MEMBER
 
 BinRecord = dict[str, Any]
@@ -103,13 +102,7 @@ class WdsShardReader:
         self._members: dict[str, dict[str, tuple[int, int]]] = {}
         self._spans: dict[str, tuple[int, int]] = {}
         try:
-            entries = (
-                None if index_cache is None else _load_index(index_cache, os.fstat(self._fh.fileno()).st_size)
-            )
-            if entries is None:
-                entries = index_tar(self._fh, label=label)
-                if index_cache is not None:
-                    _save_index(index_cache, entries, os.fstat(self._fh.fileno()).st_size)
+            entries = _tar_index(self._fh, label=label, index_cache=index_cache)
             for name, offset, size in entries:
                 self._add_member(name, offset, size)
         except BaseException:
@@ -159,15 +152,28 @@ TarEntry = tuple[str, int, int]  # (member name, offset of its data, size in byt
 INDEX_CACHE_VERSION = 1
 
 
+def _tar_index(fh: BinaryIO, *, label: str, index_cache: str | None) -> list[TarEntry]:
+    """The index of the tar open in `fh`: from `index_cache` when it holds one for this file, else walked
+    (and kept there, atomically)."""
+    size = os.fstat(fh.fileno()).st_size
+    if index_cache is not None and (entries := _load_index(index_cache, size)) is not None:
+        return entries
+    entries = index_tar(fh, label=label)
+    if index_cache is not None:
+        write_json_atomic(
+            index_cache, {"version": INDEX_CACHE_VERSION, "file_size": size, "entries": entries}
+        )
+    return entries
+
+
 def _load_index(path: str, file_size: int) -> list[TarEntry] | None:
     """A cached tar index for a file of `file_size` bytes; None when absent, unreadable or not for this file."""
+    doc = read_json(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
         if doc["version"] != INDEX_CACHE_VERSION or doc["file_size"] != file_size:
             return None
         entries = [(str(n), int(o), int(s)) for n, o, s in doc["entries"]]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):  # also a missing file (None) or a document of another shape
         return None
     if any(o < 0 or s < 0 or o + s > file_size for _, o, s in entries):
         return None
@@ -177,22 +183,7 @@ def _load_index(path: str, file_size: int) -> list[TarEntry] | None:
 def build_index_cache(path: str, index_cache: str, *, label: str) -> None:
     """Makes sure `index_cache` holds the tar index of the shard file at `path` (walks it if not)."""
     with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if _load_index(index_cache, size) is None:
-            _save_index(index_cache, index_tar(fh, label=label), size)
-
-
-def _save_index(path: str, entries: list[TarEntry], file_size: int) -> None:
-    """Writes the index atomically (a reader sees all of it or none); a cache that cannot be written is skipped."""
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"version": INDEX_CACHE_VERSION, "file_size": file_size, "entries": entries}, f)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        _tar_index(fh, label=label, index_cache=index_cache)
 
 
 _BLOCK = 512

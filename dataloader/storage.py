@@ -184,11 +184,11 @@ class ShardStore:
         With wait=False, returns False at once if another process or thread holds it. Setting `cancel`
         makes a download in progress give up (ShardError) at its next chunk, retry or wait."""
         if self.config.is_local:
-            if self._local_in_place(shard, wait=wait) is None:
+            local = self._local_in_place(shard, wait=wait)
+            if local is None:
                 return False
-            path = join_url(local_root(self.config.root), shard.path)
             with contextlib.suppress(OSError):  # a hint: read the file ahead, asynchronously
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(local, os.O_RDONLY)
                 try:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
                 finally:
@@ -227,7 +227,7 @@ class ShardStore:
     def _local_in_place(self, shard: ShardInfo, *, wait: bool = True) -> str | None:
         """The path of a local shard, checked against its sha256 once per machine (None: wait=False and
         another process or thread is checking it)."""
-        path = join_url(local_root(self.config.root), shard.path)
+        path = self.verified_path(shard)
         if path in self._verified:
             return path
         try:
@@ -237,13 +237,13 @@ class ShardStore:
         stamp = {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
         stamp |= {"inode": st.st_ino, "device": st.st_dev, "sha256": shard.sha256}
         marker = os.path.join(self.meta_dir, f"{shard.sha256}.verified.json") if self.meta_dir else ""
-        if not (marker and _read_json(marker) == stamp):
+        if not (marker and read_json(marker) == stamp):
             # One checker per shard at a time; the others wait for its record instead of hashing too.
             lock = os.path.join(self.meta_dir, f"{shard.sha256}.lock") if marker else ""
             with _flock(lock, blocking=wait) if lock else contextlib.nullcontext(True) as got:
                 if not got:
                     return None
-                if not (marker and _read_json(marker) == stamp):
+                if not (marker and read_json(marker) == stamp):
                     digest = sha256_file(path)
                     if digest != shard.sha256:
                         raise ShardError(
@@ -251,7 +251,7 @@ class ShardStore:
                             f"does not match the manifest's {shard.sha256[:12]}..."
                         )
                     if marker:
-                        _write_json_atomic(marker, stamp)
+                        write_json_atomic(marker, stamp)
         with self._lock:
             if path not in self._verified:
                 self._verified.add(path)
@@ -401,7 +401,8 @@ class _Cancelled(Exception):
     pass
 
 
-def _read_json(path: str) -> Any:
+def read_json(path: str) -> Any:
+    """The JSON document at `path`; None when it is missing or unreadable."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -409,10 +410,11 @@ def _read_json(path: str) -> Any:
         return None
 
 
-def _write_json_atomic(path: str, doc: Any) -> None:
-    """Writes `doc` so readers see all of it or nothing; a failure only loses the shortcut."""
+def write_json_atomic(path: str, doc: Any) -> None:
+    """Writes `doc` (and its folder) so readers see all of it or nothing; a failure only loses the shortcut."""
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(doc, f)
         os.replace(tmp, path)
