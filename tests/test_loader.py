@@ -18,6 +18,7 @@ from dataloader.readers import open_shard_reader
 from offline_packing.synthetic import build_packed_dataset
 from packing.image_tokens import ImageTokenRule, image_to_patches
 from packing.layout import build_packed_sequence
+from tests.test_loader_storage import assert_same
 
 IGNORE = -100
 
@@ -141,13 +142,7 @@ def test_formats_and_worker_counts_give_the_same_stream(dataset: Path) -> None:
         streams.append(take(iter(ld), 9))
         ld.close()
     for other in streams[1:]:
-        for a, b in zip(streams[0], other):
-            assert a.keys() == b.keys()
-            for key in a:
-                if isinstance(a[key], torch.Tensor):
-                    assert torch.equal(a[key], b[key]), key
-                else:
-                    assert a[key] == b[key], key
+        assert_same(streams[0], other)
 
 
 def test_grid_of_ranks_covers_each_epoch(dataset: Path) -> None:
