@@ -151,14 +151,19 @@ def evict_from_page_cache(paths: list[str]) -> None:
 
 
 def _decode_share(
-    paths: list[str], cfg: CollateConfig, micro: int, share: tuple[int, int], start: Any, out: Any
+    shards: list[tuple[str, int]],
+    cfg: CollateConfig,
+    micro: int,
+    share: tuple[int, int],
+    start: Any,
+    out: Any,
 ) -> None:
     """Decodes and collates micro-batches share[0], share[0] + share[1], ... of all bins in file order."""
-    for path in paths:  # warm: the ceiling reads from memory
+    for path, _ in shards:  # warm: the ceiling reads from memory
         with open(path, "rb") as f:
             while f.read(8 << 20):
                 pass
-    bins = [(path, row) for path in paths for row in range(_bins_in(path))]
+    bins = [(path, row) for path, count in shards for row in range(count)]
     start.wait()
     t0 = time.perf_counter()
     readers: dict[str, WdsShardReader] = {}
@@ -175,21 +180,15 @@ def _decode_share(
     out[share[0]] = (done, time.perf_counter() - t0)
 
 
-def _bins_in(path: str) -> int:
-    reader = WdsShardReader(path, label=path)
-    try:
-        return len(reader)
-    finally:
-        reader.close()
-
-
-def decode_ceiling(paths: list[str], cfg: CollateConfig, micro: int, workers: int, total_bytes: int) -> dict:
+def decode_ceiling(
+    shards: list[tuple[str, int]], cfg: CollateConfig, micro: int, workers: int, total_bytes: int
+) -> dict:
     """`workers` processes decode and collate their share of the shards from memory, started together."""
     ctx = mp.get_context("fork")
     start = ctx.Barrier(workers + 1)
     out = ctx.Manager().dict()
     procs = [
-        ctx.Process(target=_decode_share, args=(paths, cfg, micro, (w, workers), start, out))
+        ctx.Process(target=_decode_share, args=(shards, cfg, micro, (w, workers), start, out))
         for w in range(workers)
     ]
     for p in procs:
@@ -397,9 +396,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = CollateConfig(
                 seq_len=m.seq_len, pad_id=m.pad_id, image_pad_id=m.image_pad_id, rule=m.image_rule
             )
-            paths = [str(dataset / s.path) for s in m.shards]
+            shards = [(str(dataset / s.path), s.bins) for s in m.shards]  # bin counts from the manifest
             ceiling = decode_ceiling(
-                paths, cfg, args.micro_batch, args.workers, sum(s.bytes for s in m.shards)
+                shards, cfg, args.micro_batch, args.workers, sum(s.bytes for s in m.shards)
             )
             if "local" in storages:
                 all_results[f"{data_name}/local"] = run_storage("local", str(dataset), None, args, tmp)
