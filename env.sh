@@ -14,7 +14,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "[env] installing into $venv (torch CPU build first) ..."
   python -m pip install -q --upgrade pip
   python -m pip install -q torch==2.13.0
-  python -m pip install -q -e ".[test,bench,energon]"
+  python -m pip install -q -e ".[test,bench,energon,ray]"
   touch "$stamp"
 fi
 set +euo pipefail
