@@ -48,7 +48,7 @@ from dataloader.collate import CollateConfig, collate_bins  # noqa: E402
 from dataloader.readers import WdsShardReader, decode_wds_bin  # noqa: E402
 from dataloader.storage import ShardStore, StorageConfig  # noqa: E402
 from dataloader.worker import to_torch  # noqa: E402
-from offline_packing.synthetic import build_packed_dataset  # noqa: E402
+from offline_packing.demo.synthetic import build_packed_dataset  # noqa: E402
 from tests.storage_servers import link_proxy_process, moto_s3, s3_storage_options  # noqa: E402
 
 

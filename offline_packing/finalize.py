@@ -147,7 +147,7 @@ def finalize(cfg: PackJobConfig, wd: WorkDir, shards: list[dict]) -> dict:
     store.write_bytes(STATS_NAME, _dumps(compute_stats(wd, cfg, counts)))
     remove_stale_shards(store, cfg, shards)
     if cfg.energon:
-        from offline_packing.energon_meta import write_energon_metadata
+        from offline_packing.outputs.energon_meta import write_energon_metadata
 
         if not store.is_local:
             raise ValueError("--energon needs a local output folder (energon prepare indexes local tars)")

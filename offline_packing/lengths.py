@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from offline_packing.config import PackJobConfig
+from offline_packing.engines.local import run_parallel
 from offline_packing.errors import PackError, SampleReject, reason_of, reject_row
 from offline_packing.workdir import (
     WorkDir,
@@ -25,7 +26,6 @@ from offline_packing.workdir import (
     jsonl_line,
     read_done_marker,
     read_jsonl,
-    run_parallel,
     write_jsonl,
 )
 

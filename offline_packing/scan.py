@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offline_packing.config import PackJobConfig
+from offline_packing.engines.local import run_parallel
 from offline_packing.errors import PackError, SampleReject, reason_of, reject_row
-from offline_packing.sources import (
+from offline_packing.inputs.sources import (
     Chunk,
     RawRecord,
     expand_inputs,
@@ -26,7 +27,6 @@ from offline_packing.workdir import (
     WorkDir,
     atomic_write_json,
     read_done_marker,
-    run_parallel,
     write_jsonl,
 )
 

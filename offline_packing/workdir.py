@@ -1,5 +1,4 @@
-"""The job's local work folder: per-chunk stage outputs, completion markers, atomic local writes,
-and the process pool that runs a stage over independent chunks.
+"""The job's local work folder: per-chunk stage outputs, completion markers and atomic local writes.
 
 Every file is written to a temporary name and renamed, and a chunk's `.done.json` is written after its
 outputs, so a killed job leaves either complete files or none, never a partial one under a final name.
@@ -9,17 +8,12 @@ from __future__ import annotations
 
 import io
 import json
-import multiprocessing
 import os
-import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -105,44 +99,3 @@ class WorkDir:
 
     def clear_marker(self, stage: str) -> None:
         self.marker(stage).unlink(missing_ok=True)
-
-
-def run_parallel(
-    fn: Callable[[T], R],
-    items: list[T],
-    *,
-    workers: int,
-    weights: list[int] | None = None,
-    desc: str = "",
-    unit: str = "samples",
-    progress: bool = True,
-) -> list[R]:
-    """`[fn(x) for x in items]`, on `workers` processes, results in item order, with a progress bar.
-
-    `fn` must be a module-level function of its item alone (a pure function of its chunk), so the
-    results do not depend on the number of workers.
-    """
-    from tqdm import tqdm
-
-    weights = weights if weights is not None else [1] * len(items)
-    bar = tqdm(
-        total=sum(weights), desc=desc, unit=unit, disable=not progress, file=sys.stderr, dynamic_ncols=True
-    )
-    results: list[R] = []
-    try:
-        for i, result in enumerate(_map_ordered(fn, items, workers)):
-            results.append(result)
-            bar.update(weights[i])
-    finally:
-        bar.close()
-    return results
-
-
-def _map_ordered(fn: Callable[[T], R], items: list[T], workers: int) -> Iterator[R]:
-    if workers <= 1 or len(items) <= 1:
-        yield from map(fn, items)
-        return
-    # fork: workers inherit imported modules (numba, tokenizers) instead of importing them again
-    ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(min(workers, len(items))) as pool:
-        yield from pool.imap(fn, items, chunksize=1)

@@ -1,4 +1,4 @@
-"""Test fixtures over `offline_packing.synthetic`: bad-input datasets and plain readers of packed shards.
+"""Test fixtures over `offline_packing.demo.synthetic`: bad-input datasets and plain readers of packed shards.
 
 Re-exports the synthetic generator (`make_synthetic_dataset`, `train_tiny_bpe`, `write_image`, ...) so tests
 and benchmarks import everything from here; `make_bad_dataset` writes one record per kind of bad input with
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from offline_packing.synthetic import (
+from offline_packing.demo.synthetic import (
     RECORD_FORMATS,
     SPECIAL_TOKENS,
     SyntheticData,

@@ -15,7 +15,7 @@ from PIL import Image
 
 from dataloader import PackedLoader, Topology, bin_order, build_loader, load_manifest
 from dataloader.readers import open_shard_reader
-from offline_packing.synthetic import build_packed_dataset
+from offline_packing.demo.synthetic import build_packed_dataset
 from packing.image_tokens import ImageTokenRule, image_to_patches
 from packing.layout import build_packed_sequence
 from tests.test_loader_storage import assert_same

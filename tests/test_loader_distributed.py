@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dataloader import bin_order, load_manifest
-from offline_packing.synthetic import build_packed_dataset
+from offline_packing.demo.synthetic import build_packed_dataset
 
 TP, PP, DP = 2, 2, 2
 GLOBAL_BATCH, MICRO = 4, 1

@@ -21,7 +21,7 @@ from dataloader import storage as storage_mod
 from dataloader.manifest import Manifest
 from dataloader.storage import ShardStore, StorageConfig, _flock
 from dataloader.worker import Producer, ProducerSpec
-from offline_packing.synthetic import build_packed_dataset
+from offline_packing.demo.synthetic import build_packed_dataset
 from tests.test_loader_storage import assert_same
 
 

@@ -19,7 +19,7 @@ import torch
 
 from dataloader import ShardError, Topology, build_loader, load_manifest
 from dataloader.storage import ShardStore, StorageConfig
-from offline_packing.synthetic import build_packed_dataset
+from offline_packing.demo.synthetic import build_packed_dataset
 from tests.storage_servers import (
     FaultPlan,
     FaultProxy,

@@ -10,7 +10,7 @@ import pytest
 from offline_packing.config import PackJobConfig
 from offline_packing.errors import PackError
 from offline_packing.pipeline import read_manifest, run_pack
-from offline_packing.sources import resolve_image_path
+from offline_packing.inputs.sources import resolve_image_path
 from tests.fixtures_data import make_bad_dataset, read_arrow_bins, write_image
 
 

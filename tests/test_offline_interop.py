@@ -44,7 +44,7 @@ def test_energon_lists_and_reads_packed_bins(raw, tmp_path: Path) -> None:
     from megatron.energon.epathlib import EPath
     from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
 
-    from offline_packing.energon_sample import PackedBinSample
+    from offline_packing.outputs.energon_sample import PackedBinSample
 
     out = tmp_path / "ds"
     run_pack(_cfg(raw, str(out), format="both", energon=True))

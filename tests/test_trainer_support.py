@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from offline_packing.synthetic import build_packed_dataset
+from offline_packing.demo.synthetic import build_packed_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@ LLaVA, ShareGPT, caption and text-only records; `train_tiny_bpe` trains a small 
 Qwen chat/vision special tokens (deterministic, well under a second).
 
 Everything is a pure function of its arguments (seeded), so two calls give identical bytes.
-Command line: `python -m offline_packing.synthetic OUT_DIR --samples 1000 [--tokenizer]`.
+Command line: `python -m offline_packing.demo.synthetic OUT_DIR --samples 1000 [--tokenizer]`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from offline_packing.synthetic import SyntheticData
+    from offline_packing.demo.synthetic import SyntheticData
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +50,7 @@ def _banner(text: str) -> None:
 
 
 def _make_raw_data(out: Path, samples: int, seed: int) -> tuple[SyntheticData, Path]:
-    from offline_packing.synthetic import make_synthetic_dataset, train_tiny_bpe
+    from offline_packing.demo.synthetic import make_synthetic_dataset, train_tiny_bpe
 
     raw = make_synthetic_dataset(out / "raw", n_samples=samples, seed=seed, size_range=(56, 448))
     tokenizer = train_tiny_bpe(out / "tokenizer", vocab_size=2000, seed=seed)
@@ -62,7 +62,7 @@ def _make_raw_data(out: Path, samples: int, seed: int) -> tuple[SyntheticData, P
 
 
 def _pack(args: argparse.Namespace, raw: SyntheticData, tokenizer: Path, packed: Path) -> None:
-    from offline_packing.synthetic import pack_synthetic
+    from offline_packing.demo.synthetic import pack_synthetic
 
     summary = pack_synthetic(
         raw,

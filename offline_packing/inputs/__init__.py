@@ -1,0 +1,1 @@
+"""What the job reads: expansion of -i arguments into canonical input files and records chunk by chunk."""
