@@ -2,12 +2,12 @@
 
 The offline packer counts the tokens of an image with `ImageTokenRule.num_tokens(h, w)` on the size that
 `read_image_size` reads from the header; the loader turns the same bytes into pixel patches with
-`image_to_patches`. Both sides honour the EXIF orientation the same way (JPEG/WEBP/MPO only, read from the
-header), so the count offline equals what the loader produces, exactly.
+`image_to_patches`, exactly as transformers' `Qwen2VLImageProcessorPil` does for a PIL image opened from
+those bytes. Neither side applies the EXIF orientation (that processor does not either): the pixels are
+used as stored, so the count offline equals what the loader produces, exactly.
 
 Resize rule (Qwen2-VL, factor = patch_size * merge_size)::
 
-    reject if min(h, w) < factor                 (as Qwen2-VL's image processor does)
     reject if max(h, w) / min(h, w) > max_aspect_ratio
     h', w' = round(h / factor) * factor, round(w / factor) * factor     (Python round: half to even)
     if h' * w' > max_pixels:  beta = sqrt(h * w / max_pixels)
@@ -15,6 +15,7 @@ Resize rule (Qwen2-VL, factor = patch_size * merge_size)::
     elif h' * w' < min_pixels: beta = sqrt(min_pixels / (h * w))
                               h', w' = ceil(h * beta / factor) * factor, ...
 
+Images smaller than factor are upscaled by the min_pixels branch, as transformers 5 does.
 Tokens = (h' / factor) * (w' / factor); the vision grid is (1, h' / patch, w' / patch) patches.
 """
 
@@ -24,46 +25,59 @@ import io
 import math
 import os
 import struct
+import warnings
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
 import numpy as np
 
+from packing.errors import MmpackError
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 _FORMAT_NAMES = {"JPEG": "jpg", "MPO": "jpg", "TIFF": "tiff"}
-_ORIENTATION_TAG = 0x0112
-_ORIENTED_FORMATS = ("JPEG", "MPO", "WEBP")  # EXIF available from the header, no decode needed
 _PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"
 
 
-class ImageHeaderError(ValueError):
+class ImageHeaderError(MmpackError, ValueError):
     """An image whose header cannot be read, or whose file is truncated."""
 
+    default_reason = "unreadable_image"
 
-class ImageSizeError(ValueError):
-    """An image size the rule refuses; `reason` is "image_too_small" or "image_aspect_ratio"."""
+
+class ImageSizeError(MmpackError, ValueError):
+    """An image size the rule refuses; `reason` is "image_aspect_ratio" or "image_size_invalid" (no pixels)."""
 
     def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
+        super().__init__(message, reason=reason)
 
 
 @dataclass(frozen=True)
 class ImageTokenRule:
-    """How many LLM tokens an image of a given size becomes (Qwen2-VL rule; see the module docstring)."""
+    """How an image becomes vision patches and LLM tokens (Qwen2-VL rule; see the module docstring).
+
+    The size fields fix the token count; `temporal_patch_size`, `image_mean`, `image_std`,
+    `rescale_factor` and `resample` (a PIL resampling filter, 3 = bicubic) fix the pixel values, as in a
+    Qwen2-VL `preprocessor_config.json` (`from_preprocessor_config`).
+    """
 
     patch_size: int = 14
     merge_size: int = 2
     min_pixels: int = 3136
     max_pixels: int = 12845056
     max_aspect_ratio: float = 200
+    temporal_patch_size: int = 2
+    image_mean: tuple[float, float, float] = CLIP_MEAN
+    image_std: tuple[float, float, float] = CLIP_STD
+    rescale_factor: float = 1 / 255
+    resample: int = 3
 
     def __post_init__(self) -> None:
-        if self.patch_size < 1 or self.merge_size < 1:
+        if self.patch_size < 1 or self.merge_size < 1 or self.temporal_patch_size < 1:
             raise ValueError(
-                f"patch_size and merge_size must be >= 1, got {self.patch_size}, {self.merge_size}"
+                "patch_size, merge_size and temporal_patch_size must be >= 1, got "
+                f"{self.patch_size}, {self.merge_size}, {self.temporal_patch_size}"
             )
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(
@@ -72,20 +86,32 @@ class ImageTokenRule:
             )
         if not self.max_aspect_ratio >= 1:
             raise ValueError(f"max_aspect_ratio must be >= 1, got {self.max_aspect_ratio}")
+        for name in ("image_mean", "image_std"):
+            value = tuple(float(v) for v in getattr(self, name))  # JSON lists -> tuples, for equality
+            if len(value) != 3 or (name == "image_std" and min(value) <= 0):
+                raise ValueError(f"{name} must be 3 numbers (std > 0), got {getattr(self, name)}")
+            object.__setattr__(self, name, value)
+        if not self.rescale_factor > 0 or self.resample not in range(6):
+            raise ValueError(
+                f"need rescale_factor > 0 and resample in 0..5 (PIL filters), got {self.rescale_factor}, "
+                f"{self.resample}"
+            )
 
     @property
     def factor(self) -> int:
         """Side granularity in pixels: one merged token covers factor x factor pixels."""
         return self.patch_size * self.merge_size
 
+    @property
+    def patch_dim(self) -> int:
+        """Width of one row of `pixel_values`: 3 * temporal_patch_size * patch_size**2."""
+        return 3 * self.temporal_patch_size * self.patch_size**2
+
     def resized_hw(self, height: int, width: int) -> tuple[int, int]:
-        """(h', w') the image is resized to; `ImageSizeError` (a ValueError) for too small or too elongated images."""
+        """(h', w') the image is resized to; `ImageSizeError` (a ValueError) for too elongated images."""
         factor = self.factor
-        if height < factor or width < factor:
-            raise ImageSizeError(
-                "image_too_small",
-                f"image of {width}x{height} (w x h) is too small: both sides must be at least {factor} pixels",
-            )
+        if height < 1 or width < 1:
+            raise ImageSizeError("image_size_invalid", f"image of {width}x{height} (w x h) has no pixels")
         aspect = max(height, width) / min(height, width)
         if aspect > self.max_aspect_ratio:
             raise ImageSizeError(
@@ -122,12 +148,76 @@ class ImageTokenRule:
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest's "image_rule" entry."""
-        return asdict(self)
+        d = asdict(self)
+        d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ImageTokenRule:
         """The rule of a manifest's "image_rule" entry (unknown keys are an error, missing ones default)."""
         return cls(**d)
+
+    @classmethod
+    def from_preprocessor_config(
+        cls, config: dict[str, Any], *, source: str = "preprocessor_config"
+    ) -> ImageTokenRule:
+        """The rule of a Qwen2-VL-style `preprocessor_config.json`, read as transformers 5 reads it.
+
+        `min_pixels`/`max_pixels` win over `size.shortest_edge`/`size.longest_edge` (transformers' order);
+        keys absent from the file take `Qwen2VLImageProcessorPil`'s class defaults (max_pixels 28*28*1280,
+        not the 12845056 Qwen2-VL checkpoints ship), since that is what the model's processor would use.
+
+        Raises:
+            ValueError: a processor type or setting this rule cannot reproduce, naming `source`.
+        """
+        kind = str(config.get("image_processor_type", "Qwen2VLImageProcessor"))
+        if not kind.startswith("Qwen2VLImageProcessor"):
+            raise ValueError(f"{source}: image_processor_type {kind!r} is not a Qwen2-VL image processor")
+        for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+            if config.get(flag, True) is not True:
+                raise ValueError(f"{source}: {flag}={config[flag]!r} is not supported (mmpack needs true)")
+        size = dict(config.get("size") or {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280})
+        min_pixels = config.get("min_pixels", size.get("shortest_edge"))
+        max_pixels = config.get("max_pixels", size.get("longest_edge"))
+        if min_pixels is None or max_pixels is None:
+            raise ValueError(
+                f"{source}: size {size} needs both shortest_edge and longest_edge (or min_pixels/max_pixels)"
+            )
+        defaults = cls()
+        try:
+            return cls(
+                patch_size=int(config.get("patch_size", defaults.patch_size)),
+                merge_size=int(config.get("merge_size", defaults.merge_size)),
+                temporal_patch_size=int(config.get("temporal_patch_size", defaults.temporal_patch_size)),
+                min_pixels=int(min_pixels),
+                max_pixels=int(max_pixels),
+                image_mean=tuple(config.get("image_mean", defaults.image_mean)),
+                image_std=tuple(config.get("image_std", defaults.image_std)),
+                rescale_factor=float(config.get("rescale_factor", defaults.rescale_factor)),
+                resample=int(config.get("resample", defaults.resample)),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: {exc}") from exc
+
+
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
+
+
+def load_model_image_rule(model_dir: str | os.PathLike[str]) -> ImageTokenRule | None:
+    """The rule of `model_dir/preprocessor_config.json`; None when the folder has no such file."""
+    import json
+
+    path = os.path.join(os.fspath(model_dir), PREPROCESSOR_CONFIG)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return ImageTokenRule.from_preprocessor_config(config, source=path)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,65 +225,69 @@ class ImageTokenRule:
 
 
 def read_image_size(
-    src: str | os.PathLike[str] | bytes | bytearray | memoryview | IO[bytes], *, check_truncated: bool = True
+    src: str | os.PathLike[str] | bytes | bytearray | memoryview | IO[bytes],
+    *,
+    check_truncated: bool = True,
+    max_image_pixels: int | None = None,
 ) -> tuple[int, int, str]:
     """(width, height, fmt) of an image from its header, without decoding the pixels.
 
     The format is detected from the content (never the file name); fmt is "jpg", "png", "webp", "gif", ...
-    Width and height are as displayed, i.e. after the EXIF orientation (JPEG/WEBP), matching
-    `image_to_patches`. With `check_truncated`, a JPEG/PNG/GIF/WEBP whose end marker is missing is checked
+    Width and height are those of the stored pixels (the EXIF orientation is not applied, as in
+    `image_to_patches`). With `check_truncated`, a JPEG/PNG/GIF/WEBP whose end marker is missing is checked
     by a full decode, so truncated files fail here rather than in the loader.
 
     Raises:
         FileNotFoundError: `src` is a path that does not exist.
         ImageHeaderError: not an image Pillow can identify, or a truncated file.
+        ImageSizeError: reason "image_too_large", more than `max_image_pixels` pixels (checked from the
+            header, before any decode).
     """
     if isinstance(src, (bytes, bytearray, memoryview)):
-        return _read_size(io.BytesIO(bytes(src)), "<bytes>", check_truncated)
+        return _read_size(io.BytesIO(bytes(src)), "<bytes>", check_truncated, max_image_pixels)
     if isinstance(src, (str, os.PathLike)):
         with open(src, "rb") as f:
-            return _read_size(f, os.fspath(src), check_truncated)
+            return _read_size(f, os.fspath(src), check_truncated, max_image_pixels)
     name = str(getattr(src, "name", "<file object>"))
     if not (src.seekable() and src.tell() == 0):
         src = io.BytesIO(src.read())
-    return _read_size(src, name, check_truncated)
+    return _read_size(src, name, check_truncated, max_image_pixels)
 
 
-def _read_size(f: IO[bytes], name: str, check_truncated: bool) -> tuple[int, int, str]:
+def _too_large(name: str, pixels: str, limit: int) -> ImageSizeError:
+    return ImageSizeError(
+        "image_too_large",
+        f"image {name} has {pixels} pixels, more than --max-image-pixels {limit}; downscale it or raise the limit",
+    )
+
+
+def _read_size(
+    f: IO[bytes], name: str, check_truncated: bool, max_image_pixels: int | None = None
+) -> tuple[int, int, str]:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(f) as im:
-            pil_format = str(im.format)
-            width, height = im.size
-            transposed = _orientation_swaps_axes(im)
-            if check_truncated and _looks_truncated(f, pil_format):
-                decode_or_raise(im, name)
-    except (UnidentifiedImageError, SyntaxError, struct.error, Image.DecompressionBombError) as exc:
+        with warnings.catch_warnings():  # the pixel limit is checked here; Pillow's bomb warning is noise
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(f) as im:
+                pil_format = str(im.format)
+                width, height = im.size
+                if max_image_pixels is not None and width * height > max_image_pixels:
+                    raise _too_large(name, f"{width}x{height}", max_image_pixels)
+                if check_truncated and _looks_truncated(f, pil_format):
+                    decode_or_raise(im, name)
+    except Image.DecompressionBombError as exc:
+        if max_image_pixels is not None:  # above Pillow's own hard limit, so above ours too
+            raise _too_large(name, "over Pillow's limit of 2 x MAX_IMAGE_PIXELS", max_image_pixels) from exc
+        raise ImageHeaderError(f"cannot read image header of {name}: {exc}") from exc
+    except (UnidentifiedImageError, SyntaxError, struct.error) as exc:
         raise ImageHeaderError(f"cannot read image header of {name}: {exc}") from exc
     except OSError as exc:
         if isinstance(exc, FileNotFoundError):
             raise
         raise ImageHeaderError(f"cannot read image {name}: {exc}") from exc
-    if transposed:
-        width, height = height, width
     fmt = _FORMAT_NAMES.get(pil_format, pil_format.lower())
     return int(width), int(height), fmt
-
-
-def _orientation_swaps_axes(im: Any) -> bool:
-    """True when the EXIF orientation rotates the image by 90 or 270 degrees (tags 5..8)."""
-    return _exif_orientation(im) in (5, 6, 7, 8)
-
-
-def _exif_orientation(im: Any) -> int:
-    if im.format not in _ORIENTED_FORMATS:
-        return 1
-    try:
-        value = im.getexif().get(_ORIENTATION_TAG, 1)
-    except Exception:  # a corrupt EXIF block is ignored, like most image viewers do
-        return 1
-    return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
 def _looks_truncated(f: IO[bytes], pil_format: str) -> bool:
@@ -237,21 +331,20 @@ def decode_or_raise(im: Any, name: str) -> None:
 def image_to_patches(
     img: Any, rule: ImageTokenRule, *, grid_thw: tuple[int, int, int] | None = None
 ) -> np.ndarray:
-    """Pixel patches of a PIL image: float32 [gh * gw, 3 * patch * patch], CLIP-normalised.
+    """Pixel patches of a PIL image: float32 [gh * gw, 3 * temporal_patch_size * patch**2].
 
-    The image is EXIF-oriented (as in `read_image_size`), converted to RGB, resized with bicubic
-    resampling to the `rule`'s (h', w') (or to `grid_thw` * patch when given, e.g. from a manifest),
-    scaled to [0, 1] and normalised with the CLIP mean/std.
+    Equal to transformers' `Qwen2VLImageProcessorPil` on the same PIL image (no EXIF orientation):
+    transparency composited onto white, other modes converted to RGB, resized with the `rule`'s filter
+    (bicubic) to the rule's (h', w') (or to `grid_thw` * patch when given, e.g. from a manifest), scaled by
+    `rescale_factor` (in float64, then float32) and normalised with `image_mean`/`image_std` in float32.
 
     Row order is merge-window-major: windows of merge x merge patches in row-major order, and inside
     a window its patches in row-major order, so the merge is a reshape of groups of merge**2 rows.
     Row r = ((wy * (gw // m) + wx) * m + dy) * m + dx holds patch (py, px) = (wy * m + dy, wx * m + dx).
-    Each row is laid out (channel, y, x) inside the patch. `patches_to_image` is the inverse.
+    Each row is laid out (channel, t, y, x): the single image repeated temporal_patch_size times.
+    `patches_to_image` is the inverse.
     """
-    from PIL import Image
-
-    p, m = rule.patch_size, rule.merge_size
-    img = _apply_orientation(img)
+    p, m, t = rule.patch_size, rule.merge_size, rule.temporal_patch_size
     if grid_thw is None:
         width, height = img.size
         _, gh, gw = rule.grid_thw(height, width)
@@ -259,35 +352,57 @@ def image_to_patches(
         _, gh, gw = (int(v) for v in grid_thw)
         if gh % m or gw % m or gh < m or gw < m:
             raise ValueError(f"grid {tuple(grid_thw)} is not a positive multiple of merge_size {m}")
-    rgb = img.convert("RGB").resize((gw * p, gh * p), resample=Image.Resampling.BICUBIC)
-    scaled = np.asarray(rgb, dtype=np.float32) * np.float32(1.0 / 255.0)  # [H, W, 3]
-    normalised = (scaled - np.asarray(CLIP_MEAN, np.float32)) / np.asarray(CLIP_STD, np.float32)
-    # [H, W, C] -> [wy, dy, py, wx, dx, px, C] -> [wy, wx, dy, dx, C, py, px]
-    blocks = normalised.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)
-    return np.ascontiguousarray(blocks.reshape(gh * gw, 3 * p * p), dtype=np.float32)
+    rgb = _to_rgb(img).resize((gw * p, gh * p), resample=rule.resample)
+    pixels = np.asarray(rgb, dtype=np.uint8)  # [H, W, 3]
+    # [H, W, C] -> [wy, dy, py, wx, dx, px, C] -> [wy, wx, dy, dx, C, py, px], still uint8 (cheap to move)
+    blocks = pixels.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)
+    blocks = blocks.reshape(gh * gw, 3, 1, p, p)
+    out = np.empty((gh * gw, 3, t, p, p), dtype=np.float32)
+    out[:] = _normalise_table(rule)[np.arange(3).reshape(1, 3, 1, 1, 1), blocks]
+    return out.reshape(gh * gw, rule.patch_dim)
 
 
 def patches_to_image(patches: np.ndarray, grid_thw: tuple[int, int, int], rule: ImageTokenRule) -> np.ndarray:
-    """Inverse of the layout of `image_to_patches`: float32 [3, gh * patch, gw * patch] (still normalised)."""
-    p, m = rule.patch_size, rule.merge_size
+    """Inverse of the layout of `image_to_patches`: float32 [3, gh * patch, gw * patch] (still normalised).
+
+    The first temporal copy is used; `ValueError` if the copies differ (not an image's patches).
+    """
+    p, m, t = rule.patch_size, rule.merge_size, rule.temporal_patch_size
     _, gh, gw = (int(v) for v in grid_thw)
-    if patches.shape != (gh * gw, 3 * p * p):
+    if patches.shape != (gh * gw, rule.patch_dim):
         raise ValueError(f"patches of shape {patches.shape} do not match grid {tuple(grid_thw)}")
-    blocks = patches.reshape(gh // m, gw // m, m, m, 3, p, p)  # [wy, wx, dy, dx, C, py, px]
+    frames = patches.reshape(gh // m, gw // m, m, m, 3, t, p, p)  # [wy, wx, dy, dx, C, T, py, px]
+    if not (frames == frames[:, :, :, :, :, :1]).all():
+        raise ValueError("the temporal copies of these patches differ: they are not one image's patches")
+    blocks = frames[:, :, :, :, :, 0]
     return np.ascontiguousarray(blocks.transpose(4, 0, 2, 5, 1, 3, 6).reshape(3, gh * p, gw * p))
 
 
-def _apply_orientation(img: Any) -> Any:
+def _to_rgb(img: Any) -> Any:
+    """RGB PIL image as transformers' `convert_to_rgb`: any transparency composited onto white."""
     from PIL import Image
 
-    orientation = _exif_orientation(img)
-    method = {
-        2: Image.Transpose.FLIP_LEFT_RIGHT,
-        3: Image.Transpose.ROTATE_180,
-        4: Image.Transpose.FLIP_TOP_BOTTOM,
-        5: Image.Transpose.TRANSPOSE,
-        6: Image.Transpose.ROTATE_270,
-        7: Image.Transpose.TRANSVERSE,
-        8: Image.Transpose.ROTATE_90,
-    }.get(orientation)
-    return img if method is None else img.transpose(method)
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def _normalise_table(rule: ImageTokenRule) -> np.ndarray:
+    """float32 [3, 256]: the normalised value of every 8-bit level per channel.
+
+    The same float operations transformers applies per pixel (rescale in float64, cast to float32,
+    then (x - mean) / std in float32), done once per level: a gather then gives bit-identical values.
+    """
+    key = (rule.rescale_factor, rule.image_mean, rule.image_std)
+    table = _TABLES.get(key)
+    if table is None:
+        scaled = (np.arange(256, dtype=np.float64) * rule.rescale_factor).astype(np.float32)
+        mean = np.asarray(rule.image_mean, dtype=np.float32)[:, None]
+        std = np.asarray(rule.image_std, dtype=np.float32)[:, None]
+        table = _TABLES[key] = (scaled[None, :] - mean) / std
+    return table
+
+
+_TABLES: dict[tuple[float, tuple[float, ...], tuple[float, ...]], np.ndarray] = {}

@@ -70,7 +70,7 @@ def make_bad_dataset(root: Path, seed: int = 0) -> BadData:
     `truncated.jpg` keeps its header, so only a decode (not a header read) finds it.
     Reasons: malformed_json, malformed_record, empty_conversation, image_tag_mismatch, missing_image,
     unreadable_image (truncated or corrupt image file), image_path_escape (absolute or ../ paths),
-    image_too_small, image_aspect_ratio.
+    image_aspect_ratio. A 10x10 image is valid (upscaled to 56x56, as transformers does).
     Over-length samples are not included (they depend on seq_len; see tests).
     """
     rng = random.Random(seed)
@@ -86,7 +86,7 @@ def make_bad_dataset(root: Path, seed: int = 0) -> BadData:
     (img_dir / "truncated.jpg").write_bytes(big_jpg.read_bytes()[: big_jpg.stat().st_size * 3 // 5])
     (img_dir / "corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg" * 4)
     (root / "secret.jpg").write_bytes(good_jpg.read_bytes())  # exists, but outside the image root
-    Image.new("RGB", (10, 10), (1, 2, 3)).save(img_dir / "tiny.png")  # below one 28x28 merged patch
+    Image.new("RGB", (10, 10), (1, 2, 3)).save(img_dir / "tiny.png")  # below one 28x28 merged patch: upscaled
     Image.new("RGB", (6000, 28), (1, 2, 3)).save(img_dir / "thin.png")  # aspect ratio 214 > 200
 
     def llava(img: str | None, q: str = "<image>\nWhat is this?", a: str = "A test picture.") -> str:
@@ -125,7 +125,7 @@ def make_bad_dataset(root: Path, seed: int = 0) -> BadData:
     add_bad(json.dumps({"conversations": []}), "empty_conversation", "empty conversation")
     add_bad(json.dumps({"messages": [], "images": []}), "empty_conversation", "empty ShareGPT messages")
     add_bad(json.dumps([1, 2, 3]), "malformed_record", "a JSON array, not an object")
-    add_bad(llava("tiny.png"), "image_too_small", "10x10 image")
+    add_good(llava("tiny.png"), "10x10 image")
     add_bad(llava("thin.png"), "image_aspect_ratio", "6000x28 image")
     add_good(llava(None, q=random_words(rng, 5), a=random_words(rng, 8)))
     add_good(json.dumps({"image": "good.jpg", "caption": "a caption"}))

@@ -269,7 +269,7 @@ def test_normalize_sharegpt_caption_and_text_only() -> None:
 def test_normalize_rejects(record: object, reason: str) -> None:
     with pytest.raises(SampleError) as info:
         normalize_record(record, source="bad.jsonl", line=5)
-    assert info.value.reason == info.value.reason_code == reason and reason in str(info.value)
+    assert info.value.reason == reason and reason in str(info.value)
 
 
 # ---------------------------------------------------------------- tokenisation and loss mask
@@ -566,11 +566,22 @@ def test_smart_resize_rejects_aspect_above_200(h: int, w: int) -> None:
     assert isinstance(info.value, ImageSizeError) and info.value.reason == "image_aspect_ratio"
 
 
-@pytest.mark.parametrize(("h", "w"), [(27, 100), (100, 27), (1, 1)])
-def test_smart_resize_rejects_sides_below_factor(h: int, w: int) -> None:
-    with pytest.raises(ImageSizeError, match="too small") as info:
-        ImageTokenRule().resized_hw(h, w)
-    assert info.value.reason == "image_too_small"
+@pytest.mark.parametrize(
+    ("h", "w", "hw"),
+    [
+        (27, 100, (28, 112)),  # rounds up to one factor: 28 * 112 = min_pixels
+        (100, 27, (112, 28)),
+        (1, 1, (56, 56)),  # min_pixels branch: beta = 56
+        (10, 10, (56, 56)),
+        (5, 150, (28, 308)),  # beta = sqrt(3136 / 750): ceil(0.37), ceil(10.95) factors
+    ],
+)
+def test_smart_resize_upscales_sides_below_factor(h: int, w: int, hw: tuple[int, int]) -> None:
+    # transformers 5's smart_resize has no minimum side: tiny images go through the min_pixels branch
+    assert ImageTokenRule().resized_hw(h, w) == hw
+    with pytest.raises(ImageSizeError, match="no pixels") as info:
+        ImageTokenRule().resized_hw(0, 10)
+    assert info.value.reason == "image_size_invalid"
 
 
 def test_rule_validates_and_serialises() -> None:
@@ -672,16 +683,19 @@ def test_jpeg_with_trailing_bytes_is_accepted() -> None:
     assert read_image_size(data) == (123, 45, "jpg")
 
 
-def test_exif_orientation_swaps_size_and_pixels_agree() -> None:
+@pytest.mark.parametrize("fmt", ["JPEG", "WEBP"])
+def test_exif_orientation_is_not_applied_by_header_or_pixels(fmt: str) -> None:
     exif = Image.Exif()
-    exif[0x0112] = 6  # rotate 90: displayed size is (h, w)
-    data = _image_bytes("JPEG", (120, 60), exif=exif.tobytes())
+    exif[0x0112] = 6  # "rotate 90" for viewers; Qwen2VLImageProcessorPil uses the stored pixels
+    data = _image_bytes(fmt, (120, 60), exif=exif.tobytes())
     w, h, _ = read_image_size(data)
-    assert (w, h) == (60, 120)
+    assert (w, h) == (120, 60)
     rule = ImageTokenRule()
-    patches = image_to_patches(Image.open(io.BytesIO(data)), rule)
+    img = Image.open(io.BytesIO(data))
+    assert img.getexif().get(0x0112) == 6
+    patches = image_to_patches(img, rule)
     _, gh, gw = rule.grid_thw(h, w)
-    assert patches.shape == (gh * gw, 3 * 14 * 14)
+    assert (gh, gw) == (4, 8) and patches.shape == (gh * gw, 3 * 2 * 14 * 14)
 
 
 # ---------------------------------------------------------------- pixels
@@ -692,26 +706,33 @@ def test_image_to_patches_layout() -> None:
     rng = np.random.default_rng(1)
     arr = rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)  # already a multiple of 28: no resampling
     patches = image_to_patches(Image.fromarray(arr), rule)
-    gh, gw, p, m = 4, 6, 14, 2
-    assert patches.shape == (gh * gw, 3 * p * p) and patches.dtype == np.float32
+    gh, gw, p, m, t = 4, 6, 14, 2, 2
+    assert patches.shape == (gh * gw, 3 * t * p * p) == (gh * gw, rule.patch_dim)
+    assert patches.dtype == np.float32
     norm = (arr.astype(np.float32) / 255.0 - np.array(CLIP_MEAN, np.float32)) / np.array(CLIP_STD, np.float32)
     for r in range(gh * gw):
         window, inner = divmod(r, m * m)
         wy, wx = divmod(window, gw // m)
         dy, dx = divmod(inner, m)
         py, px = wy * m + dy, wx * m + dx
-        expected = norm[py * p : (py + 1) * p, px * p : (px + 1) * p, :].transpose(2, 0, 1).reshape(-1)
+        patch = norm[py * p : (py + 1) * p, px * p : (px + 1) * p, :].transpose(2, 0, 1)  # [C, y, x]
+        expected = np.stack([patch, patch], axis=1).reshape(-1)  # [C, T, y, x]: the image twice in time
         np.testing.assert_allclose(patches[r], expected, rtol=1e-5, atol=1e-5)
     back = patches_to_image(patches, (1, gh, gw), rule)
     np.testing.assert_allclose(back, norm.transpose(2, 0, 1), rtol=1e-5, atol=1e-5)
+    assert image_to_patches(Image.fromarray(arr), ImageTokenRule(temporal_patch_size=1)).shape == (24, 588)
+    broken = patches.copy()
+    broken[0, 3 * p * p - 1] += 1  # channel 1, t = 1: the temporal copies now differ
+    with pytest.raises(ValueError, match="temporal copies"):
+        patches_to_image(broken, (1, gh, gw), rule)
 
 
 def test_image_to_patches_resizes_to_rule_or_grid() -> None:
     rule = ImageTokenRule()
     img = Image.new("L", (300, 168), 128)  # grayscale is converted to RGB
     patches = image_to_patches(img, rule)
-    assert patches.shape == (12 * 22, 588)
-    np.testing.assert_allclose(patches[:, :196], (128 / 255 - CLIP_MEAN[0]) / CLIP_STD[0], rtol=1e-5)
-    assert image_to_patches(img, rule, grid_thw=(1, 4, 8)).shape == (32, 588)
+    assert patches.shape == (12 * 22, 1176)
+    np.testing.assert_allclose(patches[:, :392], (128 / 255 - CLIP_MEAN[0]) / CLIP_STD[0], rtol=1e-5)
+    assert image_to_patches(img, rule, grid_thw=(1, 4, 8)).shape == (32, 1176)
     with pytest.raises(ValueError, match="merge_size"):
         image_to_patches(img, rule, grid_thw=(1, 3, 8))
