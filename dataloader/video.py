@@ -1,0 +1,205 @@
+"""Video bytes -> the planned frames -> `pixel_values_videos` rows, in the loader's workers.
+
+`decode_planned_frames` decodes exactly the frames of a `VideoPlan` (recorded by the offline scan): it lists
+the stream's packet timestamps (demux only), maps each planned frame index to a presentation timestamp,
+and for each one seeks to the keyframe at or before it and decodes forward, never through the whole video
+unless the frames lie in one group of pictures. Each frame is resized to the plan's (h', w') as soon as it
+is decoded (bicubic, antialiased, as qwen-vl-utils resizes with torchvision: float, clamp to [0, 255],
+round), so memory holds one decoded frame plus the resized ones.
+
+`video_to_patches` then rescales, CLIP-normalises and patchifies frame pairs in the layout of transformers'
+`Qwen2VLVideoProcessor.patchify`: rows (t, h-window, w-window, dy, dx), columns (channel, temporal, y, x),
+i.e. [t * gh * gw, 3 * temporal_patch_size * patch * patch].
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from packing.image_tokens import CLIP_MEAN, CLIP_STD
+from packing.video_tokens import VideoPlan
+
+
+class VideoDecodeError(ValueError):
+    """The recorded frames of a video cannot be decoded (changed or damaged file); names the video."""
+
+    reason = "video_decode"
+
+
+@dataclass(frozen=True)
+class VideoPixels:
+    """Model inputs of one video: pixel rows, its grid (t, h, w) in patches and seconds per temporal step."""
+
+    pixel_values_videos: np.ndarray
+    video_grid_thw: tuple[int, int, int]
+    second_per_grid_t: float
+
+
+def load_video(
+    src: str | os.PathLike[str] | bytes | bytearray | memoryview,
+    plan: VideoPlan,
+    *,
+    patch_size: int = 14,
+    merge_size: int = 2,
+    temporal_patch_size: int = 2,
+    name: str | None = None,
+) -> VideoPixels:
+    """Decode, resize, normalise and patchify the planned frames of one video."""
+    frames = decode_planned_frames(src, plan, name=name)
+    patches = video_to_patches(
+        frames, patch_size=patch_size, merge_size=merge_size, temporal_patch_size=temporal_patch_size
+    )
+    grid = (
+        frames.shape[0] // temporal_patch_size,
+        frames.shape[1] // patch_size,
+        frames.shape[2] // patch_size,
+    )
+    if grid != tuple(plan.grid_thw):
+        raise VideoDecodeError(
+            f"video {name or '<bytes>'}: decoded grid {grid} differs from the plan's {plan.grid_thw}"
+        )
+    return VideoPixels(patches, grid, plan.second_per_grid_t)
+
+
+def decode_planned_frames(
+    src: str | os.PathLike[str] | bytes | bytearray | memoryview,
+    plan: VideoPlan,
+    *,
+    name: str | None = None,
+    counters: dict[str, int] | None = None,
+) -> np.ndarray:
+    """The planned frames resized to the plan's (h', w'): uint8 [n, h', w', 3] (RGB), in plan order.
+
+    `counters`, when given, receives "frames_decoded" and "seeks" (for tests and benchmarks).
+    """
+    import av
+
+    label = name or (os.fspath(src) if isinstance(src, (str, os.PathLike)) else "<bytes>")
+    source: Any = (
+        io.BytesIO(bytes(src)) if isinstance(src, (bytes, bytearray, memoryview)) else os.fspath(src)
+    )
+    try:
+        with av.open(source) as container:
+            stream = container.streams.video[0]
+            frame_pts, keyframe_pts = _packet_timestamps(container, stream, label)
+            targets = frame_timestamps(frame_pts, plan, float(stream.time_base), label)
+            counts = counters if counters is not None else {}
+            decoded = _decode_at(container, stream, targets, keyframe_pts, plan.resized_hw, label, counts)
+    except av.error.FFmpegError as exc:
+        raise VideoDecodeError(f"video {label}: cannot decode the recorded frames: {exc}") from None
+    except IndexError:
+        raise VideoDecodeError(f"video {label} has no video stream") from None
+    return np.stack([decoded[pts] for pts in targets])
+
+
+def _packet_timestamps(container: Any, stream: Any, label: str) -> tuple[list[int], list[int]]:
+    """Sorted presentation timestamps of all frames and of the keyframes, from the packets (not decoded)."""
+    frame_pts, keyframe_pts = [], []
+    for packet in container.demux(stream):
+        if packet.size and packet.pts is not None:
+            frame_pts.append(packet.pts)
+            if packet.is_keyframe:
+                keyframe_pts.append(packet.pts)
+    if not frame_pts:
+        raise VideoDecodeError(f"video {label} has no frames")
+    return sorted(frame_pts), sorted(keyframe_pts)
+
+
+def frame_timestamps(frame_pts: list[int], plan: VideoPlan, time_base: float, label: str) -> list[int]:
+    """Presentation timestamp of each planned frame, given the sorted timestamps of all frames.
+
+    Exact frame counts: frame k is the k-th frame in presentation order. Estimated counts
+    (`frame_count_exact` False): frame k is the frame shown at k / video_fps after the first frame.
+    """
+    if plan.frame_count_exact:
+        if plan.frame_indices[-1] >= len(frame_pts):
+            raise VideoDecodeError(
+                f"video {label} has {len(frame_pts)} frames, the plan asks for frame {plan.frame_indices[-1]}: "
+                "the file changed since the dataset was packed"
+            )
+        return [frame_pts[i] for i in plan.frame_indices]
+    times = [frame_pts[0] + round(i / plan.video_fps / time_base) for i in plan.frame_indices]
+    return [frame_pts[max(0, bisect.bisect_right(frame_pts, t) - 1)] for t in times]
+
+
+def _decode_at(
+    container: Any,
+    stream: Any,
+    targets: list[int],
+    keyframe_pts: list[int],
+    size_hw: tuple[int, int],
+    label: str,
+    counters: dict[str, int],
+) -> dict[int, np.ndarray]:
+    """Resized RGB frames at the wanted timestamps.
+
+    For each wanted frame: decode on from the last decoded frame when no keyframe lies between the two,
+    else seek to the keyframe at or before it (FFmpeg's backward seek) and decode forward from there.
+    """
+    found: dict[int, np.ndarray] = {}
+    counters["frames_decoded"] = counters["seeks"] = 0
+    frames: Any = None
+    last_pts: int | None = None
+    for target in sorted(set(targets)):
+        k = bisect.bisect_right(keyframe_pts, target) - 1
+        keyframe = keyframe_pts[k] if k >= 0 else None
+        if frames is None or last_pts is None or (keyframe is not None and keyframe > last_pts):
+            container.seek(target, stream=stream, backward=True)
+            frames = container.decode(stream)
+            counters["seeks"] += 1
+        for frame in frames:
+            counters["frames_decoded"] += 1
+            if frame.pts is None or frame.pts < target:
+                continue
+            last_pts = frame.pts
+            if frame.pts > target:
+                raise VideoDecodeError(
+                    f"video {label}: no frame at timestamp {target} after seeking (next is {frame.pts})"
+                )
+            found[target] = resize_frame(frame.to_ndarray(format="rgb24"), size_hw)
+            break
+        else:
+            raise VideoDecodeError(f"video {label} ended before the frame at timestamp {target}")
+    return found
+
+
+def resize_frame(rgb: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
+    """uint8 [h', w', 3] from uint8 [H, W, 3]: bicubic, antialiased, clamped and rounded (torchvision's way)."""
+    import torch
+    import torch.nn.functional as F
+
+    h, w = size_hw
+    if rgb.shape[:2] == (h, w):
+        return np.ascontiguousarray(rgb)
+    x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None].to(torch.float32)
+    y = F.interpolate(x, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
+    return y.clamp_(0, 255).round_().to(torch.uint8)[0].permute(1, 2, 0).contiguous().numpy()
+
+
+def video_to_patches(
+    frames: np.ndarray, *, patch_size: int = 14, merge_size: int = 2, temporal_patch_size: int = 2
+) -> np.ndarray:
+    """float32 [t * gh * gw, 3 * tp * p * p] from uint8 frames [n, H, W, 3] (see the module docstring).
+
+    A frame count that is not a multiple of the temporal patch is padded with copies of the last frame,
+    as transformers does.
+    """
+    n, height, width, channels = frames.shape
+    p, m, tp = patch_size, merge_size, temporal_patch_size
+    if channels != 3 or height % (p * m) or width % (p * m) or n == 0:
+        raise ValueError(f"frames of shape {frames.shape} are not n x (multiple of {p * m})^2 x 3")
+    if n % tp:
+        frames = np.concatenate([frames, np.repeat(frames[-1:], tp - n % tp, axis=0)])
+        n = frames.shape[0]
+    scaled = frames.astype(np.float32) * np.float32(1.0 / 255.0)
+    normalised = (scaled - np.asarray(CLIP_MEAN, np.float32)) / np.asarray(CLIP_STD, np.float32)
+    gt, gh, gw = n // tp, height // p, width // p
+    # [gt, tp, wy, dy, py, wx, dx, px, C] -> [gt, wy, wx, dy, dx, C, tp, py, px]
+    blocks = normalised.reshape(gt, tp, gh // m, m, p, gw // m, m, p, 3).transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    return np.ascontiguousarray(blocks.reshape(gt * gh * gw, 3 * tp * p * p), dtype=np.float32)

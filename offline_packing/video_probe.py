@@ -1,0 +1,269 @@
+"""Video metadata from the container with PyAV, without decoding a frame: the scan stage's view of a video.
+
+`probe_video` opens the container with a minimal probe (FFmpeg `probesize` 32 bytes, no analysis
+duration; retried with FFmpeg's defaults when that leaves the frame size or rate unknown), reads frame
+count, frame rate, duration, width and height of the first video stream, and checks the end of the file
+by seeking to the last frames and reading one or two packets (compressed data, not decoded), so that a
+truncated file is a reject here rather than an error in the loader. The bytes read are counted.
+
+Frame count: the container's (`nb_frames`: mp4/mov sample tables, avi headers). Containers without one
+(mkv, webm, some mpeg-ts) give round(duration_s * frame_rate) with `frame_count_exact=False`; the loader
+then takes frame k as the frame shown at k / frame_rate (as a decoder's approximate seek mode does).
+Frame rate: the stream's average rate, else FFmpeg's guessed rate, else frames / duration.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import IO, Any
+
+from packing.video_tokens import VideoMeta
+
+# First bytes of the containers FFmpeg reads that PyAV users meet most; a file that starts like one of
+# them but does not open is a corrupt video, anything else is not a video.
+_SIGNATURES: tuple[tuple[int, bytes], ...] = (
+    (4, b"ftyp"),  # mp4, mov, 3gp
+    (4, b"moov"),
+    (4, b"mdat"),
+    (4, b"free"),
+    (4, b"wide"),
+    (0, b"RIFF"),  # avi (RIFF....AVI )
+    (0, b"\x1a\x45\xdf\xa3"),  # matroska, webm (EBML)
+    (0, b"FLV"),
+    (0, b"\x00\x00\x01\xba"),  # mpeg program stream
+    (0, b"OggS"),
+)
+# Demuxers that read single images or raw streams: FFmpeg opens them, but they are no video container.
+_IMAGE_DEMUXERS = ("image2", "_pipe", "gif", "webp", "apng")
+_PROBE_OPTIONS = {"probesize": "32", "analyzeduration": "0"}
+
+
+class VideoProbeError(ValueError):
+    """A video the scan rejects; `reason` is one of the `REASONS` and `message` says what to do."""
+
+    REASONS = (
+        "missing_video",
+        "unreadable_video",
+        "empty_video",
+        "not_a_video",
+        "corrupt_video",
+        "video_too_long",
+        "video_too_large",
+    )
+
+    def __init__(self, reason: str, message: str):
+        assert reason in self.REASONS, reason
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(kw_only=True, frozen=True)
+class VideoProbeConfig:
+    """Limits of the video probe; a video past one is a reject."""
+
+    max_duration_s: float = 3 * 3600.0
+    max_frame_pixels: int = 8192 * 8192
+    check_tail: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.max_duration_s > 0:
+            raise ValueError(f"max_duration_s must be > 0, got {self.max_duration_s}")
+        if self.max_frame_pixels < 1:
+            raise ValueError(f"max_frame_pixels must be >= 1, got {self.max_frame_pixels}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class VideoProbe:
+    """The metadata of one video and what reading it cost."""
+
+    meta: VideoMeta
+    container: str
+    codec: str
+    size_bytes: int
+    bytes_read: int
+
+
+class _CountingReader(io.RawIOBase):
+    """A seekable binary reader that counts the bytes handed to FFmpeg."""
+
+    def __init__(self, f: IO[bytes]):
+        self._f = f
+        self.bytes_read = 0
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._f.readinto(buffer)  # type: ignore[attr-defined]
+        self.bytes_read += n or 0
+        return n or 0
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+
+def probe_video(
+    src: str | os.PathLike[str] | bytes | bytearray | memoryview,
+    config: VideoProbeConfig | None = None,
+    *,
+    name: str | None = None,
+) -> VideoProbe:
+    """Metadata of the first video stream of a file or of in-memory bytes; `VideoProbeError` if rejected."""
+    config = config or VideoProbeConfig()
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return _probe_file(io.BytesIO(bytes(src)), len(src), name or "<bytes>", config)
+    path = os.fspath(src)
+    name = name or path
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            return _probe_file(f, size, name, config)
+    except FileNotFoundError:
+        raise VideoProbeError("missing_video", f"video file {name} does not exist") from None
+    except IsADirectoryError:
+        raise VideoProbeError("missing_video", f"video path {name} is a folder") from None
+    except PermissionError as exc:
+        raise VideoProbeError("unreadable_video", f"cannot read video {name}: {exc}") from None
+
+
+def _probe_file(f: IO[bytes], size: int, name: str, config: VideoProbeConfig) -> VideoProbe:
+    if size == 0:
+        raise VideoProbeError("empty_video", f"video {name} is an empty file (0 bytes)")
+    reader = _CountingReader(f)
+    container = _open(reader, f, name, _PROBE_OPTIONS)
+    try:
+        stream = _video_stream(container, name)
+        if not (stream.codec_context.width and stream.average_rate):  # raw streams need a longer probe
+            container.close()
+            container = _open(reader, f, name, {})
+            stream = _video_stream(container, name)
+        meta = _metadata(container, stream, name)
+        _check_limits(meta, name, config)
+        if config.check_tail:
+            _check_tail(container, stream, meta, size, name)
+        return VideoProbe(
+            meta=meta,
+            container=str(container.format.name),
+            codec=str(stream.codec_context.name),
+            size_bytes=size,
+            bytes_read=reader.bytes_read,
+        )
+    finally:
+        container.close()
+
+
+def _open(reader: _CountingReader, f: IO[bytes], name: str, options: dict[str, str]) -> Any:
+    import av
+
+    reader.seek(0)
+    try:
+        return av.open(reader, mode="r", options=options, buffer_size=8192)
+    except av.error.FFmpegError as exc:
+        f.seek(0)
+        head = f.read(16)
+        if any(head[at : at + len(sig)] == sig for at, sig in _SIGNATURES):
+            raise VideoProbeError(
+                "corrupt_video", f"video {name} looks like a video container but cannot be opened: {exc}"
+            ) from None
+        raise VideoProbeError("not_a_video", f"{name} is not a video file FFmpeg can read: {exc}") from None
+    except OSError as exc:
+        raise VideoProbeError("unreadable_video", f"cannot read video {name}: {exc}") from None
+
+
+def _video_stream(container: Any, name: str) -> Any:
+    fmt = str(container.format.name)
+    if any(tag in fmt for tag in _IMAGE_DEMUXERS) or not container.streams.video:
+        what = f"an image ({fmt})" if container.streams.video else f"a {fmt} file without a video stream"
+        raise VideoProbeError("not_a_video", f"{name} is {what}, not a video")
+    return container.streams.video[0]
+
+
+def _metadata(container: Any, stream: Any, name: str) -> VideoMeta:
+    width, height = int(stream.codec_context.width), int(stream.codec_context.height)
+    if stream.duration:
+        duration_s = float(stream.duration * stream.time_base)
+    elif container.duration:
+        duration_s = container.duration / 1_000_000  # AV_TIME_BASE
+    else:
+        duration_s = 0.0
+    frames = int(stream.frames or 0)
+    rate: Fraction | None = stream.average_rate or stream.guessed_rate
+    if not rate and frames and duration_s > 0:
+        rate = Fraction(frames / duration_s)
+    if frames == 0 and duration_s == 0.0:
+        raise VideoProbeError("empty_video", f"video {name} has no frames (no frame count, no duration)")
+    if not rate or width < 1 or height < 1:
+        raise VideoProbeError(
+            "corrupt_video",
+            f"video {name} has no frame rate or frame size in its container ({width}x{height})",
+        )
+    fps = float(rate)
+    exact = frames > 0
+    total = frames if exact else round(duration_s * fps)
+    if total == 0:
+        raise VideoProbeError(
+            "empty_video", f"video {name} has no frames ({duration_s:.3f} s at {fps:.3f} fps)"
+        )
+    if duration_s == 0.0:
+        duration_s = total / fps
+    return VideoMeta(
+        total_frames=total,
+        fps=fps,
+        width=width,
+        height=height,
+        duration_s=duration_s,
+        frame_count_exact=exact,
+    )
+
+
+def _check_limits(meta: VideoMeta, name: str, config: VideoProbeConfig) -> None:
+    if meta.duration_s > config.max_duration_s:
+        raise VideoProbeError(
+            "video_too_long",
+            f"video {name} lasts {meta.duration_s:.1f} s, above the limit of {config.max_duration_s:.0f} s "
+            "(raise the video duration limit or cut the video)",
+        )
+    if meta.width * meta.height > config.max_frame_pixels:
+        raise VideoProbeError(
+            "video_too_large",
+            f"video {name} has frames of {meta.width}x{meta.height} (w x h), above the limit of "
+            f"{config.max_frame_pixels} pixels per frame",
+        )
+
+
+def _check_tail(container: Any, stream: Any, meta: VideoMeta, size: int, name: str) -> None:
+    """Seek to the last frames and read one or two packets: a truncated file has none there."""
+    import av
+
+    start = stream.start_time or 0
+    tail_s = max(0.0, meta.duration_s - 2.0 / meta.fps)
+    target = start + int(tail_s / stream.time_base)
+    last_end_s = None
+    try:
+        container.seek(target, stream=stream, backward=True, any_frame=True)
+        for packet, _ in zip(container.demux(stream), range(2)):
+            if packet.size == 0 or packet.pts is None:
+                continue
+            if packet.pos is not None and packet.pos >= 0 and packet.pos + packet.size > size:
+                break
+            last_end_s = float((packet.pts - start + (packet.duration or 0)) * stream.time_base)
+    except av.error.FFmpegError:
+        pass
+    # a stream's end may lie up to a few frame durations past its last packet (rounding, edit lists)
+    slack_s = max(0.5, 4.0 / meta.fps)
+    if last_end_s is None or last_end_s < meta.duration_s - slack_s:
+        raise VideoProbeError(
+            "corrupt_video",
+            f"video {name} is truncated: its container announces {meta.duration_s:.2f} s but no packet "
+            "was found near that end",
+        )
