@@ -101,7 +101,7 @@ def check_contract(
     assert int(batch["num_real_tokens"]) == n_real
     assert batch["image_grid_thw"].dtype == torch.int64 and batch["image_grid_thw"].tolist() == grids
     assert batch["pixel_values"].dtype == torch.float32
-    assert batch["pixel_values"].shape == (sum(int(np.prod(g)) for g in grids), 3 * 14 * 14)
+    assert batch["pixel_values"].shape == (sum(int(np.prod(g)) for g in grids), rule.patch_dim)
     if pixel_rows:
         np.testing.assert_allclose(batch["pixel_values"].numpy(), np.concatenate(pixel_rows), atol=1e-6)
     # The i-th image fills the i-th run of <|image_pad|> tokens (row-major over [B, L]).

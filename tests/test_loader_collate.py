@@ -75,7 +75,7 @@ def test_collate_equals_layout_reference(bins: list[list[int]], seed: int, mask:
             np.testing.assert_array_equal(got[key], value, err_msg=key)
         else:
             assert got[key] == value, key
-    assert got["pixel_values"].shape == (0, 3 * 14 * 14) and got["image_grid_thw"].shape == (0, 3)
+    assert got["pixel_values"].shape == (0, 3 * 2 * 14 * 14) and got["image_grid_thw"].shape == (0, 3)
 
 
 def test_collate_errors_name_the_bin() -> None:
