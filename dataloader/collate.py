@@ -11,6 +11,7 @@ import numpy as np
 from PIL import Image
 
 from dataloader.readers import BinRecord
+from packing.format import DEFAULT_MAX_IMAGE_PIXELS
 from packing.image_tokens import ImageTokenRule, image_to_patches
 from packing.layout import IGNORE_INDEX, build_attention_mask_from_cu_seqlens
 
@@ -24,11 +25,36 @@ class CollateConfig:
     image_pad_id: int
     rule: ImageTokenRule
     build_attention_mask: bool = False
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # the manifest's image_rule.max_image_pixels
 
 
-def decode_image_patches(data: bytes, grid_thw: np.ndarray, rule: ImageTokenRule) -> np.ndarray:
-    """Decodes encoded image bytes with Pillow and returns its patches at the stored grid."""
+class ImageTooLargeError(ValueError):
+    """An image over the dataset's pixel limit, found from its header before decoding; `row` is its bin's
+    index in the micro-batch."""
+
+    def __init__(self, message: str, row: int = -1):
+        super().__init__(message)
+        self.row = row
+
+
+def decode_image_patches(
+    data: bytes,
+    grid_thw: np.ndarray,
+    rule: ImageTokenRule,
+    *,
+    max_pixels: int | None = None,
+    where: str = "image",
+) -> np.ndarray:
+    """Decodes encoded image bytes with Pillow and returns its patches at the stored grid; an image over
+    `max_pixels` is refused from its header (Image.open reads only that), before any decoding."""
     with Image.open(io.BytesIO(data)) as img:
+        width, height = img.size
+        if max_pixels is not None and width * height > max_pixels:
+            raise ImageTooLargeError(
+                f"{where} is {width}x{height} ({width * height} pixels), over the dataset's limit of "
+                f"{max_pixels} pixels (manifest image_rule.max_image_pixels); repack the data with "
+                "mmpack pack, which rejects such images"
+            )
         img.load()
         t, gh, gw = (int(v) for v in grid_thw)
         return image_to_patches(img, rule, grid_thw=(t, gh, gw))
@@ -92,8 +118,14 @@ def collate_bins(records: Sequence[BinRecord], cfg: CollateConfig) -> dict[str, 
                 raise ValueError(
                     f"bin {rec['key']}: {got_pads} <|image_pad|> tokens, its images need {expected_pads}"
                 )
-        for data, g in zip(rec["images"], grid):
-            patches.append(decode_image_patches(data, g, cfg.rule))
+        for i, (data, g) in enumerate(zip(rec["images"], grid)):
+            where = f"bin {rec['key']} image {i}"
+            try:
+                patches.append(
+                    decode_image_patches(data, g, cfg.rule, max_pixels=cfg.max_image_pixels, where=where)
+                )
+            except ImageTooLargeError as e:
+                raise ImageTooLargeError(str(e), row=row) from None
             grids.append(g)
     cu_seqlens = np.concatenate(cu).astype(np.int32)
     out: dict[str, Any] = {

@@ -265,5 +265,6 @@ def build_loader(
         image_pad_id=manifest.image_pad_id,
         rule=manifest.image_rule,
         build_attention_mask=build_attention_mask,
+        max_image_pixels=manifest.max_image_pixels,
     )
     return PackedLoader(path, manifest, topology, config, storage, collate)

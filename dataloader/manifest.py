@@ -1,4 +1,8 @@
-"""The manifest of a packed dataset, as the loader needs it."""
+"""The manifest of a packed dataset, as the loader needs it: the shards of one format, in bin order.
+
+The file's model (records, version rule, shard-path checks) is `packing.manifest.Manifest`; this module only
+reads the bytes (fsspec, with retries) and keeps the loader's view of them.
+"""
 
 from __future__ import annotations
 
@@ -11,25 +15,19 @@ from typing import Any
 
 import numpy as np
 
-from packing.format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
+from packing.format import MANIFEST_NAME
 from packing.image_tokens import ImageTokenRule
+from packing.manifest import Manifest as DatasetManifest
+from packing.manifest import ManifestError, ShardEntry
 
+ShardInfo = ShardEntry  # one shard file: its path relative to the dataset root and the global bins it holds
 
-@dataclass(frozen=True)
-class ShardInfo:
-    """One shard file: its path relative to the dataset root and the global bins it holds."""
-
-    path: str
-    format: str
-    first_bin: int
-    bins: int
-    bytes: int
-    sha256: str
+__all__ = ["Manifest", "ManifestError", "ShardInfo", "join_url", "load_manifest"]
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """The parts of manifest.json the loader uses, plus the raw dict."""
+    """The loader's view of a dataset: the shards of one format, ids and the image rule it decodes with."""
 
     seq_len: int
     num_bins: int
@@ -37,8 +35,14 @@ class Manifest:
     pad_id: int
     image_pad_id: int
     image_rule: ImageTokenRule
+    max_image_pixels: int  # images larger than this are refused before decoding
     fingerprint: str
-    raw: dict[str, Any] = field(repr=False, compare=False)
+    dataset: DatasetManifest = field(repr=False, compare=False)
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The whole manifest as plain JSON values."""
+        return self.dataset.to_dict()
 
     @property
     def patch_size(self) -> int:
@@ -58,43 +62,34 @@ class Manifest:
         return np.searchsorted(self.shard_first_bins, np.asarray(bins, dtype=np.int64), side="right") - 1
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], *, shard_format: str | None = None) -> Manifest:
+    def from_dict(
+        cls, raw: dict[str, Any], *, shard_format: str | None = None, source: str = "manifest.json"
+    ) -> Manifest:
         """Validates a parsed manifest.json and keeps the shards of one format (arrow preferred)."""
-        if raw.get("format") != FORMAT_NAME:
-            raise ValueError(f"not an mmpack packed dataset manifest (format={raw.get('format')!r})")
-        if raw.get("version") != FORMAT_VERSION:
-            raise ValueError(
-                f"unsupported packed format version {raw.get('version')} (want {FORMAT_VERSION})"
-            )
-        all_shards = [ShardInfo(**{k: s[k] for k in ShardInfo.__dataclass_fields__}) for s in raw["shards"]]
-        formats = sorted({s.format for s in all_shards})
-        if shard_format is None:
-            shard_format = "arrow" if "arrow" in formats else (formats[0] if formats else "arrow")
-        shards = tuple(sorted((s for s in all_shards if s.format == shard_format), key=lambda s: s.first_bin))
-        if not shards and all_shards:
-            raise ValueError(f"dataset has no {shard_format!r} shards (has {formats})")
-        expected = 0
-        for s in shards:
-            if s.first_bin != expected or s.bins < 0:
-                raise ValueError(f"shard {s.path} starts at bin {s.first_bin}, expected {expected}")
-            expected += s.bins
-        specials = raw.get("tokenizer", {}).get("special_ids", {})
-        rule = raw.get("image_rule") or {}
+        return cls.from_model(DatasetManifest.from_dict(raw, source=source), shard_format=shard_format)
+
+    @classmethod
+    def from_model(cls, dataset: DatasetManifest, *, shard_format: str | None = None) -> Manifest:
+        """The loader's view of a checked manifest."""
+        shard_format = shard_format or dataset.default_format()
+        shards = dataset.shards_of(shard_format)
+        if not shards and dataset.shards:
+            raise ManifestError(f"dataset has no {shard_format!r} shards (has {dataset.shard_formats})")
         canon = json.dumps(
-            {"seq_len": raw["seq_len"], "shards": [(s.path, s.bins, s.sha256) for s in shards]},
+            {"seq_len": dataset.seq_len, "shards": [(s.path, s.bins, s.sha256) for s in shards]},
             sort_keys=True,
         )
+        rule = dataset.image_rule_or_default
         return cls(
-            seq_len=int(raw["seq_len"]),
-            num_bins=expected,
+            seq_len=dataset.seq_len,
+            num_bins=sum(s.bins for s in shards),
             shards=shards,
-            pad_id=int(specials.get("pad", 0)),
-            image_pad_id=int(specials.get("image_pad", -1)),
-            image_rule=ImageTokenRule(
-                **{k: v for k, v in rule.items() if k in ImageTokenRule.__dataclass_fields__}
-            ),
+            pad_id=dataset.special_id("pad", 0),
+            image_pad_id=dataset.special_id("image_pad", -1),
+            image_rule=rule.token_rule(),
+            max_image_pixels=rule.image_pixel_limit,
             fingerprint=hashlib.sha256(canon.encode()).hexdigest()[:16],
-            raw=raw,
+            dataset=dataset,
         )
 
 
@@ -129,4 +124,4 @@ def load_manifest(
                     f"cannot read {url} after {max_attempts} attempts: {type(e).__name__}: {e}"
                 ) from e
             time.sleep(min(4.0, 0.1 * 2**attempt))
-    return Manifest.from_dict(raw, shard_format=shard_format)
+    return Manifest.from_dict(raw, shard_format=shard_format, source=url)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.multiprocessing
 
-from dataloader.collate import CollateConfig, collate_bins
+from dataloader.collate import CollateConfig, ImageTooLargeError, collate_bins
 from dataloader.manifest import Manifest
 from dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
 from dataloader.readers import (
@@ -134,7 +134,13 @@ class Producer:
     def produce(self, k: int) -> dict[str, Any]:
         self.prefetcher.advance(k)
         bins = self.bins(k)
-        batch = collate_bins([self.readers.read_bin(int(b)) for b in bins], self.spec.collate)
+        try:
+            batch = collate_bins([self.readers.read_bin(int(b)) for b in bins], self.spec.collate)
+        except ImageTooLargeError as e:  # name the shard too
+            shard = self.spec.manifest.shards[
+                int(self.spec.manifest.shard_of_bin(bins[e.row : e.row + 1])[0])
+            ]
+            raise ImageTooLargeError(f"shard {shard.path}: {e}", row=e.row) from None
         batch["bin_ids"] = bins
         return batch
 

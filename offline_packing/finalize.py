@@ -15,7 +15,8 @@ import numpy as np
 from offline_packing.config import PackJobConfig
 from offline_packing.storage import OutputStore
 from offline_packing.workdir import WorkDir, read_jsonl
-from packing.format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, REJECTS_NAME, SHARDS_DIR, STATS_NAME
+from packing.format import MANIFEST_NAME, REJECTS_NAME, SHARDS_DIR, STATS_NAME
+from packing.manifest import Manifest, ManifestCounts, ManifestImageRule, ShardEntry
 
 
 def _dumps(obj: object) -> bytes:
@@ -33,27 +34,29 @@ def collect_rejects(wd: WorkDir) -> list[dict]:
     return sorted(rows, key=lambda r: (file_order.get(r["source"], len(file_order)), r["line"]))
 
 
-def compute_counts(wd: WorkDir, rejects: list[dict]) -> dict:
-    """The manifest's "counts": samples read = packed + rejected, always (asserted)."""
+def compute_counts(wd: WorkDir, rejects: list[dict]) -> ManifestCounts:
+    """The manifest's "counts": samples read = packed + rejected, always (checked)."""
     scan, lengths, plan = wd.read_marker("scan"), wd.read_marker("lengths"), wd.read_marker("binpack")
     packed = sum(lengths["accepted"])
-    counts = {
-        "samples_read": scan["read"],
-        "samples_packed": packed,
-        "samples_rejected": len(rejects),
-        "rejected_by_reason": dict(sorted(Counter(r["reason"] for r in rejects).items())),
-        "bins": plan["bins"],
-        "tokens": plan["tokens"],
-        "image_tokens": sum(lengths["image_tokens"]),
-    }
-    if counts["samples_read"] != packed + len(rejects):
+    truncated = lengths.get("truncated", 0)  # per chunk, like "accepted"
+    counts = ManifestCounts(
+        samples_read=scan["read"],
+        samples_packed=packed,
+        samples_rejected=len(rejects),
+        rejected_by_reason=dict(sorted(Counter(r["reason"] for r in rejects).items())),
+        bins=plan["bins"],
+        tokens=plan["tokens"],
+        image_tokens=sum(lengths["image_tokens"]),
+        truncated=sum(truncated) if isinstance(truncated, list) else int(truncated),
+    )
+    if counts.samples_read != packed + len(rejects):
         raise AssertionError(
             f"accounting broken: read {scan['read']} != packed {packed} + rejected {len(rejects)}"
         )
     return counts
 
 
-def compute_stats(wd: WorkDir, cfg: PackJobConfig, counts: dict) -> dict:
+def compute_stats(wd: WorkDir, cfg: PackJobConfig, counts: ManifestCounts) -> dict:
     """stats.json: what `mmpack stats --json` reports for the dataset (packing_stats, source, length
     distribution), computed from the job's own lengths and bins, plus the manifest counts."""
     from offline_packing.binpack import load_plan
@@ -72,7 +75,7 @@ def compute_stats(wd: WorkDir, cfg: PackJobConfig, counts: dict) -> dict:
     )
     if len(lengths):
         stats["length_distribution"] = length_distribution(lengths, cfg.seq_len)
-    stats["counts"] = counts
+    stats["counts"] = counts.to_dict()
     return json.loads(json.dumps(stats, default=_jsonable))
 
 
@@ -89,32 +92,36 @@ def fill_efficiency(stats: dict) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
 
 
-def build_manifest(cfg: PackJobConfig, wd: WorkDir, counts: dict, shards: list[dict]) -> dict:
+def build_manifest(cfg: PackJobConfig, wd: WorkDir, counts: ManifestCounts, shards: list[dict]) -> Manifest:
     from offline_packing.lengths import get_tokenizer, image_rule
     from packing.chat import ChatTemplate
     from packing.tokenizer import tokenizer_info
 
-    rule = image_rule(cfg).to_dict()
-    return {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "seq_len": cfg.seq_len,
-        "formats": list(cfg.formats),
-        "tokenizer": tokenizer_info(get_tokenizer(cfg.tokenizer)),
-        "image_rule": {k: rule[k] for k in ("patch_size", "merge_size", "min_pixels", "max_pixels")},
-        "chat_template": ChatTemplate(default_system=cfg.default_system).to_dict(),
-        "algorithm": {
+    rule = image_rule(cfg)
+    return Manifest(
+        seq_len=cfg.seq_len,
+        shards=tuple(ShardEntry.from_dict(e, f"shard {e['path']}") for e in shards),
+        formats=tuple(cfg.formats),
+        tokenizer=tokenizer_info(get_tokenizer(cfg.tokenizer)),
+        image_rule=ManifestImageRule(
+            patch_size=rule.patch_size,
+            merge_size=rule.merge_size,
+            min_pixels=rule.min_pixels,
+            max_pixels=rule.max_pixels,
+            max_image_pixels=getattr(cfg, "max_image_pixels", None),
+        ),
+        chat_template=ChatTemplate(default_system=cfg.default_system).to_dict(),
+        algorithm={
             "name": wd.read_marker("binpack")["algorithm"],
             "requested": cfg.algorithm,
             "max_items_per_bin": cfg.max_samples_per_bin,
             "max_images_per_bin": cfg.max_images_per_bin,
         },
-        "seed": cfg.seed,
-        "overlength": cfg.overlength,
-        "counts": counts,
-        "shards": shards,
-        "created_by": f"mmpack {_version()}",
-    }
+        seed=cfg.seed,
+        overlength=cfg.overlength,
+        counts=counts,
+        created_by=f"mmpack {_version()}",
+    )
 
 
 def _version() -> str:
@@ -137,7 +144,7 @@ def remove_stale_shards(store: OutputStore, cfg: PackJobConfig, shards: list[dic
                 p.unlink()
 
 
-def finalize(cfg: PackJobConfig, wd: WorkDir, shards: list[dict]) -> dict:
+def finalize(cfg: PackJobConfig, wd: WorkDir, shards: list[dict]) -> Manifest:
     """Write rejects.jsonl, stats.json, .nv-meta (--energon) and manifest.json; returns the manifest."""
     store = OutputStore(cfg.output, cfg.storage_options, staging_dir=wd.stage_dir("write"))
     rejects = collect_rejects(wd)
@@ -153,5 +160,5 @@ def finalize(cfg: PackJobConfig, wd: WorkDir, shards: list[dict]) -> dict:
             raise ValueError("--energon needs a local output folder (energon prepare indexes local tars)")
         write_energon_metadata(store.local_path(""), [e for e in shards if e["format"] == "wds"], cfg.workers)
     manifest = build_manifest(cfg, wd, counts, shards)
-    store.write_bytes(MANIFEST_NAME, _dumps(manifest))
+    store.write_bytes(MANIFEST_NAME, manifest.to_json())
     return manifest

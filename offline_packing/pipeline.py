@@ -20,6 +20,7 @@ from offline_packing.errors import PackError
 from offline_packing.storage import OutputStore
 from offline_packing.workdir import WorkDir
 from packing.format import MANIFEST_NAME, STATS_NAME
+from packing.manifest import Manifest
 
 
 def resolve_work_dir(cfg: PackJobConfig) -> Path:
@@ -137,24 +138,30 @@ def _fill_summary(summary: PackSummary, cfg: PackJobConfig) -> None:
     from offline_packing.finalize import fill_efficiency
 
     store = OutputStore(cfg.output, cfg.storage_options)
-    manifest = _read_output_json(store, MANIFEST_NAME)
+    manifest = _read_output_manifest(store)
     stats = _read_output_json(store, STATS_NAME)
-    counts = manifest["counts"]
-    summary.samples_read = counts["samples_read"]
-    summary.samples_packed = counts["samples_packed"]
-    summary.samples_rejected = counts["samples_rejected"]
-    summary.rejected_by_reason = dict(counts["rejected_by_reason"])
-    summary.bins = counts["bins"]
-    summary.tokens = counts["tokens"]
-    summary.image_tokens = counts["image_tokens"]
-    summary.shards = list(manifest["shards"])
-    summary.output_bytes = sum(e["bytes"] for e in manifest["shards"])
+    counts = manifest.counts
+    assert counts is not None  # the writer always records them
+    summary.samples_read = counts.samples_read
+    summary.samples_packed = counts.samples_packed
+    summary.samples_rejected = counts.samples_rejected
+    summary.rejected_by_reason = dict(counts.rejected_by_reason)
+    summary.bins = counts.bins
+    summary.tokens = counts.tokens
+    summary.image_tokens = counts.image_tokens
+    summary.shards = [e.to_dict() for e in manifest.shards]
+    summary.output_bytes = sum(e.bytes for e in manifest.shards)
     summary.fill_efficiency = fill_efficiency(stats)
 
 
 def read_manifest(output: str, storage_options: dict | None = None) -> dict:
-    """The manifest of a packed dataset (helper for tests and tools)."""
-    return _read_output_json(OutputStore(output, storage_options), MANIFEST_NAME)
+    """The manifest of a packed dataset as plain JSON values, checked by `packing.manifest.Manifest`."""
+    return _read_output_manifest(OutputStore(output, storage_options)).to_dict()
+
+
+def _read_output_manifest(store: OutputStore) -> Manifest:
+    with store.fs.open(store.full_path(MANIFEST_NAME), "rb") as f:
+        return Manifest.from_json(f.read(), source=store.full_path(MANIFEST_NAME))
 
 
 def _read_output_json(store: OutputStore, name: str) -> dict:

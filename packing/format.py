@@ -1,6 +1,7 @@
 """The on-disk contract of a packed dataset, shared by the writer (offline_packing) and the reader (dataloader).
 
-Pure constants and small helpers; no pyarrow, no torch. See DESIGN.md "Packed dataset".
+Pure constants and small helpers; no pyarrow, no torch. See DESIGN.md "Packed dataset". The manifest's
+model (records, version rule, path checks) is `packing.manifest`.
 
 Layout of a dataset folder (local path or fsspec URL)::
 
@@ -19,11 +20,17 @@ from __future__ import annotations
 import re
 
 FORMAT_NAME = "mmpack-packed"
-FORMAT_VERSION = 1
+# The manifest's version rule lives in packing.manifest: versions 1..FORMAT_VERSION load, newer ones are refused.
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 REJECTS_NAME = "rejects.jsonl"
 STATS_NAME = "stats.json"
 SHARDS_DIR = "shards"
+SHARD_FORMATS = ("arrow", "wds")
+# Images larger than this many pixels are rejects offline and refused by the loader before decoding, unless
+# the manifest records another limit (`image_rule.max_image_pixels`). Below Pillow's own warning level
+# (89M pixels): one such RGB image costs ~120 MB once decoded, in every loader worker.
+DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
 
 # One record per bin. Field -> numpy dtype of its elements (list columns in Arrow, .npy members in tars).
 ARRAY_FIELDS: dict[str, str] = {
