@@ -23,7 +23,7 @@ from packing.image_tokens import (
     read_image_size,
 )
 from packing.layout import IGNORE_INDEX, PackedSequence, build_packed_sequence, collate_packed
-from packing.stats import lower_bound_l1, lower_bound_l2, packing_stats
+from packing.stats import lower_bound_images, lower_bound_l1, lower_bound_l2, packing_stats
 from packing.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, load_tokenizer, tokenizer_info
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "collate_packed",
     "image_to_patches",
     "load_tokenizer",
+    "lower_bound_images",
     "lower_bound_l1",
     "lower_bound_l2",
     "normalize_record",

@@ -108,6 +108,59 @@ def lower_bound_item_cap(lengths: np.ndarray, capacity: int, max_items: int) -> 
     return full + big + -(-max(0, small - (max_items - 1) * big) // max_items)
 
 
+def lower_bound_images(
+    lengths: np.ndarray,
+    image_counts: np.ndarray,
+    capacity: int,
+    max_images: int,
+    max_items: int | None = None,
+) -> int:
+    """Lower bound on bins holding at most `capacity` tokens and `max_images` images (and `max_items`).
+
+    Counts only the items that fit (length <= capacity, images <= max_images). The maximum of the
+    Martello-Toth L2 bound on tokens, the same bound on images (bins of `max_images`, so it includes
+    ceil(images / max_images) and the rule that two items of more than max_images / 2 images never share
+    a bin), with an item cap `lower_bound_item_cap`, and the long-item bound below (image room that
+    bins of long samples cannot use).
+    """
+    capacity = _positive_int(capacity, "capacity")
+    lengths = np.asarray(lengths)
+    images = np.asarray(image_counts, dtype=np.int64)
+    if images.shape != lengths.shape:
+        raise ValueError(f"image_counts {images.shape} must match lengths {lengths.shape}")
+    if isinstance(max_images, bool) or not isinstance(max_images, int | np.integer) or max_images < 0:
+        raise ValueError(f"max_images must be an integer >= 0, got {max_images!r}")
+    keep = images <= max_images
+    fits = _fitting_lengths(lengths[keep], capacity)
+    fit_images = images[keep][lengths[keep] <= capacity]
+    bound = lower_bound_l2(fits, capacity)
+    if max_images > 0 and fit_images.size:
+        image_histogram = np.bincount(fit_images, minlength=max_images + 1)
+        bound = max(bound, lower_bound_l2_from_counts(image_histogram, max_images))
+    if max_items is not None:
+        bound = max(bound, lower_bound_item_cap(fits, capacity, max_items))
+    return max(bound, _long_item_image_bound(fits, fit_images, capacity, max_images))
+
+
+def _long_item_image_bound(lengths: np.ndarray, images: np.ndarray, capacity: int, max_images: int) -> int:
+    """Bins >= long items + the images no long item's bin can take, in bins of `max_images`.
+
+    A bin holds at most one long item (length > capacity/2). The bin of long item x takes at most
+    max_images - images(x) images of short items, and none when the shortest short item with images
+    does not fit beside x (a full-length sample leaves its bin's image room unused).
+    """
+    if max_images == 0 or lengths.size == 0:
+        return 0
+    long = 2 * lengths > capacity
+    short_with_images = lengths[~long & (images > 0)]
+    if short_with_images.size == 0:
+        return int(np.count_nonzero(long))
+    shortest = int(short_with_images.min())
+    room = np.where(capacity - lengths[long] >= shortest, max_images - images[long], 0)
+    left = int(images[~long].sum()) - int(room.sum())
+    return int(np.count_nonzero(long)) + -(-max(0, left) // max_images)
+
+
 def _summary(values: np.ndarray) -> dict[str, float]:
     if values.size == 0:
         return {"mean": 0.0, "p50": 0.0, "max": 0.0}

@@ -61,15 +61,18 @@ def first_fit_decreasing(lengths, capacity, max_items=UNLIMITED, images=None, ma
     return bin_ids, len(bins)
 
 
-def best_fit_decreasing(lengths, capacity, max_items=UNLIMITED, images=None, max_images=UNLIMITED):
+def best_fit_decreasing(
+    lengths, capacity, max_items=UNLIMITED, images=None, max_images=UNLIMITED, order=None
+):
     """Best fit: least space left, then (with an image cap) least image room clamped to the largest
-    image count or (without) fewest items, then the bin updated most recently."""
+    image count or (without) fewest items, then the bin updated most recently. Items go in `order`
+    (default: longest first)."""
     image_capped = images is not None and max_images < UNLIMITED and any(images)
     images = images or [0] * len(lengths)
     top_room = min(max(images, default=0), max_images) if image_capped else 0
     bin_ids = [-1] * len(lengths)
     bins: list[dict] = []
-    for step, i in enumerate(descending_order(lengths, capacity)):
+    for step, i in enumerate(descending_order(lengths, capacity) if order is None else order):
         size, need = lengths[i], images[i]
         if need > max_images:
             continue
@@ -148,3 +151,110 @@ def lower_bound_item_cap(lengths, capacity, max_items) -> int:
     big = sum(1 for s in items if capacity < 2 * s < 2 * capacity)
     small = len(items) - full - big
     return full + big + math.ceil(max(0, small - (max_items - 1) * big) / max_items)
+
+
+# --------------------------------------------------------------------------------------------------
+# Video frames and size: qwen-vl-utils 0.0.14 (`smart_nframes`, the frame indices and `smart_resize` of
+# `fetch_video`) written out step by step, with torch's own linspace for the indices.
+
+
+def qwen_vl_video_plan(
+    total_frames: int,
+    video_fps: float,
+    height: int,
+    width: int,
+    *,
+    fps: float = 2.0,
+    min_frames: int = 4,
+    max_frames: int = 768,
+    min_pixels: int = 128 * 28 * 28,
+    max_pixels: int = 768 * 28 * 28,
+    model_seq_len: int = 128000,
+) -> dict | None:
+    """What qwen-vl-utils trains a video with (patch 14, merge 2, frame factor 2); None where it fails."""
+    import torch
+
+    factor = 28
+    lowest = math.ceil(min_frames / 2) * 2
+    highest = math.floor(min(max_frames, total_frames) / 2) * 2
+    n = total_frames / video_fps * fps
+    n = max(n, lowest)
+    n = min(n, highest)
+    n = min(n, total_frames)
+    n = math.floor(n / 2) * 2
+    if n < 2 or n > total_frames:
+        return None
+    indices = torch.linspace(0, total_frames - 1, n).round().long().tolist()
+
+    total_pixels = model_seq_len * factor * factor * 0.9
+    frame_max = max(min(max_pixels, total_pixels / n * 2), int(min_pixels * 1.05))
+    if max(height, width) / min(height, width) > 200:
+        return None
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > frame_max:
+        beta = math.sqrt(height * width / frame_max)
+        h = math.floor(height / beta / factor) * factor
+        w = math.floor(width / beta / factor) * factor
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    if h == 0 or w == 0:
+        return None
+    sample_fps = n / total_frames * video_fps
+    return {
+        "indices": indices,
+        "size": (h, w),
+        "grid": (n // 2, h // 14, w // 14),
+        "tokens": (n // 2) * (h // 28) * (w // 28),
+        "second_per_grid_t": 2 / sample_fps,
+    }
+
+
+def image_fit(lengths, capacity, max_items, images, max_images):
+    """Best fit over items sorted by length/capacity + images/max_images (descending, ties by index),
+    and over items sorted by images, then length; the one with fewer bins (the first on ties)."""
+    fits = [i for i in range(len(lengths)) if lengths[i] <= capacity and images[i] <= max_images]
+    cap = max(max_images, 1)
+    combined = sorted(fits, key=lambda i: (-(lengths[i] * cap + images[i] * capacity), i))
+    images_first = sorted(fits, key=lambda i: (-images[i], -lengths[i], i))
+    best = None
+    for order in (combined, images_first):
+        result = best_fit_decreasing(lengths, capacity, max_items, images, max_images, order)
+        if best is None or result[1] < best[1]:
+            best = result
+    return best
+
+
+def optimal_bins(lengths, capacity, images=None, max_images=UNLIMITED, max_items=UNLIMITED) -> int:
+    """Fewest bins for the items that fit, by trying every assignment (tiny inputs only)."""
+    images = images or [0] * len(lengths)
+    items = [(s, m) for s, m in zip(lengths, images) if s <= capacity and m <= max_images]
+    items.sort(reverse=True)
+    best = len(items)
+    loads: list[list[int]] = []  # per bin: [tokens, images, items]
+
+    def place(k: int) -> None:
+        nonlocal best
+        if len(loads) >= best:
+            return
+        if k == len(items):
+            best = len(loads)
+            return
+        size, need = items[k]
+        for load in loads:
+            if load[0] + size <= capacity and load[1] + need <= max_images and load[2] < max_items:
+                load[0] += size
+                load[1] += need
+                load[2] += 1
+                place(k + 1)
+                load[0] -= size
+                load[1] -= need
+                load[2] -= 1
+        loads.append([size, need, 1])
+        place(k + 1)
+        loads.pop()
+
+    place(0)
+    return best
