@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from offline_packing.config import PackJobConfig
+from offline_packing.config import BinpackConfig
 from offline_packing.lengths import load_lengths
 from offline_packing.workdir import WorkDir, atomic_write_npy
 
@@ -23,7 +23,7 @@ _BYTES_PER_BIN = 2048
 
 
 def pack_bins(
-    lengths: np.ndarray, image_counts: np.ndarray, cfg: PackJobConfig
+    lengths: np.ndarray, image_counts: np.ndarray, cfg: BinpackConfig
 ) -> tuple[list[np.ndarray], str]:
     """The bins (arrays of sample indices, ascending) in output order, and the algorithm used.
 
@@ -49,7 +49,7 @@ def pack_bins(
     return [np.asarray(bins[i], dtype=np.int64) for i in perm], str(result.algorithm)
 
 
-def plan_shards(bin_tokens: np.ndarray, bin_image_bytes: np.ndarray, cfg: PackJobConfig) -> np.ndarray:
+def plan_shards(bin_tokens: np.ndarray, bin_image_bytes: np.ndarray, cfg: BinpackConfig) -> np.ndarray:
     """First bin of each shard (plus the end), cutting at `max_bins_per_shard` or the estimated byte limit."""
     firsts = [0]
     size, count = 0, 0
@@ -64,7 +64,7 @@ def plan_shards(bin_tokens: np.ndarray, bin_image_bytes: np.ndarray, cfg: PackJo
     return np.asarray(firsts if len(bin_tokens) else [0], dtype=np.int64)
 
 
-def run_binpack(cfg: PackJobConfig, wd: WorkDir) -> dict:
+def run_binpack(cfg: BinpackConfig, wd: WorkDir, fingerprint: str) -> dict:
     """Stage 3; returns the marker info (bins, shards, algorithm)."""
     n_chunks = len(wd.read_marker("scan")["chunks"])
     lengths, nimg, ibytes = load_lengths(wd, n_chunks)
@@ -89,7 +89,7 @@ def run_binpack(cfg: PackJobConfig, wd: WorkDir) -> dict:
         "samples": len(lengths),
         "tokens": int(lengths.sum()),
     }
-    wd.mark_done(STAGE, cfg.stage_fingerprint(3), info)
+    wd.mark_done(STAGE, fingerprint, info)
     return info
 
 
@@ -102,6 +102,6 @@ def load_plan(wd: WorkDir) -> dict[str, np.ndarray]:
 
 
 if __name__ == "__main__":
-    from offline_packing.pack_cli import main_for_stage
+    from offline_packing.pipeline import stage_main
 
-    raise SystemExit(main_for_stage(3))
+    raise SystemExit(stage_main(STAGE))

@@ -1,15 +1,29 @@
-"""Configuration and result of an offline packing job (`mmpack pack`)."""
+"""Configuration and result of an offline packing job (`mmpack pack`).
+
+`PackJobConfig` mirrors the flags. Each stage reads only its own frozen config (`ScanConfig`,
+`LengthsConfig`, `BinpackConfig`, `WriteConfig`), cut from the job's by field name; a stage's fingerprint
+hashes that whole config (see `offline_packing.fingerprint`), so an option cannot be read by a stage without
+being part of its fingerprint. Every job field belongs to a stage config, to `INPUT_FIELDS` or to
+`RUN_CONTROL_FIELDS` (options that cannot change any output byte); a test holds them together.
+"""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
+
+from packing.format import DEFAULT_MAX_IMAGE_PIXELS
 
 STAGES = ("scan", "lengths", "binpack", "write")
 OVERLENGTH_POLICIES = ("drop", "truncate", "error")
 OUTPUT_FORMATS = ("arrow", "wds", "both")
 IMAGE_CHECKS = ("header", "decode")
+VERIFY_INPUTS = ("stat", "sha256")
+# The inputs enter the scan fingerprint by identity (canonical path, size, mtime_ns or sha256), not as typed.
+INPUT_FIELDS = frozenset({"inputs"})
+# Job options that change no output byte: how the job runs, not what it makes.
+RUN_CONTROL_FIELDS = frozenset(
+    {"workers", "work_dir", "clean_work", "start_stage", "only_stage", "progress", "storage_options", "debug"}
+)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -40,6 +54,8 @@ class PackJobConfig:
     max_pixels: int = 12845056
     default_system: str | None = None  # system prompt added where a record has none
     image_check: str = "header"  # "header": sizes + end-marker check; "decode": full decode of every image
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # larger images (from the header) are rejects
+    verify_inputs: str = "stat"  # input identity: "stat" (path, size, mtime_ns) or "sha256" (content)
     energon: bool = False  # also write .nv-meta for Megatron-Energon (needs a wds output)
     shard_prefix: str = "packed"
     work_dir: str | None = None  # local folder for stage outputs and markers (default <output>/_work)
@@ -48,6 +64,7 @@ class PackJobConfig:
     start_stage: int | None = None  # -S: rerun from this stage (earlier ones must be complete); None = resume
     only_stage: int | None = None  # run only this stage (python -m offline_packing.<stage>)
     progress: bool = True
+    debug: bool = False  # tracebacks instead of one-line errors (CLI)
     storage_options: dict = field(default_factory=dict, hash=False)  # fsspec options for the output
 
     def __post_init__(self) -> None:
@@ -64,6 +81,10 @@ class PackJobConfig:
             bad(f"overlength must be one of {OVERLENGTH_POLICIES}, got {self.overlength!r}")
         if self.image_check not in IMAGE_CHECKS:
             bad(f"image_check must be one of {IMAGE_CHECKS}, got {self.image_check!r}")
+        if self.verify_inputs not in VERIFY_INPUTS:
+            bad(f"verify_inputs must be one of {VERIFY_INPUTS}, got {self.verify_inputs!r}")
+        if self.max_image_pixels < 1:
+            bad(f"--max-image-pixels must be >= 1, got {self.max_image_pixels}")
         if self.workers < 1:
             bad(f"workers (-w) must be >= 1, got {self.workers}")
         if self.max_bins_per_shard < 1 or self.max_shard_bytes < 1 or self.chunk_size < 1:
@@ -87,27 +108,76 @@ class PackJobConfig:
         """Shard formats to write, in manifest order."""
         return ("arrow", "wds") if self.format == "both" else (self.format,)
 
-    def stage_fingerprint(self, stage: int) -> str:
-        """Hash of every option that stage `stage` (and the stages before it) depends on."""
-        keys: dict[int, tuple[str, ...]] = {
-            1: ("inputs", "image_root", "image_check", "chunk_size", "strict"),
-            2: (
-                "tokenizer",
-                "seq_len",
-                "overlength",
-                "patch_size",
-                "merge_size",
-                "min_pixels",
-                "max_pixels",
-                "default_system",
-                "max_images_per_bin",
-            ),
-            3: ("max_samples_per_bin", "algorithm", "seed"),
-            4: ("format", "max_bins_per_shard", "max_shard_bytes", "energon", "shard_prefix", "output"),
-        }
-        wanted = [k for s, names in keys.items() if s <= stage for k in names]
-        values = {k: v for k, v in asdict(self).items() if k in wanted}
-        return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    def stage_config(self, stage: str) -> StageConfig:
+        """The frozen config of `stage` ("scan", "lengths", "binpack" or "write")."""
+        cls = STAGE_CONFIGS[stage]
+        return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
+
+
+@dataclass(kw_only=True, frozen=True)
+class ScanConfig:
+    """What stage 1 (scan) reads besides the input files: how records and image headers are checked."""
+
+    image_root: str | None
+    image_check: str
+    max_image_pixels: int
+    chunk_size: int
+    strict: bool
+    verify_inputs: str
+
+
+@dataclass(kw_only=True, frozen=True)
+class LengthsConfig:
+    """What stage 2 (lengths) reads: the length model (tokenizer, chat template, image-token rule) and the
+    over-length policy."""
+
+    tokenizer: str | None
+    seq_len: int
+    overlength: str
+    patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+    default_system: str | None
+    max_images_per_bin: int | None
+    strict: bool
+    verify_inputs: str
+
+
+@dataclass(kw_only=True, frozen=True)
+class BinpackConfig:
+    """What stage 3 (binpack) reads: the packing problem, the bin order and the cut into shards."""
+
+    seq_len: int
+    max_samples_per_bin: int | None
+    max_images_per_bin: int | None
+    algorithm: str
+    seed: int
+    max_bins_per_shard: int
+    max_shard_bytes: int
+
+
+@dataclass(kw_only=True, frozen=True)
+class WriteConfig:
+    """What stage 4 (write) adds: where and how the shards and metadata are written."""
+
+    output: str
+    format: str
+    shard_prefix: str
+    energon: bool
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return ("arrow", "wds") if self.format == "both" else (self.format,)
+
+
+StageConfig = ScanConfig | LengthsConfig | BinpackConfig | WriteConfig
+STAGE_CONFIGS: dict[str, type[StageConfig]] = {
+    "scan": ScanConfig,
+    "lengths": LengthsConfig,
+    "binpack": BinpackConfig,
+    "write": WriteConfig,
+}
 
 
 @dataclass
@@ -118,6 +188,7 @@ class PackSummary:
     samples_read: int = 0
     samples_packed: int = 0
     samples_rejected: int = 0
+    samples_truncated: int = 0
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
     bins: int = 0
     tokens: int = 0
@@ -137,6 +208,7 @@ class PackSummary:
             ("samples rejected", f"{self.samples_rejected}"),
         ]
         rows += [(f"  {reason}", f"{n}") for reason, n in sorted(self.rejected_by_reason.items())]
+        rows.append(("samples truncated", f"{self.samples_truncated}"))
         rows += [
             ("bins", f"{self.bins}"),
             ("tokens", f"{self.tokens} ({self.image_tokens} image)"),

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from offline_packing.config import PackJobConfig
+from offline_packing.config import LengthsConfig
 from offline_packing.engines.local import run_parallel
-from offline_packing.errors import PackError, SampleReject, reason_of, reject_row
+from offline_packing.errors import PackError, SampleReject, reject_row
 from offline_packing.workdir import (
     WorkDir,
     atomic_write_bytes,
@@ -39,7 +39,7 @@ class LengthsTask:
 
     chunk: int
     work_dir: str
-    cfg: PackJobConfig
+    cfg: LengthsConfig
     fingerprint: str
 
 
@@ -52,7 +52,8 @@ def get_tokenizer(path: str | None) -> Any:
     return _TOKENIZERS[path]
 
 
-def image_rule(cfg: PackJobConfig) -> Any:
+def image_rule(cfg: Any) -> Any:
+    """The image-token rule of a config with patch_size, merge_size, min_pixels, max_pixels."""
     from packing.image_tokens import ImageTokenRule
 
     return ImageTokenRule(
@@ -63,16 +64,17 @@ def image_rule(cfg: PackJobConfig) -> Any:
     )
 
 
-def tokenize_scanned(sample: dict, cfg: PackJobConfig, rule: Any, tokenizer: Any) -> tuple[Any, dict]:
+def tokenize_scanned(sample: dict, cfg: LengthsConfig, rule: Any, tokenizer: Any) -> tuple[Any, dict]:
     """Token ids + loss mask of one scanned sample under the over-length policy, and its metadata row."""
     from packing.chat import ChatTemplate, Conversation, tokenize_conversation, truncate_sample
+    from packing.image_tokens import ImageSizeError
 
     grids = []
     for w, h in sample["wh"]:
         try:
             grids.append(rule.grid_thw(h, w))
-        except ValueError as exc:
-            raise SampleReject(reason_of(exc) or "image_size_invalid", str(exc)) from None
+        except ImageSizeError as exc:
+            raise SampleReject(exc.reason, exc.message) from None
     if cfg.max_images_per_bin is not None and len(grids) > cfg.max_images_per_bin:
         raise SampleReject(
             "too_many_images", f"{len(grids)} images > --max-images-per-bin {cfg.max_images_per_bin}"
@@ -151,6 +153,7 @@ def lengths_chunk(task: LengthsTask) -> dict:
         "accepted": len(metas),
         "rejected": len(rejects),
         "image_tokens": sum(m["image_tokens"] for m in metas),
+        "truncated": sum(m["truncated_from"] is not None for m in metas),
     }
     atomic_write_json(done, counts)
     return counts
@@ -165,31 +168,31 @@ def load_lengths(wd: WorkDir, n_chunks: int) -> tuple[np.ndarray, np.ndarray, np
     return cat(lengths), cat(nimg), cat(ibytes)
 
 
-def run_lengths(cfg: PackJobConfig, wd: WorkDir) -> dict:
+def run_lengths(cfg: LengthsConfig, wd: WorkDir, fingerprint: str, *, workers: int, progress: bool) -> dict:
     """Stage 2 over all scanned chunks; returns the marker info."""
     scan_info = wd.read_marker("scan")
-    fingerprint = cfg.stage_fingerprint(2)
     n_chunks = len(scan_info["chunks"])
     tasks = [LengthsTask(c, str(wd.root), cfg, fingerprint) for c in range(n_chunks)]
     get_tokenizer(cfg.tokenizer)  # loaded once here; forked workers inherit it instead of each parsing it
     results = run_parallel(
         lengths_chunk,
         tasks,
-        workers=cfg.workers,
+        workers=workers,
         weights=scan_info["accepted"],
         desc="lengths",
-        progress=cfg.progress,
+        progress=progress,
     )
     info = {
         "accepted": [r["accepted"] for r in results],
         "rejected": sum(r["rejected"] for r in results),
         "image_tokens": [r["image_tokens"] for r in results],
+        "truncated": sum(r.get("truncated", 0) for r in results),
     }
     wd.mark_done(STAGE, fingerprint, info)
     return info
 
 
 if __name__ == "__main__":
-    from offline_packing.pack_cli import main_for_stage
+    from offline_packing.pipeline import stage_main
 
-    raise SystemExit(main_for_stage(2))
+    raise SystemExit(stage_main(STAGE))

@@ -1,8 +1,10 @@
 """The offline packing job: scan -> lengths -> binpack -> write, each stage resumable.
 
 `run_pack(PackJobConfig(...)) -> PackSummary` is the Python API; `mmpack pack`, `auto_pipe.sh` and
-`python -m offline_packing.<stage>` all end here. A stage whose marker records the same options is skipped
-(resume); `-S N` reruns from stage N, which needs stages 1..N-1 complete.
+`python -m offline_packing.<stage>` all end here. A stage is skipped when it completed with the fingerprint
+it has now (its own config, the stages before it, the identity of every file it reads; see
+`offline_packing.fingerprint`); otherwise it and every stage after it are redone. `-S N` reruns from stage
+N, which needs stages 1..N-1 complete and current.
 """
 
 from __future__ import annotations
@@ -10,13 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+import traceback
 from pathlib import Path
 
 from offline_packing.config import STAGES, PackJobConfig, PackSummary
-from offline_packing.errors import PackError
+from offline_packing.errors import PackError, describe_failure
+from offline_packing.fingerprint import identities, stage_fingerprint
 from offline_packing.storage import OutputStore
 from offline_packing.workdir import WorkDir
 from packing.format import MANIFEST_NAME, STATS_NAME
@@ -35,40 +39,69 @@ def resolve_work_dir(cfg: PackJobConfig) -> Path:
     return Path(tempfile.gettempdir()) / f"mmpack-work-{digest}"
 
 
-def _run_scan(cfg: PackJobConfig, wd: WorkDir) -> None:
-    from offline_packing.scan import run_scan
+def _fingerprint(cfg: PackJobConfig, stage: str, previous: str, files: list[str]) -> str:
+    """The fingerprint `stage` has now, after a stage whose output fingerprint is `previous`."""
+    inputs: list[str] = []
+    if stage == "scan":
+        inputs = files
+    elif stage == "lengths" and cfg.tokenizer is not None:
+        from packing.tokenizer import resolve_tokenizer_file
 
-    run_scan(cfg, wd)
-
-
-def _run_lengths(cfg: PackJobConfig, wd: WorkDir) -> None:
-    from offline_packing.lengths import run_lengths
-
-    run_lengths(cfg, wd)
-
-
-def _run_binpack(cfg: PackJobConfig, wd: WorkDir) -> None:
-    from offline_packing.binpack import run_binpack
-
-    run_binpack(cfg, wd)
+        inputs = [str(resolve_tokenizer_file(cfg.tokenizer))]
+    return stage_fingerprint(stage, cfg.stage_config(stage), previous, identities(inputs, cfg.verify_inputs))
 
 
-def _run_write(cfg: PackJobConfig, wd: WorkDir) -> None:
+def _completed(cfg: PackJobConfig, wd: WorkDir, stage: str, fingerprint: str) -> str | None:
+    """The output fingerprint of `stage` if it completed with `fingerprint` and is still current, else None."""
+    if stage == "scan":
+        from offline_packing.scan import scan_output_fingerprint
+
+        return scan_output_fingerprint(wd, fingerprint, cfg.verify_inputs)
+    if not wd.is_done(stage, fingerprint) or not _outputs_present(cfg, stage):
+        return None
+    return fingerprint
+
+
+def _run_stage(cfg: PackJobConfig, wd: WorkDir, stage: str, fingerprint: str, files: list[str]) -> str:
+    """Run `stage`; returns its output fingerprint (what the next stage builds on)."""
+    engine = {"workers": cfg.workers, "progress": cfg.progress}
+    if stage == "scan":
+        from offline_packing.scan import run_scan
+
+        return str(run_scan(cfg.stage_config("scan"), files, wd, fingerprint, **engine)["output_fingerprint"])  # type: ignore[arg-type]
+    if stage == "lengths":
+        from offline_packing.lengths import get_tokenizer, run_lengths
+
+        get_tokenizer(cfg.tokenizer)  # loaded once here; forked workers inherit it
+        run_lengths(cfg.stage_config("lengths"), wd, fingerprint, **engine)  # type: ignore[arg-type]
+    elif stage == "binpack":
+        from offline_packing.binpack import run_binpack
+
+        run_binpack(cfg.stage_config("binpack"), wd, fingerprint)  # type: ignore[arg-type]
+    else:
+        _run_write(cfg, wd, fingerprint)
+    return fingerprint
+
+
+def _run_write(cfg: PackJobConfig, wd: WorkDir, fingerprint: str) -> None:
     from offline_packing.finalize import finalize
-    from offline_packing.write import run_write_shards
+    from offline_packing.write import record_previous_dataset, remove_unlisted_outputs, run_write_shards
 
+    write_cfg = cfg.stage_config("write")
     store = OutputStore(cfg.output, cfg.storage_options, staging_dir=wd.stage_dir("write"))
+    record_previous_dataset(store, wd)
     store.remove(MANIFEST_NAME)  # the dataset is uncommitted while its shards are (re)written
-    finalize(cfg, wd, run_write_shards(cfg, wd))
-    wd.mark_done("write", cfg.stage_fingerprint(4), {})
-
-
-STAGE_FUNCTIONS: dict[str, Callable[[PackJobConfig, WorkDir], None]] = {
-    "scan": _run_scan,
-    "lengths": _run_lengths,
-    "binpack": _run_binpack,
-    "write": _run_write,
-}
+    shards = run_write_shards(
+        write_cfg,  # type: ignore[arg-type]
+        cfg.storage_options,
+        wd,
+        fingerprint,
+        workers=cfg.workers,
+        progress=cfg.progress,
+    )
+    finalize(cfg, wd, shards)
+    remove_unlisted_outputs(store, wd, write_cfg, shards)  # type: ignore[arg-type]
+    wd.mark_done("write", fingerprint, {})
 
 
 def _clear_chunk_markers(wd: WorkDir, stage: str) -> None:
@@ -85,46 +118,83 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
 
     Raises:
         PackError: a `--strict` reject, `--overlength error`, or `-S N` without stages 1..N-1 complete.
+        FileNotFoundError: an input (-i) or the tokenizer does not exist.
+        OSError: the output or work folder cannot be written.
     """
+    from offline_packing.inputs.sources import expand_inputs
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if cfg.tokenizer is not None:  # fail before the first stage, not after it
         from packing.tokenizer import resolve_tokenizer_file
 
         resolve_tokenizer_file(cfg.tokenizer)
+    files = expand_inputs(cfg.inputs)
     wd = WorkDir(resolve_work_dir(cfg))
     wd.root.mkdir(parents=True, exist_ok=True)
     first = cfg.only_stage or cfg.start_stage or 1
     last = cfg.only_stage or len(STAGES)
-    for n in range(1, first):
-        if not wd.is_done(STAGES[n - 1], cfg.stage_fingerprint(n)):
-            raise PackError(
-                f"cannot start at stage {first} ({STAGES[first - 1]}): stage {n} ({STAGES[n - 1]}) has not "
-                f"completed with these options in {wd.root}; run the earlier stages first (or the whole job "
-                "without -S)"
-            )
     summary = PackSummary(output=cfg.output)
     forced = cfg.only_stage is not None or cfg.start_stage is not None
-    redo_rest = False
-    for n in range(first, last + 1):
-        name = STAGES[n - 1]
-        fingerprint = cfg.stage_fingerprint(n)
-        if not (forced or redo_rest) and wd.is_done(name, fingerprint) and _outputs_present(cfg, name):
+    previous, redo_rest, wrote = "", False, False
+    for n, name in enumerate(STAGES[:last], start=1):
+        fingerprint = _fingerprint(cfg, name, previous, files)
+        completed = _completed(cfg, wd, name, fingerprint)
+        if n < first:
+            if completed is None:
+                raise PackError(
+                    f"cannot start at stage {first} ({STAGES[first - 1]}): stage {n} ({name}) has not "
+                    f"completed with these options and inputs in {wd.root}; run the earlier stages first (or "
+                    "the whole job without -S)"
+                )
+            previous = completed
+            continue
+        if not (forced or redo_rest) and completed is not None:
             summary.stages_skipped.append(name)
+            previous, wrote = completed, name == "write"
             continue
         redo_rest = True  # every later stage depends on this one
         wd.clear_marker(name)
         if forced:
             _clear_chunk_markers(wd, name)
         start = time.perf_counter()
-        STAGE_FUNCTIONS[name](cfg, wd)
+        previous = _run_stage(cfg, wd, name, fingerprint, files)
         summary.stage_seconds[name] = time.perf_counter() - start
-    if wd.is_done("write", cfg.stage_fingerprint(4)):
+        wrote = name == "write"
+    if wrote:
         _fill_summary(summary, cfg)
         if cfg.clean_work:
             import shutil
 
             shutil.rmtree(wd.root)
     return summary
+
+
+def run_pack_reporting(cfg: PackJobConfig, command: str = "mmpack pack") -> int:
+    """`run_pack` for a command line: the summary on stderr and exit code 0, or one line
+    `<command>: error: ...` and exit code 1 (the traceback too with `cfg.debug`)."""
+    try:
+        summary = run_pack(cfg)
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if cfg.debug:
+            traceback.print_exc()
+        print(f"{command}: error: {describe_failure(exc)}", file=sys.stderr)
+        return 1
+    if summary.stage_seconds or summary.stages_skipped:
+        print(summary.format_table(), file=sys.stderr)
+    return 0
+
+
+def stage_main(stage: str, argv: list[str] | None = None) -> int:
+    """`python -m offline_packing.<stage> <mmpack pack flags>`: run that stage only."""
+    from offline_packing.flags import parse_job_args
+
+    n = STAGES.index(stage) + 1
+    prog = f"python -m offline_packing.{stage}"
+    cfg = parse_job_args(argv, prog=prog, description=f"stage {n} ({stage}) of `mmpack pack`", only_stage=n)
+    return run_pack_reporting(cfg, prog)
 
 
 def _outputs_present(cfg: PackJobConfig, stage: str) -> bool:
@@ -149,6 +219,7 @@ def _fill_summary(summary: PackSummary, cfg: PackJobConfig) -> None:
     summary.bins = counts.bins
     summary.tokens = counts.tokens
     summary.image_tokens = counts.image_tokens
+    summary.samples_truncated = counts.truncated or 0
     summary.shards = [e.to_dict() for e in manifest.shards]
     summary.output_bytes = sum(e.bytes for e in manifest.shards)
     summary.fill_efficiency = fill_efficiency(stats)

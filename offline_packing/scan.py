@@ -2,7 +2,8 @@
 
 Reads:  the input files (-i) and the images under the image root (-r).
 Writes: `<work>/scan/chunk-N.samples.jsonl` (normalised conversation, image paths, sizes, formats, bytes),
-        `<work>/scan/chunk-N.rejects.jsonl`, `<work>/scan/chunk-N.done.json`, then `<work>/scan.done.json`.
+        `<work>/scan/chunk-N.rejects.jsonl`, `<work>/scan/chunk-N.images.json` (identity of every image file
+        read), `<work>/scan/chunk-N.done.json`, then `<work>/scan.done.json`.
 Run alone: `python -m offline_packing.scan <mmpack pack flags>`.
 """
 
@@ -12,23 +13,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from offline_packing.config import PackJobConfig
+from offline_packing.config import ScanConfig
 from offline_packing.engines.local import run_parallel
-from offline_packing.errors import PackError, SampleReject, reason_of, reject_row
-from offline_packing.inputs.sources import (
-    Chunk,
-    RawRecord,
-    expand_inputs,
-    plan_chunks,
-    read_chunk,
-    resolve_image_path,
-)
-from offline_packing.workdir import (
-    WorkDir,
-    atomic_write_json,
-    read_done_marker,
-    write_jsonl,
-)
+from offline_packing.errors import PackError, SampleReject, reject_row
+from offline_packing.fingerprint import FileIdentity, digest, file_identity, identities
+from offline_packing.inputs.json_records import RawRecord
+from offline_packing.inputs.sources import Chunk, plan_chunks, read_chunk, resolve_image_path
+from offline_packing.workdir import WorkDir, atomic_write_json, read_done_marker, read_json, write_jsonl
+from packing.errors import MmpackError
 
 STAGE = "scan"
 
@@ -39,21 +31,28 @@ class ScanTask:
 
     chunk: Chunk
     work_dir: str
-    image_root: str | None
-    full_decode: bool
-    strict: bool
+    cfg: ScanConfig
     fingerprint: str
 
 
-def _read_image(path: str, full_decode: bool) -> tuple[int, int, str, int]:
-    """(width, height, format, size_bytes) of an image file; SampleReject if missing or unreadable."""
+@dataclass(frozen=True)
+class ImageCheck:
+    """How scan checks an image: full decode or header only, and the largest image allowed (pixels)."""
+
+    full_decode: bool
+    max_image_pixels: int
+
+
+def _read_image(path: str, check: ImageCheck) -> tuple[int, int, str, int]:
+    """(width, height, format, size_bytes) of an image file; SampleReject if missing, unreadable or too large."""
     from offline_packing.tar_source import is_member_ref, read_image_bytes
     from packing.image_tokens import read_image_size
 
+    full_decode = check.full_decode
     try:
         # files: header (and end marker) only; tar members are small reads from one open file
         src: str | bytes = read_image_bytes(path) if is_member_ref(path) else path
-        w, h, fmt = read_image_size(src, check_truncated=True)
+        w, h, fmt = read_image_size(src, check_truncated=True, max_image_pixels=check.max_image_pixels)
         if full_decode:
             _decode_fully(src if isinstance(src, bytes) else read_image_bytes(path), path)
         size = len(src) if isinstance(src, bytes) else os.path.getsize(path)
@@ -62,6 +61,8 @@ def _read_image(path: str, full_decode: bool) -> tuple[int, int, str, int]:
         raise SampleReject("missing_image", f"image file {path} does not exist") from None
     except IsADirectoryError:
         raise SampleReject("missing_image", f"image path {path} is a folder") from None
+    except MmpackError as exc:
+        raise SampleReject(exc.reason, exc.message) from None
     except (ValueError, OSError) as exc:
         raise SampleReject("unreadable_image", str(exc)) from None
 
@@ -92,8 +93,18 @@ def _locate_image(image: str, rec: RawRecord, source: str, image_root: str) -> s
         raise SampleReject("image_path_escape", str(exc)) from None
 
 
-def scan_record(rec: RawRecord, source: str, image_root: str, full_decode: bool) -> dict:
-    """Validate one raw record and describe it for the lengths stage; SampleReject if it is bad."""
+def scan_record(
+    rec: RawRecord,
+    source: str,
+    image_root: str,
+    check: ImageCheck,
+    read_files: dict[str, FileIdentity] | None = None,
+    verify: str = "stat",
+) -> dict:
+    """Validate one raw record and describe it for the lengths stage; SampleReject if it is bad.
+
+    The identity of every image file it reads is added to `read_files` (for the stage fingerprint).
+    """
     from packing.chat import normalize_record
 
     if rec.error is not None:
@@ -104,17 +115,16 @@ def scan_record(rec: RawRecord, source: str, image_root: str, full_decode: bool)
         )
     try:
         conv = normalize_record(rec.obj, source=source, line=rec.line)
-    except Exception as exc:
-        reason = reason_of(exc)
-        if reason is None:
-            raise
-        raise SampleReject(reason, str(getattr(exc, "message", exc))) from None
+    except MmpackError as exc:
+        raise SampleReject(exc.reason, exc.message) from None
     paths, sizes, formats, nbytes = [], [], [], []
     seen: dict[str, tuple[int, int, str, int]] = {}
     for image in conv.images:
         path = _locate_image(image, rec, source, image_root)
+        if read_files is not None and path not in read_files and rec.tar_sample is None:
+            read_files[path] = file_identity(path, verify)  # before reading: a later edit shows as a change
         if path not in seen:
-            seen[path] = _read_image(path, full_decode)
+            seen[path] = _read_image(path, check)
         w, h, fmt, size = seen[path]
         paths.append(path)
         sizes.append([w, h])
@@ -133,52 +143,77 @@ def scan_record(rec: RawRecord, source: str, image_root: str, full_decode: bool)
 
 
 def scan_chunk(task: ScanTask) -> dict:
-    """Scan one chunk and write its outputs; returns its counts. Pure function of the task."""
+    """Scan one chunk and write its outputs; returns its counts. Pure function of the task and the files."""
     wd = WorkDir(task.work_dir)
+    cfg = task.cfg
     done = wd.chunk_path(STAGE, task.chunk.index, "done.json")
-    if (marker := read_done_marker(done, task.fingerprint)) is not None:
+    marker = read_done_marker(done, task.fingerprint)
+    if marker is not None and _chunk_images_digest(wd, task.chunk.index, cfg.verify_inputs) == marker.get(
+        "images"
+    ):
         return marker
     chunk = task.chunk
-    image_root = task.image_root or str(Path(chunk.path).parent)
+    image_root = cfg.image_root or str(Path(chunk.path).parent)
+    check = ImageCheck(full_decode=cfg.image_check == "decode", max_image_pixels=cfg.max_image_pixels)
     samples, rejects = [], []
+    read_files: dict[str, FileIdentity] = {}
     n_read = 0
     for rec in read_chunk(chunk):
         n_read += 1
         try:
-            samples.append(scan_record(rec, chunk.path, image_root, task.full_decode))
+            samples.append(scan_record(rec, chunk.path, image_root, check, read_files, cfg.verify_inputs))
         except SampleReject as exc:
             row = reject_row(chunk.path, rec.line, exc.reason, exc.message, STAGE)
-            if task.strict:
+            if cfg.strict:
                 raise PackError(f"{chunk.path}:{rec.line}: {exc.reason}: {exc.message}") from None
             rejects.append(row)
     write_jsonl(wd.chunk_path(STAGE, chunk.index, "samples.jsonl"), samples)
     write_jsonl(wd.chunk_path(STAGE, chunk.index, "rejects.jsonl"), rejects)
+    images = sorted(read_files.values())
+    atomic_write_json(wd.chunk_path(STAGE, chunk.index, "images.json"), images)
     counts = {
         "fingerprint": task.fingerprint,
         "read": n_read,
         "accepted": len(samples),
         "rejected": len(rejects),
+        "images": digest(images),
     }
     atomic_write_json(done, counts)
     return counts
 
 
-def run_scan(cfg: PackJobConfig, wd: WorkDir) -> dict:
-    """Stage 1 over all chunks; returns the marker info (chunks, counts)."""
-    files = expand_inputs(cfg.inputs)
+def _chunk_images_digest(wd: WorkDir, chunk: int, verify: str) -> str | None:
+    """Digest of the current identities of the image files chunk `chunk` read (None: no record of them)."""
+    path = wd.chunk_path(STAGE, chunk, "images.json")
+    if not path.is_file():
+        return None
+    return digest(identities((row[0] for row in read_json(path)), verify))
+
+
+def scan_output_fingerprint(wd: WorkDir, fingerprint: str, verify: str) -> str | None:
+    """The fingerprint the next stage builds on: the scan's own, plus the current identity of every image it
+    read. None unless the scan completed with `fingerprint` and no image it read has changed since."""
+    if not wd.is_done(STAGE, fingerprint):
+        return None
+    info = wd.read_marker(STAGE)
+    current = [_chunk_images_digest(wd, c["index"], verify) for c in info["chunks"]]
+    output = digest(fingerprint, current)
+    return output if output == info.get("output_fingerprint") else None
+
+
+def run_scan(
+    cfg: ScanConfig, files: list[str], wd: WorkDir, fingerprint: str, *, workers: int, progress: bool
+) -> dict:
+    """Stage 1 over all chunks of `files` (canonical input paths); returns the marker info."""
     chunks = plan_chunks(files, cfg.chunk_size)
-    fingerprint = cfg.stage_fingerprint(1)
-    tasks = [
-        ScanTask(c, str(wd.root), cfg.image_root, cfg.image_check == "decode", cfg.strict, fingerprint)
-        for c in chunks
-    ]
+    tasks = [ScanTask(c, str(wd.root), cfg, fingerprint) for c in chunks]
     results = run_parallel(
         scan_chunk,
         tasks,
-        workers=cfg.workers,
+        workers=workers,
         weights=[c.count for c in chunks],
         desc="scan",
-        progress=cfg.progress,
+        progress=progress,
     )
     info = {
         "files": files,
@@ -186,12 +221,13 @@ def run_scan(cfg: PackJobConfig, wd: WorkDir) -> dict:
         "read": sum(r["read"] for r in results),
         "accepted": [r["accepted"] for r in results],
         "rejected": sum(r["rejected"] for r in results),
+        "output_fingerprint": digest(fingerprint, [r["images"] for r in results]),
     }
     wd.mark_done(STAGE, fingerprint, info)
     return info
 
 
 if __name__ == "__main__":
-    from offline_packing.pack_cli import main_for_stage
+    from offline_packing.pipeline import stage_main
 
-    raise SystemExit(main_for_stage(1))
+    raise SystemExit(stage_main(STAGE))

@@ -4,25 +4,28 @@ metadata (`--energon`) and, last, manifest.json (the commit point of the dataset
 Reads:  `<work>/binpack/*.npy`, `<work>/lengths/chunk-N.*` (token ids, loss masks, image paths), the images.
 Writes: `<out>/shards/<prefix>-NNNNNN.{arrow,tar}` (temporary name, then rename), `<work>/write/shard-N.json`
         per finished shard (resume skips those), `<out>/rejects.jsonl`, `<out>/stats.json`,
-        `<out>/.nv-meta/` (with --energon), `<out>/manifest.json`.
+        `<out>/.nv-meta/` (with --energon), `<out>/manifest.json`; then removes the shards an earlier run
+        wrote that the new manifest does not list (`<work>/write/written.json` and the previous manifest
+        say which files this job wrote; no other file of the output folder is touched).
 Run alone: `python -m offline_packing.write <mmpack pack flags>`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
-from offline_packing.config import PackJobConfig
+from offline_packing.config import WriteConfig
 from offline_packing.engines.local import run_parallel
 from offline_packing.outputs.shard_writers import HashingWriter, PackedBin, open_shard_writer
 from offline_packing.storage import OutputStore
 from offline_packing.workdir import WorkDir, atomic_write_json, read_done_marker
-from packing.format import bin_key, shard_name
+from packing.format import MANIFEST_NAME, SHARDS_DIR, bin_key, shard_name
 
 STAGE = "write"
 
@@ -34,7 +37,8 @@ class ShardTask:
     shard: int
     first_bin: int
     end_bin: int
-    cfg: PackJobConfig
+    cfg: WriteConfig
+    storage_options: dict
     work_dir: str
     fingerprint: str
 
@@ -121,7 +125,7 @@ def write_shard(task: ShardTask) -> list[dict]:
     """Write one shard in every format; returns its manifest entries. Pure function of the task."""
     cfg = task.cfg
     wd = WorkDir(task.work_dir)
-    store = OutputStore(cfg.output, cfg.storage_options, staging_dir=wd.stage_dir(STAGE))
+    store = OutputStore(cfg.output, task.storage_options, staging_dir=wd.stage_dir(STAGE))
     done = wd.stage_dir(STAGE) / f"shard-{task.shard:06d}.json"
     marker = read_done_marker(done, task.fingerprint)
     if marker is not None and all(store.size(e["path"]) == e["bytes"] for e in marker["shards"]):
@@ -157,32 +161,99 @@ def write_shard(task: ShardTask) -> list[dict]:
     return entries
 
 
-def run_write_shards(cfg: PackJobConfig, wd: WorkDir) -> list[dict]:
+def run_write_shards(
+    cfg: WriteConfig, storage_options: dict, wd: WorkDir, fingerprint: str, *, workers: int, progress: bool
+) -> list[dict]:
     """All shards of the plan, in parallel over shards; returns manifest shard entries (format-major)."""
     from offline_packing.binpack import load_plan
 
     plan = load_plan(wd)
     firsts = plan["shard_first_bin"].tolist()
-    fingerprint = cfg.stage_fingerprint(4)
     tasks = [
-        ShardTask(s, firsts[s], firsts[s + 1], cfg, str(wd.root), fingerprint) for s in range(len(firsts) - 1)
+        ShardTask(s, firsts[s], firsts[s + 1], cfg, storage_options, str(wd.root), fingerprint)
+        for s in range(len(firsts) - 1)
     ]
     _SOURCES.clear()  # the plan may have changed since this process last wrote shards
-    store = OutputStore(cfg.output, cfg.storage_options)
-    store.clean_temporaries("shards")
+    store = OutputStore(cfg.output, storage_options)
+    store.clean_temporaries(SHARDS_DIR)
+    WriteRecord(wd).add([shard_name(cfg.shard_prefix, t.shard, fmt) for t in tasks for fmt in cfg.formats])
     per_shard = run_parallel(
         write_shard,
         tasks,
-        workers=cfg.workers,
+        workers=workers,
         weights=[t.end_bin - t.first_bin for t in tasks],
         desc="write",
         unit="bins",
-        progress=cfg.progress,
+        progress=progress,
     )
     return [e for fmt in cfg.formats for entries in per_shard for e in entries if e["format"] == fmt]
 
 
-if __name__ == "__main__":
-    from offline_packing.pack_cli import main_for_stage
+# Only names the writer itself gives shards are ever removed (`shard_name`), and only if recorded as written.
+_OWN_SHARD = re.compile(rf"^{SHARDS_DIR}/[A-Za-z0-9_-]+-\d{{6}}\.(arrow|tar)$")
+ENERGON_DIR = ".nv-meta"
 
-    raise SystemExit(main_for_stage(4))
+
+class WriteRecord:
+    """`<work>/write/written.json`: the output files this job has written (shards, and `.nv-meta`)."""
+
+    def __init__(self, wd: WorkDir):
+        self.path = wd.stage_dir(STAGE) / "written.json"
+
+    def read(self) -> set[str]:
+        if not self.path.is_file():
+            return set()
+        with open(self.path, encoding="utf-8") as f:
+            return {p for p in json.load(f) if isinstance(p, str)}
+
+    def add(self, paths: list[str]) -> None:
+        """Record `paths` as written (before writing them: a killed job's files are known too)."""
+        atomic_write_json(self.path, sorted(self.read() | set(paths)))
+
+    def replace(self, paths: list[str]) -> None:
+        atomic_write_json(self.path, sorted(set(paths)))
+
+
+def record_previous_dataset(store: OutputStore, wd: WorkDir) -> None:
+    """Add the files of the dataset now in the output (its manifest's shards, `.nv-meta`) to the write record,
+    before that manifest is removed: they are files an earlier run of mmpack wrote."""
+    if store.size(MANIFEST_NAME) is None:
+        return
+    try:
+        with store.fs.open(store.full_path(MANIFEST_NAME), "rb") as f:
+            previous = json.load(f)
+        paths = [e["path"] for e in previous["shards"] if isinstance(e.get("path"), str)]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return  # not a manifest this job can read: nothing of it is removed
+    if store.is_local and store.local_path(ENERGON_DIR).is_dir():
+        paths.append(ENERGON_DIR)
+    WriteRecord(wd).add(paths)
+
+
+def remove_unlisted_outputs(
+    store: OutputStore, wd: WorkDir, cfg: WriteConfig, shards: list[dict]
+) -> list[str]:
+    """Delete what this job wrote earlier that the new manifest does not list; returns the removed paths.
+
+    Only recorded paths named like the writer's shards (`shards/<prefix>-NNNNNN.arrow|tar`), and
+    `.nv-meta` when the new dataset has no Energon metadata, are candidates: other files are never touched.
+    """
+    import shutil
+
+    keep = {e["path"] for e in shards}
+    removed = []
+    for rel in sorted(WriteRecord(wd).read() - keep):
+        if _OWN_SHARD.match(rel) and store.size(rel) is not None:
+            store.remove(rel)
+            removed.append(rel)
+        elif rel == ENERGON_DIR and not cfg.energon and store.is_local:
+            shutil.rmtree(store.local_path(ENERGON_DIR), ignore_errors=True)
+            removed.append(rel)
+    WriteRecord(wd).replace([*keep, *([ENERGON_DIR] if cfg.energon else [])])
+    return removed
+
+
+if __name__ == "__main__":
+    from offline_packing.pipeline import stage_main
+
+    raise SystemExit(stage_main(STAGE))

@@ -18,9 +18,17 @@ from typing import Any
 
 import numpy as np
 
+from packing.errors import MmpackError
 from packing.tokenizer import SPECIAL_TOKENS, TextTokenizer
 
 IMAGE_TAG = "<image>"
+# Modalities a record may carry that the length model cannot count yet: the record keys and the tag that
+# name each. Such records are rejects (`unsupported_modality`), never packed as text. Video support
+# removes "video" from here and adds its rule beside the image rule.
+UNSUPPORTED_MODALITIES: dict[str, tuple[tuple[str, ...], str]] = {
+    "video": (("video", "videos"), "<video>"),
+    "audio": (("audio", "audios"), "<audio>"),
+}
 ROLES = ("system", "user", "assistant")
 _ROLE_ALIASES = {
     "system": "system",
@@ -32,22 +40,18 @@ _ROLE_ALIASES = {
 }
 
 
-class SampleError(ValueError):
+class SampleError(MmpackError, ValueError):
     """A raw sample that cannot be used; `reason` is a short snake_case code for rejects.jsonl.
 
     Reason codes raised here: malformed_record, unknown_role, empty_conversation, misplaced_system,
-    no_assistant_turn, image_tag_mismatch, reserved_token_in_text.
+    no_assistant_turn, image_tag_mismatch, reserved_token_in_text, unsupported_modality.
     """
 
     def __init__(self, reason: str, message: str):
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-        self.message = message
+        super().__init__(message, reason=reason)
 
-    @property
-    def reason_code(self) -> str:
-        """Alias of `reason`."""
-        return self.reason
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.message}"
 
 
 @dataclass(frozen=True)
@@ -68,9 +72,12 @@ def normalize_record(obj: Any, *, source: str, line: int) -> Conversation:
     """
     if not isinstance(obj, dict):
         raise SampleError("malformed_record", f"expected a JSON object, got {type(obj).__name__}")
+    _refuse_unsupported_modalities(obj)
+    _refuse_conflicting_keys(obj, "image", "images")
     if "conversations" in obj:
         messages = _messages_from(obj["conversations"], "from", "value")
         images = _image_list(obj.get("image", obj.get("images")))
+        _refuse_conflicting_keys(obj, "system_prompt", "system")
         system = obj.get("system_prompt", obj.get("system"))
     elif "messages" in obj:
         messages = _messages_from(obj["messages"], "role", "content")
@@ -84,13 +91,43 @@ def normalize_record(obj: Any, *, source: str, line: int) -> Conversation:
         system = None
     else:
         raise SampleError("malformed_record", "no 'conversations', 'messages', 'caption' or 'text' field")
-    if system is not None and not (messages and messages[0][0] == "system"):
+    if system is not None:
+        if messages and messages[0][0] == "system":
+            key = "system_prompt" if "system_prompt" in obj else "system"
+            raise SampleError(
+                "malformed_record",
+                f"record has both a {key!r} field and a system message; keep one of them",
+            )
         messages.insert(0, ("system", system))
     raw_id = obj.get("id")
     sample_id = f"{source}:{line}" if raw_id is None or raw_id == "" else str(raw_id)
     conv = Conversation(messages=tuple(messages), images=tuple(images), sample_id=sample_id)
     validate_conversation(conv)
     return conv
+
+
+def _refuse_unsupported_modalities(obj: dict) -> None:
+    """`unsupported_modality` for a record naming a modality of UNSUPPORTED_MODALITIES, by key or by tag."""
+    for modality, (keys, tag) in UNSUPPORTED_MODALITIES.items():
+        present = [k for k in keys if k in obj]
+        if present:
+            raise SampleError(
+                "unsupported_modality", f"record has a {present[0]!r} field: {modality} is not supported yet"
+            )
+        for turns_key, content_key in (("conversations", "value"), ("messages", "content")):
+            turns = obj.get(turns_key)
+            if isinstance(turns, list) and any(
+                isinstance(t, dict) and isinstance(t.get(content_key), str) and tag in t[content_key]
+                for t in turns
+            ):
+                raise SampleError(
+                    "unsupported_modality", f"record has a {tag} tag: {modality} is not supported yet"
+                )
+
+
+def _refuse_conflicting_keys(obj: dict, a: str, b: str) -> None:
+    if a in obj and b in obj:
+        raise SampleError("malformed_record", f"record has both {a!r} and {b!r}; keep one of them")
 
 
 def _messages_from(raw: Any, role_key: str, content_key: str) -> list[tuple[str, str]]:

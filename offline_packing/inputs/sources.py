@@ -2,12 +2,17 @@
 
 A chunk is a contiguous range of records of one input file, the unit of parallel work of the scan and
 lengths stages. Records carry their 1-based line number (JSONL: the line; JSON array: the line where the
-element starts; Parquet: the row number), so every reject can name its file and line.
+element starts; Parquet: the row number), so every reject can name its file and line. JSON in the forms
+users write it (BOM, JSONL inside `.json`, gzip, CRLF) is read by `json_records`.
+
+Input files are canonical absolute paths, each read once however it was named (relative and absolute
+paths, symlinks, a file also matched by a folder or glob).
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import os
 from collections.abc import Iterator
@@ -15,7 +20,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-INPUT_SUFFIXES = (".jsonl", ".json", ".parquet", ".tar")
+from offline_packing.inputs.json_records import (
+    RawRecord,
+    parse_json_document,
+    parse_json_line,
+    parse_json_lines,
+)
+
+INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet", ".tar")
 
 
 @dataclass(frozen=True)
@@ -31,31 +43,36 @@ class Chunk:
     first_line: int = 1  # JSONL: 1-based line number at byte_offset
 
 
-@dataclass(frozen=True)
-class RawRecord:
-    """One record as read: either a parsed object or the JSON error that prevented parsing it."""
-
-    line: int
-    obj: object = None
-    error: str | None = None
-    tar_sample: object = None  # tar_source.TarSample when the record comes from a WebDataset tar
-    error_reason: str = "malformed_json"
+def is_input_file(name: str) -> bool:
+    """True for the file names the job reads (by suffix)."""
+    return name.endswith(INPUT_SUFFIXES)
 
 
 def expand_inputs(inputs: tuple[str, ...] | list[str]) -> list[str]:
-    """Input files in a fixed order: each argument (file, folder, glob) expanded and sorted, in argument order."""
+    """Input files in a fixed order: each argument (file, folder, glob) expanded and sorted, in argument order.
+
+    Paths come back absolute and normalised; a file named twice (relative and absolute path, a symlink,
+    a file under a folder also given) is kept once, at its first place.
+    """
     files: list[str] = []
+    seen: set[str] = set()
     for arg in inputs:
         p = Path(arg).expanduser()
         if p.is_dir():
-            found = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix in INPUT_SUFFIXES)
+            found = sorted(str(f) for f in p.rglob("*") if f.is_file() and is_input_file(f.name))
         elif p.is_file():
             found = [str(p)]
         else:
-            found = sorted(f for f in glob.glob(str(p), recursive=True) if Path(f).suffix in INPUT_SUFFIXES)
+            found = sorted(f for f in glob.glob(str(p), recursive=True) if is_input_file(f))
         if not found:
-            raise FileNotFoundError(f"input {arg!r} matches no .json/.jsonl/.parquet/.tar file")
-        files += [f for f in found if f not in files]
+            raise FileNotFoundError(
+                f"input {arg!r} matches no {'/'.join(INPUT_SUFFIXES)} file; check the -i path"
+            )
+        for f in found:
+            real = os.path.realpath(f)
+            if real not in seen:
+                seen.add(real)
+                files.append(os.path.abspath(f))
     return files
 
 
@@ -107,14 +124,11 @@ def _read_jsonl_chunk(chunk: Chunk) -> Iterator[RawRecord]:
             if produced == chunk.count:
                 break
             produced += 1
-            try:
-                yield RawRecord(line_no, json.loads(raw))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                yield RawRecord(line_no, error=f"invalid JSON: {exc}")
+            yield parse_json_line(raw, line_no)
 
 
 def _read_whole_file(path: str) -> list[RawRecord]:
-    """All records of a .json array, .parquet or .tar file (cached: several chunks of one file share it)."""
+    """All records of a .json, gzip, .parquet or .tar file (cached: several chunks of one file share it)."""
     st = os.stat(path)
     return _read_whole_file_cached(path, st.st_size, st.st_mtime_ns)
 
@@ -132,8 +146,11 @@ def _read_whole_file_cached(path: str, size: int, mtime_ns: int) -> list[RawReco
         return [
             RawRecord(i + 1, {k: v for k, v in row.items() if v is not None}) for i, row in enumerate(rows)
         ]
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
-    return _split_json_array(text)
+    if path.endswith(".gz"):
+        with gzip.open(path, "rb") as f:
+            data = f.read()
+        return parse_json_lines(data) if path.endswith(".jsonl.gz") else parse_json_document(data)
+    return parse_json_document(Path(path).read_bytes())
 
 
 def _read_tar(path: str) -> list[RawRecord]:
@@ -143,7 +160,7 @@ def _read_tar(path: str) -> list[RawRecord]:
     for i, sample in enumerate(index_tar(path)):
         try:
             records.append(RawRecord(i + 1, sample_record(path, sample), tar_sample=sample))
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             reason = "malformed_json" if isinstance(exc, json.JSONDecodeError) else "malformed_record"
             records.append(
                 RawRecord(
@@ -151,40 +168,6 @@ def _read_tar(path: str) -> list[RawRecord]:
                 )
             )
     return records
-
-
-def _split_json_array(text: str) -> list[RawRecord]:
-    """Elements of a top-level JSON array with the line each starts on; one error record if unparsable."""
-    decoder = json.JSONDecoder()
-    pos = _skip_ws(text, 0)
-    if pos >= len(text) or text[pos] != "[":
-        try:  # a single object is a one-record file
-            return [RawRecord(text.count("\n", 0, pos) + 1, json.loads(text))]
-        except json.JSONDecodeError as exc:
-            return [RawRecord(exc.lineno, error=f"invalid JSON: {exc}")]
-    records: list[RawRecord] = []
-    pos = _skip_ws(text, pos + 1)
-    line, counted_to = 1, 0
-    while pos < len(text) and text[pos] != "]":
-        line += text.count("\n", counted_to, pos)
-        counted_to = pos
-        try:
-            obj, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as exc:
-            # the rest of the array cannot be split reliably: one reject for it
-            records.append(RawRecord(line, error=f"invalid JSON: {exc}"))
-            return records
-        records.append(RawRecord(line, obj))
-        pos = _skip_ws(text, end)
-        if pos < len(text) and text[pos] == ",":
-            pos = _skip_ws(text, pos + 1)
-    return records
-
-
-def _skip_ws(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in " \t\r\n":
-        pos += 1
-    return pos
 
 
 def resolve_image_path(image: str, image_root: str) -> str:

@@ -1,0 +1,198 @@
+"""The flags of `mmpack pack` (also those of `python -m offline_packing.<stage>` and `auto_pipe.sh`), parsed in
+this one place into a `PackJobConfig`."""
+
+from __future__ import annotations
+
+import argparse
+
+from offline_packing.config import (
+    IMAGE_CHECKS,
+    OUTPUT_FORMATS,
+    OVERLENGTH_POLICIES,
+    STAGES,
+    VERIFY_INPUTS,
+    PackJobConfig,
+)
+from packing.format import DEFAULT_MAX_IMAGE_PIXELS
+
+
+def _size(text: str) -> int:
+    """Bytes from '512M', '2G', '1000000'."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """All `mmpack pack` flags (auto_pipe.sh uses the same short ones)."""
+    g = p.add_argument_group("input")
+    g.add_argument(
+        "-i",
+        "--input",
+        dest="inputs",
+        action="append",
+        required=True,
+        metavar="PATH",
+        help="raw records: .json/.jsonl (optionally .gz), .parquet or .tar file, folder or glob (repeatable)",
+    )
+    g.add_argument(
+        "-r",
+        "--image-root",
+        default=None,
+        help="folder that image paths are relative to (default: each input file's folder)",
+    )
+    g.add_argument(
+        "--image-check",
+        choices=IMAGE_CHECKS,
+        default="header",
+        help="header: read sizes, decode only files whose end marker is missing (default); "
+        "decode: fully decode every image",
+    )
+    g.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        help=f"images with more pixels (width x height, from the header) are rejected as image_too_large "
+        f"(default {DEFAULT_MAX_IMAGE_PIXELS})",
+    )
+    g.add_argument(
+        "--verify-inputs",
+        choices=VERIFY_INPUTS,
+        default="stat",
+        help="how a rerun tells whether an input changed: stat (path, size, mtime; default) or sha256 (content)",
+    )
+    g = p.add_argument_group("length model")
+    g.add_argument("-L", "--seq-len", type=int, required=True, help="bin capacity in tokens")
+    g.add_argument(
+        "-t",
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json or a folder holding one (default: byte-level demo fallback)",
+    )
+    g.add_argument(
+        "--overlength",
+        choices=OVERLENGTH_POLICIES,
+        default="drop",
+        help="samples longer than -L: drop to rejects.jsonl, truncate (whole trailing turns; "
+        "never inside an image), or error",
+    )
+    g.add_argument("--patch-size", type=int, default=14, help="vision patch side in pixels (default 14)")
+    g.add_argument(
+        "--merge-size", type=int, default=2, help="patches merged per side into one token (default 2)"
+    )
+    g.add_argument(
+        "--min-pixels", type=int, default=3136, help="smart_resize lower bound on h*w (default 3136)"
+    )
+    g.add_argument("--max-pixels", type=int, default=12845056, help="smart_resize upper bound on h*w")
+    g.add_argument("--default-system", default=None, help="system prompt for records that have none")
+    g = p.add_argument_group("bin packing")
+    g.add_argument("-M", "--max-samples-per-bin", type=int, default=None, help="at most N samples per bin")
+    g.add_argument(
+        "--max-images-per-bin",
+        type=int,
+        default=None,
+        help="at most N images per bin; samples with more are rejected",
+    )
+    g.add_argument("--algorithm", default="auto", help="packing.pack_lengths algorithm (default auto)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the order of bins in the shards (default 0)")
+    g = p.add_argument_group("output")
+    g.add_argument("-o", "--output", required=True, help="output folder or fsspec URL (s3://bucket/prefix)")
+    g.add_argument(
+        "-f", "--format", choices=OUTPUT_FORMATS, default="arrow", help="shard format(s) (default arrow)"
+    )
+    g.add_argument(
+        "--max-bins-per-shard", type=int, default=1024, help="bins per shard at most (default 1024)"
+    )
+    g.add_argument(
+        "--max-shard-bytes",
+        type=_size,
+        default=256 * 2**20,
+        help="estimated size cap per shard, e.g. 512M, 2G (default 256M)",
+    )
+    g.add_argument(
+        "--shard-prefix", default="packed", help="shard and bin key prefix: letters, digits, _ and -"
+    )
+    g.add_argument(
+        "--energon",
+        action="store_true",
+        help="also write .nv-meta so Megatron-Energon reads the WebDataset shards",
+    )
+    g.add_argument("--s3-endpoint", default=None, help="endpoint URL for s3:// outputs (or AWS_ENDPOINT_URL)")
+    g = p.add_argument_group("job")
+    g.add_argument("-w", "--workers", type=int, default=1, help="worker processes for scan, lengths, write")
+    g.add_argument(
+        "-S",
+        "--stage",
+        type=int,
+        default=None,
+        dest="start_stage",
+        help=f"rerun from stage N ({', '.join(f'{i + 1}={s}' for i, s in enumerate(STAGES))}); "
+        "default: resume, skipping completed stages",
+    )
+    g.add_argument("--work-dir", default=None, help="local folder for stage outputs (default <output>/_work)")
+    g.add_argument(
+        "--clean-work",
+        action="store_true",
+        help="delete the work folder after success (saves space; a rerun then redoes every stage)",
+    )
+    g.add_argument("--chunk-size", type=int, default=2048, help="samples per unit of parallel work")
+    g.add_argument(
+        "--strict", action="store_true", help="fail on the first bad sample instead of rejecting it"
+    )
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    g.add_argument("--debug", action="store_true", help="show the traceback of an error")
+
+
+def config_from_args(args: argparse.Namespace, only_stage: int | None = None) -> PackJobConfig:
+    """The job config of parsed `mmpack pack` flags; ValueError for values the config refuses."""
+    storage_options = {"client_kwargs": {"endpoint_url": args.s3_endpoint}} if args.s3_endpoint else {}
+    return PackJobConfig(
+        inputs=tuple(args.inputs),
+        image_root=args.image_root,
+        output=args.output,
+        seq_len=args.seq_len,
+        tokenizer=args.tokenizer,
+        max_samples_per_bin=args.max_samples_per_bin,
+        max_images_per_bin=args.max_images_per_bin,
+        algorithm=args.algorithm,
+        seed=args.seed,
+        format=args.format,
+        max_bins_per_shard=args.max_bins_per_shard,
+        max_shard_bytes=args.max_shard_bytes,
+        workers=args.workers,
+        overlength=args.overlength,
+        strict=args.strict,
+        patch_size=args.patch_size,
+        merge_size=args.merge_size,
+        min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels,
+        default_system=args.default_system,
+        image_check=args.image_check,
+        max_image_pixels=args.max_image_pixels,
+        verify_inputs=args.verify_inputs,
+        energon=args.energon,
+        shard_prefix=args.shard_prefix,
+        work_dir=args.work_dir,
+        clean_work=args.clean_work,
+        chunk_size=args.chunk_size,
+        start_stage=args.start_stage,
+        only_stage=only_stage,
+        progress=args.progress,
+        debug=args.debug,
+        storage_options=storage_options,
+    )
+
+
+def parse_job_args(
+    argv: list[str] | None, *, prog: str, description: str, only_stage: int | None = None
+) -> PackJobConfig:
+    """Parse `argv` into a config; bad flags or values exit with code 2 and a usage line, as argparse does."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return config_from_args(args, only_stage)
+    except ValueError as exc:
+        p.error(str(exc))
