@@ -103,49 +103,36 @@ def _worker(out_path: str, tp: int, source: str) -> None:
     import torch
 
     from trainer.batches import block_causal_mask
+    from trainer.build import build_stage_model, model_hf_config
     from trainer.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig, build_megatron_configs
-    from trainer.data import MOCK_VOCAB, model_inputs
-    from trainer.model import VisionLanguageModel, init_layout_invariant
+    from trainer.data import dataset_info, model_inputs
+    from trainer.models.qwen2_5_vl import arch_from_hf_config
     from trainer.training import initialize_distributed
 
-    vocab, image_pad, seq, patch, merge = MOCK_VOCAB["vocab_size"], MOCK_VOCAB["image_pad"], SEQ, 14, 2
-    if source != "synthetic":
-        from trainer.data import dataset_info
-
-        info = dataset_info(source, 0)
-        vocab, image_pad, seq = info.vocab_size, info.image_pad_id, info.seq_length
-        patch, merge = info.patch_size, info.merge_size
-    model_cfg = ModelConfig(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        vision_num_layers=1,
-        vision_hidden_size=32,
-        vision_num_attention_heads=2,
-        vocab_size=vocab,
-        image_pad_id=image_pad,
-        patch_size=patch,
-        merge_size=merge,
-    )
+    info = dataset_info(None if source == "synthetic" else source, SEQ if source == "synthetic" else 0)
+    seq = info.seq_length
+    model_cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            vision_num_layers=2, vision_hidden_size=32, vision_num_attention_heads=2,
+                            init_method_std=0.2)  # fmt: skip
     cfg = RunConfig(
         model=model_cfg,
         parallel=ParallelConfig(tensor_model_parallel_size=tp),
         train=TrainConfig(seq_length=seq, seed=3),
     )
     initialize_distributed(cfg)
-    mcfg = build_megatron_configs(cfg)
-    model = VisionLanguageModel(
-        mcfg.language, mcfg.vision, model_cfg, seq_length=seq, pre_process=True, post_process=True
-    )
-    # a wide init so attention is far from uniform: leaks across samples would show clearly
-    init_layout_invariant(model, 3, 0.2, model_cfg.num_layers)
+    arch = arch_from_hf_config(model_hf_config(cfg, info))
+    mcfg = build_megatron_configs(cfg, arch)
+    # a wide init (std 0.2) so attention is far from uniform: leaks across samples would show clearly
+    model = build_stage_model(cfg, mcfg, arch, use_te=False)
+    image_pad = info.image_pad_id
+    merge = info.merge_size
     if source == "synthetic":
         packed, alone = _synthetic_bin_and_samples()
     else:
         packed, alone = _loader_bin_and_samples(source, seq, image_pad, merge)
 
     def run(batch: dict, mask_override: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = model_inputs(batch, use_thd=False)
+        inputs = model_inputs(batch, use_thd=False, image_pad_id=image_pad, merge_size=merge)
         if mask_override is not None:
             inputs["attention_mask"] = mask_override
         per_token = model(**inputs)

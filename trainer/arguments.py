@@ -30,7 +30,8 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
         num_layers=4,
         hidden_size=64,
         num_attention_heads=4,
-        vision_num_layers=1,
+        num_query_groups=2,
+        vision_num_layers=2,
         vision_hidden_size=32,
         vision_num_attention_heads=2,
     ),
@@ -38,6 +39,7 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
         num_layers=12,
         hidden_size=768,
         num_attention_heads=12,
+        num_query_groups=4,
         vision_num_layers=12,
         vision_hidden_size=768,
         vision_num_attention_heads=12,
@@ -49,25 +51,32 @@ def build_parser() -> argparse.ArgumentParser:
     """All flags, grouped like Megatron-LM's."""
     p = argparse.ArgumentParser(
         prog="torchrun --nproc_per_node N -m trainer.pretrain_vlm",
-        description="Train a vision-language model (vision encoder + megatron-core GPT) on a packed dataset "
-        "with TP x PP x DP. Without CUDA it runs on CPU processes with gloo.",
+        description="Train a vision-language model (Qwen2.5-VL architecture on megatron-core) on a packed "
+        "dataset with TP x PP x DP, from a HuggingFace checkpoint (--hf-model) or a small random model (size "
+        "flags). Without CUDA it runs on CPU processes with gloo.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("model")
     g.add_argument(
+        "--hf-model",
+        default=None,
+        help="HuggingFace model folder (save_pretrained: config.json + safetensors); each rank reads its "
+        "TP/PP slice. Without it a random model is built from the size flags.",
+    )
+    g.add_argument(
         "--model-size",
         choices=sorted(MODEL_PRESETS),
         default=None,
-        help="size preset (tiny when not given); explicit size flags override it",
+        help="random model: size preset (tiny when not given); explicit size flags override it",
     )
     g.add_argument("--num-layers", type=int, default=None, help="language model layers")
     g.add_argument("--hidden-size", type=int, default=None, help="language model hidden size")
     g.add_argument("--num-attention-heads", type=int, default=None, help="language model heads")
+    g.add_argument("--num-query-groups", type=int, default=None, help="key/value heads (GQA)")
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP size (default 4 x hidden)")
     g.add_argument("--vision-num-layers", type=int, default=None, help="vision encoder layers")
     g.add_argument("--vision-hidden-size", type=int, default=None, help="vision encoder hidden size")
     g.add_argument("--vision-num-attention-heads", type=int, default=None, help="vision encoder heads")
-    g.add_argument("--max-position-embeddings", type=int, default=0, help="0 = --seq-length")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="vocab padding multiple")
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout on hidden states")
     g.add_argument("--attention-dropout", type=float, default=0.0, help="dropout on attention probs")

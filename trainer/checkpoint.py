@@ -27,7 +27,7 @@ from megatron.core import tensor_parallel
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def _rank_file(root: str, iteration: int, tp: int, pp: int, dp: int) -> Path:
+def rank_file(root: str, iteration: int, tp: int, pp: int, dp: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}" / f"tp{tp:02d}_pp{pp:02d}_dp{dp:02d}.pt"
 
 
@@ -88,7 +88,7 @@ def save_checkpoint(
 ) -> None:
     """Collective: every rank writes its file; rank 0 then updates the tracker file."""
     tp, pp, dp = _coords()
-    path = _rank_file(root, iteration, tp, pp, dp)
+    path = rank_file(root, iteration, tp, pp, dp)
     path.parent.mkdir(parents=True, exist_ok=True)
     if _uses_distributed_optimizer(optimizer):
         # collective over DP: DP rank 0 writes the gathered (DP-size independent) parameter state
@@ -123,19 +123,42 @@ def latest_iteration(root: str) -> int | None:
     return int(tracker.read_text().strip()) if tracker.exists() else None
 
 
-def load_checkpoint(root: str, model: Any, optimizer: Any, scheduler: Any) -> tuple[int, dict[str, Any]]:
-    """Restore a checkpoint saved with the same TP x PP (any DP); returns (iteration, loader state)."""
+def load_model_weights(model: Any, state: dict[str, Any], source: Path) -> None:
+    """Loads a weights-only state dict; only megatron-core's ``_extra_state`` entries may be absent."""
+    prefix = ""
+    keys = list(model.state_dict())
+    while keys and all(k.startswith(prefix + "module.") for k in keys):
+        prefix += "module."
+    result = model.load_state_dict({prefix + k: v for k, v in state.items()}, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"{source} does not fit this model (missing {missing[:4]}, unexpected {result.unexpected_keys[:4]}): "
+            "convert the checkpoint with the same TP/PP and model config"
+        )
+
+
+def load_checkpoint(
+    root: str, model: Any, optimizer: Any, scheduler: Any
+) -> tuple[int, dict[str, Any] | None]:
+    """Restore a checkpoint saved with the same TP x PP (any DP); returns (iteration, loader state).
+
+    A weights-only checkpoint (``mmpack convert hf-to-mcore``) restores the model alone: (0, None).
+    """
     iteration = latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(f"no checkpoint in {root} (missing {TRACKER})")
     tp, pp, dp = _coords()
-    own = _rank_file(root, iteration, tp, pp, dp)
-    zero = _rank_file(root, iteration, tp, pp, 0)
+    own = rank_file(root, iteration, tp, pp, dp)
+    zero = rank_file(root, iteration, tp, pp, 0)
     if not zero.exists():
         raise FileNotFoundError(
             f"{zero} is missing: the checkpoint was saved with another tensor/pipeline layout"
         )
     base = torch.load(zero, map_location="cpu", weights_only=False)
+    if "optimizer" not in base:
+        load_model_weights(model, base["model"], zero)
+        return 0, None
     model.load_state_dict(base["model"])
     optimizer.load_state_dict(base["optimizer"])
     if _uses_distributed_optimizer(optimizer):

@@ -4,6 +4,7 @@ are built from them (:func:`build_megatron_configs`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from megatron.core.distributed import DistributedDataParallelConfig
@@ -13,38 +14,46 @@ from megatron.core.transformer import TransformerConfig
 
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
-    """Sizes of the vision encoder, projector and language model."""
+    """Which model: a HuggingFace folder (``--hf-model``: its config.json and weights), or a small random
+    model of the same architecture built from the size fields (the ids and vocabulary then come from the
+    dataset)."""
 
+    hf_model: str | None = None
+    model_type: str = "qwen2_5_vl"
     num_layers: int = 4
     hidden_size: int = 64
     num_attention_heads: int = 4
+    num_query_groups: int = 2
     ffn_hidden_size: int | None = None
-    vocab_size: int = 0  # taken from the dataset's tokenizer when 0
-    make_vocab_size_divisible_by: int = 128
-    max_position_embeddings: int = 0  # seq_length when 0
-    vision_num_layers: int = 1
+    vision_num_layers: int = 2
     vision_hidden_size: int = 32
     vision_num_attention_heads: int = 2
-    patch_size: int = 14
-    merge_size: int = 2
-    image_pad_id: int = -1
+    make_vocab_size_divisible_by: int = 128
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vision_num_layers"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "vision_num_layers",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("--hidden-size must be divisible by --num-attention-heads")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError("--num-attention-heads must be a multiple of --num-query-groups")
         if self.vision_hidden_size % self.vision_num_attention_heads:
             raise ValueError("--vision-hidden-size must be divisible by --vision-num-attention-heads")
 
-    def padded_vocab_size(self) -> int:
-        """Vocabulary rounded up so that every TP size up to the multiple divides it (layout independent)."""
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        """Vocabulary of a random model, rounded up so that every TP size up to the multiple divides it."""
         mult = self.make_vocab_size_divisible_by
-        return -(-self.vocab_size // mult) * mult
+        return -(-vocab_size // mult) * mult
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -191,16 +200,18 @@ class RunConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class MegatronConfigs:
-    """The megatron-core configs of one run."""
+    """The megatron-core configs of one run (``model`` holds the family's per-part TransformerConfigs)."""
 
     language: TransformerConfig
-    vision: TransformerConfig
+    model: Any
     ddp: DistributedDataParallelConfig
     optimizer: OptimizerConfig
 
 
-def build_megatron_configs(cfg: RunConfig) -> MegatronConfigs:
-    """Translate our configs into megatron-core's (the only place this mapping lives)."""
+def build_megatron_configs(cfg: RunConfig, arch: Any) -> MegatronConfigs:
+    """Translate our configs (and the model family's architecture) into megatron-core's."""
+    from trainer.models import family
+
     m, par, prec, tr = cfg.model, cfg.parallel, cfg.precision, cfg.train
     pipeline_dtype = torch.float32 if prec.fp32_residual_connection else prec.params_dtype
     common = dict(
@@ -230,23 +241,8 @@ def build_megatron_configs(cfg: RunConfig) -> MegatronConfigs:
         if tr.recompute_activations
         else {}
     )
-    language = TransformerConfig(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
-        sequence_parallel=par.sequence_parallel,
-        **common,  # type: ignore[arg-type]
-        **recompute,  # type: ignore[arg-type]
-    )
-    vision = TransformerConfig(
-        num_layers=m.vision_num_layers,
-        hidden_size=m.vision_hidden_size,
-        num_attention_heads=m.vision_num_attention_heads,
-        ffn_hidden_size=4 * m.vision_hidden_size,
-        sequence_parallel=False,  # image tokens are few and variable; they stay whole on every TP rank
-        **{**common, "pipeline_model_parallel_size": 1, "fp32_residual_connection": False},  # type: ignore[arg-type]
-    )
+    language_extra = {"sequence_parallel": par.sequence_parallel, **recompute}
+    parts = family(m.model_type).build_transformer_configs(arch, common, language_extra)
     ddp = DistributedDataParallelConfig(
         grad_reduce_in_fp32=prec.accumulate_allreduce_grads_in_fp32,
         use_distributed_optimizer=par.use_distributed_optimizer,
@@ -274,4 +270,4 @@ def build_megatron_configs(cfg: RunConfig) -> MegatronConfigs:
         hysteresis=prec.hysteresis,
         use_distributed_optimizer=par.use_distributed_optimizer,
     )
-    return MegatronConfigs(language=language, vision=vision, ddp=ddp, optimizer=optimizer)
+    return MegatronConfigs(language=parts.language, model=parts, ddp=ddp, optimizer=optimizer)

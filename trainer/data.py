@@ -8,9 +8,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from packing.layout import IGNORE_INDEX
+from packing.mrope import build_mrope_position_ids
 from packing.tokenizer import ByteTokenizer
 from trainer.batches import SyntheticLoader, SyntheticSpec, block_causal_mask
 
@@ -26,6 +28,8 @@ class DataInfo:
     vocab_size: int
     pad_id: int
     image_pad_id: int
+    vision_start_id: int
+    vision_end_id: int
     patch_size: int
     merge_size: int
 
@@ -72,6 +76,8 @@ def dataset_info(data_path: str | None, seq_length: int) -> DataInfo:
             vocab_size=MOCK_VOCAB["vocab_size"],
             pad_id=MOCK_VOCAB["pad"],
             image_pad_id=MOCK_VOCAB["image_pad"],
+            vision_start_id=MOCK_VOCAB["vision_start"],
+            vision_end_id=MOCK_VOCAB["vision_end"],
             patch_size=14,
             merge_size=2,
         )
@@ -88,6 +94,8 @@ def dataset_info(data_path: str | None, seq_length: int) -> DataInfo:
         vocab_size=vocab,
         pad_id=manifest.pad_id,
         image_pad_id=manifest.image_pad_id,
+        vision_start_id=manifest.dataset.special_id("vision_start", -1),
+        vision_end_id=manifest.dataset.special_id("vision_end", -1),
         patch_size=manifest.patch_size,
         merge_size=manifest.merge_size,
     )
@@ -145,14 +153,33 @@ def build_step_batches(
     return StepBatches(loader)
 
 
-def model_inputs(batch: dict[str, Any], *, use_thd: bool) -> dict[str, Any]:
-    """Model keyword arguments from a loader micro-batch: packed mask (dense on CPU, THD with TE)."""
+def mrope_position_ids(batch: dict[str, Any], *, image_pad_id: int, merge_size: int) -> torch.Tensor:
+    """[3, B, L] MRoPE positions of a micro-batch: per sample (segments of ``cu_seqlens``), as transformers'
+    ``get_rope_index`` gives each sample alone. Every stage derives them from tokens, cu_seqlens and
+    image_grid_thw, which the loader gives every stage."""
+    tokens = batch["tokens"]
+    b, seq = tokens.shape
+    cu = batch["cu_seqlens"].detach().cpu().numpy().astype(np.int64)
+    grids = batch.get("image_grid_thw")
+    grid_np = np.zeros((0, 3), np.int64) if grids is None else grids.detach().cpu().numpy()
+    pos = build_mrope_position_ids(
+        tokens.detach().cpu().numpy().reshape(-1), np.diff(cu), grid_np,
+        image_pad_id=image_pad_id, merge_size=merge_size,
+    )  # fmt: skip
+    return torch.from_numpy(pos).reshape(3, b, seq).to(tokens.device)
+
+
+def model_inputs(
+    batch: dict[str, Any], *, use_thd: bool, image_pad_id: int, merge_size: int
+) -> dict[str, Any]:
+    """Model keyword arguments from a loader micro-batch: MRoPE positions, packed mask (dense on CPU, THD
+    with TE)."""
     tokens = batch["tokens"]
     b, seq = tokens.shape
     labels = batch["labels"]
     inputs: dict[str, Any] = {
         "tokens": tokens,
-        "position_ids": batch["position_ids"],
+        "position_ids": mrope_position_ids(batch, image_pad_id=image_pad_id, merge_size=merge_size),
         "labels": labels.masked_fill(labels == IGNORE_INDEX, 0),  # masked out by loss_mask
         "pixel_values": batch.get("pixel_values"),
         "image_grid_thw": batch.get("image_grid_thw"),
@@ -171,8 +198,9 @@ def model_inputs(batch: dict[str, Any], *, use_thd: bool) -> dict[str, Any]:
             max_seqlen_kv=max_len,
         )
         # THD: the micro-batch is one flattened sequence; cu_seqlens already runs over the flattened batch
-        for key in ("tokens", "position_ids", "labels"):
+        for key in ("tokens", "labels"):
             inputs[key] = inputs[key].reshape(1, b * seq)
+        inputs["position_ids"] = inputs["position_ids"].reshape(3, 1, b * seq)
     else:
         mask = batch.get("attention_mask")
         inputs["attention_mask"] = mask if mask is not None else block_causal_mask(cu, b, seq)

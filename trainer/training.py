@@ -16,17 +16,18 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.module import Float16Module
 
 from trainer import cpu_backend
+from trainer.build import build_model, check_data_matches_model, model_hf_config
 from trainer.checkpoint import load_checkpoint, save_checkpoint
-from trainer.config import MegatronConfigs, RunConfig, build_megatron_configs
+from trainer.config import RunConfig, build_megatron_configs
+from trainer.convert import HF_CONFIG_NAME
 from trainer.data import DataInfo, StepBatches, build_step_batches, dataset_info, model_inputs
-from trainer.model import VisionLanguageModel, init_layout_invariant
+from trainer.models import family_of
 
 
 def te_available() -> bool:
@@ -58,38 +59,12 @@ def initialize_distributed(cfg: RunConfig) -> bool:
     return on_cpu
 
 
-def resolve_model_config(cfg: RunConfig, info: DataInfo, dp_size: int) -> RunConfig:
-    """Fill in what comes from the dataset (vocabulary, special ids, image geometry, sequence length) and
-    the default global batch (one micro-batch per DP rank)."""
-    model = dataclasses.replace(
-        cfg.model,
-        vocab_size=info.vocab_size,
-        image_pad_id=info.image_pad_id,
-        patch_size=info.patch_size,
-        merge_size=info.merge_size,
-    )
+def resolve_train_config(cfg: RunConfig, info: DataInfo, dp_size: int) -> RunConfig:
+    """Fill in what comes from the dataset (sequence length) and the default global batch (one
+    micro-batch per DP rank)."""
     global_batch = cfg.train.global_batch_size or cfg.train.micro_batch_size * dp_size
     train = dataclasses.replace(cfg.train, seq_length=info.seq_length, global_batch_size=global_batch)
-    return dataclasses.replace(cfg, model=model, train=train)
-
-
-def build_model(cfg: RunConfig, mcfg: MegatronConfigs, *, use_te: bool) -> DistributedDataParallel:
-    """This stage's model, initialised identically under every layout, cast and wrapped in megatron DDP."""
-    model: torch.nn.Module = VisionLanguageModel(
-        mcfg.language,
-        mcfg.vision,
-        cfg.model,
-        seq_length=cfg.train.seq_length,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        use_te=use_te,
-    )
-    init_layout_invariant(model, cfg.train.seed, cfg.model.init_method_std, cfg.model.num_layers)
-    if torch.cuda.is_available():
-        model.cuda()
-    if cfg.precision.bf16 or cfg.precision.fp16:
-        model = Float16Module(mcfg.language, model)
-    return DistributedDataParallel(config=mcfg.language, ddp_config=mcfg.ddp, module=model)
+    return dataclasses.replace(cfg, train=train)
 
 
 def build_scheduler(cfg: RunConfig, optimizer: Any) -> OptimizerParamScheduler:
@@ -135,11 +110,14 @@ class Trainer:
         self.on_cpu = initialize_distributed(cfg)
         info = dataset_info(cfg.data.data_path, cfg.train.seq_length)
         self.dp_size = ps.get_data_parallel_world_size()
-        self.cfg = cfg = resolve_model_config(cfg, info, self.dp_size)
+        self.cfg = cfg = resolve_train_config(cfg, info, self.dp_size)
+        self.hf_config = model_hf_config(cfg, info)
+        self.arch = family_of(self.hf_config).arch_from_hf_config(self.hf_config)
+        check_data_matches_model(self.arch, info, cfg.model.hf_model or "(random, from the size flags)")
         self.use_te = te_available()
-        self.mcfg = build_megatron_configs(cfg)
+        self.mcfg = build_megatron_configs(cfg, self.arch)
         self.num_micro = cfg.train.num_microbatches(self.dp_size)
-        self.model = build_model(cfg, self.mcfg, use_te=self.use_te)
+        self.model = build_model(cfg, self.mcfg, self.arch, use_te=self.use_te)
         self.optimizer = get_megatron_optimizer(self.mcfg.optimizer, [self.model])
         self.scheduler = build_scheduler(cfg, self.optimizer)
         lang = self.mcfg.language
@@ -168,8 +146,11 @@ class Trainer:
             self.iteration, loader_state = load_checkpoint(
                 cfg.checkpoint.load, self.model, self.optimizer, self.scheduler
             )
-            self.train_data.load_state_dict(loader_state)
-            self.log_text(f"resumed from {cfg.checkpoint.load} at iteration {self.iteration}")
+            if loader_state is None:
+                self.log_text(f"loaded weights from {cfg.checkpoint.load}")
+            else:
+                self.train_data.load_state_dict(loader_state)
+                self.log_text(f"resumed from {cfg.checkpoint.load} at iteration {self.iteration}")
 
     # -- steps --------------------------------------------------------------------------------------------
     def _forward_step(self, scale: float, poison: bool, data_iterator: Any, model: Any):
@@ -178,7 +159,12 @@ class Trainer:
             batch = {
                 k: v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
             }
-        inputs = model_inputs(batch, use_thd=self.use_te)
+        inputs = model_inputs(
+            batch,
+            use_thd=self.use_te,
+            image_pad_id=self.arch.image_token_id,
+            merge_size=self.arch.vision.spatial_merge_size,
+        )
         output = model(**inputs)
         return output, partial(_loss_func, batch["loss_mask"], scale, poison)
 
@@ -287,6 +273,10 @@ class Trainer:
     def save(self) -> None:
         ck = self.cfg.checkpoint
         assert ck.save is not None
+        if dist.get_rank() == 0:
+            os.makedirs(ck.save, exist_ok=True)
+            with open(os.path.join(ck.save, HF_CONFIG_NAME), "w") as f:
+                json.dump(self.hf_config, f, indent=2)
         save_checkpoint(
             ck.save, self.iteration, self.model, self.optimizer, self.scheduler, self.train_data.state_dict()
         )

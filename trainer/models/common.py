@@ -1,9 +1,10 @@
-"""Layer specs of the language model and the vision encoder, built from megatron-core's local modules.
+"""megatron-core pieces shared by the model families: the RMSNorm, the residual add and the layer specs.
 
 megatron-core's local spec uses ``WrappedTorchNorm``, which refuses ``sequence_parallel`` and cannot take an
-fp32 residual stream with half-precision weights. :class:`MixedPrecisionLayerNorm` does both (the role
-Apex's ``FusedLayerNorm`` plays on GPU machines): it normalises in fp32, returns the weight dtype and marks its
-parameters ``sequence_parallel`` so that ``finalize_model_grads`` all-reduces their gradients over TP.
+fp32 residual stream with half-precision weights. :class:`RMSNorm` does both (the role Apex's fused norms play
+on GPU machines) and computes exactly as transformers' Qwen2 RMSNorm does (fp32 statistics, weight applied
+after the cast back); its parameters are marked ``sequence_parallel`` so that ``finalize_model_grads``
+all-reduces their gradients over TP.
 """
 
 from __future__ import annotations
@@ -20,23 +21,19 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-class MixedPrecisionLayerNorm(torch.nn.Module):
-    """LayerNorm computed in fp32; output in the parameter dtype; sequence-parallel aware."""
+class RMSNorm(torch.nn.Module):
+    """RMSNorm with fp32 statistics; output in the parameter dtype; sequence-parallel aware."""
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: Any) -> None:
         super().__init__()
         self.eps = eps
-        self.hidden_size = hidden_size
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
-        self.bias = torch.nn.Parameter(torch.zeros(hidden_size))
-        for param in (self.weight, self.bias):
-            param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        out = F.layer_norm(
-            hidden_states.float(), (self.hidden_size,), self.weight.float(), self.bias.float(), self.eps
-        )
-        return out.to(self.weight.dtype)
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x.to(hidden_states.dtype)).to(self.weight.dtype)
 
 
 def get_residual_bias_dropout_add(training: bool, fused: bool = False):
@@ -58,22 +55,15 @@ def get_residual_bias_dropout_add(training: bool, fused: bool = False):
 
 
 def build_layer_spec(attn_mask_type: AttnMaskType) -> ModuleSpec:
-    """megatron-core's local (no Transformer Engine) GPT layer with our norm and the given mask type."""
-    spec = copy.deepcopy(get_gpt_layer_local_spec())
+    """megatron-core's local (no Transformer Engine) GPT layer with our RMSNorm and the given mask type."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     sub = spec.submodules
-    sub.input_layernorm = MixedPrecisionLayerNorm
-    sub.pre_mlp_layernorm = MixedPrecisionLayerNorm
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
     sub.self_attn_bda = get_residual_bias_dropout_add
     sub.mlp_bda = get_residual_bias_dropout_add
     sub.self_attention.params = {**sub.self_attention.params, "attn_mask_type": attn_mask_type}
     return spec
-
-
-def build_te_layer_spec() -> ModuleSpec:
-    """Transformer Engine layer (THD packed attention with cu_seqlens); only on CUDA machines with TE."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-    return get_gpt_layer_with_transformer_engine_spec()
 
 
 def build_block_spec(num_local_layers: int, *, use_te: bool = False) -> TransformerBlockSubmodules:
@@ -82,10 +72,11 @@ def build_block_spec(num_local_layers: int, *, use_te: bool = False) -> Transfor
     Without TE the block-diagonal packed mask is passed densely (``AttnMaskType.arbitrary``); with TE the
     attention takes ``PackedSeqParams`` (THD, cu_seqlens) and its own causal-per-segment kernel.
     """
-    layer = build_te_layer_spec() if use_te else build_layer_spec(AttnMaskType.arbitrary)
-    norm: Any = MixedPrecisionLayerNorm
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        norm = TENorm
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=norm)
+        layer = get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm")
+        return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=TENorm)
+    layer = build_layer_spec(AttnMaskType.arbitrary)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=RMSNorm)

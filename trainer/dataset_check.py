@@ -1,0 +1,203 @@
+"""Refuse a packed dataset made for another model: its image rule and tokenizer against an HF model folder.
+
+The packer records in manifest.json the tokenizer (sha256, special ids, vocabulary size) and the image rule
+(patch, merge, temporal patch, min/max pixels, mean/std, rescale, resample) it counted tokens and the loader
+makes pixels with. A model folder (`--hf-model DIR`, as written by `save_pretrained`) fixes the same things in
+`config.json` (vision patch sizes, image/vision token ids, vocabulary size) and, where present, in
+`preprocessor_config.json` and `tokenizer.json`. Any disagreement means image tokens or pixels the model
+would not get from transformers' own processor, so training must not start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from packing.image_tokens import PREPROCESSOR_CONFIG, ImageTokenRule, load_model_image_rule
+from packing.manifest import ManifestImageRule
+from packing.tokenizer import TOKENIZER_FILE, load_tokenizer
+
+# ImageTokenRule fields a preprocessor_config.json settles (max_aspect_ratio is fixed at 200 in transformers).
+_PREPROCESSOR_FIELDS = (
+    "patch_size",
+    "merge_size",
+    "temporal_patch_size",
+    "min_pixels",
+    "max_pixels",
+    "image_mean",
+    "image_std",
+    "rescale_factor",
+    "resample",
+)
+# manifest tokenizer special id -> config.json key
+_SPECIAL_ID_KEYS = {
+    "image_pad": "image_token_id",
+    "vision_start": "vision_start_token_id",
+    "vision_end": "vision_end_token_id",
+}
+
+
+class DatasetModelMismatch(ValueError):
+    """The packed dataset was made with another image rule or tokenizer than the model folder's."""
+
+
+def check_dataset_matches_model(
+    manifest: Any, model_dir: str | os.PathLike[str], *, dataset: str = "the dataset"
+) -> list[str]:
+    """Raise `DatasetModelMismatch` naming every value where `manifest` and `model_dir` disagree.
+
+    Args:
+        manifest: the dataset's manifest: `dataloader.manifest.Manifest`, `packing.manifest.Manifest` or the
+            parsed manifest.json dict.
+        model_dir: an HF model folder (config.json; preprocessor_config.json and tokenizer.json are checked
+            when present).
+        dataset: how to name the dataset in messages (e.g. its --data-path).
+
+    Returns:
+        What was compared, one line each (for the training log).
+
+    Raises:
+        FileNotFoundError: `model_dir` has no config.json.
+        DatasetModelMismatch: one line per disagreement, each naming both values and their files.
+    """
+    raw = _manifest_dict(manifest)
+    folder = Path(model_dir)
+    config = _read_config(folder)
+    rule = ManifestImageRule.from_dict(raw.get("image_rule") or {}, "manifest.json image_rule").token_rule()
+    tokenizer = raw.get("tokenizer") or {}
+    problems: list[str] = []
+    checked = [
+        *_check_vision_config(rule, config, folder, problems),
+        *_check_preprocessor(rule, folder, problems),
+        *_check_token_ids(tokenizer, config, folder, problems),
+        *_check_tokenizer_file(tokenizer, folder, problems),
+    ]
+    if problems:
+        lines = "\n  ".join(problems)
+        raise DatasetModelMismatch(
+            f"{dataset} was not packed for the model in {folder}:\n  {lines}\n"
+            f"repack it with `mmpack pack --model {folder} ...` (tokenizer and image rule from the model folder)"
+        )
+    return checked
+
+
+def _manifest_dict(manifest: Any) -> dict[str, Any]:
+    if isinstance(manifest, Mapping):
+        return dict(manifest)
+    raw = getattr(manifest, "raw", None)
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    if hasattr(manifest, "to_dict"):
+        return dict(manifest.to_dict())
+    raise TypeError(f"expected a manifest (Manifest or dict), got {type(manifest).__name__}")
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} is not an HF model folder: no config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return config
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return not math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+    return bool(a != b)
+
+
+def _check_vision_config(rule: ImageTokenRule, config: dict, folder: Path, problems: list[str]) -> list[str]:
+    vision = config.get("vision_config") or {}
+    where = folder / "config.json"
+    pairs = {
+        "patch_size": vision.get("patch_size", vision.get("spatial_patch_size")),
+        "merge_size": vision.get("spatial_merge_size"),
+        "temporal_patch_size": vision.get("temporal_patch_size"),
+    }
+    checked = []
+    for name, model_value in pairs.items():
+        if model_value is None:
+            continue
+        checked.append(f"image_rule.{name} vs {where} vision_config")
+        if _differs(getattr(rule, name), model_value):
+            problems.append(
+                f"image_rule.{name}: dataset {getattr(rule, name)} (manifest.json), "
+                f"model {model_value} ({where} vision_config)"
+            )
+    return checked
+
+
+def _check_preprocessor(rule: ImageTokenRule, folder: Path, problems: list[str]) -> list[str]:
+    model_rule = load_model_image_rule(folder)
+    if model_rule is None:
+        return []
+    where = folder / PREPROCESSOR_CONFIG
+    for name in _PREPROCESSOR_FIELDS:
+        ours, theirs = getattr(rule, name), getattr(model_rule, name)
+        if _differs(ours, theirs):
+            problems.append(
+                f"image_rule.{name}: dataset {_show(ours)} (manifest.json), model {_show(theirs)} ({where})"
+            )
+    return [f"image rule vs {where}"]
+
+
+def _show(value: Any) -> str:
+    return str(list(value)) if isinstance(value, tuple) else str(value)
+
+
+def _check_token_ids(tokenizer: dict, config: dict, folder: Path, problems: list[str]) -> list[str]:
+    where = folder / "config.json"
+    special = tokenizer.get("special_ids") or {}
+    text = config.get("text_config") or {}
+    checked = []
+    for role, key in _SPECIAL_ID_KEYS.items():
+        model_id = config.get(key, text.get(key))
+        if model_id is None or role not in special:
+            continue
+        checked.append(f"tokenizer special id {role} vs {where} {key}")
+        if int(special[role]) != int(model_id):
+            problems.append(
+                f"tokenizer.special_ids.{role}: dataset {special[role]} (manifest.json), "
+                f"model {key}={model_id} ({where})"
+            )
+    vocab = config.get("vocab_size", text.get("vocab_size"))
+    if vocab is not None and tokenizer.get("vocab_size") is not None:
+        checked.append(f"tokenizer vocab_size vs {where} vocab_size")
+        if int(tokenizer["vocab_size"]) > int(vocab):
+            problems.append(
+                f"tokenizer.vocab_size: dataset {tokenizer['vocab_size']} (manifest.json) does not fit the "
+                f"model's vocab_size {vocab} ({where})"
+            )
+    return checked
+
+
+def _check_tokenizer_file(tokenizer: dict, folder: Path, problems: list[str]) -> list[str]:
+    path = folder / TOKENIZER_FILE
+    if not path.is_file():
+        return []
+    model_tok = load_tokenizer(path)
+    if tokenizer.get("is_fallback"):
+        problems.append(
+            f"tokenizer: dataset packed with the byte-level demo fallback (manifest.json), model has {path}"
+        )
+        return [f"tokenizer vs {path}"]
+    if tokenizer.get("sha256") != model_tok.sha256:
+        problems.append(
+            f"tokenizer.sha256: dataset {tokenizer.get('sha256')} (manifest.json), model {model_tok.sha256} ({path})"
+        )
+    special = tokenizer.get("special_ids") or {}
+    for role, model_id in sorted(model_tok.special_ids.items()):
+        if role in special and int(special[role]) != model_id:
+            problems.append(
+                f"tokenizer.special_ids.{role}: dataset {special[role]} (manifest.json), model {model_id} ({path})"
+            )
+    return [f"tokenizer vs {path}"]

@@ -1,0 +1,292 @@
+"""HuggingFace <-> megatron-core weights of Qwen2.5-VL.
+
+:func:`stage_rules` names, for every parameter of one pipeline stage, the HuggingFace tensors it is made of
+and how tensor parallelism cuts it. With it a rank reads only its own slice from the safetensors files
+(:func:`load_stage_weights`, ``safe_open`` + ``get_slice``), and TP shards go back to HF tensors
+(:func:`merge_tp_shards`). Layouts: megatron-core's fused QKV holds, per query group, the group's query
+heads then its key and value head; its SwiGLU ``linear_fc1`` holds this rank's gate rows then its up rows.
+
+HF names are those transformers writes with ``save_pretrained`` (``model.layers.*``, ``visual.*``,
+``lm_head``); files with the ``model.language_model.*`` / ``model.visual.*`` layout are read as well.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.models.qwen2_5_vl.config import Qwen25VLArch
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one megatron-core parameter is made of HF tensors.
+
+    kind: ``copy`` (one tensor, cut along ``split`` or replicated when None), ``qkv`` (separate q/k/v),
+    ``fused_qkv`` (one [q; k; v] tensor, the vision tower's), ``glu`` (gate and up projections).
+    """
+
+    kind: str
+    hf: tuple[str, ...]
+    split: int | None = 0
+    heads: int = 0
+    groups: int = 0
+    head_dim: int = 0
+
+
+def _vision_rules(arch: Qwen25VLArch) -> dict[str, Rule]:
+    v = arch.vision
+    rules = {"vision.patch_embed.weight": Rule("copy", ("visual.patch_embed.proj.weight",), None)}
+    attn = dict(heads=v.num_heads, groups=v.num_heads, head_dim=v.head_dim)
+    for i in range(v.depth):
+        hf, mc = f"visual.blocks.{i}.", f"vision.layers.{i}."
+        rules |= {
+            mc + "input_layernorm.weight": Rule("copy", (hf + "norm1.weight",), None),
+            mc + "self_attention.linear_qkv.weight": Rule("fused_qkv", (hf + "attn.qkv.weight",), **attn),
+            mc + "self_attention.linear_qkv.bias": Rule("fused_qkv", (hf + "attn.qkv.bias",), **attn),
+            mc + "self_attention.linear_proj.weight": Rule("copy", (hf + "attn.proj.weight",), 1),
+            mc + "self_attention.linear_proj.bias": Rule("copy", (hf + "attn.proj.bias",), None),
+            mc + "pre_mlp_layernorm.weight": Rule("copy", (hf + "norm2.weight",), None),
+            mc + "mlp.linear_fc1.weight": Rule(
+                "glu", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
+            ),
+            mc + "mlp.linear_fc1.bias": Rule("glu", (hf + "mlp.gate_proj.bias", hf + "mlp.up_proj.bias")),
+            mc + "mlp.linear_fc2.weight": Rule("copy", (hf + "mlp.down_proj.weight",), 1),
+            mc + "mlp.linear_fc2.bias": Rule("copy", (hf + "mlp.down_proj.bias",), None),
+        }
+    enc = "vision.merger.projector.encoder."
+    return rules | {
+        "vision.merger.ln_q.weight": Rule("copy", ("visual.merger.ln_q.weight",), None),
+        enc + "linear_fc1.weight": Rule("copy", ("visual.merger.mlp.0.weight",), 0),
+        enc + "linear_fc1.bias": Rule("copy", ("visual.merger.mlp.0.bias",), 0),
+        enc + "linear_fc2.weight": Rule("copy", ("visual.merger.mlp.2.weight",), 1),
+        enc + "linear_fc2.bias": Rule("copy", ("visual.merger.mlp.2.bias",), None),
+    }
+
+
+def _decoder_rules(arch: Qwen25VLArch, first: int, count: int) -> dict[str, Rule]:
+    attn = dict(heads=arch.num_attention_heads, groups=arch.num_key_value_heads, head_dim=arch.head_dim)
+    rules: dict[str, Rule] = {}
+    for local in range(count):
+        hf, mc = f"model.layers.{first + local}.", f"language_model.decoder.layers.{local}."
+        qkv = tuple(hf + f"self_attn.{p}_proj." for p in "qkv")
+        rules |= {
+            mc + "input_layernorm.weight": Rule("copy", (hf + "input_layernorm.weight",), None),
+            mc + "self_attention.linear_qkv.weight": Rule("qkv", tuple(n + "weight" for n in qkv), **attn),
+            mc + "self_attention.linear_qkv.bias": Rule("qkv", tuple(n + "bias" for n in qkv), **attn),
+            mc + "self_attention.linear_proj.weight": Rule("copy", (hf + "self_attn.o_proj.weight",), 1),
+            mc + "pre_mlp_layernorm.weight": Rule("copy", (hf + "post_attention_layernorm.weight",), None),
+            mc + "mlp.linear_fc1.weight": Rule(
+                "glu", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
+            ),
+            mc + "mlp.linear_fc2.weight": Rule("copy", (hf + "mlp.down_proj.weight",), 1),
+        }
+    return rules
+
+
+def layers_of_stage(arch: Qwen25VLArch, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """(first global layer, layer count) of a pipeline stage: megatron-core's even split."""
+    if arch.num_layers % pp_size:
+        raise ValueError(f"{arch.num_layers} language layers cannot be split evenly over PP {pp_size}")
+    count = arch.num_layers // pp_size
+    return pp_rank * count, count
+
+
+def stage_rules(arch: Qwen25VLArch, pp_rank: int, pp_size: int) -> dict[str, Rule]:
+    """megatron-core parameter name (relative to the stage's model) -> :class:`Rule`."""
+    first_stage, last_stage = pp_rank == 0, pp_rank == pp_size - 1
+    rules: dict[str, Rule] = {}
+    if first_stage:
+        rules |= _vision_rules(arch)
+        rules["language_model.embedding.word_embeddings.weight"] = Rule(
+            "copy", ("model.embed_tokens.weight",), 0
+        )
+    rules |= _decoder_rules(arch, *layers_of_stage(arch, pp_rank, pp_size))
+    if last_stage:
+        rules["language_model.decoder.final_layernorm.weight"] = Rule("copy", ("model.norm.weight",), None)
+        if not arch.tie_word_embeddings:
+            rules["language_model.output_layer.weight"] = Rule("copy", ("lm_head.weight",), 0)
+        elif not first_stage:  # tied, but on another stage than the embedding: a copy of it
+            rules["language_model.output_layer.weight"] = Rule("copy", ("model.embed_tokens.weight",), 0)
+    return rules
+
+
+# -- reading slices --------------------------------------------------------------------------------------
+
+
+class SafetensorsReader:
+    """Reads (slices of) tensors of a ``save_pretrained`` folder by HF name, opening each file once."""
+
+    ALIASES = (("model.layers.", "model.language_model.layers."), ("model.embed_tokens.", "model.language_model.embed_tokens."),
+               ("model.norm.", "model.language_model.norm."), ("visual.", "model.visual."))  # fmt: skip
+
+    def __init__(self, model_dir: str | Path, stack: ExitStack) -> None:
+        from safetensors import safe_open
+
+        root = Path(model_dir)
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        elif (root / "model.safetensors").is_file():
+            weight_map = {}
+        else:
+            raise ValueError(
+                f"{model_dir} has no model.safetensors(.index.json): give a save_pretrained folder"
+            )
+        files = sorted(set(weight_map.values())) or ["model.safetensors"]
+        self.handles = {f: stack.enter_context(safe_open(str(root / f), framework="pt")) for f in files}
+        self.where = {k: f for f, h in self.handles.items() for k in h.keys()}  # noqa: SIM118 (safe_open handles are not dicts)
+        self.root = root
+
+    def _resolve(self, name: str) -> str:
+        if name in self.where:
+            return name
+        for old, new in self.ALIASES:
+            if name.startswith(old) and new + name[len(old) :] in self.where:
+                return new + name[len(old) :]
+        raise ValueError(f"{self.root}: tensor {name} not found in the safetensors files")
+
+    def shape(self, name: str) -> list[int]:
+        key = self._resolve(name)
+        return list(self.handles[self.where[key]].get_slice(key).get_shape())
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        key = self._resolve(name)
+        sl = self.handles[self.where[key]].get_slice(key)
+        if cols is not None:
+            return sl[rows or slice(None), cols]
+        return sl[rows] if rows is not None else sl[:]
+
+
+@contextmanager
+def open_hf_weights(model_dir: str | Path) -> Iterator[SafetensorsReader]:
+    with ExitStack() as stack:
+        yield SafetensorsReader(model_dir, stack)
+
+
+def _part(n: int, rank: int, size: int) -> slice:
+    if n % size:
+        raise ValueError(f"a dimension of {n} cannot be split over TP {size}")
+    return slice(rank * n // size, (rank + 1) * n // size)
+
+
+def _interleave_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """[q; k; v] rows of ``groups`` query groups -> megatron-core's per-group [q_g, k_g, v_g] layout."""
+    parts = [t.reshape(groups, -1, *t.shape[1:]) for t in (q, k, v)]
+    return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
+
+
+def read_shard(reader: SafetensorsReader, rule: Rule, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's part of the parameter described by ``rule``, reading only that part from disk."""
+    if rule.kind == "copy":
+        name = rule.hf[0]
+        if rule.split is None:
+            return reader.read(name)
+        part = _part(reader.shape(name)[rule.split], tp_rank, tp_size)
+        return reader.read(name, rows=part) if rule.split == 0 else reader.read(name, cols=part)
+    if rule.kind == "glu":
+        n = reader.shape(rule.hf[0])[0]
+        return torch.cat([reader.read(name, rows=_part(n, tp_rank, tp_size)) for name in rule.hf])
+    groups = _part(rule.groups, tp_rank, tp_size)
+    per_group = rule.heads // rule.groups * rule.head_dim
+    q_rows = slice(groups.start * per_group, groups.stop * per_group)
+    kv_rows = slice(groups.start * rule.head_dim, groups.stop * rule.head_dim)
+    local = groups.stop - groups.start
+    if rule.kind == "qkv":
+        q, k, v = (reader.read(n, rows=r) for n, r in zip(rule.hf, (q_rows, kv_rows, kv_rows), strict=True))
+        return _interleave_groups(q, k, v, local)
+    # fused_qkv: one tensor of rows [q (heads*hd); k; v] with as many groups as heads
+    width = rule.heads * rule.head_dim
+    q, k, v = (
+        reader.read(rule.hf[0], rows=slice(r.start + i * width, r.stop + i * width))
+        for i, r in enumerate((q_rows, kv_rows, kv_rows))
+    )
+    return _interleave_groups(q, k, v, local)
+
+
+def merge_tp_shards(rule: Rule, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The HF tensors of one megatron-core parameter from its TP shards (inverse of :func:`read_shard`)."""
+    if rule.kind == "copy":
+        return {rule.hf[0]: shards[0] if rule.split is None else torch.cat(shards, dim=rule.split)}
+    if rule.kind == "glu":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return {name: torch.cat([h[i] for h in halves]) for i, name in enumerate(rule.hf)}
+    per_group_q = rule.heads // rule.groups * rule.head_dim
+    local = rule.groups // len(shards)
+    q, k, v = [], [], []
+    for s in shards:
+        g = s.reshape(local, per_group_q + 2 * rule.head_dim, *s.shape[1:])
+        a, b, c = g.split([per_group_q, rule.head_dim, rule.head_dim], dim=1)
+        q.append(a.reshape(-1, *s.shape[1:]))
+        k.append(b.reshape(-1, *s.shape[1:]))
+        v.append(c.reshape(-1, *s.shape[1:]))
+    parts = [torch.cat(x) for x in (q, k, v)]
+    if rule.kind == "qkv":
+        return dict(zip(rule.hf, parts, strict=True))
+    return {rule.hf[0]: torch.cat(parts)}
+
+
+# -- whole stages ---------------------------------------------------------------------------------------
+
+
+def _strip_wrappers(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+@torch.no_grad()
+def load_stage_weights(
+    model: torch.nn.Module, model_dir: str | Path, arch: Qwen25VLArch, *, tp_rank: int, tp_size: int,
+    pp_rank: int, pp_size: int,
+) -> int:  # fmt: skip
+    """Copies this rank's slice of the HF weights into ``model`` (one stage); returns the tensors read.
+
+    Every parameter must have a rule and the shapes must agree, else a ValueError names the tensor.
+    """
+    rules = stage_rules(arch, pp_rank, pp_size)
+    params = {_strip_wrappers(n): p for n, p in model.named_parameters()}
+    unknown = sorted(set(params) - set(rules))
+    if unknown:
+        raise ValueError(f"no HF source for parameters {unknown[:5]} (model and rules disagree)")
+    with open_hf_weights(model_dir) as reader:
+        for name, param in params.items():
+            shard = read_shard(reader, rules[name], tp_rank, tp_size)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{model_dir}: {rules[name].hf} gives {tuple(shard.shape)} for {name}, which is "
+                    f"{tuple(param.shape)} here: config.json and the weights disagree"
+                )
+            param.copy_(shard.to(param.dtype))
+    return len(params)
+
+
+def stage_state_dict(
+    model_dir: str | Path, arch: Qwen25VLArch, *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
+) -> dict[str, torch.Tensor]:
+    """The megatron-core state dict of one (TP, PP) rank, made from HF weights without building the model."""
+    rules = stage_rules(arch, pp_rank, pp_size)
+    with open_hf_weights(model_dir) as reader:
+        return {name: read_shard(reader, rule, tp_rank, tp_size).contiguous() for name, rule in rules.items()}
+
+
+def hf_state_dict(
+    arch: Qwen25VLArch, shards: dict[tuple[int, int], dict[str, Any]], tp_size: int, pp_size: int
+) -> dict[str, torch.Tensor]:
+    """HF tensors from the state dicts of every (tp_rank, pp_rank) of a checkpoint."""
+    out: dict[str, torch.Tensor] = {}
+    for pp in range(pp_size):
+        states = [{_strip_wrappers(k): v for k, v in shards[(tp, pp)].items()} for tp in range(tp_size)]
+        for name, rule in stage_rules(arch, pp, pp_size).items():
+            missing = [tp for tp in range(tp_size) if name not in states[tp]]
+            if missing:
+                raise ValueError(f"checkpoint stage {pp} has no {name} (TP ranks {missing})")
+            for hf_name, tensor in merge_tp_shards(rule, [s[name] for s in states]).items():
+                out.setdefault(hf_name, tensor.contiguous())  # a tied output layer repeats the embedding
+    return out

@@ -1,0 +1,106 @@
+"""The Qwen2.5-VL vision tower on megatron-core: Conv3d patch embedding, transformer layers (megatron-core's
+local TransformerLayer with RMSNorm, SwiGLU and 2-D rotary positions) under window / full attention, and
+the 2x2 patch merger (RMSNorm + megatron-core's MultimodalProjector MLP). Tensor parallel like the language
+model; it runs on the first pipeline stage only.
+
+Attention is block-diagonal (never across images, and within windows for the windowed layers): a dense
+block mask here, because megatron-core's local attention takes no cu_seqlens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from trainer.models.common import RMSNorm, build_layer_spec
+from trainer.models.qwen2_5_vl.config import VisionArch
+from trainer.models.qwen2_5_vl.rope import (
+    block_mask,
+    patch_hw_positions,
+    vision_rotary_angles,
+    window_order,
+)
+
+
+class PatchMerger(MegatronModule):
+    """RMSNorm, then each 2x2 group of patch features (concatenated) through a GELU MLP."""
+
+    def __init__(
+        self, vision_config: TransformerConfig, projector_config: TransformerConfig, merge_units: int
+    ):
+        super().__init__(projector_config)
+        self.merged_size = vision_config.hidden_size * merge_units
+        self.ln_q = RMSNorm(vision_config, vision_config.hidden_size, eps=1e-6)
+        self.projector = MultimodalProjector(
+            projector_config,
+            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            "mlp",
+            self.merged_size,
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.ln_q(hidden).reshape(-1, self.merged_size))
+
+
+class VisionTower(MegatronModule):
+    """pixel_values [P, C*T*p*p] (processor order) + image_grid_thw -> [P / merge**2, language hidden]."""
+
+    def __init__(
+        self, config: TransformerConfig, projector_config: TransformerConfig, arch: VisionArch
+    ) -> None:
+        super().__init__(config)
+        self.arch = arch
+        kernel = (arch.temporal_patch_size, arch.patch_size, arch.patch_size)
+        self.patch_embed = torch.nn.Conv3d(
+            arch.in_channels, arch.hidden_size, kernel, stride=kernel, bias=False
+        )
+        spec = build_layer_spec(AttnMaskType.arbitrary)
+        self.layers = torch.nn.ModuleList(
+            [build_module(spec, config=config, layer_number=i + 1) for i in range(arch.depth)]
+        )
+        self.merger = PatchMerger(config, projector_config, arch.spatial_merge_size**2)
+
+    def _embed_patches(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        a = self.arch
+        width = a.in_channels * a.temporal_patch_size * a.patch_size**2
+        if pixel_values.shape[-1] == width // a.temporal_patch_size:
+            # a still image given once per patch: the processor repeats it over the temporal patch
+            pixel_values = pixel_values.reshape(-1, a.in_channels, 1, a.patch_size**2)
+            pixel_values = pixel_values.expand(-1, -1, a.temporal_patch_size, -1)
+        elif pixel_values.shape[-1] != width:
+            raise ValueError(
+                f"pixel_values rows have {pixel_values.shape[-1]} values, the model takes {width}"
+            )
+        x = pixel_values.reshape(-1, a.in_channels, a.temporal_patch_size, a.patch_size, a.patch_size)
+        return self.patch_embed(x.to(self.patch_embed.weight.dtype)).reshape(-1, a.hidden_size)
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        a, device = self.arch, pixel_values.device
+        grids = image_grid_thw.detach().cpu().numpy().astype(np.int64)
+        unit = a.spatial_merge_size**2
+        order, window_lengths = window_order(
+            grids, merge_size=a.spatial_merge_size, window_size=a.window_size, patch_size=a.patch_size
+        )
+        image_lengths = grids.prod(axis=1)
+        patch_order = torch.as_tensor((order[:, None] * unit + np.arange(unit)).reshape(-1), device=device)
+        positions = torch.as_tensor(patch_hw_positions(grids, a.spatial_merge_size), device=device)
+
+        hidden = self._embed_patches(pixel_values)[patch_order]
+        angles = vision_rotary_angles(positions[patch_order], a.head_dim, a.rope_theta)
+        rotary = angles[:, None, None, :]  # [P, 1, 1, head_dim], megatron-core's [s, b, 1, d]
+        # windows are contiguous after the reordering, and every image is a run of whole windows
+        window_mask = block_mask(window_lengths, device)
+        image_mask = block_mask(image_lengths, device)
+        hidden = hidden.unsqueeze(1)  # [P, 1, h]
+        for i, layer in enumerate(self.layers):
+            mask = image_mask if i in a.fullatt_block_indexes else window_mask
+            hidden, _ = layer(hidden, attention_mask=mask, rotary_pos_emb=rotary)
+        merged = self.merger(hidden.squeeze(1))
+        return merged[torch.as_tensor(np.argsort(order), device=device)]
