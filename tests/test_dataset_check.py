@@ -1,0 +1,162 @@
+"""`trainer.dataset_check`: a dataset whose image rule or tokenizer disagrees with the model folder is refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from packing.image_tokens import ImageTokenRule
+from packing.manifest import ManifestImageRule
+from packing.tokenizer import load_tokenizer, tokenizer_info
+from tests.fixtures_data import train_tiny_bpe
+from trainer.dataset_check import DatasetModelMismatch, check_dataset_matches_model
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
+
+MODEL_RULE = ImageTokenRule(max_pixels=50176)
+
+
+def write_model_folder(
+    folder: Path, tokenizer_file: Path | None, *, preprocessor: bool = True, vision: dict | None = None
+) -> Path:
+    """config.json of a tiny Qwen2.5-VL (ids taken from the tokenizer), preprocessor and tokenizer files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = load_tokenizer(tokenizer_file).special_ids if tokenizer_file else {}
+    config = transformers.Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": 151936,
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "out_hidden_size": 32,
+            "num_heads": 2,
+            **(vision or {}),
+        },
+        image_token_id=ids.get("image_pad", 151655),
+        vision_start_token_id=ids.get("vision_start", 151652),
+        vision_end_token_id=ids.get("vision_end", 151653),
+    )
+    config.save_pretrained(str(folder))
+    if preprocessor:
+        Qwen2VLImageProcessorPil(
+            min_pixels=MODEL_RULE.min_pixels, max_pixels=MODEL_RULE.max_pixels
+        ).save_pretrained(str(folder))
+    if tokenizer_file is not None:
+        shutil.copyfile(tokenizer_file, folder / "tokenizer.json")
+    return folder
+
+
+def manifest_for(tokenizer_file: Path | None, rule: ImageTokenRule) -> dict[str, Any]:
+    """The tokenizer and image_rule entries as `mmpack pack` writes them."""
+    return {
+        "tokenizer": tokenizer_info(load_tokenizer(tokenizer_file)),
+        "image_rule": ManifestImageRule.from_rule(rule, None).to_dict(),
+    }
+
+
+@pytest.fixture
+def bpe(tmp_path: Path) -> Path:
+    return train_tiny_bpe(tmp_path / "bpe")
+
+
+def test_matching_dataset_passes_and_says_what_it_checked(tmp_path: Path, bpe: Path) -> None:
+    model = write_model_folder(tmp_path / "model", bpe)
+    checked = check_dataset_matches_model(manifest_for(bpe, MODEL_RULE), model)
+    text = "\n".join(checked)
+    for what in (
+        "preprocessor_config.json",
+        "tokenizer.json",
+        "vision_config",
+        "image_token_id",
+        "vocab_size",
+    ):
+        assert what in text
+
+
+@pytest.mark.parametrize(
+    ("rule", "field", "dataset_value", "model_value"),
+    [
+        (ImageTokenRule(), "max_pixels", "12845056", "50176"),  # transformers 5 default vs the folder
+        (ImageTokenRule(max_pixels=50176, min_pixels=6272), "min_pixels", "6272", "3136"),
+        (
+            ImageTokenRule(max_pixels=50176, image_mean=(0.5, 0.5, 0.5)),
+            "image_mean",
+            "[0.5, 0.5, 0.5]",
+            "0.4814",
+        ),
+        (ImageTokenRule(max_pixels=50176, resample=2), "resample", "2", "3"),
+        (ImageTokenRule(max_pixels=50176, temporal_patch_size=1), "temporal_patch_size", "1", "2"),
+    ],
+)
+def test_image_rule_disagreement_names_both_values(
+    tmp_path: Path, bpe: Path, rule: ImageTokenRule, field: str, dataset_value: str, model_value: str
+) -> None:
+    model = write_model_folder(tmp_path / "model", bpe)
+    with pytest.raises(DatasetModelMismatch, match=rf"image_rule\.{field}") as info:
+        check_dataset_matches_model(manifest_for(bpe, rule), model, dataset="/data/packed")
+    message = str(info.value)
+    assert f"dataset {dataset_value}" in message and model_value in message
+    assert (
+        "preprocessor_config.json" in message
+        and "/data/packed" in message
+        and "mmpack pack --model" in message
+    )
+
+
+def test_vision_config_checked_without_preprocessor(tmp_path: Path, bpe: Path) -> None:
+    model = write_model_folder(tmp_path / "model", bpe, preprocessor=False, vision={"patch_size": 16})
+    # no preprocessor_config.json: min/max pixels are not settled by the folder, patch size is (config.json)
+    with pytest.raises(DatasetModelMismatch, match=r"image_rule.patch_size: dataset 14 .* model 16"):
+        check_dataset_matches_model(manifest_for(bpe, ImageTokenRule(max_pixels=50176)), model)
+    model16 = write_model_folder(tmp_path / "model16", bpe, preprocessor=False)
+    checked = check_dataset_matches_model(manifest_for(bpe, ImageTokenRule(max_pixels=1234567)), model16)
+    assert not any("preprocessor_config" in c for c in checked)
+
+
+def test_other_tokenizer_is_refused(tmp_path: Path, bpe: Path) -> None:
+    other = train_tiny_bpe(tmp_path / "other", vocab_size=700)
+    model = write_model_folder(tmp_path / "model", bpe)
+    with pytest.raises(DatasetModelMismatch, match=r"tokenizer\.sha256") as info:
+        check_dataset_matches_model(manifest_for(other, MODEL_RULE), model)
+    assert load_tokenizer(other).sha256 in str(info.value) and load_tokenizer(bpe).sha256 in str(info.value)
+    with pytest.raises(DatasetModelMismatch, match="byte-level demo fallback"):
+        check_dataset_matches_model(manifest_for(None, MODEL_RULE), model)
+
+
+def test_special_ids_checked_against_config_json(tmp_path: Path, bpe: Path) -> None:
+    model = write_model_folder(tmp_path / "model", None)  # config.json only: Qwen ids 151652..151655
+    manifest = manifest_for(bpe, MODEL_RULE)
+    with pytest.raises(DatasetModelMismatch, match=r"special_ids\.image_pad") as info:
+        check_dataset_matches_model(manifest, model)
+    assert "image_token_id=151655" in str(info.value)
+    manifest["tokenizer"]["special_ids"].update(image_pad=151655, vision_start=151652, vision_end=151653)
+    manifest["tokenizer"]["vocab_size"] = 200_000
+    with pytest.raises(DatasetModelMismatch, match="vocab_size") as info:
+        check_dataset_matches_model(manifest, model)
+    assert "tokenizer.special_ids" not in str(info.value)
+
+
+@pytest.mark.shared
+def test_qwen3_tokenizer_folder(tmp_path: Path, qwen3_tokenizer_path: Path) -> None:
+    model = write_model_folder(tmp_path / "model", qwen3_tokenizer_path)
+    assert check_dataset_matches_model(manifest_for(qwen3_tokenizer_path, MODEL_RULE), model)
+    with pytest.raises(DatasetModelMismatch, match="max_pixels"):
+        check_dataset_matches_model(manifest_for(qwen3_tokenizer_path, ImageTokenRule()), model)
+
+
+def test_not_a_model_folder(tmp_path: Path, bpe: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        check_dataset_matches_model(manifest_for(bpe, MODEL_RULE), tmp_path)
+    with pytest.raises(TypeError, match="manifest"):
+        check_dataset_matches_model(42, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    assert check_dataset_matches_model(manifest_for(bpe, MODEL_RULE), tmp_path) == []
