@@ -144,7 +144,7 @@ def collate_bins(records: Sequence[BinRecord], cfg: CollateConfig) -> dict[str, 
                 for r, c in enumerate(cu[1:])
             ]
         )
-    width = 3 * cfg.rule.patch_size**2
+    width = cfg.rule.patch_dim
     out["pixel_values"] = np.concatenate(patches) if patches else np.zeros((0, width), dtype=np.float32)
     out["image_grid_thw"] = np.stack(grids) if grids else np.zeros((0, 3), dtype=np.int64)
     return out

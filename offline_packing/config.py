@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from packing.format import DEFAULT_MAX_IMAGE_PIXELS
+from packing.image_tokens import CLIP_MEAN, CLIP_STD
 
 STAGES = ("scan", "lengths", "binpack", "write")
 OVERLENGTH_POLICIES = ("drop", "truncate", "error")
@@ -52,6 +53,12 @@ class PackJobConfig:
     merge_size: int = 2
     min_pixels: int = 3136
     max_pixels: int = 12845056
+    # The rest of the image rule: pixel values (set from --model DIR's preprocessor_config.json)
+    temporal_patch_size: int = 2
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
+    rescale_factor: float = 1 / 255
+    resample: int = 3  # PIL filter, 3 = bicubic
     default_system: str | None = None  # system prompt added where a record has none
     image_check: str = "header"  # "header": sizes + end-marker check; "decode": full decode of every image
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # larger images (from the header) are rejects
@@ -138,6 +145,11 @@ class LengthsConfig:
     merge_size: int
     min_pixels: int
     max_pixels: int
+    temporal_patch_size: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    rescale_factor: float
+    resample: int
     default_system: str | None
     max_images_per_bin: int | None
     strict: bool

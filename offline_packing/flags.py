@@ -13,6 +13,7 @@ from offline_packing.config import (
     VERIFY_INPUTS,
     PackJobConfig,
 )
+from offline_packing.model_folder import RULE_FLAG_FIELDS, resolve_job_image_options
 from packing.format import DEFAULT_MAX_IMAGE_PIXELS
 
 
@@ -69,7 +70,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "-t",
         "--tokenizer",
         default=None,
-        help="tokenizer.json or a folder holding one (default: byte-level demo fallback)",
+        help="tokenizer.json or a folder holding one; a model folder with a preprocessor_config.json also "
+        "gives the image rule, as --model does (default: byte-level demo fallback)",
+    )
+    g.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="HF model folder: tokenizer.json (unless -t) and the image rule of its preprocessor_config.json "
+        "(patch, merge, temporal patch, min/max pixels, mean/std), recorded in the manifest",
     )
     g.add_argument(
         "--overlength",
@@ -78,14 +87,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="samples longer than -L: drop to rejects.jsonl, truncate (whole trailing turns; "
         "never inside an image), or error",
     )
-    g.add_argument("--patch-size", type=int, default=14, help="vision patch side in pixels (default 14)")
+    g.add_argument("--patch-size", type=int, default=None, help="vision patch side in pixels (default 14)")
     g.add_argument(
-        "--merge-size", type=int, default=2, help="patches merged per side into one token (default 2)"
+        "--merge-size", type=int, default=None, help="patches merged per side into one token (default 2)"
     )
     g.add_argument(
-        "--min-pixels", type=int, default=3136, help="smart_resize lower bound on h*w (default 3136)"
+        "--temporal-patch-size", type=int, default=None, help="frames per vision patch (default 2)"
     )
-    g.add_argument("--max-pixels", type=int, default=12845056, help="smart_resize upper bound on h*w")
+    g.add_argument(
+        "--min-pixels", type=int, default=None, help="smart_resize lower bound on h*w (default 3136)"
+    )
+    g.add_argument(
+        "--max-pixels", type=int, default=None, help="smart_resize upper bound on h*w (default 12845056)"
+    )
     g.add_argument("--default-system", default=None, help="system prompt for records that have none")
     g = p.add_argument_group("bin packing")
     g.add_argument("-M", "--max-samples-per-bin", type=int, default=None, help="at most N samples per bin")
@@ -148,12 +162,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, only_stage: int | None = None) -> PackJobConfig:
     """The job config of parsed `mmpack pack` flags; ValueError for values the config refuses."""
     storage_options = {"client_kwargs": {"endpoint_url": args.s3_endpoint}} if args.s3_endpoint else {}
+    tokenizer, image_options = resolve_job_image_options(
+        args.model, args.tokenizer, {name: getattr(args, name) for name in RULE_FLAG_FIELDS}
+    )
     return PackJobConfig(
         inputs=tuple(args.inputs),
         image_root=args.image_root,
         output=args.output,
         seq_len=args.seq_len,
-        tokenizer=args.tokenizer,
+        tokenizer=tokenizer,
         max_samples_per_bin=args.max_samples_per_bin,
         max_images_per_bin=args.max_images_per_bin,
         algorithm=args.algorithm,
@@ -164,10 +181,7 @@ def config_from_args(args: argparse.Namespace, only_stage: int | None = None) ->
         workers=args.workers,
         overlength=args.overlength,
         strict=args.strict,
-        patch_size=args.patch_size,
-        merge_size=args.merge_size,
-        min_pixels=args.min_pixels,
-        max_pixels=args.max_pixels,
+        **image_options,
         default_system=args.default_system,
         image_check=args.image_check,
         max_image_pixels=args.max_image_pixels,

@@ -53,15 +53,11 @@ def get_tokenizer(path: str | None) -> Any:
 
 
 def image_rule(cfg: Any) -> Any:
-    """The image-token rule of a config with patch_size, merge_size, min_pixels, max_pixels."""
+    """The image rule of a config carrying the fields of `offline_packing.model_folder.RULE_JOB_FIELDS`."""
+    from offline_packing.model_folder import RULE_JOB_FIELDS
     from packing.image_tokens import ImageTokenRule
 
-    return ImageTokenRule(
-        patch_size=cfg.patch_size,
-        merge_size=cfg.merge_size,
-        min_pixels=cfg.min_pixels,
-        max_pixels=cfg.max_pixels,
-    )
+    return ImageTokenRule(**{name: getattr(cfg, name) for name in RULE_JOB_FIELDS})
 
 
 def tokenize_scanned(sample: dict, cfg: LengthsConfig, rule: Any, tokenizer: Any) -> tuple[Any, dict]:

@@ -1,0 +1,74 @@
+"""`mmpack pack --model DIR`: the tokenizer and the image rule of a job from an HF model folder.
+
+A model folder (as `save_pretrained` writes it) holds `tokenizer.json` and `preprocessor_config.json`; the
+latter settles patch, merge and temporal patch sizes, min/max pixels, mean/std, rescale factor and resampling,
+read as transformers 5 reads it (`ImageTokenRule.from_preprocessor_config`). `-t DIR` where DIR holds a
+`preprocessor_config.json` is the same as `--model DIR`. Without a model folder, the image flags and their
+defaults give the rule.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from packing.image_tokens import PREPROCESSOR_CONFIG, ImageTokenRule, load_model_image_rule
+from packing.tokenizer import TOKENIZER_FILE
+
+# Image-rule fields that also have a flag (--patch-size, ...): a flag that contradicts the model folder is an
+# error, since the trainer refuses a dataset whose rule differs from its model's.
+RULE_FLAG_FIELDS = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels")
+# Every ImageTokenRule field the job config carries (all but max_aspect_ratio, fixed at transformers' 200).
+RULE_JOB_FIELDS = (*RULE_FLAG_FIELDS, "image_mean", "image_std", "rescale_factor", "resample")
+
+
+def model_folder_of(model: str | None, tokenizer: str | None) -> str | None:
+    """The model folder of the flags: `--model`, else `-t` when it is a folder with a preprocessor config."""
+    if model is not None:
+        return model
+    if tokenizer is not None and os.path.isfile(os.path.join(tokenizer, PREPROCESSOR_CONFIG)):
+        return tokenizer
+    return None
+
+
+def resolve_job_image_options(
+    model: str | None, tokenizer: str | None, flags: dict[str, int | None]
+) -> tuple[str | None, dict[str, Any]]:
+    """(tokenizer path, image-rule fields of the job config) from `--model`, `-t` and the image flags.
+
+    `flags` maps each of RULE_FLAG_FIELDS to its flag's value, None where the flag was not given.
+
+    Raises:
+        ValueError: the model folder is missing a file, or a flag contradicts its preprocessor config.
+    """
+    folder = model_folder_of(model, tokenizer)
+    if folder is None:
+        defaults = ImageTokenRule()
+        given = {k: v for k, v in flags.items() if v is not None}
+        rule = ImageTokenRule(**{k: given.get(k, getattr(defaults, k)) for k in RULE_FLAG_FIELDS})
+        return tokenizer, _job_fields(rule)
+    if not os.path.isdir(folder):
+        raise ValueError(f"--model {folder}: not a folder (expected an HF model folder)")
+    model_rule = load_model_image_rule(folder)
+    if model_rule is None:
+        raise ValueError(
+            f"--model {folder}: no {PREPROCESSOR_CONFIG} in it; pass -t for the tokenizer and the image flags "
+            "(--min-pixels, --max-pixels, ...) instead"
+        )
+    for name, value in flags.items():
+        if value is not None and value != getattr(model_rule, name):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{flag} {value} disagrees with {os.path.join(folder, PREPROCESSOR_CONFIG)} ({name} "
+                f"{getattr(model_rule, name)}): the trainer refuses a dataset whose image rule differs from its "
+                f"model's; drop {flag} or change the model folder's {PREPROCESSOR_CONFIG}"
+            )
+    if tokenizer is None:
+        if not os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
+            raise ValueError(f"--model {folder}: no {TOKENIZER_FILE} in it; pass -t TOKENIZER")
+        tokenizer = folder
+    return tokenizer, _job_fields(model_rule)
+
+
+def _job_fields(rule: ImageTokenRule) -> dict[str, Any]:
+    return {name: getattr(rule, name) for name in RULE_JOB_FIELDS}
