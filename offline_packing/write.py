@@ -176,7 +176,9 @@ def run_write_shards(
     _SOURCES.clear()  # the plan may have changed since this process last wrote shards
     store = OutputStore(cfg.output, storage_options)
     store.clean_temporaries(SHARDS_DIR)
-    WriteRecord(wd).add([shard_name(cfg.shard_prefix, t.shard, fmt) for t in tasks for fmt in cfg.formats])
+    WriteRecord(wd).add(
+        _written_by(cfg, [shard_name(cfg.shard_prefix, t.shard, f) for t in tasks for f in cfg.formats])
+    )
     per_shard = run_parallel(
         write_shard,
         tasks,
@@ -189,9 +191,17 @@ def run_write_shards(
     return [e for fmt in cfg.formats for entries in per_shard for e in entries if e["format"] == fmt]
 
 
-# Only names the writer itself gives shards are ever removed (`shard_name`), and only if recorded as written.
-_OWN_SHARD = re.compile(rf"^{SHARDS_DIR}/[A-Za-z0-9_-]+-\d{{6}}\.(arrow|tar)$")
+# Only names the writer itself gives shards (`shard_name`, and the `.tar.idx` Energon's preparation puts
+# beside a tar) are ever removed, and only if recorded as written.
+_OWN_SHARD = re.compile(rf"^{SHARDS_DIR}/[A-Za-z0-9_-]+-\d{{6}}\.(arrow|tar|tar\.idx)$")
 ENERGON_DIR = ".nv-meta"
+
+
+def _written_by(cfg: WriteConfig, shard_paths: list[str]) -> list[str]:
+    """The output paths a write of `shard_paths` creates: the shards, and with --energon its metadata."""
+    if not cfg.energon:
+        return list(shard_paths)
+    return [*shard_paths, *(f"{p}.idx" for p in shard_paths if p.endswith(".tar")), ENERGON_DIR]
 
 
 class WriteRecord:
@@ -226,7 +236,7 @@ def record_previous_dataset(store: OutputStore, wd: WorkDir) -> None:
     except (ValueError, KeyError, TypeError, AttributeError):
         return  # not a manifest this job can read: nothing of it is removed
     if store.is_local and store.local_path(ENERGON_DIR).is_dir():
-        paths.append(ENERGON_DIR)
+        paths += [ENERGON_DIR, *(f"{p}.idx" for p in paths if p.endswith(".tar"))]
     WriteRecord(wd).add(paths)
 
 
@@ -240,7 +250,7 @@ def remove_unlisted_outputs(
     """
     import shutil
 
-    keep = {e["path"] for e in shards}
+    keep = set(_written_by(cfg, [e["path"] for e in shards]))
     removed = []
     for rel in sorted(WriteRecord(wd).read() - keep):
         if _OWN_SHARD.match(rel) and store.size(rel) is not None:
@@ -249,7 +259,7 @@ def remove_unlisted_outputs(
         elif rel == ENERGON_DIR and not cfg.energon and store.is_local:
             shutil.rmtree(store.local_path(ENERGON_DIR), ignore_errors=True)
             removed.append(rel)
-    WriteRecord(wd).replace([*keep, *([ENERGON_DIR] if cfg.energon else [])])
+    WriteRecord(wd).replace(sorted(keep))
     return removed
 
 
