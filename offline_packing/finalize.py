@@ -6,7 +6,6 @@ Everything here is a pure function of the work folder and the config, so reruns 
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
 from importlib import metadata
 
@@ -15,7 +14,7 @@ import numpy as np
 from offline_packing.config import PackJobConfig
 from offline_packing.storage import OutputStore
 from offline_packing.workdir import WorkDir, read_jsonl
-from packing.format import MANIFEST_NAME, REJECTS_NAME, SHARDS_DIR, STATS_NAME
+from packing.format import MANIFEST_NAME, REJECTS_NAME, STATS_NAME
 from packing.manifest import Manifest, ManifestCounts, ManifestImageRule, ShardEntry
 
 
@@ -131,19 +130,6 @@ def _version() -> str:
         return "unknown"
 
 
-def remove_stale_shards(store: OutputStore, cfg: PackJobConfig, shards: list[dict]) -> None:
-    """Delete shards of this prefix left by an earlier run with more shards (local outputs)."""
-    if not store.is_local:
-        return
-    keep = {e["path"] for e in shards}
-    pattern = re.compile(rf"^{re.escape(cfg.shard_prefix)}-\d{{6}}\.(arrow|tar)$")
-    shard_dir = store.local_path(SHARDS_DIR)
-    if shard_dir.is_dir():
-        for p in shard_dir.iterdir():
-            if pattern.match(p.name) and f"{SHARDS_DIR}/{p.name}" not in keep:
-                p.unlink()
-
-
 def finalize(cfg: PackJobConfig, wd: WorkDir, shards: list[dict]) -> Manifest:
     """Write rejects.jsonl, stats.json, .nv-meta (--energon) and manifest.json; returns the manifest."""
     store = OutputStore(cfg.output, cfg.storage_options, staging_dir=wd.stage_dir("write"))
@@ -152,7 +138,6 @@ def finalize(cfg: PackJobConfig, wd: WorkDir, shards: list[dict]) -> Manifest:
     rows = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rejects)
     store.write_bytes(REJECTS_NAME, rows.encode())
     store.write_bytes(STATS_NAME, _dumps(compute_stats(wd, cfg, counts)))
-    remove_stale_shards(store, cfg, shards)
     if cfg.energon:
         from offline_packing.outputs.energon_meta import write_energon_metadata
 
