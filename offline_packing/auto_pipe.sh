@@ -10,7 +10,8 @@
 #   -r  folder image paths are relative to (default: each input file's folder)
 #   -o  output folder or fsspec URL (s3://bucket/prefix)
 #   -L  bin capacity in tokens (the training sequence length)
-#   -t  tokenizer.json or its folder (default: byte-level demo fallback, marked in the manifest)
+#   -t  tokenizer.json or its folder; a model folder (with preprocessor_config.json) also gives the image
+#       rule, as --model does (default: byte-level demo fallback, marked in the manifest)
 #   -M  max samples per bin            -I  max images per bin
 #   -w  worker processes for scan, lengths and write (results identical for any value)
 #   -S  rerun from stage N (1 scan, 2 lengths, 3 binpack, 4 write); default: resume, skip finished stages
