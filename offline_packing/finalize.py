@@ -60,8 +60,8 @@ def compute_stats(wd: WorkDir, cfg: PackJobConfig, counts: ManifestCounts) -> di
     distribution), computed from the job's own lengths and bins, plus the manifest counts."""
     from offline_packing.binpack import load_plan
     from offline_packing.lengths import load_lengths
-    from offline_packing.stats_compare import caps_bound_field
-    from offline_packing.stats_report import length_distribution
+    from offline_packing.stats.compare import caps_bound_field
+    from offline_packing.stats.report import length_distribution
     from packing.stats import packing_stats
 
     lengths, nimg, _ = load_lengths(wd, len(wd.read_marker("scan")["chunks"]))
@@ -102,13 +102,7 @@ def build_manifest(cfg: PackJobConfig, wd: WorkDir, counts: ManifestCounts, shar
         shards=tuple(ShardEntry.from_dict(e, f"shard {e['path']}") for e in shards),
         formats=tuple(cfg.formats),
         tokenizer=tokenizer_info(get_tokenizer(cfg.tokenizer)),
-        image_rule=ManifestImageRule(
-            patch_size=rule.patch_size,
-            merge_size=rule.merge_size,
-            min_pixels=rule.min_pixels,
-            max_pixels=rule.max_pixels,
-            max_image_pixels=getattr(cfg, "max_image_pixels", None),
-        ),
+        image_rule=ManifestImageRule.from_rule(rule, cfg.max_image_pixels),
         chat_template=ChatTemplate(default_system=cfg.default_system).to_dict(),
         algorithm={
             "name": wd.read_marker("binpack")["algorithm"],

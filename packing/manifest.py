@@ -138,43 +138,60 @@ class ManifestCounts:
         return out
 
 
+_RULE_SIZES = ("patch_size", "merge_size", "min_pixels", "max_pixels")
+
+
 @dataclass(frozen=True)
 class ManifestImageRule:
-    """The image-token rule the dataset was counted with, and the largest image (in pixels) it may hold."""
+    """The image-token rule the dataset was counted with, and the largest image (in pixels) it may hold.
+
+    `pixel_options`: further `ImageTokenRule` fields (temporal_patch_size, image_mean, ...) where the
+    dataset's rule differs from their defaults, as written."""
 
     patch_size: int = 14
     merge_size: int = 2
     min_pixels: int = 3136
     max_pixels: int = 12845056
     max_image_pixels: int | None = None  # None: a version 1 manifest (the loader then uses the default)
+    pixel_options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_rule(cls, rule: ImageTokenRule, max_image_pixels: int | None) -> ManifestImageRule:
+        """The entry of `rule`: its sizes, and its other fields where they differ from the defaults."""
+        values, defaults = rule.to_dict(), ImageTokenRule().to_dict()
+        others = {k: v for k, v in values.items() if k not in _RULE_SIZES and v != defaults[k]}
+        sizes = {k: values[k] for k in _RULE_SIZES}
+        return cls(**sizes, max_image_pixels=max_image_pixels, pixel_options=others)
 
     @classmethod
     def from_dict(cls, raw: object, where: str) -> ManifestImageRule:
         rule = _mapping(raw, where)
-        unknown = sorted(set(rule) - {f.name for f in fields(cls)})
+        known = {f.name for f in fields(ImageTokenRule)} | {"max_image_pixels"}
+        unknown = sorted(set(rule) - known)
         if unknown:
             raise ManifestError(f"{where}: unknown keys {unknown}")
         default = cls()
-        sizes = {
-            k: _int(rule.get(k, getattr(default, k)), f"{where}.{k}", 1)
-            for k in ("patch_size", "merge_size", "min_pixels", "max_pixels")
-        }
+        sizes = {k: _int(rule.get(k, getattr(default, k)), f"{where}.{k}", 1) for k in _RULE_SIZES}
         limit = _opt_int(rule.get("max_image_pixels"), f"{where}.max_image_pixels", 1)
-        return cls(**sizes, max_image_pixels=limit)
+        others = {k: v for k, v in rule.items() if k not in _RULE_SIZES and k != "max_image_pixels"}
+        entry = cls(**sizes, max_image_pixels=limit, pixel_options=others)
+        try:
+            entry.token_rule()
+        except (TypeError, ValueError) as e:
+            raise ManifestError(f"{where}: {e}") from e
+        return entry
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        if self.max_image_pixels is None:
-            del out["max_image_pixels"]
-        return out
+        out: dict[str, Any] = {k: getattr(self, k) for k in _RULE_SIZES}
+        if self.max_image_pixels is not None:
+            out["max_image_pixels"] = self.max_image_pixels
+        return out | self.pixel_options
 
     def token_rule(self) -> ImageTokenRule:
-        return ImageTokenRule(
-            patch_size=self.patch_size,
-            merge_size=self.merge_size,
-            min_pixels=self.min_pixels,
-            max_pixels=self.max_pixels,
-        )
+        """The `ImageTokenRule` the loader decodes with."""
+        options: dict[str, Any] = {k: getattr(self, k) for k in _RULE_SIZES}
+        options |= {k: tuple(v) if isinstance(v, list) else v for k, v in self.pixel_options.items()}
+        return ImageTokenRule(**options)
 
     @property
     def image_pixel_limit(self) -> int:

@@ -161,6 +161,28 @@ def _long_item_image_bound(lengths: np.ndarray, images: np.ndarray, capacity: in
     return int(np.count_nonzero(long)) + -(-max(0, left) // max_images)
 
 
+def lower_bound_caps(
+    lengths: np.ndarray,
+    capacity: int,
+    *,
+    max_items: int | None = None,
+    image_counts: np.ndarray | None = None,
+    max_images: int | None = None,
+) -> int:
+    """Lower bound on bins under per-bin caps, over the items that fit: the largest of L2, the item-cap bound
+    (`lower_bound_item_cap`) and ceil(images / max_images)."""
+    capacity = _positive_int(capacity, "capacity")
+    lengths = np.asarray(lengths)
+    fits = lengths <= capacity
+    bound = lower_bound_l2(lengths[fits], capacity)
+    if max_items is not None:
+        bound = max(bound, lower_bound_item_cap(lengths[fits], capacity, max_items))
+    if max_images is not None and image_counts is not None:
+        images = int(np.asarray(image_counts)[fits].sum())
+        bound = max(bound, -(-images // _positive_int(max_images, "max_images")))
+    return int(bound)
+
+
 def _summary(values: np.ndarray) -> dict[str, float]:
     if values.size == 0:
         return {"mean": 0.0, "p50": 0.0, "max": 0.0}

@@ -243,3 +243,20 @@ def test_loader_limit_comes_from_the_manifest(fixed_dataset: Path, tmp_path: Pat
     del raw["image_rule"]["max_image_pixels"]
     (tmp_path / "manifest.json").write_text(json.dumps(raw))
     assert load_manifest(str(tmp_path)).max_image_pixels == DEFAULT_MAX_IMAGE_PIXELS == 40_000_000
+
+
+def test_image_rule_keeps_the_pixel_options_of_the_rule() -> None:
+    raw = json.loads(MANIFEST_V1)
+    raw["image_rule"]["image_mean"] = [0.5, 0.5, 0.5]
+    m = Manifest.from_dict(raw)
+    assert m.image_rule is not None and m.image_rule.token_rule().image_mean == (0.5, 0.5, 0.5)
+    assert m.to_dict() == raw
+    rule = ImageTokenRule(image_std=(0.25, 0.25, 0.25))
+    entry = ManifestImageRule.from_rule(rule, 100)
+    assert entry.pixel_options == {"image_std": [0.25, 0.25, 0.25]} and entry.token_rule() == rule
+    assert (
+        ManifestImageRule.from_rule(ImageTokenRule(), None).to_dict() == json.loads(MANIFEST_V1)["image_rule"]
+    )
+    raw["image_rule"]["colour"] = "blue"
+    with pytest.raises(ManifestError, match=r"image_rule: unknown keys \['colour'\]"):
+        Manifest.from_dict(raw)

@@ -132,3 +132,31 @@ def test_packing_stats_no_padding_and_empty():
 def test_packing_stats_rejects_invalid_packings(lengths, bin_ids, message):
     with pytest.raises(ValueError, match=message):
         packing_stats(np.array(lengths), np.array(bin_ids), 10)
+
+
+def test_caps_bound_uses_the_item_cap_bound() -> None:
+    # two full bins, then four 1-token items two per bin: 4 bins, where L2 alone says 3
+    lengths = np.array([10, 10, 1, 1, 1, 1])
+    assert stats.lower_bound_l2(lengths, 10) == 3  # control: the weaker bound
+    assert stats.lower_bound_caps(lengths, 10, max_items=2) == 4
+    assert stats.lower_bound_caps(lengths, 10) == 3
+    images = np.array([0, 0, 3, 3, 3, 3])
+    assert stats.lower_bound_caps(lengths, 10, image_counts=images, max_images=2) == 6
+    assert (
+        stats.lower_bound_caps(np.array([11, 5]), 10, max_items=1) == 1
+    )  # items that do not fit are left out
+
+
+@given(lengths_and_capacity(), st.integers(1, 4))
+@FAST
+def test_caps_bound_is_below_every_capped_packing(inputs, max_items) -> None:
+    lengths, capacity = inputs
+    array = np.array(lengths, dtype=np.int64)
+    bound = stats.lower_bound_caps(array, capacity, max_items=max_items)
+    fits = [x for x in lengths if x <= capacity]
+    assert bound == max(
+        lower_bound_l2(np.array(fits, dtype=np.int64), capacity),
+        reference.lower_bound_item_cap(fits, capacity, max_items),
+    )
+    bin_ids = pack_lengths(array, capacity, algorithm="obfd", max_items_per_bin=max_items).bin_ids
+    assert bound <= len(set(bin_ids[bin_ids >= 0].tolist()))

@@ -16,8 +16,9 @@ import pyarrow as pa
 import pytest
 
 from offline_packing.cli import main
-from offline_packing.stats_inputs import StatsInputError, read_length_file
+from offline_packing.stats.inputs import StatsInputError, read_length_file
 from packing.format import FORMAT_NAME, FORMAT_VERSION, bin_key, shard_name
+from tests import reference
 
 # ---------------------------------------------------------------------------------------------------------
 # independent computations (written from the definitions, not from packing.stats)
@@ -36,6 +37,12 @@ def l2_bound(lengths: np.ndarray, capacity: int) -> int:
         extra = max(0, math.ceil((int(n3.sum()) - spare) / capacity))
         best = max(best, len(n1) + len(n2) + extra)
     return best
+
+
+def caps_bound(lengths: np.ndarray, capacity: int, max_items: int) -> int:
+    """The bound under an item cap: L2 or the item-cap bound of tests.reference, whichever is larger."""
+    fits = [int(x) for x in lengths if x <= capacity]
+    return max(l2_bound(lengths, capacity), reference.lower_bound_item_cap(fits, capacity, max_items))
 
 
 def expected_stats(
@@ -200,9 +207,7 @@ def test_json_is_packing_stats_plus_extra_fields(tmp_path: Path, capsys: pytest.
     assert set(report) - set(direct) == {"source", "length_distribution"}
     assert report["samples_per_bin"]["max"] <= 2
     assert report["source"]["max_samples_per_bin"] == 2
-    assert report["source"]["caps_lower_bound_bins"] == max(
-        l2_bound(LENGTHS, CAPACITY), math.ceil(LENGTHS.size / 2)
-    )
+    assert report["source"]["caps_lower_bound_bins"] == caps_bound(LENGTHS, CAPACITY, 2)
     assert report["num_bins"] >= report["source"]["caps_lower_bound_bins"]
 
 
@@ -314,7 +319,7 @@ def test_compare_lists_every_algorithm(tmp_path: Path, capsys: pytest.CaptureFix
         assert row["fill_efficiency"] == pytest.approx(lengths.sum() / (row["num_bins"] * 512))
         assert row["time_s"] >= 0
         if row["max_samples_per_bin"] == 3:
-            assert row["caps_lower_bound_bins"] == max(l2, math.ceil(lengths.size / 3)) <= row["num_bins"]
+            assert row["caps_lower_bound_bins"] == caps_bound(lengths, 512, 3) <= row["num_bins"]
         else:
             assert "caps_lower_bound_bins" not in row
     rc, out, _ = run_stats(capsys, str(path), "--capacity", "512", "--compare")
@@ -605,9 +610,21 @@ def test_dataset_missing_shard_and_bad_manifest(tmp_path: Path, capsys: pytest.C
     assert rc == 2 and "cannot read shard shards/tiny-000000.tar" in err
     (root / "manifest.json").write_text('{"format": "something-else"}')
     rc, _, err = run_stats(capsys, str(root))
-    assert rc == 2 and "format is 'something-else', expected 'mmpack-packed'" in err
+    assert rc == 2 and "not an mmpack packed dataset manifest (format='something-else'" in err
     rc, _, err = run_stats(capsys, str(root), "--format", "wds")
     assert rc == 2
+
+
+def test_dataset_with_a_shard_path_outside_the_root_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = write_tiny_dataset(tmp_path / "ds", formats=("arrow",))
+    assert run_stats(capsys, str(root))[0] == 0  # control
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["shards"][1]["path"] = "../../etc/passwd"
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    rc, _, err = run_stats(capsys, str(root))
+    assert rc == 2 and "shards[1]" in err and "'../../etc/passwd'" in err
 
 
 def test_dataset_compare_includes_the_stored_packing(
@@ -620,15 +637,15 @@ def test_dataset_compare_includes_the_stored_packing(
     report = run_json(capsys, str(root), "--compare")
     lengths, _, _ = tiny_expected()
     l2 = l2_bound(lengths, TINY_SEQ_LEN)
-    caps_bound = max(l2, math.ceil(lengths.size / 3))
-    assert report["source"]["caps_lower_bound_bins"] == caps_bound
+    bound = caps_bound(lengths, TINY_SEQ_LEN, 3)
+    assert bound >= l2 and report["source"]["caps_lower_bound_bins"] == bound
     rows = report["compare"]
     assert rows[0]["algorithm"] == "as packed" and rows[0]["num_bins"] == 5
-    assert rows[0]["max_samples_per_bin"] == 3 and rows[0]["caps_lower_bound_bins"] == caps_bound
+    assert rows[0]["max_samples_per_bin"] == 3 and rows[0]["caps_lower_bound_bins"] == bound
     # without caps, then with the dataset's own cap of 3 samples per bin
     assert [r["max_samples_per_bin"] for r in rows[1:]] == [None] * (len(rows) // 2) + [3] * (len(rows) // 2)
     assert all(r["num_bins"] >= l2 for r in rows)
-    assert all(r["num_bins"] >= caps_bound for r in rows if r["max_samples_per_bin"] == 3)
+    assert all(r["num_bins"] >= bound for r in rows if r["max_samples_per_bin"] == 3)
     rc, _, err = run_stats(capsys, str(root), "--compare", "--max-images-per-bin", "2")
     assert rc == 2 and "record images per bin, not per sample" in err
 
@@ -860,8 +877,7 @@ def test_random_small_cases_match_independent_numbers(
     assert report["num_samples"] + report["num_rejected"] == lengths.size
     assert report["num_rejected"] == int((lengths > capacity).sum())
     if max_items:
-        fits = lengths <= capacity
-        want = max(l2_bound(lengths, capacity), math.ceil(int(fits.sum()) / max_items))
+        want = caps_bound(lengths, capacity, max_items)
         assert report["source"]["caps_lower_bound_bins"] == want <= report["num_bins"]
 
 
@@ -874,3 +890,59 @@ def test_file_url_and_shard_rows_limit(tmp_path: Path, capsys: pytest.CaptureFix
     assert rc == 0, err
     assert "shards/tiny-000000.arrow" in out and "shards/tiny-000001.arrow" not in out
     assert "... 1 more" in out
+
+
+def test_text_length_file_is_streamed_with_bounded_memory(tmp_path: Path) -> None:
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 4096, size=1_000_000)
+    path = tmp_path / "big.txt"
+    with open(path, "w") as f:
+        f.write("# comment line\n")
+        f.writelines(f"shard-{i // 1000:06d}/sample-{i:09d}:{n}\n" for i, n in enumerate(lengths))
+    size = path.stat().st_size
+
+    def peak_of(fn):
+        tracemalloc.start()
+        try:
+            result = fn()
+            return result, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    def whole_file():  # the reference: read everything, then parse
+        text = path.read_text()
+        return np.array([int(x.rpartition(":")[2]) for x in text.splitlines() if not x.startswith("#")])
+
+    expected, whole_peak = peak_of(whole_file)
+    got, peak = peak_of(lambda: read_length_file(str(path)))
+    np.testing.assert_array_equal(got.lengths, lengths)
+    np.testing.assert_array_equal(got.lengths, expected)
+    assert whole_peak > size  # control: reading the file whole costs more than the file
+    # streamed: the int64 result (8 bytes a line) plus one chunk's worth of parsing
+    assert peak < lengths.size * 8 + 12 * (1 << 20) < size, (peak, size)
+
+
+def test_big_json_length_file_is_refused_with_advice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import offline_packing.stats.inputs as inputs
+
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps(list(range(1, 2000))))
+    monkeypatch.setattr(inputs, "JSON_MAX_BYTES", 1000)
+    with pytest.raises(StatsInputError, match=r"lengths.json: JSON length files are read whole .*\.txt"):
+        read_length_file(str(path))
+    monkeypatch.setattr(inputs, "JSON_MAX_BYTES", 1 << 20)
+    assert read_length_file(str(path)).lengths.size == 1999  # control
+
+
+def test_bad_line_is_named_across_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import offline_packing.stats.inputs as inputs
+
+    monkeypatch.setattr(inputs, "CHUNK_BYTES", 64)
+    path = tmp_path / "l.txt"
+    path.write_text("".join(f"s{i}:{i + 1}\n" for i in range(100)) + "s100:oops\n")
+    with pytest.raises(StatsInputError, match=r"l.txt:101: expected"):
+        read_length_file(str(path))
+    path.write_text("".join(f"s{i}:{i + 1}\n" for i in range(100)))
+    np.testing.assert_array_equal(read_length_file(str(path)).lengths, np.arange(1, 101))

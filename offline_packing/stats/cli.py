@@ -1,7 +1,7 @@
 """`mmpack stats PATH`: packing efficiency of a packed dataset or of a length file.
 
 PATH is a packed dataset (folder or URL holding manifest.json; only metadata is read) or a length file
-(see `offline_packing.stats_inputs`), which is packed first with `--capacity` and the packing flags.
+(see `offline_packing.stats.inputs`), which is packed first with `--capacity` and the packing flags.
 Prints rich tables, or with `--json` the dict of `packing.stats.packing_stats` plus `source`,
 `length_distribution`, `dataset` (datasets only) and `compare` (with `--compare`). Bad input: a message on
 stderr naming the file (and line) and exit code 2; storage that cannot be read: a message and exit code 1.
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from offline_packing.stats_inputs import LENGTH_FILE_SUFFIXES, StatsInputError, read_length_file
+from offline_packing.stats.inputs import LENGTH_FILE_SUFFIXES, StatsInputError, read_length_file
 
 EXIT_BAD_INPUT = 2
 EXIT_STORAGE_ERROR = 1
@@ -89,11 +89,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        from offline_packing.stats_report import print_report
+        from offline_packing.stats.report import print_report
 
         print_report(Console(width=None if sys.stdout.isatty() else 120), report, args.max_shard_rows)
     if args.plot:
-        from offline_packing.stats_plot import plot_packing
+        from offline_packing.stats.plot import plot_packing
 
         out = plot_packing(args.plot, lengths, bin_ids, report, title=str(report["source"]["path"]))
         print(f"mmpack stats: wrote {out}", file=sys.stderr)
@@ -150,7 +150,7 @@ def build_report(
     args: argparse.Namespace, storage_options: dict[str, Any]
 ) -> tuple[dict, np.ndarray, np.ndarray]:
     """The stats dict of PATH, with the per-sample lengths and bin ids it was computed from."""
-    from offline_packing.stats_dataset import is_dataset_path
+    from offline_packing.stats.dataset import is_dataset_path
 
     if is_dataset_path(args.path, storage_options):
         return _dataset_report(args, storage_options)
@@ -160,8 +160,8 @@ def build_report(
 def _length_file_report(
     args: argparse.Namespace, storage_options: dict[str, Any]
 ) -> tuple[dict, np.ndarray, np.ndarray]:
-    from offline_packing.stats_compare import caps_bound_field
-    from offline_packing.stats_report import length_distribution
+    from offline_packing.stats.compare import caps_bound_field
+    from offline_packing.stats.report import length_distribution
     from packing.binpack import pack_lengths
     from packing.stats import packing_stats
 
@@ -209,9 +209,9 @@ def _length_file_report(
 def _dataset_report(
     args: argparse.Namespace, storage_options: dict[str, Any]
 ) -> tuple[dict, np.ndarray, np.ndarray]:
-    from offline_packing.stats_compare import caps_bound_field
-    from offline_packing.stats_dataset import read_dataset
-    from offline_packing.stats_report import dataset_fields, length_distribution
+    from offline_packing.stats.compare import caps_bound_field
+    from offline_packing.stats.dataset import read_dataset
+    from offline_packing.stats.report import dataset_fields, length_distribution
     from packing.stats import packing_stats
 
     data = read_dataset(args.path, storage_options, fmt=args.format, workers=args.workers)
@@ -256,7 +256,7 @@ def _compare(
     default_caps: tuple[int | None, int | None] = (None, None),
 ) -> list[dict]:
     """Rows without caps, then with the caps given on the command line (or `default_caps`)."""
-    from offline_packing.stats_compare import compare_algorithms
+    from offline_packing.stats.compare import compare_algorithms
 
     caps = (args.max_samples_per_bin, args.max_images_per_bin)
     if caps == (None, None):
@@ -270,7 +270,7 @@ def _compare(
 
 
 def _as_packed_row(report: dict) -> dict:
-    from offline_packing.stats_compare import result_columns
+    from offline_packing.stats.compare import result_columns
 
     algorithm = report["dataset"].get("algorithm") or {}
     caps = algorithm if isinstance(algorithm, dict) else {}

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from packing.binpack import ALGORITHMS, pack_lengths
-from packing.stats import lower_bound_l2, packing_stats
+from packing.stats import lower_bound_caps, lower_bound_l2, packing_stats
 
 
 def algorithm_names() -> list[str]:
@@ -23,24 +23,6 @@ def _warm_up(algorithm: str, caps: dict[str, Any], with_images: bool) -> None:
     pack_lengths(lengths, 8, algorithm=algorithm, image_counts=images, **caps)
 
 
-def caps_lower_bound(
-    lengths: np.ndarray,
-    capacity: int,
-    *,
-    max_items: int | None = None,
-    image_counts: np.ndarray | None = None,
-    max_images: int | None = None,
-) -> int:
-    """A lower bound on bins under per-bin caps: max(L2, ceil(items / max_items), ceil(images / max_images))."""
-    fits = lengths <= capacity
-    bound = int(lower_bound_l2(lengths[fits], capacity))
-    if max_items is not None:
-        bound = max(bound, -(-int(fits.sum()) // max_items))
-    if max_images and image_counts is not None:
-        bound = max(bound, -(-int(image_counts[fits].sum()) // max_images))
-    return bound
-
-
 def caps_bound_field(
     lengths: np.ndarray,
     capacity: int,
@@ -51,7 +33,7 @@ def caps_bound_field(
     """{"caps_lower_bound_bins": bound} under per-bin caps (where L2 can be far below what is reachable), else {}."""
     if max_items is None and max_images is None:
         return {}
-    bound = caps_lower_bound(
+    bound = lower_bound_caps(
         lengths, capacity, max_items=max_items, image_counts=images, max_images=max_images
     )
     return {"caps_lower_bound_bins": bound}

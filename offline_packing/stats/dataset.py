@@ -8,7 +8,6 @@ members are skipped by seeking). Paths are fsspec URLs: local, `file://`, `s3://
 from __future__ import annotations
 
 import io
-import json
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,8 +18,9 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from offline_packing.stats_inputs import StatsInputError
-from packing.format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
+from offline_packing.stats.inputs import StatsInputError
+from packing.format import MANIFEST_NAME
+from packing.manifest import Manifest, ManifestError
 
 _ARROW_COLUMNS = ("key", "seq_lens", "image_grid_thw")
 
@@ -115,12 +115,13 @@ def read_dataset(
     fs, fs_root = fsspec.core.url_to_fs(root, **storage_options)
     if "://" not in root and not Path(root).exists():
         raise StatsInputError(f"{root}: no such dataset folder or length file")
-    manifest = _read_manifest(fs, fs_root, root)
-    formats = [f for f in manifest.get("formats", []) if isinstance(f, str)]
-    fmt = fmt or ("arrow" if "arrow" in formats else (formats[0] if formats else "arrow"))
+    model = _read_manifest(fs, fs_root, root)
+    manifest = model.to_dict()
+    formats = model.shard_formats
+    fmt = fmt or model.default_format()
     if fmt not in formats:
         raise StatsInputError(f"{root}: dataset has formats {formats}, not {fmt!r}")
-    entries = [s for s in manifest.get("shards", []) if s.get("format") == fmt]
+    entries = [s.to_dict() for s in model.shards_of(fmt)]
     readers = {"arrow": _read_arrow_shard, "wds": _read_wds_shard}
     if fmt not in readers:
         raise StatsInputError(f"{root}: unknown shard format {fmt!r}")
@@ -144,7 +145,7 @@ def read_dataset(
     return packing
 
 
-def _read_manifest(fs: Any, fs_root: str, root: str) -> dict:
+def _read_manifest(fs: Any, fs_root: str, root: str) -> Manifest:
     manifest_path = f"{fs_root}/{MANIFEST_NAME}"
     try:
         with fs.open(manifest_path, "rb") as f:
@@ -156,20 +157,9 @@ def _read_manifest(fs: Any, fs_root: str, root: str) -> dict:
     except IsADirectoryError as e:  # pragma: no cover - unusual filesystems
         raise StatsInputError(f"{root}/{MANIFEST_NAME} is a folder") from e
     try:
-        manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise StatsInputError(f"{root}/{MANIFEST_NAME}: not valid JSON ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise StatsInputError(f"{root}/{MANIFEST_NAME}: format is {found!r}, expected {FORMAT_NAME!r}")
-    if not isinstance(manifest.get("version"), int) or manifest["version"] > FORMAT_VERSION:
-        raise StatsInputError(
-            f"{root}/{MANIFEST_NAME}: format version {manifest.get('version')!r} is newer than this "
-            f"mmpack reads ({FORMAT_VERSION})"
-        )
-    if not isinstance(manifest.get("seq_len"), int) or manifest["seq_len"] < 1:
-        raise StatsInputError(f"{root}/{MANIFEST_NAME}: seq_len must be a positive integer")
-    return manifest
+        return Manifest.from_json(raw, source=f"{root}/{MANIFEST_NAME}")
+    except ManifestError as e:
+        raise StatsInputError(str(e)) from e
 
 
 def _read_shard(fs: Any, shard_path: str, entry: dict, reader: Any) -> ShardBins:

@@ -8,13 +8,17 @@ Accepted forms (local path or fsspec URL):
   `{"max_len": L, "counts": [...]}` where counts[i] is the number of samples of length i + 1;
 - `.npy`: a 1-D integer array of lengths, or an [N, 2] array of (length, image count) rows.
 
+Text and `.npy` files are streamed (read in chunks of CHUNK_BYTES): memory holds the resulting int64 lengths
+plus one chunk, never the whole file. `.json` files are parsed whole, so ones over JSON_MAX_BYTES are refused
+with a message to use a text or `.npy` length file instead.
+
 Every problem raises `StatsInputError` with a message naming the file (and line where there is one).
 """
 
 from __future__ import annotations
 
-import io
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -22,6 +26,8 @@ import fsspec
 import numpy as np
 
 TEXT_SUFFIXES = (".txt", ".lens", ".len", ".lengths", ".lst")
+CHUNK_BYTES = 1 << 20
+JSON_MAX_BYTES = 64 << 20
 LENGTH_FILE_SUFFIXES = (*TEXT_SUFFIXES, ".json", ".npy")
 
 
@@ -47,13 +53,13 @@ def read_length_file(path: str, storage_options: dict[str, Any] | None = None) -
             f"{path}: unknown file type {suffix or '(no suffix)'!r}; expected a packed dataset folder "
             f"(with manifest.json) or a length file ({', '.join(LENGTH_FILE_SUFFIXES)})"
         )
-    data = _read_bytes(path, storage_options or {})
+    storage_options = storage_options or {}
     if suffix == ".npy":
-        result = _parse_npy(path, data)
+        result = _with_file(path, storage_options, lambda f: _parse_npy(path, f))
     elif suffix == ".json":
-        result = _parse_json(path, data)
+        result = _with_file(path, storage_options, lambda f: _parse_json(path, _read_json_bytes(path, f)))
     else:
-        result = _parse_lines(path, data)
+        result = _with_file(path, storage_options, lambda f: _parse_lines(path, f))
     if result.lengths.size == 0:
         raise StatsInputError(f"{path}: no lengths found (empty {result.kind} input)")
     return result
@@ -64,38 +70,81 @@ def _suffix(path: str) -> str:
     return "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
 
 
-def _read_bytes(path: str, storage_options: dict[str, Any]) -> bytes:
+def _with_file(
+    path: str, storage_options: dict[str, Any], parse: Callable[[Any], LengthInput]
+) -> LengthInput:
     try:
         with fsspec.open(path, "rb", **storage_options) as f:
-            return f.read()
+            return parse(f)
     except FileNotFoundError as e:
         raise StatsInputError(f"{path}: no such file") from e
     except IsADirectoryError as e:
         raise StatsInputError(f"{path}: is a folder, not a length file") from e
 
 
-def _parse_lines(path: str, data: bytes) -> LengthInput:
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise StatsInputError(f"{path}: not UTF-8 text ({e})") from e
-    lines = text.splitlines()
-    try:
-        # fast path: one int() per line; on any problem, rescan below to name the line
-        values = [
-            int(line.rpartition(":")[2])
-            for line in lines
-            if line.strip() and not line.lstrip().startswith("#")
-        ]
-    except ValueError:
-        values = None
-    if values is None or (values and min(values) < 1):
-        _raise_first_bad_line(path, lines)
-    return LengthInput(path, "lines", np.asarray(values, dtype=np.int64))
+def _read_json_bytes(path: str, f: Any) -> bytes:
+    data = f.read(JSON_MAX_BYTES + 1)
+    if len(data) > JSON_MAX_BYTES:
+        raise StatsInputError(
+            f"{path}: JSON length files are read whole and this one is over {JSON_MAX_BYTES >> 20} MiB; "
+            "write the lengths one per line (.txt) or as a .npy array, which are streamed"
+        )
+    return bytes(data)
 
 
-def _raise_first_bad_line(path: str, lines: list[str]) -> NoReturn:
-    for number, line in enumerate(lines, start=1):
+def _line_chunks(f: Any) -> Iterator[bytes]:
+    """The file in pieces of about CHUNK_BYTES, each ending at a line end (the last one at the file's end)."""
+    rest = b""
+    while block := f.read(CHUNK_BYTES):
+        cut = block.rfind(b"\n")
+        if cut < 0:
+            rest += block
+            continue
+        yield rest + block[: cut + 1]
+        rest = block[cut + 1 :]
+    if rest:
+        yield rest
+
+
+def _parse_lines(path: str, f: Any) -> LengthInput:
+    parts: list[np.ndarray] = []
+    first_line = 1
+    for chunk in _line_chunks(f):
+        try:
+            text = chunk.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise StatsInputError(f"{path}: not UTF-8 text near line {first_line} ({e})") from e
+        lines = text.splitlines()
+        try:
+            # fast path: one int() per line; on any problem, rescan below to name the line
+            values = [
+                int(line.rpartition(":")[2])
+                for line in lines
+                if line.strip() and not line.lstrip().startswith("#")
+            ]
+        except ValueError:
+            values = None
+        if values is None or (values and min(values) < 1):
+            _raise_first_bad_line(path, lines, first_line)
+        parts.append(np.asarray(values, dtype=np.int64))
+        first_line += len(lines)
+    return LengthInput(path, "lines", _concatenate(parts))
+
+
+def _concatenate(parts: list[np.ndarray]) -> np.ndarray:
+    """One array of the parts, freeing each part once copied (peak: the result plus one part)."""
+    out = np.empty(sum(p.size for p in parts), dtype=np.int64)
+    start = 0
+    parts.reverse()
+    while parts:
+        part = parts.pop()
+        out[start : start + part.size] = part
+        start += part.size
+    return out
+
+
+def _raise_first_bad_line(path: str, lines: list[str], first_line: int = 1) -> NoReturn:
+    for number, line in enumerate(lines, start=first_line):
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
             continue
@@ -180,9 +229,10 @@ def _parse_histogram(path: str, obj: dict) -> LengthInput:
     return LengthInput(path, "histogram", lengths)
 
 
-def _parse_npy(path: str, data: bytes) -> LengthInput:
+def _parse_npy(path: str, f: Any) -> LengthInput:
     try:
-        array = np.load(io.BytesIO(data), allow_pickle=False)
+        # read_array reads a file object in bounded pieces straight into the result
+        array = np.lib.format.read_array(f, allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
         raise StatsInputError(f"{path}: not a readable .npy array ({e})") from e
     if not np.issubdtype(array.dtype, np.integer):
@@ -190,7 +240,7 @@ def _parse_npy(path: str, data: bytes) -> LengthInput:
     if array.ndim == 2 and array.shape[1] == 2:
         lengths, images = array[:, 0].astype(np.int64), array[:, 1].astype(np.int64)
     elif array.ndim == 1:
-        lengths, images = array.astype(np.int64), None
+        lengths, images = array.astype(np.int64, copy=False), None
     else:
         raise StatsInputError(
             f"{path}: .npy must be 1-D lengths or [N, 2] (length, images), got {array.shape}"

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from offline_packing.stats_dataset import DatasetPacking
+from offline_packing.stats.dataset import DatasetPacking
 from packing.stats import FILL_BUCKETS
 
 FILL_BANDS = tuple(f"{name}%" for name, _, _ in FILL_BUCKETS)
