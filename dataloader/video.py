@@ -90,7 +90,9 @@ def decode_planned_frames(
             frame_pts, keyframe_pts = _packet_timestamps(container, stream, label)
             targets = frame_timestamps(frame_pts, plan, float(stream.time_base), label)
             counts = counters if counters is not None else {}
-            decoded = _decode_at(container, stream, targets, keyframe_pts, plan.resized_hw, label, counts)
+            decoded = _decode_at(
+                container, stream, targets, frame_pts, keyframe_pts, plan.resized_hw, label, counts
+            )
     except av.error.FFmpegError as exc:
         raise VideoDecodeError(f"video {label}: cannot decode the recorded frames: {exc}") from None
     except IndexError:
@@ -132,6 +134,7 @@ def _decode_at(
     container: Any,
     stream: Any,
     targets: list[int],
+    frame_pts: list[int],
     keyframe_pts: list[int],
     size_hw: tuple[int, int],
     label: str,
@@ -139,8 +142,9 @@ def _decode_at(
 ) -> dict[int, np.ndarray]:
     """Resized RGB frames at the wanted timestamps.
 
-    For each wanted frame: decode on from the last decoded frame when no keyframe lies between the two,
-    else seek to the keyframe at or before it (FFmpeg's backward seek) and decode forward from there.
+    For each wanted frame: seek to the keyframe at or before it (FFmpeg's backward seek) and decode forward
+    from there, unless that keyframe is not past the frame that follows the last one decoded: then decoding
+    on skips nothing a seek would.
     """
     found: dict[int, np.ndarray] = {}
     counters["frames_decoded"] = counters["seeks"] = 0
@@ -149,7 +153,11 @@ def _decode_at(
     for target in sorted(set(targets)):
         k = bisect.bisect_right(keyframe_pts, target) - 1
         keyframe = keyframe_pts[k] if k >= 0 else None
-        if frames is None or last_pts is None or (keyframe is not None and keyframe > last_pts):
+        if (
+            frames is None
+            or last_pts is None
+            or (keyframe is not None and keyframe > _next(frame_pts, last_pts))
+        ):
             container.seek(target, stream=stream, backward=True)
             frames = container.decode(stream)
             counters["seeks"] += 1
@@ -167,6 +175,12 @@ def _decode_at(
         else:
             raise VideoDecodeError(f"video {label} ended before the frame at timestamp {target}")
     return found
+
+
+def _next(frame_pts: list[int], pts: int) -> int:
+    """The timestamp of the frame after `pts` in presentation order (`pts` itself for the last frame)."""
+    i = bisect.bisect_right(frame_pts, pts)
+    return frame_pts[i] if i < len(frame_pts) else pts
 
 
 def resize_frame(rgb: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:

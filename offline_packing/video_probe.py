@@ -3,7 +3,7 @@
 `probe_video` opens the container with a minimal probe (FFmpeg `probesize` 32 bytes, no analysis
 duration; retried with FFmpeg's defaults when that leaves the frame size or rate unknown), reads frame
 count, frame rate, duration, width and height of the first video stream, and checks the end of the file
-by seeking to the last frames and reading one or two packets (compressed data, not decoded), so that a
+by seeking to the last frames and reading up to three packets (compressed data, not decoded), so that a
 truncated file is a reject here rather than an error in the loader. The bytes read are counted.
 
 Frame count: the container's (`nb_frames`: mp4/mov sample tables, avi headers). Containers without one
@@ -242,21 +242,22 @@ def _check_limits(meta: VideoMeta, name: str, config: VideoProbeConfig) -> None:
 
 
 def _check_tail(container: Any, stream: Any, meta: VideoMeta, size: int, name: str) -> None:
-    """Seek to the last frames and read one or two packets: a truncated file has none there."""
+    """Seek to the last frames and read up to three packets: a truncated file has none there."""
     import av
 
     start = stream.start_time or 0
     tail_s = max(0.0, meta.duration_s - 2.0 / meta.fps)
     target = start + int(tail_s / stream.time_base)
-    last_end_s = None
+    last_end_s: float | None = None
     try:
         container.seek(target, stream=stream, backward=True, any_frame=True)
-        for packet, _ in zip(container.demux(stream), range(2)):
+        for packet, _ in zip(container.demux(stream), range(3)):
             if packet.size == 0 or packet.pts is None:
                 continue
             if packet.pos is not None and packet.pos >= 0 and packet.pos + packet.size > size:
                 break
-            last_end_s = float((packet.pts - start + (packet.duration or 0)) * stream.time_base)
+            end_s = float((packet.pts - start + (packet.duration or 0)) * stream.time_base)
+            last_end_s = end_s if last_end_s is None else max(last_end_s, end_s)  # B-frames: any order
     except av.error.FFmpegError:
         pass
     # a stream's end may lie up to a few frame durations past its last packet (rounding, edit lists)

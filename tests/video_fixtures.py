@@ -1,0 +1,77 @@
+"""Tiny videos encoded with PyAV for the video tests, and the PyAV reference decode they are checked against."""
+
+from __future__ import annotations
+
+import bisect
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from packing.video_tokens import VideoPlan
+
+DEMO_VIDEO_DIR_PARTS = ("data", "mllm_video_demo")
+
+
+def frame_pattern(i: int, width: int, height: int) -> np.ndarray:
+    """A frame that differs from its neighbours (colour ramp + a moving bar), uint8 [h, w, 3]."""
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.empty((height, width, 3), np.uint8)
+    rgb[..., 0] = (x * 255 // max(1, width - 1) + 17 * i) % 256
+    rgb[..., 1] = (y * 255 // max(1, height - 1)) % 256
+    rgb[..., 2] = np.where(np.abs(x - (5 * i) % width) < 4, 250, 30)
+    return rgb
+
+
+def encode_video(
+    path: Path,
+    n_frames: int,
+    *,
+    width: int = 64,
+    height: int = 48,
+    rate: int = 25,
+    codec: str = "libx264",
+    container_format: str | None = None,
+    pts_ms: list[int] | None = None,
+    gop: int | None = None,
+    options: dict[str, str] | None = None,
+) -> Path:
+    """Encode `n_frames` test frames; `pts_ms` gives variable frame timing (time base 1/1000)."""
+    import av
+
+    with av.open(str(path), "w", format=container_format, options=options or {}) as out:
+        stream: Any = out.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if gop is not None:
+            stream.codec_context.gop_size = gop
+            if codec == "libx264":
+                stream.codec_context.options = {"keyint_min": str(gop), "sc_threshold": "0"}
+        if pts_ms is not None:
+            stream.codec_context.time_base = Fraction(1, 1000)
+        for i in range(n_frames):
+            frame = av.VideoFrame.from_ndarray(frame_pattern(i, width, height), format="rgb24")
+            if pts_ms is not None:
+                frame.pts, frame.time_base = pts_ms[i], Fraction(1, 1000)
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path
+
+
+def reference_frames(path: Path | str, plan: VideoPlan) -> list[np.ndarray]:
+    """The planned frames by the plainest route: decode every frame in order, then pick (RGB, full size)."""
+    import av
+
+    with av.open(str(path)) as container:
+        time_base = float(container.streams.video[0].time_base or 0)
+        decoded = [(int(f.pts or 0), f.to_ndarray(format="rgb24")) for f in container.decode(video=0)]
+    if plan.frame_count_exact:
+        return [decoded[i][1] for i in plan.frame_indices]
+    pts = [p for p, _ in decoded]
+    picked = []
+    for i in plan.frame_indices:
+        shown_at = pts[0] + round(i / plan.video_fps / time_base)
+        picked.append(decoded[max(0, bisect.bisect_right(pts, shown_at) - 1)][1])
+    return picked
