@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "pack": ("offline_packing.pack_cli", "pack raw multimodal samples into a sharded packed dataset"),
     "stats": ("offline_packing.stats.cli", "packing efficiency of a packed dataset or a length file"),
     "demo": ("offline_packing.demo.cli", "build a small dataset, pack it, print stats, train a tiny model"),
+    "convert": ("trainer.convert", "convert model checkpoints: HuggingFace <-> megatron-core (TP x PP)"),
 }
 
 

@@ -13,6 +13,15 @@ from trainer.config import ModelConfig, ParallelConfig, PrecisionConfig, TrainCo
 BASE = ["--mock-data", "--seq-length", "64"]
 
 
+def _arch(cfg):
+    """The random model's architecture for the mock data's vocabulary and ids."""
+    from trainer.build import model_hf_config
+    from trainer.data import dataset_info
+    from trainer.models.qwen2_5_vl import arch_from_hf_config
+
+    return arch_from_hf_config(model_hf_config(cfg, dataset_info(None, 64)))
+
+
 def test_mixed_precision_and_parallel_flags_reach_megatron_configs() -> None:
     cfg = parse_args(
         [
@@ -32,7 +41,7 @@ def test_mixed_precision_and_parallel_flags_reach_megatron_configs() -> None:
             "0.5",
         ]
     )
-    m = build_megatron_configs(cfg)
+    m = build_megatron_configs(cfg, _arch(cfg))
     lang = m.language
     assert (lang.tensor_model_parallel_size, lang.pipeline_model_parallel_size) == (2, 2)
     assert lang.sequence_parallel and lang.bf16 and not lang.fp16
@@ -41,12 +50,14 @@ def test_mixed_precision_and_parallel_flags_reach_megatron_configs() -> None:
     assert lang.recompute_granularity == "selective"
     assert m.ddp.grad_reduce_in_fp32 and m.ddp.use_distributed_optimizer
     assert m.optimizer.bf16 and m.optimizer.use_distributed_optimizer and m.optimizer.clip_grad == 0.5
-    assert not m.vision.sequence_parallel  # image tokens stay whole on every TP rank
+    assert not m.model.vision.sequence_parallel  # image patches stay whole on every TP rank
+    assert lang.normalization == "RMSNorm" and lang.gated_linear_unit and lang.add_qkv_bias
+    assert lang.num_query_groups == 2 and lang.mrope_section == [2, 3, 3]
 
 
 def test_fp16_dynamic_loss_scaling_options() -> None:
     cfg = parse_args([*BASE, "--fp16", "--initial-loss-scale", "512", "--hysteresis", "1"])
-    m = build_megatron_configs(cfg)
+    m = build_megatron_configs(cfg, _arch(cfg))
     assert m.language.fp16 and m.language.pipeline_dtype == torch.float16
     assert m.optimizer.fp16 and m.optimizer.loss_scale is None  # None = dynamic
     assert (m.optimizer.initial_loss_scale, m.optimizer.hysteresis) == (512, 1)
@@ -106,12 +117,14 @@ def test_thd_inputs_flatten_the_micro_batch() -> None:
         )
 
     batch = make_micro_batch([[sample(3), sample(2)], [sample(4)]], 6, 0, attention_mask=False)
-    thd = model_inputs(batch, use_thd=True)
+    thd = model_inputs(batch, use_thd=True, image_pad_id=-1, merge_size=2)
     params = thd["packed_seq_params"]
     assert params.qkv_format == "thd" and thd["attention_mask"] is None
     assert thd["tokens"].shape == (1, 12)
     assert params.cu_seqlens_q.tolist() == [0, 3, 5, 6, 10, 12]  # padding segments included
     assert params.max_seqlen_q == 4
-    dense = model_inputs(batch, use_thd=False)
+    assert thd["position_ids"].shape == (3, 1, 12)
+    assert thd["position_ids"][0, 0].tolist() == [0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 0, 1]  # restart per segment
+    dense = model_inputs(batch, use_thd=False, image_pad_id=-1, merge_size=2)
     assert dense["attention_mask"].shape == (2, 1, 6, 6) and "packed_seq_params" not in dense
     assert (dense["labels"] >= 0).all()  # ignored positions are masked by loss_mask, not by -100

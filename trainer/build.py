@@ -4,7 +4,9 @@ random initialisation)."""
 
 from __future__ import annotations
 
+import json
 import zlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,17 +15,21 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.module import Float16Module
 
 from trainer.config import MegatronConfigs, RunConfig
+from trainer.convert import HF_CONFIG_NAME
 from trainer.data import DataInfo
 from trainer.models import family, family_of
 from trainer.models.qwen2_5_vl.config import read_hf_config
 
 
 def model_hf_config(cfg: RunConfig, info: DataInfo) -> dict[str, Any]:
-    """The HF ``config.json`` dict of the run's model: ``--hf-model``'s, or a small random one whose
-    vocabulary and special ids are the dataset's."""
+    """The HF ``config.json`` dict of the run's model: ``--hf-model``'s, the one kept beside the checkpoints
+    of ``--load``, or a small random one whose vocabulary and special ids are the dataset's."""
     m = cfg.model
     if m.hf_model:
         return read_hf_config(m.hf_model)
+    kept = Path(cfg.checkpoint.load or "") / HF_CONFIG_NAME
+    if cfg.checkpoint.load and kept.is_file():
+        return json.loads(kept.read_text())
     return family(m.model_type).tiny_hf_config(
         vocab_size=m.padded_vocab_size(info.vocab_size),
         image_token_id=info.image_pad_id,
