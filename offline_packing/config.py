@@ -10,6 +10,7 @@ being part of its fingerprint. Every job field belongs to a stage config, to `IN
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Literal, overload
 
 from packing.format import DEFAULT_MAX_IMAGE_PIXELS
 from packing.image_tokens import CLIP_MEAN, CLIP_STD
@@ -114,6 +115,17 @@ class PackJobConfig:
     def formats(self) -> tuple[str, ...]:
         """Shard formats to write, in manifest order."""
         return ("arrow", "wds") if self.format == "both" else (self.format,)
+
+    @overload
+    def stage_config(self, stage: Literal["scan"]) -> ScanConfig: ...
+    @overload
+    def stage_config(self, stage: Literal["lengths"]) -> LengthsConfig: ...
+    @overload
+    def stage_config(self, stage: Literal["binpack"]) -> BinpackConfig: ...
+    @overload
+    def stage_config(self, stage: Literal["write"]) -> WriteConfig: ...
+    @overload
+    def stage_config(self, stage: str) -> StageConfig: ...
 
     def stage_config(self, stage: str) -> StageConfig:
         """The frozen config of `stage` ("scan", "lengths", "binpack" or "write")."""

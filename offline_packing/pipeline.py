@@ -64,20 +64,22 @@ def _completed(cfg: PackJobConfig, wd: WorkDir, stage: str, fingerprint: str) ->
 
 def _run_stage(cfg: PackJobConfig, wd: WorkDir, stage: str, fingerprint: str, files: list[str]) -> str:
     """Run `stage`; returns its output fingerprint (what the next stage builds on)."""
-    engine = {"workers": cfg.workers, "progress": cfg.progress}
     if stage == "scan":
         from offline_packing.scan import run_scan
 
-        return str(run_scan(cfg.stage_config("scan"), files, wd, fingerprint, **engine)["output_fingerprint"])  # type: ignore[arg-type]
+        info = run_scan(
+            cfg.stage_config("scan"), files, wd, fingerprint, workers=cfg.workers, progress=cfg.progress
+        )
+        return str(info["output_fingerprint"])
     if stage == "lengths":
         from offline_packing.lengths import get_tokenizer, run_lengths
 
         get_tokenizer(cfg.tokenizer)  # loaded once here; forked workers inherit it
-        run_lengths(cfg.stage_config("lengths"), wd, fingerprint, **engine)  # type: ignore[arg-type]
+        run_lengths(cfg.stage_config("lengths"), wd, fingerprint, workers=cfg.workers, progress=cfg.progress)
     elif stage == "binpack":
         from offline_packing.binpack import run_binpack
 
-        run_binpack(cfg.stage_config("binpack"), wd, fingerprint)  # type: ignore[arg-type]
+        run_binpack(cfg.stage_config("binpack"), wd, fingerprint)
     else:
         _run_write(cfg, wd, fingerprint)
     return fingerprint
@@ -92,7 +94,7 @@ def _run_write(cfg: PackJobConfig, wd: WorkDir, fingerprint: str) -> None:
     record_previous_dataset(store, wd)
     store.remove(MANIFEST_NAME)  # the dataset is uncommitted while its shards are (re)written
     shards = run_write_shards(
-        write_cfg,  # type: ignore[arg-type]
+        write_cfg,
         cfg.storage_options,
         wd,
         fingerprint,
@@ -100,7 +102,7 @@ def _run_write(cfg: PackJobConfig, wd: WorkDir, fingerprint: str) -> None:
         progress=cfg.progress,
     )
     finalize(cfg, wd, shards)
-    remove_unlisted_outputs(store, wd, write_cfg, shards)  # type: ignore[arg-type]
+    remove_unlisted_outputs(store, wd, write_cfg, shards)
     wd.mark_done("write", fingerprint, {})
 
 
