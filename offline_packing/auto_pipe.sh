@@ -6,7 +6,7 @@
 #                [-I MAX_IMAGES_PER_BIN] [-w WORKERS] [-S STAGE] [-f arrow|wds|both] [-e] [-a ALGORITHM]
 #                [-s SEED] [-B MAX_BINS_PER_SHARD] [-b MAX_SHARD_BYTES] [-p overlength policy] [-x "more flags"]
 #
-#   -i  raw records: .json/.jsonl/.parquet file, folder or glob (repeatable)
+#   -i  raw records: .json/.jsonl (or .gz of either), .parquet, .tar file, folder or glob (repeatable)
 #   -r  folder image paths are relative to (default: each input file's folder)
 #   -o  output folder or fsspec URL (s3://bucket/prefix)
 #   -L  bin capacity in tokens (the training sequence length)
@@ -19,11 +19,13 @@
 #   -a  bin-packing algorithm          -s  seed (bin order)
 #   -B  max bins per shard             -b  max shard bytes (e.g. 512M)
 #   -p  over-length policy: drop (default), truncate, error
-#   -x  extra `mmpack pack` flags, quoted (e.g. -x "--strict --patch-size 16")
+#   -x  extra `mmpack pack` flags, quoted (e.g. -x "--strict --max-image-pixels 20000000 --verify-inputs sha256")
 #
-# Stages (each resumable; outputs under <OUT>/_work unless --work-dir, markers <stage>.done.json):
+# Stages (each resumable; outputs under <OUT>/_work unless --work-dir, markers <stage>.done.json). A rerun
+# skips a stage only if its options, the stages before it and every file it reads are unchanged; otherwise it
+# redoes that stage and the later ones, and stage 4 removes the shards it wrote before that are now unlisted.
 #   1 scan     reads  the input records and image headers (Pillow, no full decode)
-#              writes _work/scan/chunk-N.samples.jsonl (+ .rejects.jsonl)
+#              writes _work/scan/chunk-N.samples.jsonl (+ .rejects.jsonl, .images.json: identity of each image)
 #              takes  roughly image-header I/O: ~1-3k samples/s per worker on local disk
 #   2 lengths  reads  scan chunks, the tokenizer, the image-token rule flags
 #              writes _work/lengths/chunk-N.{ids,mask,offsets,nimg,ibytes}.npy, samples.jsonl, rejects.jsonl
