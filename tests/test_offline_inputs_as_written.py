@@ -196,3 +196,33 @@ def test_truncated_samples_are_counted(tmp_path: Path) -> None:
     )
     assert read_manifest(str(out))["counts"]["truncated"] == 1 == summary.samples_truncated
     assert "samples truncated" in summary.format_table()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{\n "conversations": [],\n "id": "x"\n}\n', [(1, None)]),  # one pretty-printed object: one record
+        ('{\n "conversations": [\n', [(1, "malformed_json")]),  # one broken object: one reject, not per line
+        ('{"a": \n{"b": 1}\n{"c": 2}\n', [(1, "malformed_json"), (2, None), (3, None)]),  # JSONL, bad line 1
+        ('\n\n{"a": 1}\n\n{"b": 2}\n', [(3, None), (5, None)]),  # blank lines keep the line numbers
+        ("[]", []),
+        ("", []),
+    ],
+    ids=["object", "broken_object", "jsonl_bad_first", "blank_lines", "empty_array", "empty_file"],
+)
+def test_json_document_forms(text: str, expected: list) -> None:
+    from offline_packing.inputs.json_records import parse_json_document
+
+    records = parse_json_document(text.encode())
+    assert [(r.line, r.error_reason if r.error else None) for r in records] == expected
+
+
+def test_nesting_limit_is_exact() -> None:
+    from offline_packing.inputs.json_records import MAX_NESTING_DEPTH, parse_json_line
+
+    at_limit = "[" * MAX_NESTING_DEPTH + "]" * MAX_NESTING_DEPTH
+    over = "[" * (MAX_NESTING_DEPTH + 1) + "]" * (MAX_NESTING_DEPTH + 1)
+    assert parse_json_line(at_limit.encode(), 1).error is None
+    assert parse_json_line(over.encode(), 1).error_reason == "malformed_record"
+    # brackets inside strings do not count
+    assert parse_json_line(json.dumps({"t": "[" * 500}).encode(), 1).error is None
