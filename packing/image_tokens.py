@@ -47,7 +47,8 @@ class ImageHeaderError(MmpackError, ValueError):
 
 
 class ImageSizeError(MmpackError, ValueError):
-    """An image size the rule refuses; `reason` is "image_aspect_ratio" or "image_size_invalid" (no pixels)."""
+    """An image size refused; `reason` is "image_aspect_ratio", "image_size_invalid" (no pixels) or
+    "image_too_large" (over a pixel limit)."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message, reason=reason)
