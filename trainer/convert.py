@@ -21,6 +21,17 @@ from pathlib import Path
 from typing import Any
 
 HF_CONFIG_NAME = "hf_config.json"
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _rank_file(root: str | Path, iteration: int, tp: int, pp: int) -> Path:
+    """A weights-only rank file: ``<root>/iter_<iteration>/tp<tp>_pp<pp>_dp00.pt``."""
+    return Path(root) / f"iter_{iteration:07d}" / f"tp{tp:02d}_pp{pp:02d}_dp00.pt"
+
+
+def _latest_iteration(root: str | Path) -> int | None:
+    tracker = Path(root) / TRACKER
+    return int(tracker.read_text().strip()) if tracker.is_file() else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +56,6 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int) -> list[Path]:
     """Writes the weights-only checkpoint; returns the rank files written."""
     import torch
 
-    from trainer.checkpoint import TRACKER, rank_file
     from trainer.models import family_of
     from trainer.models.qwen2_5_vl.config import read_hf_config
 
@@ -60,7 +70,7 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int) -> list[Path]:
             state = fam.stage_state_dict(
                 hf_dir, arch, tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp
             )
-            path = rank_file(out, 0, tp_rank, pp_rank, 0)
+            path = _rank_file(out, 0, tp_rank, pp_rank)
             path.parent.mkdir(parents=True, exist_ok=True)
             payload = {"iteration": 0, "model": state, "layout": {"tp": tp, "pp": pp, "dp": 1}}
             torch.save(payload, path.with_suffix(".tmp"))
@@ -75,9 +85,7 @@ def _checkpoint_shards(ckpt: str) -> tuple[dict[tuple[int, int], dict[str, Any]]
     """The model state dicts of DP rank 0 at the latest iteration, by (tp, pp); and the TP, PP sizes."""
     import torch
 
-    from trainer.checkpoint import latest_iteration
-
-    iteration = latest_iteration(ckpt)
+    iteration = _latest_iteration(ckpt)
     if iteration is None:
         raise ValueError(f"{ckpt} holds no checkpoint (no latest_checkpointed_iteration.txt)")
     folder = Path(ckpt) / f"iter_{iteration:07d}"
