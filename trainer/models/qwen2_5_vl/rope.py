@@ -16,10 +16,10 @@ def patch_hw_positions(grid_thw: np.ndarray, merge_size: int) -> np.ndarray:
     """[P, 2] (row, column) of every patch in processor order."""
     out = []
     for t, h, w in grid_thw.tolist():
-        rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        grid_rows, grid_cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
         shape = (h // merge_size, merge_size, w // merge_size, merge_size)
-        rows = rows.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
-        cols = cols.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
+        rows = grid_rows.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
+        cols = grid_cols.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
         out.append(np.tile(np.stack([rows, cols], axis=-1), (t, 1)))
     return np.concatenate(out) if out else np.zeros((0, 2), dtype=np.int64)
 
