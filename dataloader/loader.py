@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from dataloader.balance import BALANCE_MODES, ComputeBalance, compute_balance
 from dataloader.collate import CollateConfig
 from dataloader.manifest import Manifest, load_manifest
 from dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan
@@ -14,6 +15,7 @@ from dataloader.pool import no_data, run_in_process, run_workers, take_batch
 from dataloader.storage import StorageConfig
 from dataloader.topology import Topology
 from dataloader.worker import ProducerSpec
+from packing.cost import CostModel
 
 STATE_VERSION = 1
 
@@ -31,8 +33,13 @@ class LoaderConfig:
     shard_window: int = DEFAULT_SHARD_WINDOW
     num_epochs: int | None = None
     start_method: str | None = None
+    balance: str = (
+        "none"  # "compute": bins of each global batch laid out over ranks by cost (dataloader.balance)
+    )
 
     def __post_init__(self) -> None:
+        if self.balance not in BALANCE_MODES:
+            raise ValueError(f"balance must be one of {BALANCE_MODES}, got {self.balance!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.num_workers < 0 or self.prefetch_shards < 0 or self.prefetch_batches < 1:
@@ -59,6 +66,7 @@ class PackedLoader:
         config: LoaderConfig,
         storage: StorageConfig,
         collate: CollateConfig,
+        balance: ComputeBalance | None = None,
     ) -> None:
         self.root, self.manifest, self.topology, self.config = root, manifest, topology, config
         self.plan = BatchPlan(
@@ -75,6 +83,7 @@ class PackedLoader:
             storage=storage,
             collate=collate,
             prefetch_shards=config.prefetch_shards,
+            balance=balance,
         )
         if manifest.num_bins == 0:
             raise ValueError(f"packed dataset {root} has no bins")
@@ -119,6 +128,7 @@ class PackedLoader:
             "seed": self.config.seed,
             "global_batch_size": self.plan.global_batch_size,
             "shard_window": self.config.shard_window,
+            "balance": self.config.balance,
             "num_bins": n,
             "manifest_fingerprint": self.manifest.fingerprint,
         }
@@ -139,11 +149,12 @@ class PackedLoader:
             raise ValueError(f"inconsistent loader state {state}")
         in_step = int(state.get("micro_batches_in_step", 0))  # older states lack it (saved between steps)
         if in_step:
-            geometry = (state["micro_batch_size"], state["dp_size"])
-            if geometry != (mine["micro_batch_size"], mine["dp_size"]):
+            geometry = (state["micro_batch_size"], state["dp_size"], state.get("balance", "none"))
+            if geometry != (mine["micro_batch_size"], mine["dp_size"], mine["balance"]):
                 raise ValueError(
                     f"loader state was saved {in_step} micro-batches into a step with (micro_batch_size, "
-                    f"dp_size)={geometry}, this loader has {(mine['micro_batch_size'], mine['dp_size'])}; "
+                    f"dp_size, balance)={geometry}, this loader has "
+                    f"{(mine['micro_batch_size'], mine['dp_size'], mine['balance'])}; "
                     "only the same ones continue a partly consumed step exactly (or save between steps)"
                 )
             if not 0 < in_step < self.micro_batches_per_step:
@@ -229,13 +240,17 @@ def build_loader(
     start_method: str | None = None,
     max_attempts: int = 6,
     download_concurrency: int = 4,
+    balance: str = "none",
+    cost_model: CostModel | None = None,
 ) -> PackedLoader:
     """A loader of the packed dataset at `path` (folder or fsspec URL) for the rank `topology`.
 
     `num_epochs=None` streams epochs endlessly (Megatron style, stop after train-iters); otherwise the
     loader stops after the last whole global batch of `num_epochs` epochs. `shard_format` picks "arrow" or
     "wds" shards when the dataset has both (default: arrow). `download_concurrency`: shard downloads each
-    worker keeps in flight (remote datasets).
+    worker keeps in flight (remote datasets). `balance="compute"` lays out each global batch's bins over DP
+    ranks and micro-batches so per-rank cost (`cost_model`, default `packing.cost.DEFAULT_COST_MODEL`) is even;
+    the bins of each global batch stay the same, so resume (also with another DP size) stays exact.
     """
     manifest = load_manifest(
         path, storage_options=storage_options, shard_format=shard_format, max_attempts=max_attempts
@@ -250,6 +265,7 @@ def build_loader(
         shard_window=shard_window,
         num_epochs=num_epochs,
         start_method=start_method,
+        balance=balance,
     )
     storage = StorageConfig(
         root=path,
@@ -267,4 +283,5 @@ def build_loader(
         build_attention_mask=build_attention_mask,
         max_image_pixels=manifest.max_image_pixels,
     )
-    return PackedLoader(path, manifest, topology, config, storage, collate)
+    costs = compute_balance(manifest, storage, cost_model) if balance == "compute" else None
+    return PackedLoader(path, manifest, topology, config, storage, collate, balance=costs)

@@ -2,8 +2,9 @@
 
 The stream of bins is epoch 0's order, then epoch 1's, ... (each a permutation of all bins). Global batch
 `s` is stream positions [s*G, (s+1)*G). DP rank r of D takes the contiguous slice
-[r*G/D, (r+1)*G/D) of it, cut into micro-batches of B bins. Nothing here depends on timing, worker count or
-anything but the arguments.
+[r*G/D, (r+1)*G/D) of it, cut into micro-batches of B bins; or, with compute balancing, the bins that
+`dataloader.balance` lays out for it (same global batch, other split). Nothing here depends on timing, worker
+count or anything but the arguments.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from dataloader.balance import ComputeBalance
 from dataloader.manifest import Manifest
 from dataloader.topology import Topology
 
@@ -99,11 +101,18 @@ class StreamOrder:
 
 
 def micro_batch_bins(
-    stream: StreamOrder, step: int, micro_batch: int, topology: Topology, plan: BatchPlan
+    stream: StreamOrder,
+    step: int,
+    micro_batch: int,
+    topology: Topology,
+    plan: BatchPlan,
+    balance: ComputeBalance | None = None,
 ) -> np.ndarray:
     """Global bin ids of micro-batch `micro_batch` of global step `step` on this rank.
 
     Empty for pipeline stages that take no data. `step` counts global batches from the stream start.
+    With `balance`, the same global batch is laid out over ranks and micro-batches by cost
+    (`dataloader.balance`) instead of in stream order.
     """
     if plan.dp_size != topology.dp_size:
         raise ValueError(f"plan is for dp_size={plan.dp_size}, topology has dp_size={topology.dp_size}")
@@ -111,6 +120,10 @@ def micro_batch_bins(
         raise ValueError(f"micro_batch must be in [0, {plan.micro_batches_per_step}), got {micro_batch}")
     if not topology.needs_data:
         return np.zeros(0, dtype=np.int64)
+    if balance is not None:
+        global_bins = stream.positions(step * plan.global_batch_size, plan.global_batch_size)
+        layout = balance.layout(step, global_bins, plan.dp_size, plan.micro_batch_size)
+        return layout[topology.dp_rank, micro_batch].copy()
     per_rank = plan.global_batch_size // plan.dp_size
     start = step * plan.global_batch_size + topology.dp_rank * per_rank + micro_batch * plan.micro_batch_size
     return stream.positions(start, plan.micro_batch_size)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.multiprocessing
 
+from dataloader.balance import ComputeBalance
 from dataloader.collate import CollateConfig, ImageTooLargeError, collate_bins
 from dataloader.manifest import Manifest
 from dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
@@ -47,6 +48,7 @@ class ProducerSpec:
     storage: StorageConfig
     collate: CollateConfig
     prefetch_shards: int
+    balance: ComputeBalance | None = None  # balance="compute": the cost-balanced layout of each global batch
 
 
 class ReaderPool:
@@ -129,7 +131,9 @@ class Producer:
 
     def bins(self, k: int) -> np.ndarray:
         m = self.spec.plan.micro_batches_per_step
-        return micro_batch_bins(self.stream, k // m, k % m, self.spec.topology, self.spec.plan)
+        return micro_batch_bins(
+            self.stream, k // m, k % m, self.spec.topology, self.spec.plan, self.spec.balance
+        )
 
     def produce(self, k: int) -> dict[str, Any]:
         self.prefetcher.advance(k)
