@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from packing.fileio import resolve_storage_options
 from packing.format import MANIFEST_NAME
 from packing.image_tokens import ImageTokenRule
 from packing.manifest import Manifest as DatasetManifest
@@ -107,8 +108,6 @@ def load_manifest(
 ) -> Manifest:
     """Reads `<root>/manifest.json` through fsspec."""
     from fsspec.core import url_to_fs
-
-    from dataloader.storage import resolve_storage_options
 
     url = join_url(root, MANIFEST_NAME)
     fs, fs_path = url_to_fs(url, **resolve_storage_options(url, storage_options))

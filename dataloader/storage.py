@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dataloader.manifest import ShardInfo, join_url
+from packing.fileio import atomic_write_json, resolve_storage_options
 
 CHUNK_BYTES = 4 << 20
 # Shards up to this size are read with one GET (`cat_file`) and held in memory once; bigger ones stream.
@@ -78,19 +79,6 @@ class StorageConfig:
     @property
     def is_local(self) -> bool:
         return "://" not in self.root or self.root.startswith("file://")
-
-
-def resolve_storage_options(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
-    """Fills the S3 endpoint from AWS_ENDPOINT_URL when the caller gave none."""
-    opts = dict(storage_options or {})
-    if url.startswith(("s3://", "s3a://")):
-        client_kwargs = dict(opts.get("client_kwargs") or {})
-        endpoint = opts.pop("endpoint_url", None) or client_kwargs.get("endpoint_url")
-        endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if endpoint:
-            client_kwargs["endpoint_url"] = endpoint
-            opts["client_kwargs"] = client_kwargs
-    return opts
 
 
 def local_root(root: str) -> str:
@@ -412,15 +400,8 @@ def read_json(path: str) -> Any:
 
 def write_json_atomic(path: str, doc: Any) -> None:
     """Writes `doc` (and its folder) so readers see all of it or nothing; a failure only loses the shortcut."""
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(doc, f)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    with contextlib.suppress(OSError):
+        atomic_write_json(path, doc, indent=None)
 
 
 def _sleep(seconds: float, cancel: threading.Event | None, shard: ShardInfo) -> None:

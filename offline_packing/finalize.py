@@ -14,12 +14,9 @@ import numpy as np
 from offline_packing.config import PackJobConfig
 from offline_packing.storage import OutputStore
 from offline_packing.workdir import WorkDir, read_jsonl
+from packing.fileio import json_bytes
 from packing.format import MANIFEST_NAME, REJECTS_NAME, STATS_NAME
 from packing.manifest import Manifest, ManifestCounts, ManifestImageRule, ShardEntry
-
-
-def _dumps(obj: object) -> bytes:
-    return (json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode()
 
 
 def collect_rejects(wd: WorkDir) -> list[dict]:
@@ -131,7 +128,7 @@ def finalize(cfg: PackJobConfig, wd: WorkDir, shards: list[dict]) -> Manifest:
     counts = compute_counts(wd, rejects)
     rows = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rejects)
     store.write_bytes(REJECTS_NAME, rows.encode())
-    store.write_bytes(STATS_NAME, _dumps(compute_stats(wd, cfg, counts)))
+    store.write_bytes(STATS_NAME, json_bytes(compute_stats(wd, cfg, counts)))
     if cfg.energon:
         from offline_packing.outputs.energon_meta import write_energon_metadata
 

@@ -6,11 +6,12 @@ is built in a local staging folder and uploaded in one put, so a reader never se
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
+
+from packing.fileio import atomic_open, resolve_storage_options
 
 
 class OutputStore:
@@ -21,7 +22,7 @@ class OutputStore:
         from fsspec.implementations.local import LocalFileSystem
 
         self.url = url
-        self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.fs, self.root = fsspec.core.url_to_fs(url, **resolve_storage_options(url, storage_options))
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.staging_dir = Path(staging_dir) if staging_dir is not None else None
 
@@ -38,23 +39,18 @@ class OutputStore:
     def open_atomic(self, rel: str) -> Iterator[IO[bytes]]:
         """A binary file that appears under `rel` only once the block completes without error."""
         if self.is_local:
-            final = self.local_path(rel)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        else:
-            if self.staging_dir is None:
-                raise ValueError("a staging folder is needed to write to an object store")
-            tmp = self.staging_dir / f"{rel.replace('/', '__')}.tmp-{os.getpid()}"
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with open(tmp, "wb") as f:
+            with atomic_open(self.local_path(rel)) as f:
                 yield f
-            if self.is_local:
-                os.replace(tmp, final)
-            else:
-                self.fs.put_file(str(tmp), self.full_path(rel))
+            return
+        if self.staging_dir is None:
+            raise ValueError("a staging folder is needed to write to an object store")
+        with atomic_open(self.staging_dir / rel.replace("/", "__")) as f:
+            yield f
+        staged = self.staging_dir / rel.replace("/", "__")
+        try:
+            self.fs.put_file(str(staged), self.full_path(rel))
         finally:
-            tmp.unlink(missing_ok=True)
+            staged.unlink(missing_ok=True)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         with self.open_atomic(rel) as f:

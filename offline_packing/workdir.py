@@ -8,26 +8,15 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a temporary sibling and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Write `obj` as sorted, indented JSON (deterministic bytes)."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+# the stage modules take the project's one atomic writer from here
+from packing.fileio import atomic_write_bytes as atomic_write_bytes
+from packing.fileio import atomic_write_json as atomic_write_json
 
 
 def npy_bytes(arr: np.ndarray) -> bytes:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from packing.fileio import json_bytes
 from packing.format import DEFAULT_MAX_IMAGE_PIXELS, FORMAT_NAME, FORMAT_VERSION, SHARD_FORMATS
 from packing.image_tokens import ImageTokenRule
 
@@ -294,7 +295,7 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """The bytes of manifest.json: sorted keys, one-space indent, UTF-8, a final newline."""
-        return (json.dumps(self.to_dict(), indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode()
+        return json_bytes(self.to_dict())
 
     # -- use ------------------------------------------------------------------------------------------------
     def shards_of(self, shard_format: str) -> tuple[ShardEntry, ...]:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
 import numpy as np
 
 from offline_packing.stats.inputs import LENGTH_FILE_SUFFIXES, StatsInputError, read_length_file
+from packing.fileio import resolve_storage_options
 
 EXIT_BAD_INPUT = 2
 EXIT_STORAGE_ERROR = 1
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     store.add_argument(
         "--endpoint-url",
-        default=os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
+        default=None,
         help="S3 endpoint for s3:// paths (default: $AWS_ENDPOINT_URL_S3 or $AWS_ENDPOINT_URL)",
     )
     store.add_argument(
@@ -139,11 +139,9 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
-    if args.endpoint_url and args.path.startswith(("s3://", "s3a://")):
-        client_kwargs = dict(options.get("client_kwargs") or {})
-        client_kwargs.setdefault("endpoint_url", args.endpoint_url)
-        options["client_kwargs"] = client_kwargs
-    return options
+    if args.endpoint_url:
+        options.setdefault("endpoint_url", args.endpoint_url)
+    return resolve_storage_options(args.path, options)
 
 
 def build_report(
