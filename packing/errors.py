@@ -6,6 +6,8 @@ Code that turns an error into a reject row or a CLI line reads `exc.reason` and 
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class MmpackError(Exception):
     """An error mmpack raises on purpose; `reason` names its kind (rejects.jsonl, CLI), `message` says why."""
@@ -16,3 +18,13 @@ class MmpackError(Exception):
         super().__init__(message)
         self.message = message
         self.reason = reason or self.default_reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # subclasses take other constructor arguments: rebuild from the fields, so the error crosses processes
+        return (_rebuild, (type(self), self.message, self.reason))
+
+
+def _rebuild(cls: type[MmpackError], message: str, reason: str) -> MmpackError:
+    exc = cls.__new__(cls)
+    MmpackError.__init__(exc, message, reason=reason)
+    return exc

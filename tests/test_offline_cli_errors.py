@@ -112,3 +112,19 @@ def test_one_error_hierarchy_with_reason() -> None:
     ):
         assert isinstance(exc, MmpackError) and exc.reason and exc.message == "x"
     assert ImageHeaderError("x").reason == "unreadable_image"
+
+
+def test_errors_cross_process_boundaries_intact() -> None:
+    """Worker processes send errors back pickled: every kind keeps its type, reason and message."""
+    import pickle
+
+    for exc in (
+        PackError("x"),
+        SampleReject("missing_image", "x"),
+        SampleError("malformed_record", "x"),
+        ImageHeaderError("x"),
+        ImageSizeError("image_too_large", "x"),
+    ):
+        back = pickle.loads(pickle.dumps(exc))
+        assert type(back) is type(exc) and back.reason == exc.reason and back.message == "x"
+        assert str(back) == str(exc)
