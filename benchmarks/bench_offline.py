@@ -2,12 +2,18 @@
 
     python benchmarks/bench_offline.py                      # 20k samples, workers 1 and 2
     python benchmarks/bench_offline.py --samples 2000 --workers 1   # quick look
+    python benchmarks/bench_offline.py --video-only                 # the video scan section alone
 
 The dataset (real JPEG/PNG files of varied sizes, LLaVA/ShareGPT/caption/text records) is generated once
 under --data-dir and reused. The tokenizer is the shared Qwen3 one when present, else a tiny trained BPE.
 Two copy baselines for the write stage, over the same bytes: (a) copying the written shard files,
 (b) gathering the source image files in bin order into one file. Files are in the page cache in all cases
 (the numbers are CPU-bound pipeline costs, not disk speed). Results: benchmarks/results/bench_offline.json.
+
+Video scan section: per video, the scan's cost (container metadata + end check, no frame decoded: videos/s
+and bytes read vs file size) and, for scale, the loader's decode of the planned frames next to a decode of
+every frame. Videos: the shared mllm_video_demo ones when present, plus generated mp4/mkv/avi files
+(cached under --data-dir/videos).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -32,6 +39,7 @@ from offline_packing.pipeline import read_manifest, run_pack  # noqa: E402
 from tests.fixtures_data import make_synthetic_dataset, train_tiny_bpe  # noqa: E402
 
 QWEN3 = REPO.parent / "shared" / "data" / "tokenizer_qwen3" / "tokenizer.json"
+DEMO_VIDEOS = REPO.parent / "shared" / "data" / "mllm_video_demo" / "mllm_demo_data"
 
 
 def _dataset(args: argparse.Namespace):
@@ -79,9 +87,104 @@ def _copy_baselines(out: Path, manifest: dict, dest: Path) -> dict:
     }
 
 
+def _machine() -> dict:
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+
+
 def _cpu_s() -> float:
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _bench_videos(data_dir: Path) -> list[Path]:
+    from tests.video_fixtures import encode_video
+
+    folder = data_dir / "videos"
+    folder.mkdir(parents=True, exist_ok=True)
+    specs = [  # name, frames, width, height, rate, codec, container, keyframe interval
+        ("sd_10s.mp4", 250, 320, 240, 25, "libx264", None, 250),
+        ("hd_30s.mp4", 900, 640, 360, 30, "libx264", None, 60),
+        ("hd_30s.mkv", 900, 640, 360, 30, "libx264", "matroska", 60),
+        ("720p_20s.mp4", 600, 1280, 720, 30, "libx264", None, 250),
+        ("sd_20s.avi", 500, 320, 240, 25, "mpeg4", None, 12),
+    ]
+    paths = sorted(DEMO_VIDEOS.glob("*.*")) if DEMO_VIDEOS.is_dir() else []
+    for name, frames, w, h, rate, codec, fmt, gop in specs:
+        path = folder / name
+        if not path.is_file():
+            opts = {"preset": "ultrafast"} if codec == "libx264" else {}
+            tmp = encode_video(
+                folder / f"tmp-{name}",
+                frames,
+                width=w,
+                height=h,
+                rate=rate,
+                codec=codec,
+                container_format=fmt,
+                gop=gop,
+                codec_options=opts,
+            )
+            tmp.rename(path)
+        paths.append(path)
+    return paths
+
+
+def video_scan_cost(data_dir: Path, repeats: int = 20) -> list[dict]:
+    """Scan cost (probe + plan) and loader decode cost per video; prints a table."""
+    import av
+    import torch
+
+    from dataloader.video import decode_planned_frames
+    from offline_packing.video_probe import probe_video
+    from packing.video_tokens import VideoTokenRule
+
+    torch.set_num_threads(1)  # one thread per loader worker: intra-op threads only contend with the workers
+    rule = VideoTokenRule()
+    rows: list[dict[str, Any]] = []
+    for path in _bench_videos(data_dir):
+        t = time.perf_counter()
+        for _ in range(repeats):
+            probe = probe_video(path)
+            plan = rule.plan(probe.meta)
+        scan_s = (time.perf_counter() - t) / repeats
+        counters: dict[str, int] = {}
+        t = time.perf_counter()
+        decode_planned_frames(path, plan, counters=counters)
+        planned_s = time.perf_counter() - t
+        t = time.perf_counter()
+        with av.open(str(path)) as c:
+            all_frames = sum(1 for _ in c.decode(video=0))
+        full_s = time.perf_counter() - t
+        rows.append(
+            {
+                "video": path.name,
+                "size_bytes": probe.size_bytes,
+                "bytes_read": probe.bytes_read,
+                "frames": probe.meta.total_frames,
+                "frame_count_exact": probe.meta.frame_count_exact,
+                "grid_thw": list(plan.grid_thw),
+                "tokens": plan.num_tokens,
+                "scan_videos_per_s": 1 / scan_s,
+                "loader_planned_frames": len(plan.frame_indices),
+                "loader_frames_decoded": counters["frames_decoded"],
+                "loader_seeks": counters["seeks"],
+                "loader_decode_s": planned_s,
+                "decode_all_frames": all_frames,
+                "decode_all_s": full_s,
+            }
+        )
+    print(
+        f"\n{'video':>14} {'MB':>6} {'read KB':>8} {'read %':>7} {'scan videos/s':>13} {'frames':>7} "
+        f"{'tokens':>7}  loader: planned/decoded frames, seeks, s (all frames: s)"
+    )
+    for r in rows:
+        print(
+            f"{r['video']:>14} {r['size_bytes'] / 2**20:>6.2f} {r['bytes_read'] / 1024:>8.1f} "
+            f"{100 * r['bytes_read'] / r['size_bytes']:>6.1f}% {r['scan_videos_per_s']:>13.0f} {r['frames']:>7} "
+            f"{r['tokens']:>7}  {r['loader_planned_frames']}/{r['loader_frames_decoded']}, {r['loader_seeks']}, "
+            f"{r['loader_decode_s']:.3f} ({r['decode_all_s']:.3f})"
+        )
+    return rows
 
 
 def run_once(jsonl: Path, image_root: Path, tokenizer: str, workers: int, args: argparse.Namespace) -> dict:
@@ -144,8 +247,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_offline.json")
     p.add_argument("--keep", action="store_true", help="keep the packed outputs")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--video-only", action="store_true", help="run only the video scan section")
     args = p.parse_args(argv)
     args.data_dir.mkdir(parents=True, exist_ok=True)
+    if args.video_only:
+        rows = video_scan_cost(args.data_dir)
+        out = args.out.with_name("bench_offline_video.json")
+        out.write_text(
+            json.dumps(
+                {
+                    "benchmark": "offline_video_scan",
+                    "command": "python benchmarks/bench_offline.py --video-only",
+                    "machine": _machine(),
+                    "load_average_at_end": os.getloadavg(),
+                    "videos": rows,
+                },
+                indent=1,
+            )
+        )
+        print(f"-> {out}")
+        return 0
     jsonl, image_root, data_info = _dataset(args)
     tokenizer = args.tokenizer or (
         str(QWEN3) if QWEN3.is_file() else str(train_tiny_bpe(args.data_dir / "tok"))
@@ -198,17 +319,14 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "offline_packing",
         "command": "python benchmarks/bench_offline.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
+        "machine": _machine(),
         "load_average_at_end": os.getloadavg(),
         "dataset": {"samples": args.samples, **data_info, "max_size": args.max_size},
         "seq_len": args.seq_len,
         "format": args.format,
         "tokenizer": tokenizer,
         "runs": runs,
+        "video_scan": video_scan_cost(args.data_dir),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

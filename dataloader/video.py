@@ -191,7 +191,7 @@ def resize_frame(rgb: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
     h, w = size_hw
     if rgb.shape[:2] == (h, w):
         return np.ascontiguousarray(rgb)
-    x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None].to(torch.float32)
+    x = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()[None].to(torch.float32)  # planar: faster
     y = F.interpolate(x, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
     return y.clamp_(0, 255).round_().to(torch.uint8)[0].permute(1, 2, 0).contiguous().numpy()
 

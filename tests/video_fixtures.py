@@ -36,17 +36,19 @@ def encode_video(
     pts_ms: list[int] | None = None,
     gop: int | None = None,
     options: dict[str, str] | None = None,
+    codec_options: dict[str, str] | None = None,
 ) -> Path:
     """Encode `n_frames` test frames; `pts_ms` gives variable frame timing (time base 1/1000)."""
     import av
 
     with av.open(str(path), "w", format=container_format, options=options or {}) as out:
-        stream: Any = out.add_stream(codec, rate=rate)
+        stream: Any = out.add_stream(codec, rate=rate, options=codec_options or {})
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         if gop is not None:
             stream.codec_context.gop_size = gop
             if codec == "libx264":
-                stream.codec_context.options = {"keyint_min": str(gop), "sc_threshold": "0"}
+                keyframes_only_every_gop = {"keyint_min": str(gop), "sc_threshold": "0"}
+                stream.codec_context.options = {**(codec_options or {}), **keyframes_only_every_gop}
         if pts_ms is not None:
             stream.codec_context.time_base = Fraction(1, 1000)
         for i in range(n_frames):
