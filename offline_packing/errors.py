@@ -7,8 +7,12 @@ reject rows, job-level ones end the command with `mmpack <cmd>: error: ...` (see
 from __future__ import annotations
 
 import errno
+import os
+import re
 
 from packing.errors import MmpackError
+
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-[0-9-]+$")  # atomic writes go through ".<name>.tmp-<pid>..."
 
 
 class PackError(MmpackError, RuntimeError):
@@ -51,7 +55,7 @@ def describe_failure(exc: BaseException) -> str:
     if isinstance(exc, MmpackError):
         return exc.message
     if isinstance(exc, OSError):
-        where = exc.filename if exc.filename is not None else None
+        where = _final_name(str(exc.filename)) if exc.filename is not None else None
         advice = _OS_ADVICE.get(exc.errno or 0, exc.strerror or str(exc))
         if where is None:
             return f"{advice} ({exc})" if exc.errno in _OS_ADVICE else str(exc)
@@ -59,3 +63,10 @@ def describe_failure(exc: BaseException) -> str:
     if isinstance(exc, ValueError):
         return str(exc)
     return f"unexpected {type(exc).__name__}: {exc} (rerun with --debug for the traceback, and report it)"
+
+
+def _final_name(path: str) -> str:
+    """The file a temporary name stands for (what the user knows), else `path`."""
+    head, tail = os.path.split(path)
+    match = _TEMPORARY.match(tail)
+    return os.path.join(head, match["name"]) if match else path

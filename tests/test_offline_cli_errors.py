@@ -81,6 +81,7 @@ def test_unwritable_output_is_one_line_naming_the_file(
     assert code == 1
     line = _one_error_line(err)
     assert str(out) in line and advice in line and ("-o" in line or "free space" in line)
+    assert ".tmp-" not in line  # the file the user knows, not the temporary name it was written under
 
 
 def test_debug_shows_the_traceback(
