@@ -1,0 +1,106 @@
+"""WebDataset tar shards: members located through the tar index, a bin's members read with one `pread`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from dataloader.readers.npy import decode_npy
+from dataloader.readers.record import BinRecord
+from dataloader.readers.tar_index import MEMBER_RE, _tar_index
+from packing.format import ARRAY_FIELDS, WDS_JSON_MEMBER
+
+_IMG_RE = re.compile(r"^img(\d+)\.([A-Za-z0-9]+)$")
+
+
+class WdsShardReader:
+    """Indexes the members of a WebDataset tar once; reads all members of a bin with one `pread`.
+
+    `index_cache`: a file where the tar index of this exact content is kept (name it by the shard's verified
+    sha256). The first reader on a machine writes it, atomically; later ones (other loader workers, other
+    ranks) load it instead of walking the archive again.
+    """
+
+    def __init__(self, path: str, *, label: str, index_cache: str | None = None) -> None:
+        self.label = label
+        self._fh = open(path, "rb")  # noqa: SIM115 - kept open for the reader's lifetime
+        self._keys: list[str] = []
+        self._members: dict[str, dict[str, tuple[int, int]]] = {}
+        self._spans: dict[str, tuple[int, int]] = {}
+        try:
+            entries = _tar_index(self._fh, label=label, index_cache=index_cache)
+            for name, offset, size in entries:
+                self._add_member(name, offset, size)
+        except BaseException:
+            self._fh.close()
+            raise
+
+    def _add_member(self, name: str, offset: int, size: int) -> None:
+        match = MEMBER_RE.match(name)
+        if match is None:
+            raise ValueError(f"{self.label}: unexpected tar member {name!r} (not a plain key.suffix file)")
+        key, suffix = match.groups()
+        if key not in self._members:
+            self._members[key] = {}
+            self._keys.append(key)
+            self._spans[key] = (offset, offset + size)
+        self._members[key][suffix] = (offset, size)
+        start, end = self._spans[key]
+        self._spans[key] = (min(start, offset), max(end, offset + size))
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def read(self, row: int) -> BinRecord:
+        if not 0 <= row < len(self):
+            raise IndexError(f"{self.label}: row {row} out of range [0, {len(self)})")
+        key = self._keys[row]
+        members = self._members[key]
+        start, end = self._spans[key]
+        # A bin's members are adjacent in the tars we write: one read covers them and the headers between them
+        # (were they scattered, the read would just cover more of the file).
+        data = os.pread(self._fh.fileno(), end - start, start)
+        if len(data) != end - start:
+            raise ValueError(f"{self.label}: truncated tar member")
+        view = memoryview(data)
+
+        def member(suffix: str) -> memoryview:
+            offset, size = members[suffix]
+            return view[offset - start : offset - start + size]
+
+        return decode_wds_bin(key, members, member, label=self.label)
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def decode_wds_bin(
+    key: str, suffixes: Iterable[str], read: Callable[[str], bytes | memoryview], *, label: str
+) -> BinRecord:
+    """The record of bin `key` from its WebDataset members; `read(suffix)` gives a member's bytes."""
+    try:
+        meta = json.loads(bytes(read(WDS_JSON_MEMBER)))
+        rec: BinRecord = {"key": key, "sample_ids": list(meta["sample_ids"])}
+        for name, dtype in ARRAY_FIELDS.items():
+            member = f"{name}.npy"
+            data = read(member)
+            try:
+                arr = decode_npy(data)
+            except ValueError as e:
+                raise ValueError(f"{label}: bin {key} member {member!r}: {e}") from None
+            rec[name] = np.asarray(arr, dtype=dtype)
+    except KeyError as e:
+        raise ValueError(f"{label}: bin {key} lacks member {e}") from None
+    rec["image_grid_thw"] = rec["image_grid_thw"].reshape(-1, 3)
+    images = sorted(
+        (int(m.group(1)), m.group(2), suffix)
+        for suffix in suffixes
+        if (m := _IMG_RE.match(suffix)) is not None
+    )
+    rec["images"] = [bytes(read(suffix)) for _, _, suffix in images]
+    rec["image_formats"] = list(meta.get("image_formats") or [ext for _, ext, _ in images])
+    return rec
