@@ -24,8 +24,20 @@ VERIFY_INPUTS = ("stat", "sha256")
 INPUT_FIELDS = frozenset({"inputs"})
 # Job options that change no output byte: how the job runs, not what it makes.
 RUN_CONTROL_FIELDS = frozenset(
-    {"workers", "work_dir", "clean_work", "start_stage", "only_stage", "progress", "storage_options", "debug"}
+    {
+        "workers",
+        "engine",
+        "ray_address",
+        "work_dir",
+        "clean_work",
+        "start_stage",
+        "only_stage",
+        "progress",
+        "storage_options",
+        "debug",
+    }
 )
+ENGINES = ("local", "ray")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -48,6 +60,8 @@ class PackJobConfig:
     max_bins_per_shard: int = 1024
     max_shard_bytes: int = 256 * 2**20
     workers: int = 1
+    engine: str = "local"  # "local": forked workers on this machine; "ray": tasks on a Ray cluster
+    ray_address: str = "auto"  # --engine ray: "auto" (a cluster on this machine, else a new one) or host:port
     overlength: str = "drop"
     strict: bool = False
     patch_size: int = 14
@@ -73,7 +87,7 @@ class PackJobConfig:
     only_stage: int | None = None  # run only this stage (python -m offline_packing.<stage>)
     progress: bool = True
     debug: bool = False  # tracebacks instead of one-line errors (CLI)
-    storage_options: dict = field(default_factory=dict, hash=False)  # fsspec options for the output
+    storage_options: dict = field(default_factory=dict, hash=False)  # fsspec options for inputs and output
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -93,6 +107,8 @@ class PackJobConfig:
             bad(f"verify_inputs must be one of {VERIFY_INPUTS}, got {self.verify_inputs!r}")
         if self.max_image_pixels < 1:
             bad(f"--max-image-pixels must be >= 1, got {self.max_image_pixels}")
+        if self.engine not in ENGINES:
+            bad(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.workers < 1:
             bad(f"workers (-w) must be >= 1, got {self.workers}")
         if self.max_bins_per_shard < 1 or self.max_shard_bytes < 1 or self.chunk_size < 1:

@@ -30,8 +30,13 @@ def digest(*parts: Any) -> str:
 def file_identity(path: str, verify: str) -> FileIdentity:
     """(canonical path, size, mtime_ns) of a local file, or (canonical path, size, sha256) with verify="sha256".
 
-    A missing file has identity (path, None, None): it differs from any existing file's.
+    A missing file has identity (path, None, None): it differs from any existing file's. A remote input
+    (URL) has identity (URL, size, ETag or mtime from the object store), see `inputs.remote.identity`.
     """
+    from offline_packing.inputs import remote
+
+    if remote.is_url(path):
+        return remote.identity(path, verify)
     real = os.path.realpath(path)
     try:
         st = os.stat(real)

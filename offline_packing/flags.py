@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from offline_packing.config import (
+    ENGINES,
     IMAGE_CHECKS,
     OUTPUT_FORMATS,
     OVERLENGTH_POLICIES,
@@ -36,13 +37,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         required=True,
         metavar="PATH",
-        help="raw records: .json/.jsonl (optionally .gz), .parquet or .tar file, folder or glob (repeatable)",
+        help="raw records: .json/.jsonl (optionally .gz), .parquet or .tar file, folder or glob, local or a URL "
+        "(s3://, http(s)://, file://) (repeatable)",
     )
     g.add_argument(
         "-r",
         "--image-root",
         default=None,
-        help="folder that image paths are relative to (default: each input file's folder)",
+        help="folder or URL (s3://, http(s)://) that image paths are relative to (default: each input file's "
+        "folder)",
     )
     g.add_argument(
         "--image-check",
@@ -133,9 +136,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also write .nv-meta so Megatron-Energon reads the WebDataset shards",
     )
-    g.add_argument("--s3-endpoint", default=None, help="endpoint URL for s3:// outputs (or AWS_ENDPOINT_URL)")
+    g.add_argument(
+        "--s3-endpoint", default=None, help="endpoint URL for s3:// inputs and outputs (or AWS_ENDPOINT_URL)"
+    )
     g = p.add_argument_group("job")
     g.add_argument("-w", "--workers", type=int, default=1, help="worker processes for scan, lengths, write")
+    g.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="local",
+        help="where scan, lengths and write run: local (forked workers, -w) or ray (tasks on a Ray cluster; "
+        "pip install -e .[ray]); the output is the same",
+    )
+    g.add_argument(
+        "--ray-address",
+        default="auto",
+        help="--engine ray: the cluster to join (default auto: the one running on this machine, else a new "
+        "local one); the work folder must be on a filesystem every node sees",
+    )
     g.add_argument(
         "-S",
         "--stage",
@@ -179,6 +197,8 @@ def config_from_args(args: argparse.Namespace, only_stage: int | None = None) ->
         max_bins_per_shard=args.max_bins_per_shard,
         max_shard_bytes=args.max_shard_bytes,
         workers=args.workers,
+        engine=args.engine,
+        ray_address=args.ray_address,
         overlength=args.overlength,
         strict=args.strict,
         **image_options,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from offline_packing.config import LengthsConfig
-from offline_packing.engines.local import run_parallel
+from offline_packing.engines import run_parallel
 from offline_packing.errors import PackError, SampleReject, reject_row
 from offline_packing.workdir import (
     WorkDir,

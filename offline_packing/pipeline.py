@@ -123,13 +123,22 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
         FileNotFoundError: an input (-i) or the tokenizer does not exist.
         OSError: the output or work folder cannot be written.
     """
-    from offline_packing.inputs.sources import expand_inputs
+    from offline_packing.engines import use_engine
+    from offline_packing.inputs import remote
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if cfg.tokenizer is not None:  # fail before the first stage, not after it
         from packing.tokenizer import resolve_tokenizer_file
 
         resolve_tokenizer_file(cfg.tokenizer)
+    remote.configure(cfg.storage_options)  # inputs (s3://...) are read with the output's storage options
+    with use_engine(cfg.engine, cfg.ray_address):
+        return _run_stages(cfg)
+
+
+def _run_stages(cfg: PackJobConfig) -> PackSummary:
+    from offline_packing.inputs.sources import expand_inputs
+
     files = expand_inputs(cfg.inputs)
     wd = WorkDir(resolve_work_dir(cfg))
     wd.root.mkdir(parents=True, exist_ok=True)

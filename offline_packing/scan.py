@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from typing import IO, cast
 
 from offline_packing.config import ScanConfig
-from offline_packing.engines.local import run_parallel
+from offline_packing.engines import run_parallel
 from offline_packing.errors import PackError, SampleReject, reject_row
 from offline_packing.fingerprint import FileIdentity, digest, file_identity, identities
 from offline_packing.inputs.json_records import RawRecord
-from offline_packing.inputs.sources import Chunk, plan_chunks, read_chunk, resolve_image_path
+from offline_packing.inputs.sources import (
+    Chunk,
+    input_folder,
+    plan_chunks,
+    read_chunk,
+    resolve_image_path,
+)
 from offline_packing.workdir import WorkDir, atomic_write_json, read_done_marker, read_json, write_jsonl
 from packing.errors import MmpackError
 
@@ -45,10 +51,13 @@ class ImageCheck:
 
 def _read_image(path: str, check: ImageCheck) -> tuple[int, int, str, int]:
     """(width, height, format, size_bytes) of an image file; SampleReject if missing, unreadable or too large."""
+    from offline_packing.inputs import remote
     from offline_packing.tar_source import is_member_ref, read_image_bytes
     from packing.image_tokens import read_image_size
 
     full_decode = check.full_decode
+    if remote.is_url(path):
+        return _read_remote_image(path, check)
     try:
         # files: header (and end marker) only; tar members are small reads from one open file
         src: str | bytes = read_image_bytes(path) if is_member_ref(path) else path
@@ -61,6 +70,29 @@ def _read_image(path: str, check: ImageCheck) -> tuple[int, int, str, int]:
         raise SampleReject("missing_image", f"image file {path} does not exist") from None
     except IsADirectoryError:
         raise SampleReject("missing_image", f"image path {path} is a folder") from None
+    except MmpackError as exc:
+        raise SampleReject(exc.reason, exc.message) from None
+    except (ValueError, OSError) as exc:
+        raise SampleReject("unreadable_image", str(exc)) from None
+
+
+def _read_remote_image(url: str, check: ImageCheck) -> tuple[int, int, str, int]:
+    """`_read_image` of an image URL: ranged reads of the blocks the header check touches, not the image
+    (the whole image only with `--image-check decode`). Network errors past the retries end the job."""
+    from offline_packing.inputs import remote
+    from packing.image_tokens import read_image_size
+
+    try:
+        f = remote.open_ranged(url)
+        header = cast(IO[bytes], f)  # a seekable binary file (io.RawIOBase)
+        w, h, fmt = read_image_size(header, check_truncated=True, max_image_pixels=check.max_image_pixels)
+        if check.full_decode:
+            _decode_fully(remote.read_all(url), url)
+        return w, h, fmt, f.size
+    except FileNotFoundError:
+        raise SampleReject("missing_image", f"image {url} does not exist") from None
+    except remote.InputReadError:
+        raise
     except MmpackError as exc:
         raise SampleReject(exc.reason, exc.message) from None
     except (ValueError, OSError) as exc:
@@ -153,7 +185,7 @@ def scan_chunk(task: ScanTask) -> dict:
     ):
         return marker
     chunk = task.chunk
-    image_root = cfg.image_root or str(Path(chunk.path).parent)
+    image_root = cfg.image_root or input_folder(chunk.path)
     check = ImageCheck(full_decode=cfg.image_check == "decode", max_image_pixels=cfg.max_image_pixels)
     samples, rejects = [], []
     read_files: dict[str, FileIdentity] = {}

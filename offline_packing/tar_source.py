@@ -37,15 +37,22 @@ def _split_name(name: str) -> tuple[str, str]:
 
 
 def index_tar(path: str) -> tuple[TarSample, ...]:
-    """The samples of a tar, in member order (headers only; data is skipped by seeking)."""
+    """The samples of a tar, in member order (headers only; data is skipped by seeking). `path` may be a URL."""
+    from offline_packing.inputs import remote
+
+    if remote.is_url(path):
+        _, size, version = remote.identity(path, "stat")
+        return _index_tar(path, size, version)
     st = os.stat(path)
     return _index_tar(path, st.st_size, st.st_mtime_ns)
 
 
 @lru_cache(maxsize=2)
-def _index_tar(path: str, size: int, mtime_ns: int) -> tuple[TarSample, ...]:
+def _index_tar(path: str, size: int, version: int | str | None) -> tuple[TarSample, ...]:
+    from offline_packing.inputs import remote
+
     samples: list[TarSample] = []
-    with tarfile.open(path, "r:") as tar:
+    with remote.open_binary(path) as f, tarfile.open(fileobj=f, mode="r:") as tar:
         for info in tar:
             if not info.isfile():
                 continue
@@ -59,7 +66,8 @@ def _index_tar(path: str, size: int, mtime_ns: int) -> tuple[TarSample, ...]:
 
 
 def member_ref(tar_path: str, offset: int, size: int) -> str:
-    return f"{_REF_PREFIX}{os.path.abspath(tar_path)}::{offset}::{size}"
+    where = tar_path if "://" in tar_path else os.path.abspath(tar_path)
+    return f"{_REF_PREFIX}{where}::{offset}::{size}"
 
 
 def is_member_ref(path: str) -> bool:
@@ -67,15 +75,21 @@ def is_member_ref(path: str) -> bool:
 
 
 def read_image_bytes(path: str) -> bytes:
-    """Bytes of an image file or of a tar member reference."""
+    """Bytes of an image file or of a tar member reference (remote ones by ranged reads with retries)."""
+    from offline_packing.inputs import remote
+
     if is_member_ref(path):
         tar_path, offset, size = path[len(_REF_PREFIX) :].rsplit("::", 2)
+        if remote.is_url(tar_path):
+            return remote.read_range(tar_path, int(offset), int(offset) + int(size))
         with open(tar_path, "rb") as f:
             f.seek(int(offset))
             data = f.read(int(size))
         if len(data) != int(size):
             raise OSError(f"tar member at {offset} of {tar_path} is truncated")
         return data
+    if remote.is_url(path):
+        return remote.read_all(path)
     with open(path, "rb") as f:
         return f.read()
 

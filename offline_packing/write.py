@@ -21,7 +21,7 @@ from functools import lru_cache
 import numpy as np
 
 from offline_packing.config import WriteConfig
-from offline_packing.engines.local import run_parallel
+from offline_packing.engines import run_parallel
 from offline_packing.outputs.shard_writers import HashingWriter, PackedBin, open_shard_writer
 from offline_packing.storage import OutputStore
 from offline_packing.workdir import WorkDir, atomic_write_json, read_done_marker

@@ -6,7 +6,9 @@ element starts; Parquet: the row number), so every reject can name its file and 
 users write it (BOM, JSONL inside `.json`, gzip, CRLF) is read by `json_records`.
 
 Input files are canonical absolute paths, each read once however it was named (relative and absolute
-paths, symlinks, a file also matched by a folder or glob).
+paths, symlinks, a file also matched by a folder or glob). Inputs and the image root may also be fsspec URLs
+(s3://, http(s)://; `offline_packing.inputs.remote`): remote files are read with ranged reads and retries,
+and `file://` URLs are the local paths they name.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from offline_packing.inputs import remote
 from offline_packing.inputs.json_records import (
     RawRecord,
     parse_json_document,
@@ -56,7 +59,14 @@ def expand_inputs(inputs: tuple[str, ...] | list[str]) -> list[str]:
     """
     files: list[str] = []
     seen: set[str] = set()
-    for arg in inputs:
+    for arg in map(remote.local_path, inputs):
+        if remote.is_url(arg):
+            found = remote.expand(arg, INPUT_SUFFIXES)
+            if not found:
+                raise FileNotFoundError(f"input {arg!r} matches no {'/'.join(INPUT_SUFFIXES)} object")
+            files += [f for f in found if f not in seen]
+            seen.update(found)
+            continue
         p = Path(arg).expanduser()
         if p.is_dir():
             found = sorted(str(f) for f in p.rglob("*") if f.is_file() and is_input_file(f.name))
@@ -97,7 +107,7 @@ def _jsonl_record_starts(path: str) -> list[tuple[int, int]]:
     """(byte offset, line number) of every non-blank line of a JSONL file."""
     starts = []
     offset = 0
-    with open(path, "rb") as f:
+    with remote.open_binary(path) as f:
         for line_no, line in enumerate(f, start=1):
             if line.strip():
                 starts.append((offset, line_no))
@@ -114,7 +124,7 @@ def read_chunk(chunk: Chunk) -> Iterator[RawRecord]:
 
 
 def _read_jsonl_chunk(chunk: Chunk) -> Iterator[RawRecord]:
-    with open(chunk.path, "rb") as f:
+    with remote.open_binary(chunk.path) as f:
         f.seek(chunk.byte_offset)
         line_no, produced = chunk.first_line - 1, 0
         for raw in f:
@@ -129,28 +139,37 @@ def _read_jsonl_chunk(chunk: Chunk) -> Iterator[RawRecord]:
 
 def _read_whole_file(path: str) -> list[RawRecord]:
     """All records of a .json, gzip, .parquet or .tar file (cached: several chunks of one file share it)."""
+    if remote.is_url(path):
+        _, size, version = remote.identity(path, "stat")
+        return _read_whole_file_cached(path, size, version)
     st = os.stat(path)
     return _read_whole_file_cached(path, st.st_size, st.st_mtime_ns)
 
 
 @lru_cache(maxsize=2)
-def _read_whole_file_cached(path: str, size: int, mtime_ns: int) -> list[RawRecord]:
-    """Keyed by size and mtime too, so a rewritten file is read again."""
+def _read_whole_file_cached(path: str, size: int, version: int | str | None) -> list[RawRecord]:
+    """Keyed by size and mtime (or ETag) too, so a rewritten file is read again."""
     if path.endswith(".tar"):
         return _read_tar(path)
+    data = remote.read_all(path) if remote.is_url(path) else None
     if path.endswith(".parquet"):
+        import io
+
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
+        rows = pq.read_table(io.BytesIO(data) if data is not None else path).to_pylist()
         # a column absent from a record reads back as null: drop those (mixed-format files)
         return [
             RawRecord(i + 1, {k: v for k, v in row.items() if v is not None}) for i, row in enumerate(rows)
         ]
     if path.endswith(".gz"):
-        with gzip.open(path, "rb") as f:
-            data = f.read()
+        if data is not None:
+            data = gzip.decompress(data)
+        else:
+            with gzip.open(path, "rb") as f:
+                data = f.read()
         return parse_json_lines(data) if path.endswith(".jsonl.gz") else parse_json_document(data)
-    return parse_json_document(Path(path).read_bytes())
+    return parse_json_document(data if data is not None else Path(path).read_bytes())
 
 
 def _read_tar(path: str) -> list[RawRecord]:
@@ -170,8 +189,13 @@ def _read_tar(path: str) -> list[RawRecord]:
     return records
 
 
+def input_folder(path: str) -> str:
+    """The folder of an input file (a URL's prefix up to its last slash): the default image root."""
+    return remote.parent(path) if remote.is_url(path) else str(Path(path).parent)
+
+
 def resolve_image_path(image: str, image_root: str) -> str:
-    """The real path of `image` under `image_root`.
+    """The real path of `image` under `image_root` (a URL under a URL root).
 
     Raises:
         PermissionError: the path is absolute or escapes the root (`..`, symlinks pointing outside).
@@ -180,6 +204,9 @@ def resolve_image_path(image: str, image_root: str) -> str:
         raise PermissionError(f"image path must be a non-empty string, got {image!r}")
     if os.path.isabs(image) or image.startswith("~") or "\x00" in image:
         raise PermissionError(f"image path {image!r} is absolute; paths must be relative to the image root")
+    image_root = remote.local_path(image_root)
+    if remote.is_url(image_root):
+        return remote.join_under(image_root, image)
     root = os.path.realpath(image_root)
     full = os.path.realpath(os.path.join(root, image))
     if os.path.commonpath([root, full]) != root:
