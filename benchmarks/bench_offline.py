@@ -135,7 +135,7 @@ def video_scan_cost(data_dir: Path, repeats: int = 20) -> list[dict]:
     import torch
 
     from dataloader.video import decode_planned_frames
-    from offline_packing.video_probe import probe_video
+    from offline_packing.inputs.video_probe import probe_video
     from packing.video_tokens import VideoTokenRule
 
     torch.set_num_threads(1)  # one thread per loader worker: intra-op threads only contend with the workers

@@ -7,9 +7,10 @@ unless the frames lie in one group of pictures. Each frame is resized to the pla
 is decoded (bicubic, antialiased, as qwen-vl-utils resizes with torchvision: float, clamp to [0, 255],
 round), so memory holds one decoded frame plus the resized ones.
 
-`video_to_patches` then rescales, CLIP-normalises and patchifies frame pairs in the layout of transformers'
+`video_to_patches` then rescales, normalises and patchifies frame pairs in the layout of transformers'
 `Qwen2VLVideoProcessor.patchify`: rows (t, h-window, w-window, dy, dx), columns (channel, temporal, y, x),
-i.e. [t * gh * gw, 3 * temporal_patch_size * patch * patch].
+i.e. [t * gh * gw, 3 * temporal_patch_size * patch * patch]. Patch sizes, mean, std and rescale factor are
+the image rule's (`ImageTokenRule`): the model's one processor config, and the values the image path uses.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from packing.image_tokens import CLIP_MEAN, CLIP_STD
+from packing.errors import MmpackError
+from packing.image_tokens import ImageTokenRule, _normalise_table
 from packing.video_tokens import VideoPlan
 
 
-class VideoDecodeError(ValueError):
+class VideoDecodeError(MmpackError, ValueError):
     """The recorded frames of a video cannot be decoded (changed or damaged file); names the video."""
 
-    reason = "video_decode"
+    default_reason = "video_decode"
 
 
 @dataclass(frozen=True)
@@ -44,26 +46,19 @@ class VideoPixels:
 def load_video(
     src: str | os.PathLike[str] | bytes | bytearray | memoryview,
     plan: VideoPlan,
+    rule: ImageTokenRule | None = None,
     *,
-    patch_size: int = 14,
-    merge_size: int = 2,
-    temporal_patch_size: int = 2,
     name: str | None = None,
 ) -> VideoPixels:
-    """Decode, resize, normalise and patchify the planned frames of one video."""
+    """Decode, resize, normalise and patchify the planned frames of one video (`rule`: patch sizes, mean, std)."""
+    rule = rule or ImageTokenRule()
+    label = name or "<bytes>"
     frames = decode_planned_frames(src, plan, name=name)
-    patches = video_to_patches(
-        frames, patch_size=patch_size, merge_size=merge_size, temporal_patch_size=temporal_patch_size
-    )
-    grid = (
-        frames.shape[0] // temporal_patch_size,
-        frames.shape[1] // patch_size,
-        frames.shape[2] // patch_size,
-    )
+    patches = video_to_patches(frames, rule)
+    p, tp = rule.patch_size, rule.temporal_patch_size
+    grid = (-(-frames.shape[0] // tp), frames.shape[1] // p, frames.shape[2] // p)
     if grid != tuple(plan.grid_thw):
-        raise VideoDecodeError(
-            f"video {name or '<bytes>'}: decoded grid {grid} differs from the plan's {plan.grid_thw}"
-        )
+        raise VideoDecodeError(f"video {label}: decoded grid {grid} differs from the plan's {plan.grid_thw}")
     return VideoPixels(patches, grid, plan.second_per_grid_t)
 
 
@@ -196,24 +191,26 @@ def resize_frame(rgb: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
     return y.clamp_(0, 255).round_().to(torch.uint8)[0].permute(1, 2, 0).contiguous().numpy()
 
 
-def video_to_patches(
-    frames: np.ndarray, *, patch_size: int = 14, merge_size: int = 2, temporal_patch_size: int = 2
-) -> np.ndarray:
+def video_to_patches(frames: np.ndarray, rule: ImageTokenRule | None = None) -> np.ndarray:
     """float32 [t * gh * gw, 3 * tp * p * p] from uint8 frames [n, H, W, 3] (see the module docstring).
 
     A frame count that is not a multiple of the temporal patch is padded with copies of the last frame,
-    as transformers does.
+    as transformers does. Values are bit-identical to the image path's for the same 8-bit levels.
     """
+    rule = rule or ImageTokenRule()
     n, height, width, channels = frames.shape
-    p, m, tp = patch_size, merge_size, temporal_patch_size
-    if channels != 3 or height % (p * m) or width % (p * m) or n == 0:
-        raise ValueError(f"frames of shape {frames.shape} are not n x (multiple of {p * m})^2 x 3")
+    p, m, tp = rule.patch_size, rule.merge_size, rule.temporal_patch_size
+    if channels != 3 or height % (p * m) or width % (p * m) or n == 0 or frames.dtype != np.uint8:
+        raise ValueError(
+            f"frames {frames.dtype} {frames.shape} are not uint8 n x (multiple of {p * m})^2 x 3"
+        )
     if n % tp:
         frames = np.concatenate([frames, np.repeat(frames[-1:], tp - n % tp, axis=0)])
         n = frames.shape[0]
-    scaled = frames.astype(np.float32) * np.float32(1.0 / 255.0)
-    normalised = (scaled - np.asarray(CLIP_MEAN, np.float32)) / np.asarray(CLIP_STD, np.float32)
     gt, gh, gw = n // tp, height // p, width // p
-    # [gt, tp, wy, dy, py, wx, dx, px, C] -> [gt, wy, wx, dy, dx, C, tp, py, px]
-    blocks = normalised.reshape(gt, tp, gh // m, m, p, gw // m, m, p, 3).transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
-    return np.ascontiguousarray(blocks.reshape(gt * gh * gw, 3 * tp * p * p), dtype=np.float32)
+    # [gt, tp, wy, dy, py, wx, dx, px, C] -> [gt, wy, wx, dy, dx, C, tp, py, px], still uint8 (cheap to move)
+    blocks = frames.reshape(gt, tp, gh // m, m, p, gw // m, m, p, 3).transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    blocks = blocks.reshape(gt * gh * gw, 3, tp, p, p)
+    out = np.empty(blocks.shape, dtype=np.float32)
+    out[:] = _normalise_table(rule)[np.arange(3).reshape(1, 3, 1, 1, 1), blocks]
+    return out.reshape(gt * gh * gw, rule.patch_dim)

@@ -1,7 +1,7 @@
 """Video-token rule (qwen-vl-utils 0.0.14 `vision_process.py`): frames sampled, frame size, grid and tokens.
 
 The offline packer plans each video from its container metadata (`VideoMeta`, read by
-`offline_packing.video_probe`) with `VideoTokenRule.plan`; the loader decodes exactly the frames of that
+`offline_packing.inputs.video_probe`) with `VideoTokenRule.plan`; the loader decodes exactly the frames of that
 plan (`dataloader.video`). No frame is decoded to count tokens. The rule, as qwen-vl-utils applies it with
 the `fps` sampling mode and the Qwen2.5-VL patch size 14::
 
@@ -28,13 +28,14 @@ from typing import Any
 
 import numpy as np
 
+from packing.errors import MmpackError
 
-class VideoRuleError(ValueError):
+
+class VideoRuleError(MmpackError, ValueError):
     """A video the rule refuses; `reason` is "video_too_short", "video_aspect_ratio" or "video_too_small"."""
 
     def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
+        super().__init__(message, reason=reason)
 
 
 @dataclass(kw_only=True, frozen=True)

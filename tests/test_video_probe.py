@@ -1,4 +1,4 @@
-"""Container metadata of videos (offline_packing.video_probe): counted from headers or rejected with a reason."""
+"""Container metadata of videos (offline_packing.inputs.video_probe): counted from headers or rejected with a reason."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from offline_packing.video_probe import VideoProbeConfig, VideoProbeError, probe_video
+from offline_packing.inputs.video_probe import VideoProbeConfig, VideoProbeError, probe_video
 from packing.video_tokens import VideoRuleError, VideoTokenRule
 from tests.conftest import SHARED_DIR
 from tests.video_fixtures import encode_video
@@ -131,3 +131,18 @@ def test_huge_resolution_is_rejected_from_the_header(tmp_path: Path) -> None:
             out.mux(packet)
     assert _reject_reason(path) == "video_too_large"
     assert probe_video(path, VideoProbeConfig(max_frame_pixels=8208 * 8208)).meta.width == 8208
+
+
+def test_rejects_cross_processes_with_their_reason(tmp_path: Path) -> None:
+    import pickle
+
+    from packing.errors import MmpackError
+
+    text = tmp_path / "notes.avi"
+    text.write_text("no video here")
+    with pytest.raises(VideoProbeError) as info:
+        probe_video(text)
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert (
+        isinstance(copy, MmpackError) and copy.reason == "not_a_video" and copy.message == info.value.message
+    )

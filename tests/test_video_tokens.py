@@ -32,7 +32,7 @@ def _assert_plan_matches(plan: VideoPlan, ref: dict) -> None:
 
 
 def test_demo_videos_tokens_equal_reference_rule() -> None:
-    from offline_packing.video_probe import probe_video
+    from offline_packing.inputs.video_probe import probe_video
 
     records = DEMO_DIR / "mllm_video_demo.json"
     if not records.is_file():

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import IO, Any
 
+from packing.errors import MmpackError
 from packing.video_tokens import VideoMeta
 
 # First bytes of the containers FFmpeg reads that PyAV users meet most; a file that starts like one of
@@ -41,7 +42,7 @@ _IMAGE_DEMUXERS = ("image2", "_pipe", "gif", "webp", "apng")
 _PROBE_OPTIONS = {"probesize": "32", "analyzeduration": "0"}
 
 
-class VideoProbeError(ValueError):
+class VideoProbeError(MmpackError, ValueError):
     """A video the scan rejects; `reason` is one of the `REASONS` and `message` says what to do."""
 
     REASONS = (
@@ -56,9 +57,7 @@ class VideoProbeError(ValueError):
 
     def __init__(self, reason: str, message: str):
         assert reason in self.REASONS, reason
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
+        super().__init__(message, reason=reason)
 
 
 @dataclass(kw_only=True, frozen=True)
