@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from dataloader import Topology, build_loader, load_manifest
-from dataloader import storage as storage_mod
 from dataloader.manifest import Manifest
 from dataloader.storage import ShardStore, StorageConfig, _flock
+from dataloader.storage import store as storage_mod
 from dataloader.worker import Producer, ProducerSpec
 from offline_packing.demo.synthetic import build_packed_dataset
 from tests.test_loader_storage import assert_same

@@ -308,10 +308,10 @@ def test_shard_reads_through_faults_give_exact_bytes(
     server: str,
     whole_read_max_bytes: int,
 ) -> None:
-    import dataloader.storage
+    import dataloader.storage.store as store
 
-    monkeypatch.setattr(dataloader.storage, "WHOLE_READ_MAX_BYTES", whole_read_max_bytes)
-    monkeypatch.setattr(dataloader.storage, "CHUNK_BYTES", 4096)  # several chunks per shard when streamed
+    monkeypatch.setattr(store, "WHOLE_READ_MAX_BYTES", whole_read_max_bytes)
+    monkeypatch.setattr(store, "CHUNK_BYTES", 4096)  # several chunks per shard when streamed
     endpoint, s3_url = s3
     m = load_manifest(str(dataset))
     if server == "http":
@@ -339,7 +339,7 @@ def test_local_shards_are_hashed_once_per_machine(
     dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another process (a new ShardStore) trusts the recorded check; a rewritten shard is checked again."""
-    import dataloader.storage as storage
+    import dataloader.storage.store as storage
 
     copy = tmp_path / "packed"
     shutil.copytree(dataset, copy)

@@ -26,103 +26,23 @@ filesystem are guarded by a lock.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
-import json
 import os
 import random
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from dataloader.manifest import ShardInfo, join_url
-from packing.fileio import atomic_write_json, resolve_storage_options
+from dataloader.storage.config import ShardError, StorageConfig, local_root
+from dataloader.storage.locks import _flock
+from dataloader.storage.metrics import StorageMetrics
+from dataloader.storage.records import CHUNK_BYTES, read_json, sha256_file, write_json_atomic
+from packing.fileio import resolve_storage_options
 
-CHUNK_BYTES = 4 << 20
 # Shards up to this size are read with one GET (`cat_file`) and held in memory once; bigger ones stream.
 WHOLE_READ_MAX_BYTES = 64 << 20
 _LOCK_SUFFIX, _PART_SUFFIX, _LOCK_DIR, _META_DIR = ".lock", ".part", ".locks", ".meta"
-
-
-class ShardError(RuntimeError):
-    """A shard could not be read correctly; the message names it."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class StorageConfig:
-    """Where shards live and how they are fetched.
-
-    root: dataset folder or URL. cache_dir: local cache for remote shards (None: a folder under the
-    system temp dir). Local datasets are read in place, never copied. download_concurrency: downloads the
-    prefetcher of each loader worker keeps in flight.
-    """
-
-    root: str
-    cache_dir: str | None = None
-    cache_limit_bytes: int = 16 << 30
-    storage_options: dict[str, Any] | None = None
-    max_attempts: int = 6
-    backoff_s: float = 0.1
-    max_backoff_s: float = 4.0
-    download_concurrency: int = 4
-
-    def __post_init__(self) -> None:
-        if self.cache_limit_bytes <= 0:
-            raise ValueError(f"cache_limit_bytes must be > 0, got {self.cache_limit_bytes}")
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.download_concurrency < 1:
-            raise ValueError(f"download_concurrency must be >= 1, got {self.download_concurrency}")
-
-    @property
-    def is_local(self) -> bool:
-        return "://" not in self.root or self.root.startswith("file://")
-
-
-def local_root(root: str) -> str:
-    return root[len("file://") :] if root.startswith("file://") else root
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-@contextlib.contextmanager
-def _flock(path: str, *, blocking: bool = True) -> Iterator[bool]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
-@dataclass
-class StorageMetrics:
-    """Counters of one process; `bytes_read` counts bytes pulled from storage (downloads and local reads)."""
-
-    bytes_read: int = 0
-    cache_hits: int = 0
-    cache_misses: int = 0
-    retries: int = 0
-    redownloads: int = 0
-    evictions: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(vars(self))  # called per batch: a flat copy, not dataclasses.asdict's deep one
 
 
 class ShardStore:
@@ -387,21 +307,6 @@ class ShardStore:
 
 class _Cancelled(Exception):
     pass
-
-
-def read_json(path: str) -> Any:
-    """The JSON document at `path`; None when it is missing or unreadable."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def write_json_atomic(path: str, doc: Any) -> None:
-    """Writes `doc` (and its folder) so readers see all of it or nothing; a failure only loses the shortcut."""
-    with contextlib.suppress(OSError):
-        atomic_write_json(path, doc, indent=None)
 
 
 def _sleep(seconds: float, cancel: threading.Event | None, shard: ShardInfo) -> None:
