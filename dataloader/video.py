@@ -214,3 +214,18 @@ def video_to_patches(frames: np.ndarray, rule: ImageTokenRule | None = None) -> 
     out = np.empty(blocks.shape, dtype=np.float32)
     out[:] = _normalise_table(rule)[np.arange(3).reshape(1, 3, 1, 1, 1), blocks]
     return out.reshape(gt * gh * gw, rule.patch_dim)
+
+
+def collate_videos(videos: list[VideoPixels]) -> dict[str, np.ndarray]:
+    """The video inputs of a micro-batch, in sample order: rows concatenated, one grid and interval per video."""
+    if not videos:
+        return {
+            "pixel_values_videos": np.zeros((0, 0), np.float32),
+            "video_grid_thw": np.zeros((0, 3), np.int64),
+            "second_per_grid_ts": np.zeros(0, np.float32),
+        }
+    return {
+        "pixel_values_videos": np.concatenate([v.pixel_values_videos for v in videos]),
+        "video_grid_thw": np.asarray([v.video_grid_thw for v in videos], dtype=np.int64),
+        "second_per_grid_ts": np.asarray([v.second_per_grid_t for v in videos], dtype=np.float32),
+    }

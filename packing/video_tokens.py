@@ -240,3 +240,14 @@ def sample_frame_indices(total_frames: int, nframes: int) -> np.ndarray:
     i = np.arange(nframes, dtype=np.float64)
     values = np.where(i < nframes // 2, step * i, float(end) - step * (nframes - 1 - i)).astype(np.float32)
     return np.round(values).astype(np.int64)  # numpy rounds half to even, as torch.round does
+
+
+def video_temporal_positions(grid_t: int, second_per_grid_t: float, tokens_per_second: float) -> np.ndarray:
+    """MRoPE temporal offsets of a video's temporal patches: int64 [grid_t], before adding the start position.
+
+    As Qwen2.5-VL's `get_rope_index` in transformers computes them from the float32 `second_per_grid_ts`
+    its processor returns: interval = float32(tokens_per_second * second_per_grid_t), offsets =
+    trunc(float32(i * interval)). (Qwen2-VL, without `second_per_grid_ts`, is the interval 1 case.)
+    """
+    interval = np.float32(tokens_per_second) * np.float32(second_per_grid_t)
+    return (np.arange(grid_t, dtype=np.float32) * interval).astype(np.int64)

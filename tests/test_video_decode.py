@@ -161,3 +161,19 @@ def test_resize_is_antialiased_bicubic() -> None:
     plain_u8 = plain.clamp(0, 255).round().to(torch.uint8)[0].permute(1, 2, 0).numpy()
     # control: antialiasing averages the noise away, plain bicubic sampling keeps most of it
     assert small.astype(np.float32).std() < 0.7 * plain_u8.astype(np.float32).std()
+
+
+def test_collate_videos(tmp_path: Path) -> None:
+    from dataloader.video import collate_videos
+
+    a = encode_video(tmp_path / "a.mp4", 11)
+    b = encode_video(tmp_path / "b.avi", 7, codec="mpeg4", width=96, height=64)
+    videos = [load_video(p, _plan(p)) for p in (a, b)]
+    batch = collate_videos(videos)
+    rows = [v.pixel_values_videos.shape[0] for v in videos]
+    assert batch["pixel_values_videos"].shape == (sum(rows), 1176)
+    np.testing.assert_array_equal(batch["pixel_values_videos"][rows[0] :], videos[1].pixel_values_videos)
+    assert batch["video_grid_thw"].tolist() == [list(v.video_grid_thw) for v in videos]
+    assert batch["video_grid_thw"].prod(axis=1).tolist() == rows
+    assert batch["second_per_grid_ts"].dtype == np.float32 and batch["second_per_grid_ts"].shape == (2,)
+    assert collate_videos([])["video_grid_thw"].shape == (0, 3)

@@ -155,3 +155,33 @@ def test_rule_and_plan_round_trip() -> None:
     plan = rule.plan(VideoMeta(total_frames=301, fps=29.97, width=333, height=201, duration_s=10.04))
     assert VideoPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     assert plan.num_tokens == rule.tokens_of_grid(plan.grid_thw)
+
+
+def test_temporal_positions_equal_transformers() -> None:
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    from packing.video_tokens import video_temporal_positions
+
+    rule = VideoTokenRule()
+    rng = np.random.default_rng(3)
+    cases = [
+        (int(rng.integers(2, 20_000)), float(rng.choice([23.976, 25.0, 29.97, 30.0, 59.94])))
+        for _ in range(300)
+    ]
+    cases += [(243, 25.0), (270, 359 / 12), (146, 24000 / 1001)]
+    truncated_differently = 0
+    for total, fps in cases:
+        plan = rule.plan(
+            VideoMeta(total_frames=total, fps=fps, width=640, height=360, duration_s=total / fps)
+        )
+        t = plan.grid_thw[0]
+        for tokens_per_second in (2, 25):
+            # the processor hands second_per_grid_ts over as a float32 tensor
+            interval = tokens_per_second * torch.tensor([plan.second_per_grid_t])[0]
+            theirs = Qwen2_5_VLModel.get_vision_position_ids(None, 7, torch.tensor([t, 2, 2]), 1, 2, interval)
+            ours = video_temporal_positions(t, plan.second_per_grid_t, tokens_per_second)
+            np.testing.assert_array_equal(ours + 7, theirs[0].numpy())
+            exact = np.floor(np.arange(t) * tokens_per_second * plan.second_per_grid_t).astype(np.int64)
+            truncated_differently += not np.array_equal(exact, ours)
+    # control: float64 arithmetic would give other positions for some videos
+    assert truncated_differently > 0
