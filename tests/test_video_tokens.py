@@ -178,7 +178,7 @@ def test_temporal_positions_equal_transformers() -> None:
         for tokens_per_second in (2, 25):
             # the processor hands second_per_grid_ts over as a float32 tensor
             interval = tokens_per_second * torch.tensor([plan.second_per_grid_t])[0]
-            theirs = Qwen2_5_VLModel.get_vision_position_ids(None, 7, torch.tensor([t, 2, 2]), 1, 2, interval)
+            theirs = Qwen2_5_VLModel.get_vision_position_ids(None, 7, torch.tensor([t, 2, 2]), 1, 2, interval)  # type: ignore[arg-type]
             ours = video_temporal_positions(t, plan.second_per_grid_t, tokens_per_second)
             np.testing.assert_array_equal(ours + 7, theirs[0].numpy())
             exact = np.floor(np.arange(t) * tokens_per_second * plan.second_per_grid_t).astype(np.int64)
