@@ -13,6 +13,7 @@ shards' metadata (`load_bin_features`): no image is decoded.
 from __future__ import annotations
 
 import heapq
+import threading
 
 import numpy as np
 
@@ -130,16 +131,24 @@ class ComputeBalance:
         if self.bin_costs.ndim != 1 or not np.isfinite(self.bin_costs).all():
             raise ValueError("bin_costs must be a 1-D array of finite costs, one per bin")
         self._memo: dict[tuple[int, int, int], np.ndarray] = {}
+        self._lock = threading.Lock()  # a loader worker's prefetch thread asks for layouts too
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"bin_costs": self.bin_costs}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(state["bin_costs"])  # type: ignore[misc]
 
     def layout(self, step: int, global_bins: np.ndarray, dp_size: int, micro_batch_size: int) -> np.ndarray:
         """Bin ids [D, m, B] of global batch `step`, whose bins (in stream order) are `global_bins`."""
         key = (step, dp_size, micro_batch_size)
-        if key not in self._memo:
-            positions = balanced_layout(self.bin_costs[global_bins], dp_size, micro_batch_size)
-            if len(self._memo) >= 4:
-                self._memo.pop(next(iter(self._memo)))
-            self._memo[key] = np.asarray(global_bins, dtype=np.int64)[positions]
-        return self._memo[key]
+        with self._lock:
+            if key not in self._memo:
+                positions = balanced_layout(self.bin_costs[global_bins], dp_size, micro_batch_size)
+                if len(self._memo) >= 8:
+                    self._memo.pop(next(iter(self._memo)))
+                self._memo[key] = np.asarray(global_bins, dtype=np.int64)[positions]
+            return self._memo[key]
 
 
 def load_bin_features(manifest: Manifest, storage: StorageConfig) -> np.ndarray:

@@ -175,17 +175,16 @@ def test_bin_features_from_both_formats_match_the_records(dataset: Path) -> None
     assert len(COST_FEATURES) == want.shape[1]
 
 
-def _loaders(dataset: Path, dp: int, **kw: Any) -> list[Any]:
+def _loaders(dataset: Path, dp: int, workers: int = 0) -> list[Any]:
     return [
         build_loader(
             str(dataset),
             topology=Topology(dp_rank=r, dp_size=dp),
             micro_batch_size=1,
             global_batch_size=8,
-            num_workers=0,
+            num_workers=workers,
             seed=11,
             balance="compute",
-            **kw,
         )
         for r in range(dp)
     ]
@@ -216,7 +215,7 @@ def test_loader_with_balancing_resumes_exactly_across_dp_sizes(dataset: Path) ->
     head = global_batches(first, k)
     state = first[0].state_dict()
     assert state["balance"] == "compute"
-    second = _loaders(dataset, 2)
+    second = _loaders(dataset, 2, workers=2)  # worker processes compute the same layout
     for ld in second:
         ld.load_state_dict(state)
     tail = global_batches(second, steps - k)
