@@ -146,3 +146,37 @@ def test_rejects_cross_processes_with_their_reason(tmp_path: Path) -> None:
     assert (
         isinstance(copy, MmpackError) and copy.reason == "not_a_video" and copy.message == info.value.message
     )
+
+
+def test_every_video_is_planned_or_rejected_with_a_known_reason(tmp_path: Path) -> None:
+    """The scan's bookkeeping at this layer: each video read is counted (planned) or rejected, none lost."""
+    good = [
+        encode_video(tmp_path / "odd.mp4", 11),
+        encode_video(tmp_path / "short.avi", 3, codec="mpeg4"),
+        encode_video(tmp_path / "vfr.mkv", 5, pts_ms=[0, 10, 400, 410, 990], container_format="matroska"),
+    ]
+    one_frame = encode_video(tmp_path / "one.mp4", 1)
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(
+        encode_video(tmp_path / "whole.mp4", 30, options={"movflags": "+faststart"}).read_bytes()[:900]
+    )
+    text = tmp_path / "text.webm"
+    text.write_text("not a video")
+    videos = [*good, one_frame, cut, text, tmp_path / "missing.mov"]
+    rule, planned, rejected = VideoTokenRule(), [], {}
+    for path in videos:
+        try:
+            plan = rule.plan(probe_video(path).meta)
+        except (VideoProbeError, VideoRuleError) as exc:
+            rejected[path.name] = exc.reason
+        else:
+            planned.append(path.name)
+            assert plan.num_tokens > 0
+    assert len(planned) + len(rejected) == len(videos)
+    assert planned == [p.name for p in good]
+    assert rejected == {
+        "one.mp4": "video_too_short",
+        "cut.mp4": "corrupt_video",
+        "text.webm": "not_a_video",
+        "missing.mov": "missing_video",
+    }
