@@ -73,32 +73,26 @@ def _largest_differencing(costs: np.ndarray, order: np.ndarray, k: int) -> list[
 
 
 def _improve_by_swaps(costs: np.ndarray, groups: list[list[int]]) -> None:
-    """Swap one item of the costliest group with one of another group where that lowers the larger of
-    the two sums; a few passes (each looks at every other group once)."""
-    sums = [float(costs[g].sum()) for g in groups]
+    """Repeatedly swap one item of the costliest group with one item of another group, choosing the swap
+    that leaves the lower larger-of-the-two sums; stops when no swap lowers the costliest group (or after
+    `SWAP_PASSES` swaps)."""
+    members = np.array(groups, dtype=np.int64)  # [k groups, items per group]
+    sums = costs[members].sum(axis=1)
     for _ in range(SWAP_PASSES):
-        improved = False
         top = int(np.argmax(sums))
-        for other in np.argsort(sums, kind="stable"):
-            if other == top:
-                continue
-            gap = sums[top] - sums[other]
-            a = np.asarray(groups[top])
-            b = np.asarray(groups[other])
-            delta = costs[a][:, None] - costs[b][None, :]  # moving a -> other, b -> top
-            useful = (delta > 0) & (delta < gap)
-            if not useful.any():
-                continue
-            # the swap that brings the two sums closest together
-            score = np.where(useful, np.abs(gap - 2 * delta), np.inf)
-            i, j = np.unravel_index(int(np.argmin(score)), score.shape)
-            groups[top][i], groups[other][j] = int(b[j]), int(a[i])
-            sums[top] -= float(delta[i, j])
-            sums[other] += float(delta[i, j])
-            improved = True
+        mine = costs[members[top]]
+        delta = mine[:, None, None] - costs[members][None, :, :]  # [i in top, other group, j in it]
+        gap = (sums[top] - sums)[None, :, None]
+        useful = (delta > 0) & (delta < gap)
+        if not useful.any():
             break
-        if not improved:
-            return
+        pair_max = np.maximum(sums[top] - delta, sums[None, :, None] + delta)
+        i, other, j = np.unravel_index(int(np.argmin(np.where(useful, pair_max, np.inf))), delta.shape)
+        d = float(delta[i, other, j])
+        members[top, i], members[other, j] = members[other, j], members[top, i]
+        sums[top] -= d
+        sums[other] += d
+    groups[:] = members.tolist()
 
 
 def balanced_layout(costs: np.ndarray, dp_size: int, micro_batch_size: int) -> np.ndarray:
