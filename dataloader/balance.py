@@ -156,7 +156,7 @@ def load_bin_features(manifest: Manifest, storage: StorageConfig) -> np.ndarray:
     store = ShardStore(storage)
     out = np.zeros((manifest.num_bins, 4))
     for shard in manifest.shards:
-        path = store.verified_path(shard)
+        path = store.local_path(shard)  # fetched (remote) or checked (local) like the loader's own reads
         label = f"shard {shard.path}"
         if shard.format == "arrow":
             features = _arrow_features(path, label)
