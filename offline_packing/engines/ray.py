@@ -25,6 +25,7 @@ MAX_RETRIES = 4  # system failures (worker or node died) per task; a task's own 
 # process, once (the marker file records that it did), so tests can show the retry leaves output unchanged.
 KILL_ONCE_ENV = "MMPACK_TEST_RAY_KILL_ONCE"
 _PROCESS_RUN: dict[str, str] = {}
+TASKS_PER_NODE: dict[str, dict[str, int]] = {}  # stage -> Ray node id -> tasks it ran, of the last run_ray
 
 
 def _import_ray() -> Any:
@@ -76,7 +77,10 @@ def run_ray(
     weights = weights if weights is not None else [1] * len(items)
     setup = {"run": uuid.uuid4().hex, "storage_options": remote.current_options()}
     kill_at = _kill_request(desc, len(items))
-    task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(_run_chunk)
+    # SPREAD: chunks go round the nodes (their I/O and CPU add up) instead of filling the driver's node first
+    task = ray.remote(
+        num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False, scheduling_strategy="SPREAD"
+    )(_run_chunk)
     refs = [
         task.remote(fn, item, setup, kill_at[1] if i == kill_at[0] else None) for i, item in enumerate(items)
     ]
@@ -95,9 +99,14 @@ def run_ray(
             done, pending = ray.wait(pending, num_returns=1)
             _raise_failure(ray, done[0], desc, index[done[0]])
             bar.update(weights[index[done[0]]])
-        return [ray.get(ref) for ref in refs]
+        outcomes = [ray.get(ref) for ref in refs]
     finally:
         bar.close()
+    per_node: dict[str, int] = {}
+    for node, _ in outcomes:
+        per_node[node] = per_node.get(node, 0) + 1
+    TASKS_PER_NODE[desc] = per_node
+    return [result for _, result in outcomes]
 
 
 def _raise_failure(ray: Any, ref: Any, desc: str, i: int) -> None:
@@ -125,8 +134,11 @@ def _kill_request(desc: str, n_items: int) -> tuple[int, str | None]:
     return n_items // 2, marker
 
 
-def _run_chunk(fn: Callable[[T], R], item: T, setup: dict, kill_marker: str | None) -> R:
-    """One chunk on a Ray worker: the job's input options, caches of an earlier run dropped, then `fn`."""
+def _run_chunk(fn: Callable[[T], R], item: T, setup: dict, kill_marker: str | None) -> tuple[str, R]:
+    """One chunk on a Ray worker: the job's input options, caches of an earlier run dropped, then `fn`;
+    returns (the node it ran on, `fn(item)`)."""
+    import ray
+
     from offline_packing.inputs import remote
 
     if _PROCESS_RUN.get("run") != setup["run"]:
@@ -139,7 +151,7 @@ def _run_chunk(fn: Callable[[T], R], item: T, setup: dict, kill_marker: str | No
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
-    return fn(item)
+    return ray.get_runtime_context().get_node_id(), fn(item)
 
 
 def _reset_process_caches() -> None:

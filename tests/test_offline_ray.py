@@ -1,0 +1,122 @@
+"""`--engine ray` on a local 2-node Ray cluster (ray.cluster_utils.Cluster): the same shards, manifest, rejects
+and stats as `--engine local`, byte for byte; also when a Ray worker process is killed in the middle of a
+stage (Ray retries its task); reruns skip what is complete, as with the local engine."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from offline_packing.cli import main as mmpack_main
+from offline_packing.config import PackJobConfig
+from offline_packing.engines.ray import KILL_ONCE_ENV, TASKS_PER_NODE
+from offline_packing.pipeline import run_pack
+from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # a 2-node cluster takes ~10 s to start; the jobs themselves are small
+
+SEQ_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="ERROR")
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("raw")
+    data = make_synthetic_dataset(root / "data", n_samples=60, seed=11, size_range=(40, 240), max_words=80)
+    with data.jsonl_path.open("a") as f:  # rejects too: they must come out the same
+        f.write('{"id": "bad", "image": "images/absent.jpg", "caption": "x"}\n{"not json\n')
+    return data.jsonl_path, train_tiny_bpe(root / "tok")
+
+
+def _cfg(raw: tuple[Path, Path], out: Path, **kw: Any) -> PackJobConfig:
+    src, tok = raw
+    base: dict[str, Any] = dict(
+        inputs=(str(src),),
+        output=str(out),
+        seq_len=SEQ_LEN,
+        tokenizer=str(tok),
+        format="both",
+        max_bins_per_shard=3,
+        chunk_size=8,
+        progress=False,
+    )
+    base.update(kw)
+    return PackJobConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def local_files(raw, tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    out = tmp_path_factory.mktemp("local") / "out"
+    run_pack(_cfg(raw, out, workers=2))
+    return dataset_files(out)
+
+
+def _assert_same(a: dict[str, bytes], b: dict[str, bytes]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name] == b[name], name
+
+
+def test_ray_equals_local(cluster, raw, local_files, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    summary = run_pack(_cfg(raw, out, engine="ray"))
+    assert summary.samples_rejected == 2 and summary.bins > 3
+    got = dataset_files(out)
+    assert any(n.endswith(".tar") for n in got) and "rejects.jsonl" in got
+    _assert_same(local_files, got)
+    assert all(len(TASKS_PER_NODE[stage]) == 2 for stage in ("scan", "lengths", "write")), TASKS_PER_NODE
+    # resume markers as with the local engine: a rerun skips every stage
+    assert run_pack(_cfg(raw, out, engine="ray")).stages_skipped == ["scan", "lengths", "binpack", "write"]
+    # control: another job (seed) differs, so the comparison can fail
+    other = tmp_path / "other"
+    run_pack(_cfg(raw, other, engine="ray", seed=7))
+    with pytest.raises(AssertionError):
+        _assert_same(local_files, dataset_files(other))
+
+
+@pytest.mark.parametrize("stage", ["scan", "write"])
+def test_killed_worker_is_retried(cluster, raw, local_files, tmp_path: Path, monkeypatch, stage: str) -> None:
+    marker = tmp_path / "killed.txt"
+    monkeypatch.setenv(KILL_ONCE_ENV, f"{stage}:{marker}")
+    out = tmp_path / "out"
+    run_pack(_cfg(raw, out, engine="ray"))
+    assert marker.is_file(), "no worker was killed: the test would show nothing"
+    _assert_same(local_files, dataset_files(out))
+
+
+def test_cluster_has_two_nodes(cluster) -> None:
+    """The cluster has two nodes with one CPU each, so a stage's tasks run on both."""
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    assert len(alive) == 2
+    assert sum(n["Resources"].get("CPU", 0) for n in alive) == 2
+
+
+def test_engine_ray_without_ray_is_a_clear_error(raw, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    src, tok = raw
+    code = mmpack_main(
+        ["pack", "-i", str(src), "-o", str(tmp_path / "o"), "-L", "1024", "-t", str(tok), "--engine", "ray"]
+    )
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "pip install -e .[ray]" in err and err.count("\n") == 1
