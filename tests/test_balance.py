@@ -19,6 +19,7 @@ from dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
 from dataloader.storage import StorageConfig
 from offline_packing.demo.synthetic import build_packed_dataset
 from packing.cost import COST_FEATURES, DEFAULT_COST_MODEL, CostModel, bin_cost_features
+from tests.storage_servers import http_server
 from tests.test_loader import all_records, global_batches
 
 FAST = settings(max_examples=60, deadline=None)
@@ -162,7 +163,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_packed_dataset(tmp_path_factory.mktemp("balance"), fmt="both")
 
 
-def test_bin_features_from_both_formats_match_the_records(dataset: Path) -> None:
+def test_bin_features_from_both_formats_match_the_records(dataset: Path, tmp_path: Path) -> None:
     records = all_records(dataset)
     want = np.array(
         [bin_cost_features(r["seq_lens"], r["image_grid_thw"]) for _, r in sorted(records.items())]
@@ -173,6 +174,10 @@ def test_bin_features_from_both_formats_match_the_records(dataset: Path) -> None
         got = load_bin_features(manifest, StorageConfig(root=str(dataset)))
         np.testing.assert_array_equal(got, want)
     assert len(COST_FEATURES) == want.shape[1]
+    with http_server(dataset.parent) as base:  # a remote dataset: shards fetched into the cache first
+        url = f"{base}/{dataset.name}"
+        remote = load_bin_features(load_manifest(url), StorageConfig(root=url, cache_dir=str(tmp_path)))
+    np.testing.assert_array_equal(remote, want)
 
 
 def _loaders(dataset: Path, dp: int, workers: int = 0) -> list[Any]:
