@@ -3,7 +3,7 @@
 #
 # Usage:
 #   auto_pipe.sh -i INPUT -o OUT -L MAX_TOKENS [-r IMAGE_ROOT] [-t TOKENIZER] [-M MAX_SAMPLES_PER_BIN]
-#                [-I MAX_IMAGES_PER_BIN] [-w WORKERS] [-S STAGE] [-f arrow|wds|both] [-e] [-a ALGORITHM]
+#                [-I MAX_IMAGES_PER_BIN] [-w WORKERS] [-E local|ray] [-S STAGE] [-f arrow|wds|both] [-e] [-a ALGORITHM]
 #                [-s SEED] [-B MAX_BINS_PER_SHARD] [-b MAX_SHARD_BYTES] [-p overlength policy] [-x "more flags"]
 #
 #   -i  raw records: .json/.jsonl (or .gz of either), .parquet, .tar file, folder or glob (repeatable)
@@ -14,6 +14,8 @@
 #       rule, as --model does (default: byte-level demo fallback, marked in the manifest)
 #   -M  max samples per bin            -I  max images per bin
 #   -w  worker processes for scan, lengths and write (results identical for any value)
+#   -E  engine: local (forked workers, default) or ray (tasks on the Ray cluster of this machine, else a
+#       new local one; --ray-address ADDR via -x); same output either way
 #   -S  rerun from stage N (1 scan, 2 lengths, 3 binpack, 4 write); default: resume, skip finished stages
 #   -f  shard format (default arrow)   -e  also write Megatron-Energon metadata (.nv-meta; needs wds/both)
 #   -a  bin-packing algorithm          -s  seed (bin order)
@@ -39,10 +41,10 @@
 # See benchmarks/bench_offline.py for measured numbers.
 set -euo pipefail
 
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 
 args=()
-while getopts "i:r:o:L:t:M:I:w:S:f:ea:s:B:b:p:x:h" opt; do
+while getopts "i:r:o:L:t:M:I:w:E:S:f:ea:s:B:b:p:x:h" opt; do
   case "$opt" in
     i) args+=(--input "$OPTARG") ;;
     r) args+=(--image-root "$OPTARG") ;;
@@ -52,6 +54,7 @@ while getopts "i:r:o:L:t:M:I:w:S:f:ea:s:B:b:p:x:h" opt; do
     M) args+=(--max-samples-per-bin "$OPTARG") ;;
     I) args+=(--max-images-per-bin "$OPTARG") ;;
     w) args+=(--workers "$OPTARG") ;;
+    E) args+=(--engine "$OPTARG") ;;
     S) args+=(--stage "$OPTARG") ;;
     f) args+=(--format "$OPTARG") ;;
     e) args+=(--energon) ;;
