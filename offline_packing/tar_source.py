@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import tarfile
 from dataclasses import dataclass
 from functools import lru_cache
+
+from packing.tar_index import index_tar as walk_tar
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 _REF_PREFIX = "tar::"
@@ -52,16 +53,15 @@ def _index_tar(path: str, size: int, version: int | str | None) -> tuple[TarSamp
     from offline_packing.inputs import remote
 
     samples: list[TarSample] = []
-    with remote.open_binary(path) as f, tarfile.open(fileobj=f, mode="r:") as tar:
-        for info in tar:
-            if not info.isfile():
-                continue
-            key, suffix = _split_name(info.name)
-            if key.startswith("__") or not suffix:
-                continue
-            if not samples or samples[-1].key != key:
-                samples.append(TarSample(key, {}))
-            samples[-1].members[suffix] = (info.offset_data, info.size)
+    with remote.open_binary(path) as f:
+        entries = walk_tar(f, label=path, non_regular="skip")
+    for name, offset, size in entries:
+        key, suffix = _split_name(name)
+        if key.startswith("__") or not suffix:
+            continue
+        if not samples or samples[-1].key != key:
+            samples.append(TarSample(key, {}))
+        samples[-1].members[suffix] = (offset, size)
     return tuple(samples)
 
 

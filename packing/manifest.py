@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from packing.errors import MmpackError
 from packing.fileio import json_bytes
 from packing.format import DEFAULT_MAX_IMAGE_PIXELS, FORMAT_NAME, FORMAT_VERSION, SHARD_FORMATS
 from packing.image_tokens import ImageTokenRule
@@ -25,8 +26,10 @@ _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-class ManifestError(ValueError):
+class ManifestError(MmpackError, ValueError):
     """A manifest that cannot be used; the message names the file (and entry) and what to do."""
+
+    default_reason = "bad_manifest"
 
 
 def check_shard_path(path: object, where: str) -> str:

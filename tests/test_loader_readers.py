@@ -375,3 +375,28 @@ def test_wds_index_is_shared_through_its_cache_file(tmp_path: Path, monkeypatch:
         third.close()
         assert json.loads(cache.read_text())["file_size"] == shard.stat().st_size
     assert walks == ["s", "s"]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "key"),
+    [(tarfile.USTAR_FORMAT, "p-000000001"), (tarfile.GNU_FORMAT, LONG_KEY), (tarfile.PAX_FORMAT, LONG_KEY)],
+)
+def test_index_of_a_file_object_without_a_descriptor_equals_the_mapped_one(
+    tmp_path: Path, fmt: int, key: str
+) -> None:
+    """The walker reads remote objects (no fileno, no mmap) by seeking: same entries as from a local file."""
+    path = write_formatted_tar(tmp_path / "s.tar", varied_bins(key), fmt)
+    expected = tarfile_view(path)
+    with open(path, "rb") as fh:
+        assert index_tar(fh, label="s") == expected
+    assert index_tar(io.BytesIO(path.read_bytes()), label="s") == expected
+    with pytest.raises(ValueError, match="s: truncated tar"):
+        index_tar(io.BytesIO(path.read_bytes()[:1536]), label="s")
+
+
+def test_non_regular_members_raise_for_shards_and_are_skipped_for_raw_input(tmp_path: Path) -> None:
+    path = write_tar(tmp_path / "l.tar", [("a.json", b"{}"), ("a.jpg", b"x")], symlink="a.link")
+    with open(path, "rb") as fh, pytest.raises(ValueError, match=r"unexpected tar member 'a\.link'"):
+        index_tar(fh, label="l")
+    with open(path, "rb") as fh:
+        assert [name for name, _, _ in index_tar(fh, label="l", non_regular="skip")] == ["a.json", "a.jpg"]

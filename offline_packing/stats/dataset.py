@@ -21,6 +21,7 @@ import numpy as np
 from offline_packing.stats.inputs import StatsInputError
 from packing.format import MANIFEST_NAME
 from packing.manifest import Manifest, ManifestError
+from packing.tar_index import index_tar
 
 _ARROW_COLUMNS = ("key", "seq_lens", "image_grid_thw")
 
@@ -223,17 +224,11 @@ def _shard_bins(path, fmt, entry, keys, lengths, spb, ipb, patches) -> ShardBins
 def _read_wds_shard(f: Any, shard_path: str, entry: dict) -> ShardBins:
     records: dict[str, dict[str, Any]] = {}
     wanted = ("json", "seq_lens.npy", "image_grid_thw.npy")
-    with tarfile.open(fileobj=f, mode="r:") as tar:
-        for member in tar:  # r: mode seeks over the data of members that are not read
-            if not member.isfile():
-                continue
-            base = member.name.rsplit("/", 1)[-1]
-            key, _, suffix = base.partition(".")
-            if suffix not in wanted:
-                continue
-            extracted = tar.extractfile(member)
-            assert extracted is not None
-            records.setdefault(key, {})[suffix] = extracted.read()
+    for name, offset, size in index_tar(f, label=shard_path, non_regular="skip"):
+        key, _, suffix = name.rsplit("/", 1)[-1].partition(".")
+        if suffix in wanted:  # image members are never read
+            f.seek(offset)
+            records.setdefault(key, {})[suffix] = f.read(size)
     keys, lengths, spb, ipb, patches = [], [], [], [], []
     for key, members in records.items():
         if "seq_lens.npy" not in members:
