@@ -382,14 +382,22 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     ]
 
 
-def test_bad_inputs_exit_2_with_clear_messages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+USAGE_MESSAGES = ("needs --capacity", "--capacity must be", "--plot writes a PNG", "needs image counts")
+
+
+def test_bad_inputs_exit_1_with_clear_messages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad files: exit code 1; flags that do not fit: 2 (as argparse's own errors); one line each."""
     (tmp_path / "ok.lens").write_text("3\n4\n")
+    codes = []
     for args, message in bad_input_cases(tmp_path):
         rc, out, err = run_stats(capsys, *args)
-        assert rc == 2, (args, err)
+        codes.append(rc)
+        assert rc == (2 if any(u in message for u in USAGE_MESSAGES) else 1), (args, err)
+        assert err.count("\n") == 1 and "Traceback" not in err
         assert message in err, (message, err)
         assert err.startswith("mmpack stats: error: ")
         assert out == ""
+    assert codes.count(2) == 4 and codes.count(1) == len(codes) - 4  # control: both kinds are among the cases
 
 
 def test_parse_errors_are_stats_input_errors(tmp_path: Path) -> None:
@@ -600,19 +608,19 @@ def test_dataset_missing_shard_and_bad_manifest(tmp_path: Path, capsys: pytest.C
     root = write_tiny_dataset(tmp_path / "ds", formats=("arrow",))
     (root / "shards" / "tiny-000001.arrow").unlink()
     rc, _, err = run_stats(capsys, str(root))
-    assert rc == 2 and "shard shards/tiny-000001.arrow listed in the manifest is missing" in err
+    assert rc == 1 and "shard shards/tiny-000001.arrow listed in the manifest is missing" in err
     (root / "shards" / "tiny-000001.arrow").write_bytes(b"not an arrow file" * 10)
     rc, _, err = run_stats(capsys, str(root))
-    assert rc == 2 and "cannot read shard shards/tiny-000001.arrow" in err
+    assert rc == 1 and "cannot read shard shards/tiny-000001.arrow" in err
     wds_root = write_tiny_dataset(tmp_path / "wds", formats=("wds",))
     (wds_root / "shards" / "tiny-000000.tar").write_bytes(b"\x00garbage" * 100)
     rc, _, err = run_stats(capsys, str(wds_root))
-    assert rc == 2 and "cannot read shard shards/tiny-000000.tar" in err
+    assert rc == 1 and "cannot read shard shards/tiny-000000.tar" in err
     (root / "manifest.json").write_text('{"format": "something-else"}')
     rc, _, err = run_stats(capsys, str(root))
-    assert rc == 2 and "not an mmpack packed dataset manifest (format='something-else'" in err
+    assert rc == 1 and "not an mmpack packed dataset manifest (format='something-else'" in err
     rc, _, err = run_stats(capsys, str(root), "--format", "wds")
-    assert rc == 2
+    assert rc == 1
 
 
 def test_dataset_with_a_shard_path_outside_the_root_is_refused(
@@ -624,7 +632,7 @@ def test_dataset_with_a_shard_path_outside_the_root_is_refused(
     manifest["shards"][1]["path"] = "../../etc/passwd"
     (root / "manifest.json").write_text(json.dumps(manifest))
     rc, _, err = run_stats(capsys, str(root))
-    assert rc == 2 and "shards[1]" in err and "'../../etc/passwd'" in err
+    assert rc == 1 and "shards[1]" in err and "'../../etc/passwd'" in err
 
 
 def test_dataset_compare_includes_the_stored_packing(
@@ -718,7 +726,7 @@ def test_dataset_on_s3(tmp_path: Path, capsys: pytest.CaptureFixture[str], s3: A
         assert remote["source"]["path"] == url
         assert [s["tokens"] for s in remote["dataset"]["shards"]] == [200, 255]
     rc, _, err = run_stats(capsys, "s3://stats-bucket/datasets/nothing-here", *flags)
-    assert rc == 2 and "s3://stats-bucket/datasets/nothing-here: no manifest.json found" in err
+    assert rc == 1 and "s3://stats-bucket/datasets/nothing-here: no manifest.json found" in err
 
 
 def test_dataset_over_http(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -831,7 +839,7 @@ def test_console_script_exit_code(tmp_path: Path) -> None:
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 2
+    assert proc.returncode == 1
     assert f"{bad}:2: expected `name:length` or an integer" in proc.stderr
     assert proc.stdout == ""
 
@@ -946,3 +954,13 @@ def test_bad_line_is_named_across_chunks(tmp_path: Path, monkeypatch: pytest.Mon
         read_length_file(str(path))
     path.write_text("".join(f"s{i}:{i + 1}\n" for i in range(100)))
     np.testing.assert_array_equal(read_length_file(str(path)).lengths, np.arange(1, 101))
+
+
+def test_debug_shows_the_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = str(tmp_path / "missing.txt")
+    rc, _, err = run_stats(capsys, missing, "--capacity", "8")
+    assert (
+        rc == 1 and "Traceback" not in err and err.strip() == f"mmpack stats: error: {missing}: no such file"
+    )
+    rc, _, err = run_stats(capsys, missing, "--capacity", "8", "--debug")
+    assert rc == 1 and "Traceback" in err and err.endswith(f"mmpack stats: error: {missing}: no such file\n")

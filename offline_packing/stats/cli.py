@@ -3,8 +3,9 @@
 PATH is a packed dataset (folder or URL holding manifest.json; only metadata is read) or a length file
 (see `offline_packing.stats.inputs`), which is packed first with `--capacity` and the packing flags.
 Prints rich tables, or with `--json` the dict of `packing.stats.packing_stats` plus `source`,
-`length_distribution`, `dataset` (datasets only) and `compare` (with `--compare`). Bad input: a message on
-stderr naming the file (and line) and exit code 2; storage that cannot be read: a message and exit code 1.
+`length_distribution`, `dataset` (datasets only) and `compare` (with `--compare`). Every failure is one line
+`mmpack stats: error: ...` on stderr naming the file (and line), exit code 1; flags that do not fit exit with
+code 2; `--debug` adds the traceback.
 """
 
 from __future__ import annotations
@@ -12,15 +13,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from typing import Any
 
 import numpy as np
 
-from offline_packing.stats.inputs import LENGTH_FILE_SUFFIXES, StatsInputError, read_length_file
+from offline_packing.stats.inputs import (
+    LENGTH_FILE_SUFFIXES,
+    StatsInputError,
+    StatsUsageError,
+    read_length_file,
+)
 from packing.fileio import resolve_storage_options
 
-EXIT_BAD_INPUT = 2
-EXIT_STORAGE_ERROR = 1
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,20 +77,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fsspec storage option (repeatable; VALUE parsed as JSON when it can be)",
     )
     store.add_argument("--workers", type=int, default=8, help="shards read in parallel (default 8)")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Compute and print the stats; returns the exit code (2 on bad input)."""
+    """Compute and print the stats; returns the exit code (1 on a failure, 2 on flags that do not fit)."""
+    from offline_packing.errors import describe_failure
+
     try:
         _validate(args)
         storage_options = _storage_options(args)
         report, lengths, bin_ids = build_report(args, storage_options)
-    except StatsInputError as e:
-        print(f"mmpack stats: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except _storage_errors() as e:  # storage unreachable, no permission, ...: not the input's fault
-        print(f"mmpack stats: error: cannot read {args.path}: {e}", file=sys.stderr)
-        return EXIT_STORAGE_ERROR
+    except Exception as e:
+        if args.debug:
+            traceback.print_exc()
+        if isinstance(e, StatsInputError):
+            message = e.message
+        elif isinstance(e, _storage_errors()):  # storage unreachable, no permission, ...
+            message = f"cannot read {args.path}: {e}"
+        else:
+            message = describe_failure(e)
+        print(f"mmpack stats: error: {message}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(e, StatsUsageError) else EXIT_FAILURE
     if args.json:
         print(json.dumps(report, indent=2, default=_to_json))
     else:
@@ -122,11 +137,11 @@ def _validate(args: argparse.Namespace) -> None:
     for flag in ("capacity", "max_samples_per_bin", "workers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            raise StatsInputError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+            raise StatsUsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
     if args.max_images_per_bin is not None and args.max_images_per_bin < 0:
-        raise StatsInputError(f"--max-images-per-bin must be >= 0, got {args.max_images_per_bin}")
+        raise StatsUsageError(f"--max-images-per-bin must be >= 0, got {args.max_images_per_bin}")
     if args.plot and not args.plot.lower().endswith(".png"):
-        raise StatsInputError(f"--plot writes a PNG file; give a name ending in .png, got {args.plot!r}")
+        raise StatsUsageError(f"--plot writes a PNG file; give a name ending in .png, got {args.plot!r}")
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -134,7 +149,7 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
     for item in args.storage_option:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise StatsInputError(f"--storage-option expects KEY=VALUE, got {item!r}")
+            raise StatsUsageError(f"--storage-option expects KEY=VALUE, got {item!r}")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -164,10 +179,10 @@ def _length_file_report(
     from packing.stats import packing_stats
 
     if args.capacity is None:
-        raise StatsInputError(f"{args.path}: a length file needs --capacity (tokens per bin) to be packed")
+        raise StatsUsageError(f"{args.path}: a length file needs --capacity (tokens per bin) to be packed")
     data = read_length_file(args.path, storage_options)
     if args.max_images_per_bin is not None and data.image_counts is None:
-        raise StatsInputError(
+        raise StatsUsageError(
             f"{args.path}: --max-images-per-bin needs image counts; give a .json {{'lengths': [...], "
             "'image_counts': [...]}} or an [N, 2] .npy"
         )
@@ -232,7 +247,7 @@ def _dataset_report(
     report["dataset"] = dataset_fields(data)
     if args.compare:
         if args.max_images_per_bin is not None:
-            raise StatsInputError(
+            raise StatsUsageError(
                 f"{data.url}: --compare --max-images-per-bin is not available for a packed dataset: its shards "
                 "record images per bin, not per sample; use a length file with image counts"
             )
@@ -260,7 +275,7 @@ def _compare(
     if caps == (None, None):
         caps = default_caps
     if caps[1] is not None and images is None:
-        raise StatsInputError(f"{args.path}: --max-images-per-bin needs per-sample image counts in the input")
+        raise StatsUsageError(f"{args.path}: --max-images-per-bin needs per-sample image counts in the input")
     settings: list[tuple[int | None, int | None]] = [(None, None)]
     if caps != (None, None):
         settings.append(caps)

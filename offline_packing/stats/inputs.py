@@ -25,14 +25,24 @@ from typing import Any, NoReturn
 import fsspec
 import numpy as np
 
+from packing.errors import MmpackError
+
 TEXT_SUFFIXES = (".txt", ".lens", ".len", ".lengths", ".lst")
 CHUNK_BYTES = 1 << 20
 JSON_MAX_BYTES = 64 << 20
 LENGTH_FILE_SUFFIXES = (*TEXT_SUFFIXES, ".json", ".npy")
 
 
-class StatsInputError(Exception):
-    """Bad user input for `mmpack stats`; the message says which file (and line) and what is wrong."""
+class StatsInputError(MmpackError):
+    """Bad input for `mmpack stats`; the message says which file (and line) and what is wrong."""
+
+    default_reason = "bad_input"
+
+
+class StatsUsageError(StatsInputError):
+    """Flags that do not fit together or with the input (exit code 2, as argparse's own errors)."""
+
+    default_reason = "usage"
 
 
 @dataclass(frozen=True)
