@@ -226,3 +226,12 @@ def test_loader_with_balancing_resumes_exactly_across_dp_sizes(dataset: Path) ->
     tail = global_batches(second, steps - k)
     assert [sorted(b) for b in head + tail] == [sorted(b) for b in reference]
     assert tail == reference[k:]  # same DP size after resume: the exact same layout
+
+
+def test_trainer_flag_reaches_the_data_config() -> None:
+    from trainer.arguments import parse_args
+
+    assert parse_args(["--mock-data", "--balance", "compute"]).data.balance == "compute"
+    assert parse_args(["--mock-data"]).data.balance == "none"
+    with pytest.raises(SystemExit):
+        parse_args(["--mock-data", "--balance", "tokens"])

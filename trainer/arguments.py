@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mock-data", action="store_true", help="synthetic packed batches, no dataset")
     g.add_argument("--num-workers", type=int, default=2, help="loader worker processes")
     g.add_argument("--data-cache-dir", default=None, help="local cache for remote shards")
+    g.add_argument(
+        "--balance",
+        choices=("none", "compute"),
+        default="none",
+        help="compute: spread each global batch's bins over DP ranks by compute cost (dataloader.balance)",
+    )
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="checkpoint folder to write")

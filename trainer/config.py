@@ -170,10 +170,13 @@ class DataConfig:
     num_workers: int = 2
     cache_dir: str | None = None
     mock_data: bool = False  # synthetic packed batches, no dataset needed
+    balance: str = "none"  # "compute": bins of each global batch laid out over DP ranks by cost
 
     def __post_init__(self) -> None:
         if not self.data_path and not self.mock_data:
             raise ValueError("give --data-path (a packed dataset) or --mock-data")
+        if self.balance not in ("none", "compute"):
+            raise ValueError(f"--balance must be none or compute, got {self.balance!r}")
 
 
 @dataclass(kw_only=True, frozen=True)

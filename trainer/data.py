@@ -110,8 +110,10 @@ def build_step_batches(
     seed: int,
     num_workers: int = 2,
     cache_dir: str | None = None,
+    balance: str = "none",
 ) -> StepBatches:
-    """The loader of this rank (megatron-core parallel_state must be initialised)."""
+    """The loader of this rank (megatron-core parallel_state must be initialised); `balance` as in
+    `dataloader.build_loader` (synthetic batches ignore it)."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -149,6 +151,7 @@ def build_step_batches(
         seed=seed,
         num_workers=num_workers,
         cache_dir=cache_dir,
+        balance=balance,
     )
     return StepBatches(loader)
 

@@ -131,6 +131,7 @@ class Trainer:
             global_batch_size=cfg.train.global_batch_size,
             num_workers=cfg.data.num_workers,
             cache_dir=cfg.data.cache_dir,
+            balance=cfg.data.balance,
         )
         self.train_data = step_batches(cfg.data.data_path, seed=cfg.train.seed)
         self.eval_data: StepBatches | None = None
