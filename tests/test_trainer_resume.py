@@ -57,13 +57,15 @@ def _check_continues(resumed: Run, full: Run, rel: float) -> None:
 def test_checkpoint_holds_every_dp_ranks_loader_state(setup: tuple[Path, Path, Run]) -> None:
     _, ckpt, _ = setup
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
-    files = sorted((ckpt / "iter_0000010").glob("tp*.pt"))
-    assert [f.name for f in files] == ["tp00_pp00_dp00.pt", "tp00_pp00_dp01.pt"]
-    assert (ckpt / "iter_0000010" / "distopt_tp00_pp00.pt").exists()  # gathered distributed-optimizer state
-    states = [torch.load(f, weights_only=False) for f in files]
-    assert {s["iteration"] for s in states} == {10}
-    assert all(s["loader"]["bins_consumed"] == 40 for s in states)  # 10 steps x global batch 4
-    assert all(key in states[0] for key in ("model", "optimizer", "scheduler", "rng"))
+    folder = ckpt / "iter_0000010"
+    assert (folder / "metadata.json").is_file()  # a complete dist_checkpointing checkpoint
+    assert {f.name.split("_")[2] for f in folder.glob("__*.distcp")} == {"0", "1"}  # each rank its shards
+    common = torch.load(folder / "common.pt", weights_only=False)
+    assert common["iteration"] == 10 and common["layout"] == {"tp": 1, "pp": 1, "dp": 2}
+    assert {"scheduler", "model_config", "optimizer"} <= set(common)
+    index = (folder / ".metadata").read_bytes()
+    for key in (b"loader_state/shard_0_2", b"loader_state/shard_1_2", b"rng_state/shard_0.0.0_1.1.2"):
+        assert key in index, key
 
 
 def test_resume_same_dp_size_is_exact(setup: tuple[Path, Path, Run], tmp_path: Path) -> None:

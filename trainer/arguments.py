@@ -160,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None, help="checkpoint folder to write")
     g.add_argument("--load", default=None, help="checkpoint folder to resume from")
     g.add_argument("--save-interval", type=int, default=0, help="iterations between saves (0 = end only)")
+    g.add_argument(
+        "--async-save", action="store_true", help="write checkpoint shards in the background (torch_dist)"
+    )
+    g.add_argument(
+        "--finetune",
+        action="store_true",
+        help="load weights only from --load: iteration, optimizer, scheduler and data start fresh",
+    )
+    g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
     return p
 
 

@@ -1,13 +1,25 @@
-"""Checkpoints: one file per rank with model shard, optimizer, scheduler, RNG, iteration and loader state.
+"""Checkpoints with megatron-core ``dist_checkpointing``: every rank writes only its own shards, and a
+checkpoint loads under another TP, PP or DP size than it was saved with (the tensors are stored by their
+global shape; ``dist_checkpointing`` reshards on load).
 
-Layout::
+Layout (as Megatron-LM's)::
 
     <dir>/latest_checkpointed_iteration.txt
-    <dir>/iter_0000010/tp00_pp00_dp00.pt
+    <dir>/iter_0000010/        metadata.json, common.pt, *.distcp (torch_dist format)
 
-Model weights and (non-distributed) optimizer state are the same on every DP rank, so a resume with a
-different DP size reads the files of DP rank 0; the distributed optimizer's shards are gathered to DP rank 0
-on save (megatron-core's "dp_zero" format) and re-scattered on load, so it can change DP size too.
+What one checkpoint holds:
+
+- ``model``: the sharded state dict of this stage's model, vision tower included (decoder layers by their
+  global number, TP shards by their offset in the full tensor);
+- ``optimizer``: megatron-core's sharded optimizer state in model space (the distributed optimizer's
+  ``fully_reshardable`` format), so the optimizer reshards like the model;
+- ``scheduler``, ``iteration``, the ``layout`` (TP, PP, DP) and the ``model_config`` (HF config.json);
+- ``rng``: the Python, NumPy, torch (CPU and CUDA) and tensor-parallel tracker states of every rank;
+- ``loader``: the loader state of every DP rank.
+
+RNG states are restored only under the layout they were saved with (the states of another layout do not
+map onto this one's ranks); the loader state is global (epoch, bins consumed), so any DP size continues the
+same stream.
 """
 
 from __future__ import annotations
@@ -15,159 +27,343 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as ps
-from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import unwrap_model
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# The distributed optimizer's reshardable format: its flat buffers are all-gathered over DP and cut back into
+# tensors of the parameters' shapes (so they reshard like the model); the writes stay spread over ranks.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Fields of the HF config that fix the shapes of the weights: a checkpoint loads only into the same values.
+ARCH_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "tie_word_embeddings", "depth", "num_heads", "out_hidden_size", "patch_size",
+    "temporal_patch_size", "spatial_merge_size", "in_channels",
+)  # fmt: skip
 
 
-def rank_file(root: str, iteration: int, tp: int, pp: int, dp: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}" / f"tp{tp:02d}_pp{pp:02d}_dp{dp:02d}.pt"
+class CheckpointMismatchError(ValueError):
+    """A checkpoint that does not fit the model of this run (and cannot be resharded into it)."""
 
 
-def _distopt_file(root: str, iteration: int, tp: int, pp: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}" / f"distopt_tp{tp:02d}_pp{pp:02d}.pt"
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
 
 
-def _uses_distributed_optimizer(optimizer: Any) -> bool:
-    return bool(getattr(optimizer.config, "use_distributed_optimizer", False))
+def latest_iteration(root: str | Path) -> int | None:
+    """The iteration recorded in ``root``'s tracker file, or None when there is no checkpoint."""
+    tracker = Path(root) / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"{tracker} holds {text!r}, not an iteration number")
+    return int(text)
 
 
-@contextlib.contextmanager
-def _step_state_set_aside(optimizer: Any):
-    """torch's AdamW (the fallback without Apex/TE) keeps "step" in each parameter's state, which
-    megatron-core's distributed-optimizer state files do not hold (the step is restored from the param
-    groups by ``load_state_dict``); the loader would look for it there. Set it aside while loading, and give
-    every parameter its own step tensor again (``load_state_dict`` shares one, which torch's foreach AdamW
-    would then increment once per parameter)."""
-    aside = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        for state in inner.state.values() if inner is not None else ():
-            if "step" in state:
-                aside.append((state, state.pop("step")))
-    try:
-        yield
-    finally:
-        for state, step in aside:
-            state["step"] = step.clone()
+def _bare(model: Any) -> Any:
+    """The stage's model without the DDP / Float16Module wrappers (checkpoint keys do not depend on them)."""
+    return unwrap_model(model, (DistributedDataParallel, Float16Module))
 
 
-def _coords() -> tuple[int, int, int]:
-    return (
-        ps.get_tensor_model_parallel_rank(),
-        ps.get_pipeline_model_parallel_rank(),
-        ps.get_data_parallel_rank(),
-    )
+def layout() -> dict[str, int]:
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+    }
 
 
 def _rng_state() -> dict[str, Any]:
-    return {
+    state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save_checkpoint(
-    root: str, iteration: int, model: Any, optimizer: Any, scheduler: Any, loader_state: dict[str, Any]
-) -> None:
-    """Collective: every rank writes its file; rank 0 then updates the tracker file."""
-    tp, pp, dp = _coords()
-    path = rank_file(root, iteration, tp, pp, dp)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if _uses_distributed_optimizer(optimizer):
-        # collective over DP: DP rank 0 writes the gathered (DP-size independent) parameter state
-        optimizer.save_parameter_state(str(_distopt_file(root, iteration, tp, pp)))
-    payload = {
+def _rank_coords() -> tuple[int, int, int]:
+    return (
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_data_parallel_rank(),
+    )
+
+
+def _rng_object(lay: dict[str, int], coords: tuple[int, int, int], state: Any) -> ShardedObject:
+    """One RNG state per rank of a (PP, TP, DP) grid."""
+    return ShardedObject("rng_state", state, (lay["pp"], lay["tp"], lay["dp"]), coords, replica_id=0)
+
+
+def _loader_object(dp_size: int, dp_rank: int, state: Any, replica: int) -> ShardedObject:
+    """One loader state per DP rank (the same on every TP rank and stage of it: one of them writes)."""
+    return ShardedObject("loader_state", state, (dp_size,), (dp_rank,), replica_id=replica)
+
+
+def _state_for_save(
+    iteration: int, model: Any, optimizer: Any, scheduler: Any, loader_state: dict, model_config: dict
+) -> dict[str, Any]:
+    lay = layout()
+    pp_rank, tp_rank, dp_rank = _rank_coords()
+    model_sd = _bare(model).sharded_state_dict()
+    return {
         "iteration": iteration,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "layout": lay,
+        "model_config": model_config,
         "scheduler": scheduler.state_dict(),
-        "rng": _rng_state(),
-        "loader": loader_state,
-        "layout": {
-            "tp": ps.get_tensor_model_parallel_world_size(),
-            "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size(),
-        },
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=OPTIMIZER_METADATA),
+        "rng": _rng_object(lay, (pp_rank, tp_rank, dp_rank), _rng_state()),
+        "loader": _loader_object(lay["dp"], dp_rank, loader_state, replica=tp_rank * lay["pp"] + pp_rank),
     }
-    tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
-    dist.barrier()
+
+
+def _write_tracker(root: str | Path, iteration: int) -> None:
+    """Rank 0 points the tracker at ``iteration`` (after every rank finished writing it)."""
     if dist.get_rank() == 0:
         tracker = Path(root) / TRACKER
-        tracker.with_suffix(".tmp").write_text(str(iteration))
-        os.replace(tracker.with_suffix(".tmp"), tracker)
-    dist.barrier()
+        tmp = tracker.with_suffix(".tmp")
+        tmp.write_text(str(iteration))
+        os.replace(tmp, tracker)
 
 
-def latest_iteration(root: str) -> int | None:
-    """The iteration recorded in ``root``'s tracker file, or None when there is no checkpoint."""
-    tracker = Path(root) / TRACKER
-    return int(tracker.read_text().strip()) if tracker.exists() else None
+class CheckpointWriter:
+    """Saves checkpoints, synchronously or (``async_save``) in forked writer processes while training goes
+    on; the tracker file moves to an iteration only once every rank has written it."""
+
+    def __init__(self, root: str, *, async_save: bool = False) -> None:
+        self.root = root
+        self.async_save = async_save
+        self.queue = AsyncCallsQueue() if async_save else None
+
+    def save(
+        self,
+        iteration: int,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        loader_state: dict,
+        model_config: dict,
+    ) -> None:
+        """Collective. Returns once the shards are written (sync) or handed to the writer (async)."""
+        self.finalize(blocking=True)  # one checkpoint in flight at a time
+        folder = iteration_dir(self.root, iteration)
+        if dist.get_rank() == 0:
+            if folder.exists():  # an unfinished or older save of the same iteration
+                shutil.rmtree(folder)
+            folder.mkdir(parents=True)
+        dist.barrier()
+        state = _state_for_save(iteration, model, optimizer, scheduler, loader_state, model_config)
+        request = dist_checkpointing.save(state, str(folder), async_sharded_save=self.async_save)
+        if request is None:
+            dist.barrier()
+            _write_tracker(self.root, iteration)
+            dist.barrier()
+            return
+        request.add_finalize_fn(lambda: _write_tracker(self.root, iteration))
+        assert self.queue is not None
+        self.queue.schedule_async_request(request)
+
+    def finalize(self, *, blocking: bool = False) -> None:
+        """Completes finished async saves (all of them when ``blocking``). Collective."""
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=blocking)
+
+    def close(self) -> None:
+        self.finalize(blocking=True)
+        if self.queue is not None:
+            self.queue.close()
 
 
-def load_model_weights(model: Any, state: dict[str, Any], source: Path) -> None:
-    """Loads a weights-only state dict; only megatron-core's ``_extra_state`` entries may be absent."""
-    prefix = ""
-    keys = list(model.state_dict())
-    while keys and all(k.startswith(prefix + "module.") for k in keys):
-        prefix += "module."
-    result = model.load_state_dict({prefix + k: v for k, v in state.items()}, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    if missing or result.unexpected_keys:
-        raise ValueError(
-            f"{source} does not fit this model (missing {missing[:4]}, unexpected {result.unexpected_keys[:4]}): "
-            "convert the checkpoint with the same TP/PP and model config"
+def _inner_optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+@torch.no_grad()
+def _allocate_state_for_load(optimizer: Any) -> None:
+    """torch's Adam (the fallback without Apex/TE) allocates its state lazily, and the distributed optimizer
+    needs it allocated to describe what it loads: one step on zero gradients with lr and weight decay 0
+    (leaves the weights as they are; the loaded state then replaces it)."""
+    for opt in _inner_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or len(inner.state) or not hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+            continue
+        saved = [(g["lr"], g["weight_decay"]) for g in inner.param_groups]
+        for g in inner.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+        opt._init_optimizer_states_with_dummy_values()
+        for g, (lr, wd) in zip(inner.param_groups, saved, strict=True):
+            g["lr"], g["weight_decay"] = lr, wd
+
+
+@contextlib.contextmanager
+def _torch_adam_step_kept(optimizer: Any) -> Iterator[None]:
+    """The distributed optimizer copies every entry of a parameter's Adam state from the loaded tensors, but
+    its fully reshardable format holds no "step" (Apex/TE's Adam keeps none; torch's Adam, the fallback
+    without them, does and gets it from the param groups): keep the step it already set."""
+    patched = []
+    for opt in _inner_optimizers(optimizer):
+        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if original is None:
+            continue
+
+        def set_states(model_param: Any, tensors: dict, opt: Any = opt, original: Any = original) -> None:
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            main = opt.optimizer.param_groups[group_index]["params"][group_order]
+            step = opt.optimizer.state[main].get("step")
+            if step is not None and "step" not in tensors:
+                tensors = {**tensors, "step": step}
+            original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+
+
+def _unshare_step_counters(optimizer: Any) -> None:
+    """After a load, torch's Adam may hold one "step" tensor shared by all parameters, which its foreach
+    implementation would then increment once per parameter: give each parameter its own."""
+    for opt in _inner_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        for state in inner.state.values() if inner is not None else ():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+def _describe(config: dict[str, Any]) -> str:
+    text = {**config, **(config.get("text_config") or {})}
+    vision = config.get("vision_config") or {}
+    parts = [f"{k}={text[k]}" for k in ARCH_KEYS if k in text and k not in vision]
+    parts += [f"vision.{k}={vision[k]}" for k in ARCH_KEYS if k in vision]
+    return f"{config.get('model_type')} ({', '.join(parts)})"
+
+
+def check_model_config(saved: dict[str, Any], current: dict[str, Any], where: Path) -> None:
+    """Raises :class:`CheckpointMismatchError` naming both models when their weight shapes differ."""
+    if _describe(saved) != _describe(current):
+        raise CheckpointMismatchError(
+            f"checkpoint {where} holds another model than this run builds: saved {_describe(saved)}; "
+            f"this run {_describe(current)}. Load it with the model it was saved with (its hf_config.json "
+            "or --hf-model of the same architecture)"
         )
 
 
 def load_checkpoint(
-    root: str, model: Any, optimizer: Any, scheduler: Any
-) -> tuple[int, dict[str, Any] | None]:
-    """Restore a checkpoint saved with the same TP x PP (any DP); returns (iteration, loader state).
+    root: str,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    model_config: dict[str, Any],
+    *,
+    load_optim: bool = True,
+    finetune: bool = False,
+) -> tuple[int, dict[str, Any] | None, str]:
+    """Restores the latest checkpoint under ``root`` into this run, at any TP x PP x DP.
 
-    A weights-only checkpoint (``mmpack convert hf-to-mcore``) restores the model alone: (0, None).
+    Returns (iteration, loader state, message). ``finetune`` loads the weights only (iteration 0, fresh
+    optimizer, scheduler and data stream); ``load_optim=False`` keeps a fresh optimizer. A folder without a
+    checkpoint (missing, empty, or only files the trainer writes before its first save) starts at 0.
     """
     iteration = latest_iteration(root)
     if iteration is None:
-        raise FileNotFoundError(f"no checkpoint in {root} (missing {TRACKER})")
-    tp, pp, dp = _coords()
-    own = rank_file(root, iteration, tp, pp, dp)
-    zero = rank_file(root, iteration, tp, pp, 0)
-    if not zero.exists():
+        return 0, None, f"no checkpoint in {root}: training starts at iteration 0"
+    folder = iteration_dir(root, iteration)
+    if not (folder / "metadata.json").is_file():
         raise FileNotFoundError(
-            f"{zero} is missing: the checkpoint was saved with another tensor/pipeline layout"
+            f"{folder} is not a complete checkpoint (no metadata.json); remove {root}/{TRACKER}"
         )
-    base = torch.load(zero, map_location="cpu", weights_only=False)
-    if "optimizer" not in base:
-        load_model_weights(model, base["model"], zero)
-        return 0, None
-    model.load_state_dict(base["model"])
-    optimizer.load_state_dict(base["optimizer"])
-    if _uses_distributed_optimizer(optimizer):
-        # no_grad: it copies into views of parameters that require grad
-        with _step_state_set_aside(optimizer), torch.no_grad():
-            optimizer.load_parameter_state(str(_distopt_file(root, iteration, tp, pp)))
-    scheduler.load_state_dict(base["scheduler"])
-    same_layout = own.exists() and base["layout"]["dp"] == ps.get_data_parallel_world_size()
-    mine = torch.load(own, map_location="cpu", weights_only=False) if same_layout else base
-    if same_layout:
-        _set_rng_state(mine["rng"])
-    return iteration, mine["loader"]
+    common = dist_checkpointing.load_common_state_dict(str(folder))
+    check_model_config(common.get("model_config") or {}, model_config, folder)
+    saved_layout: dict[str, int] = common["layout"]
+    lay = layout()
+    pp_rank, tp_rank, dp_rank = _rank_coords()
+    model_sd = _bare(model).sharded_state_dict()
+    request: dict[str, Any] = {"model": model_sd}
+    weights_only = "scheduler" not in common  # written by `mmpack convert hf-to-mcore`
+    restore_training = not finetune and not weights_only
+    if restore_training and load_optim:
+        _allocate_state_for_load(optimizer)
+        request["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=True, metadata=OPTIMIZER_METADATA
+        )
+    same_layout = saved_layout == lay
+    if restore_training:
+        if same_layout:
+            request["rng"] = _rng_object(lay, (pp_rank, tp_rank, dp_rank), None)
+        saved_dp = saved_layout["dp"]
+        # every rank reads all of them: only rank 0's request counts as the main replica
+        request["loaders"] = [
+            _loader_object(saved_dp, i, None, replica=dist.get_rank()) for i in range(saved_dp)
+        ]
+    try:
+        state = dist_checkpointing.load(request, str(folder))
+    except Exception as e:  # dist_checkpointing raises several types for missing/mismatched shards
+        raise CheckpointMismatchError(
+            f"checkpoint {folder} (saved at TP {saved_layout['tp']} x PP {saved_layout['pp']} x DP "
+            f"{saved_layout['dp']}) does not load into this run (TP {lay['tp']} x PP {lay['pp']} x DP "
+            f"{lay['dp']}): {' '.join(str(e).split())[:800]}"
+        ) from e
+    _bare(model).load_state_dict(state["model"], strict=False)
+    if not restore_training:
+        why = "a weights-only checkpoint" if weights_only else "--finetune"
+        return (
+            0,
+            None,
+            f"loaded weights of iteration {iteration} from {root} ({why}: starting at iteration 0)",
+        )
+    if load_optim:
+        with _torch_adam_step_kept(optimizer):
+            optimizer.load_state_dict(state["optimizer"])
+        _unshare_step_counters(optimizer)
+    scheduler.load_state_dict(common["scheduler"])
+    if "rng" in state:
+        _set_rng_state(state["rng"])
+    loaders = state["loaders"]
+    if same_layout or saved_layout["dp"] == lay["dp"]:
+        loader = loaders[dp_rank]
+    else:
+        if any(s != loaders[0] for s in loaders):
+            raise CheckpointMismatchError(
+                f"checkpoint {folder}: the DP ranks' loader states differ (saved inside a step), so it resumes "
+                f"only at DP {saved_layout['dp']}, not {lay['dp']}"
+            )
+        loader = loaders[0]
+    notes = (
+        []
+        if same_layout
+        else [f"resharded from TP {saved_layout['tp']} x PP {saved_layout['pp']} x DP {saved_layout['dp']}"]
+    )
+    if not load_optim:
+        notes.append("optimizer state not loaded (--no-load-optim)")
+    suffix = f" ({'; '.join(notes)})" if notes else ""
+    return iteration, loader, f"resumed from {root} at iteration {iteration}{suffix}"

@@ -186,6 +186,15 @@ class CheckpointConfig:
     save: str | None = None
     load: str | None = None
     save_interval: int = 0
+    async_save: bool = False  # shards written by forked processes while training goes on
+    finetune: bool = False  # weights only: iteration, optimizer, scheduler and data start fresh
+    no_load_optim: bool = False  # keep a fresh optimizer (the rest is restored)
+
+    def __post_init__(self) -> None:
+        if self.async_save and not self.save:
+            raise ValueError("--async-save needs --save")
+        if (self.finetune or self.no_load_optim) and not self.load:
+            raise ValueError("--finetune and --no-load-optim need --load")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -238,6 +247,7 @@ def build_megatron_configs(cfg: RunConfig, arch: Any) -> MegatronConfigs:
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         deallocate_pipeline_outputs=False,
+        calculate_per_token_loss=True,  # the loss function returns (sum, tokens); see training._loss_func
     )
     recompute = (
         {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}

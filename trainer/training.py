@@ -23,7 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from trainer import cpu_backend
 from trainer.build import build_model, check_data_matches_model, model_hf_config
-from trainer.checkpoint import load_checkpoint, save_checkpoint
+from trainer.checkpoint import CheckpointWriter, load_checkpoint
 from trainer.config import RunConfig, build_megatron_configs
 from trainer.convert import HF_CONFIG_NAME
 from trainer.data import DataInfo, StepBatches, build_step_batches, dataset_info, model_inputs
@@ -86,15 +86,16 @@ def build_scheduler(cfg: RunConfig, optimizer: Any) -> OptimizerParamScheduler:
     )
 
 
-def _loss_func(loss_mask: torch.Tensor, scale: float, poison: bool, output: torch.Tensor):
-    """Loss of one micro-batch, scaled so that the step's gradient is that of (sum over target tokens of
-    the global batch) / (their number): the schedule divides by the micro-batch count, DDP by the DP size.
-    Also returns the raw sum and count for logging."""
+def _loss_func(loss_mask: torch.Tensor, poison: bool, output: torch.Tensor):
+    """megatron-core's per-token loss (``calculate_per_token_loss``): the micro-batch's summed token loss and
+    its number of target tokens; the schedule sums both over micro-batches, ``finalize_model_grads`` over DP
+    ranks, and divides the gradients by the step's token count, so every target token of the global batch
+    weighs the same whatever micro-batch it is in. The pair is also what gets logged."""
     loss_sum = (output.float().reshape(-1) * loss_mask.reshape(-1)).sum()
     if poison:
         loss_sum = loss_sum * math.inf
-    num_tokens = loss_mask.sum()
-    return loss_sum * scale, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
+    num_tokens = loss_mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
 
 
 def _tokens_digest(tokens: torch.Tensor) -> int:
@@ -143,18 +144,19 @@ class Trainer:
         self.iteration = 0
         self.skipped = 0
         self.is_logger = dist.get_rank() == dist.get_world_size() - 1
-        if cfg.checkpoint.load:
-            self.iteration, loader_state = load_checkpoint(
-                cfg.checkpoint.load, self.model, self.optimizer, self.scheduler
-            )
-            if loader_state is None:
-                self.log_text(f"loaded weights from {cfg.checkpoint.load}")
-            else:
+        ck = cfg.checkpoint
+        self.writer = CheckpointWriter(ck.save, async_save=ck.async_save) if ck.save else None
+        if ck.load:
+            self.iteration, loader_state, message = load_checkpoint(
+                ck.load, self.model, self.optimizer, self.scheduler, self.hf_config,
+                load_optim=not ck.no_load_optim, finetune=ck.finetune,
+            )  # fmt: skip
+            if loader_state is not None:
                 self.train_data.load_state_dict(loader_state)
-                self.log_text(f"resumed from {cfg.checkpoint.load} at iteration {self.iteration}")
+            self.log_text(message)
 
     # -- steps --------------------------------------------------------------------------------------------
-    def _forward_step(self, scale: float, poison: bool, data_iterator: Any, model: Any):
+    def _forward_step(self, poison: bool, data_iterator: Any, model: Any):
         batch = next(data_iterator)
         if torch.cuda.is_available():
             batch = {
@@ -167,16 +169,14 @@ class Trainer:
             merge_size=self.arch.vision.spatial_merge_size,
         )
         output = model(**inputs)
-        return output, partial(_loss_func, batch["loss_mask"], scale, poison)
+        return output, partial(_loss_func, batch["loss_mask"], poison)
 
     def _run_schedule(self, batches: list[dict[str, Any]], *, forward_only: bool, poison: bool = False):
-        target_tokens = self._reduce_over_dp([float(sum(float(x["loss_mask"].sum()) for x in batches))])[0]
-        scale = len(batches) * self.dp_size / max(target_tokens, 1.0)
         b, seq = self.cfg.train.micro_batch_size, self.cfg.train.seq_length
         if self.use_te:
             b, seq = 1, b * seq
         return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, scale, poison),
+            forward_step_func=partial(self._forward_step, poison),
             data_iterator=iter(batches),
             model=[self.model],
             num_microbatches=len(batches),
@@ -278,9 +278,11 @@ class Trainer:
             os.makedirs(ck.save, exist_ok=True)
             with open(os.path.join(ck.save, HF_CONFIG_NAME), "w") as f:
                 json.dump(self.hf_config, f, indent=2)
-        save_checkpoint(
-            ck.save, self.iteration, self.model, self.optimizer, self.scheduler, self.train_data.state_dict()
-        )
+        assert self.writer is not None
+        self.writer.save(
+            self.iteration, self.model, self.optimizer, self.scheduler, self.train_data.state_dict(),
+            self.hf_config,
+        )  # fmt: skip
         self.log_text(f"saved checkpoint at iteration {self.iteration} to {ck.save}")
 
     def train(self) -> None:
@@ -298,8 +300,12 @@ class Trainer:
                 self.write_metrics({"iteration": self.iteration, "eval_loss": loss})
             if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
                 self.save()
+            if self.writer is not None:
+                self.writer.finalize()  # completes async saves that have finished
         if ck.save and not (ck.save_interval and self.iteration % ck.save_interval == 0):
             self.save()
+        if self.writer is not None:
+            self.writer.close()  # waits for an async save still being written
 
     def close(self) -> None:
         """Stops data workers."""

@@ -9,8 +9,11 @@ block mask here, because megatron-core's local attention takes no cu_seqlens.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
+from megatron.core import parallel_state as ps
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
@@ -18,6 +21,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
 
 from trainer.models.common import RMSNorm, build_layer_spec
 from trainer.models.qwen2_5_vl.config import VisionArch
@@ -80,6 +84,30 @@ class VisionTower(MegatronModule):
             )
         x = pixel_values.reshape(-1, a.in_channels, a.temporal_patch_size, a.patch_size, a.patch_size)
         return self.patch_embed(x.to(self.patch_embed.weight.dtype)).reshape(-1, a.hidden_size)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """Checkpoint shards: megatron-core's default would treat the plain ``ModuleList`` of layers as
+        replicated over TP; each layer's own ``sharded_state_dict`` knows its tensor-parallel cuts."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        out: dict = {}
+        for name, child in self.named_children():
+            if name == "layers":
+                for i in range(len(self.layers)):
+                    layer: Any = self.layers[i]
+                    out.update(layer.sharded_state_dict(f"{prefix}layers.{i}.", sharded_offsets, metadata))
+            else:
+                out.update(
+                    sharded_state_dict_default(
+                        child,
+                        f"{prefix}{name}.",
+                        sharded_offsets,
+                        metadata,
+                        tp_group=ps.get_tensor_model_parallel_group(),
+                    )
+                )
+        return out
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         a, device = self.arch, pixel_values.device
