@@ -5,8 +5,8 @@
 
 One raw dataset (synthetic LLaVA/ShareGPT/caption records with real JPEG/PNG images, tiny BPE) is packed
 twice by the offline job at the same --seq-len: (a) bin-packed, (b) one sample per sequence (``-M 1``), i.e.
-the padded baseline. The same trainer (``torchrun -m trainer.pretrain_vlm``, same model and flags) runs on
-each; reported per run: real tokens/s, all tokens/s, real-token fraction, step time, the fraction of the step
+the padded baseline. The same trainer (``torchrun -m trainer.pretrain_vlm``, same model and flags: a random
+Qwen2.5-VL of --layers x --hidden with a 1-layer vision tower, MRoPE, window attention) runs on each; reported per run: real tokens/s, all tokens/s, real-token fraction, step time, the fraction of the step
 spent waiting for data, and the loss. The first --warmup iterations are excluded from the averages.
 CPU processes with gloo when there is no GPU. Results: benchmarks/results/bench_train.json.
 """
@@ -53,6 +53,8 @@ def _train(args: argparse.Namespace, data: Path, work: Path) -> list[dict]:
         str(args.hidden),
         "--num-attention-heads",
         "4",
+        "--num-query-groups",
+        "2",
         "--vision-num-layers",
         "1",
         "--vision-hidden-size",

@@ -59,7 +59,7 @@ def test_round_trip_bit_exact_and_export_loads(tmp_path: Path, tp: int, pp: int,
     assert json.loads((packed / "manifest.json").read_text())["counts"]["bins"] == 1
     hf_dir = _hf_model_for(packed, tmp_path / "hf", tied=tied)
     ckpt = tmp_path / "mcore"
-    assert len(hf_to_mcore(str(hf_dir), str(ckpt), tp=tp, pp=pp)) == tp * pp
+    assert (hf_to_mcore(str(hf_dir), str(ckpt), tp=tp, pp=pp) / "metadata.json").is_file()
     mcore_to_hf(str(ckpt), str(tmp_path / "back"))
     _assert_bit_exact(_tensors(hf_dir), _tensors(tmp_path / "back"))
 
