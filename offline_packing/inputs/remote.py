@@ -58,10 +58,13 @@ def local_path(path: str) -> str:
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """(fsspec filesystem, path inside it) of a remote URL, with the configured options."""
+    """(fsspec filesystem, path inside it) of a remote URL, with the configured options (S3 endpoint: the
+    project's one rule, `packing.fileio.resolve_storage_options`)."""
     from fsspec.core import url_to_fs
 
-    return url_to_fs(url, **_OPTIONS)
+    from packing.fileio import resolve_storage_options
+
+    return url_to_fs(url, **resolve_storage_options(url, _OPTIONS))
 
 
 def with_retries(url: str, what: str, fn: Callable[[], T]) -> T:
