@@ -260,3 +260,31 @@ def test_image_rule_keeps_the_pixel_options_of_the_rule() -> None:
     raw["image_rule"]["colour"] = "blue"
     with pytest.raises(ManifestError, match=r"image_rule: unknown keys \['colour'\]"):
         Manifest.from_dict(raw)
+
+
+def test_loader_names_shard_bin_and_image_of_a_too_large_image(fixed_dataset: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from dataloader import Topology, build_loader
+
+    def first_batches(root: Path) -> list:
+        loader = build_loader(
+            str(root),
+            topology=Topology(dp_rank=0, dp_size=1),
+            micro_batch_size=1,
+            global_batch_size=1,
+            num_workers=0,
+            num_epochs=1,
+        )
+        return list(loader)
+
+    copy = tmp_path / "ds"
+    shutil.copytree(fixed_dataset, copy, ignore=shutil.ignore_patterns("_work"))
+    assert len(first_batches(copy)) == 3  # control: the limit recorded by the job lets every image through
+    raw = json.loads((copy / "manifest.json").read_bytes())
+    raw["image_rule"]["max_image_pixels"] = 56 * 56 - 1  # below the smallest image of the dataset
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(
+        Exception, match=r"shard shards/packed-00000\d\.arrow: bin packed-\d+ image 0 is \d+x56"
+    ):
+        first_batches(copy)
