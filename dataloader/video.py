@@ -82,6 +82,9 @@ def decode_planned_frames(
     try:
         with av.open(source) as container:
             stream = container.streams.video[0]
+            # one decoder thread: loader workers are the parallelism, and FFmpeg's automatic thread count
+            # would hold frame buffers per thread (memory) and contend with the other workers (time)
+            stream.codec_context.thread_count = 1
             frame_pts, keyframe_pts = _packet_timestamps(container, stream, label)
             targets = frame_timestamps(frame_pts, plan, float(stream.time_base), label)
             counts = counters if counters is not None else {}

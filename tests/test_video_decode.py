@@ -177,3 +177,50 @@ def test_collate_videos(tmp_path: Path) -> None:
     assert batch["video_grid_thw"].prod(axis=1).tolist() == rows
     assert batch["second_per_grid_ts"].dtype == np.float32 and batch["second_per_grid_ts"].shape == (2,)
     assert collate_videos([])["video_grid_thw"].shape == (0, 3)
+
+
+_PEAK_RSS_CHILD = """
+import sys
+from pathlib import Path
+import torch  # loaded up front in both modes (the resize uses it)
+from dataloader.video import decode_planned_frames
+from offline_packing.inputs.video_probe import probe_video
+from packing.video_tokens import VideoTokenRule
+from tests.video_fixtures import reference_frames
+
+def status_kib(field):  # this process's own memory; ru_maxrss would carry the parent's peak over exec
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1])
+
+path = Path(sys.argv[1])
+plan = VideoTokenRule(fps=0.5).plan(probe_video(path).meta)
+before = status_kib("VmRSS")
+if sys.argv[2] == "planned":
+    frames = decode_planned_frames(path, plan)
+elif sys.argv[2] == "all":
+    frames = reference_frames(path, plan)
+print(status_kib("VmHWM") - before)
+"""
+
+
+def test_decode_memory_is_bounded(tmp_path: Path) -> None:
+    """Frames are resized as they are decoded: memory holds the planned frames, never the whole video."""
+    import subprocess
+    import sys
+
+    path = encode_video(tmp_path / "v.mp4", 150, width=640, height=480, gop=30)
+    assert len(_plan(path, VideoTokenRule(fps=0.5)).frame_indices) == 4
+    whole_video_kib = 150 * 640 * 480 * 3 // 1024
+    growth = {}
+    for mode in ("planned", "all"):
+        done = subprocess.run(
+            [sys.executable, "-c", _PEAK_RSS_CHILD, str(path), mode],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        growth[mode] = int(done.stdout.split()[-1])  # KiB of peak RSS over the RSS before decoding
+    assert growth["planned"] < whole_video_kib // 4, growth
+    # control: decoding every frame and keeping them (the reference route) grows by about the whole video
+    assert growth["all"] > whole_video_kib // 2, growth
