@@ -81,6 +81,8 @@ def decode_planned_frames(
     )
     try:
         with av.open(source) as container:
+            if not container.streams.video:
+                raise VideoDecodeError(f"video {label} has no video stream")
             stream = container.streams.video[0]
             # one decoder thread: loader workers are the parallelism, and FFmpeg's automatic thread count
             # would hold frame buffers per thread (memory) and contend with the other workers (time)
@@ -93,8 +95,6 @@ def decode_planned_frames(
             )
     except av.error.FFmpegError as exc:
         raise VideoDecodeError(f"video {label}: cannot decode the recorded frames: {exc}") from None
-    except IndexError:
-        raise VideoDecodeError(f"video {label} has no video stream") from None
     return np.stack([decoded[pts] for pts in targets])
 
 
