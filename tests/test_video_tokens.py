@@ -185,3 +185,28 @@ def test_temporal_positions_equal_transformers() -> None:
             truncated_differently += not np.array_equal(exact, ours)
     # control: float64 arithmetic would give other positions for some videos
     assert truncated_differently > 0
+
+
+def test_demo_records_video_pads_with_the_qwen3_tokenizer(qwen3_tokenizer_path) -> None:
+    """Each demo video's <video> tag expanded to its planned <|video_pad|> run stays one token per pad."""
+    from tokenizers import Tokenizer
+
+    from offline_packing.inputs.video_probe import probe_video
+
+    records = DEMO_DIR / "mllm_video_demo.json"
+    if not records.is_file():
+        pytest.skip(f"shared video demo not found at {records}")
+    tokenizer = Tokenizer.from_file(str(qwen3_tokenizer_path))
+    video_pad = tokenizer.token_to_id("<|video_pad|>")
+    assert video_pad is not None and tokenizer.token_to_id("<|image_pad|>") != video_pad
+    for rec in json.loads(records.read_text()):
+        meta = probe_video(DEMO_DIR / rec["videos"][0]).meta
+        plan = VideoTokenRule().plan(meta)
+        ref = qwen_vl_video_plan(meta.total_frames, meta.fps, meta.height, meta.width)
+        assert ref is not None
+        expanded = "<|vision_start|>" + "<|video_pad|>" * plan.num_tokens + "<|vision_end|>"
+        text = rec["messages"][0]["content"].replace("<video>", expanded)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        assert ids.count(video_pad) == plan.num_tokens == ref["tokens"]
+        start = ids.index(int(tokenizer.token_to_id("<|vision_start|>")))
+        assert ids[start + 1 + plan.num_tokens] == tokenizer.token_to_id("<|vision_end|>")
