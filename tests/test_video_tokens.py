@@ -208,5 +208,7 @@ def test_demo_records_video_pads_with_the_qwen3_tokenizer(qwen3_tokenizer_path) 
         text = rec["messages"][0]["content"].replace("<video>", expanded)
         ids = tokenizer.encode(text, add_special_tokens=False).ids
         assert ids.count(video_pad) == plan.num_tokens == ref["tokens"]
-        start = ids.index(int(tokenizer.token_to_id("<|vision_start|>")))
+        vision_start = tokenizer.token_to_id("<|vision_start|>")
+        assert vision_start is not None
+        start = ids.index(vision_start)
         assert ids[start + 1 + plan.num_tokens] == tokenizer.token_to_id("<|vision_end|>")
