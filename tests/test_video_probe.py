@@ -180,3 +180,15 @@ def test_every_video_is_planned_or_rejected_with_a_known_reason(tmp_path: Path) 
         "text.webm": "not_a_video",
         "missing.mov": "missing_video",
     }
+
+
+def test_file_objects_read_only_the_ranges_asked_for(tmp_path: Path) -> None:
+    import fsspec
+
+    path = encode_video(tmp_path / "v.mp4", 250, width=320, height=240)
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/videos/v.mp4", path.read_bytes())
+    with fs.open("/videos/v.mp4", "rb") as f:
+        probe = probe_video(f)
+    assert probe.meta == probe_video(path).meta and probe.size_bytes == path.stat().st_size
+    assert probe.bytes_read == probe_video(path).bytes_read < probe.size_bytes

@@ -94,9 +94,11 @@ class _CountingReader(io.RawIOBase):
         self.bytes_read = 0
 
     def readinto(self, buffer: Any) -> int:
-        n = self._f.readinto(buffer)  # type: ignore[attr-defined]
-        self.bytes_read += n or 0
-        return n or 0
+        view = memoryview(buffer).cast("B")
+        data = self._f.read(len(view))  # every binary file object has read(); not all have readinto()
+        view[: len(data)] = data
+        self.bytes_read += len(data)
+        return len(data)
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         return self._f.seek(offset, whence)
@@ -112,15 +114,27 @@ class _CountingReader(io.RawIOBase):
 
 
 def probe_video(
-    src: str | os.PathLike[str] | bytes | bytearray | memoryview,
+    src: str | os.PathLike[str] | bytes | bytearray | memoryview | IO[bytes],
     config: VideoProbeConfig | None = None,
     *,
     name: str | None = None,
 ) -> VideoProbe:
-    """Metadata of the first video stream of a file or of in-memory bytes; `VideoProbeError` if rejected."""
+    """Metadata of the first video stream; `VideoProbeError` if rejected.
+
+    `src` is a local path, in-memory bytes, or a seekable binary file object (e.g. an fsspec file opened
+    for s3:// or http(s)://: only the ranges FFmpeg asks for are read).
+    """
     config = config or VideoProbeConfig()
     if isinstance(src, (bytes, bytearray, memoryview)):
         return _probe_file(io.BytesIO(bytes(src)), len(src), name or "<bytes>", config)
+    if not isinstance(src, (str, os.PathLike)):
+        label = name or str(getattr(src, "path", getattr(src, "name", "<file object>")))
+        try:
+            size = src.seek(0, os.SEEK_END)
+            src.seek(0)
+        except OSError as exc:
+            raise VideoProbeError("unreadable_video", f"cannot read video {label}: {exc}") from None
+        return _probe_file(src, size, label, config)
     path = os.fspath(src)
     name = name or path
     try:
