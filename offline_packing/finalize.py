@@ -34,7 +34,6 @@ def compute_counts(wd: WorkDir, rejects: list[dict]) -> ManifestCounts:
     """The manifest's "counts": samples read = packed + rejected, always (checked)."""
     scan, lengths, plan = wd.read_marker("scan"), wd.read_marker("lengths"), wd.read_marker("binpack")
     packed = sum(lengths["accepted"])
-    truncated = lengths.get("truncated", 0)  # per chunk, like "accepted"
     counts = ManifestCounts(
         samples_read=scan["read"],
         samples_packed=packed,
@@ -43,7 +42,7 @@ def compute_counts(wd: WorkDir, rejects: list[dict]) -> ManifestCounts:
         bins=plan["bins"],
         tokens=plan["tokens"],
         image_tokens=sum(lengths["image_tokens"]),
-        truncated=sum(truncated) if isinstance(truncated, list) else int(truncated),
+        truncated=int(lengths.get("truncated", 0)),
     )
     if counts.samples_read != packed + len(rejects):
         raise AssertionError(

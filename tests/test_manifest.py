@@ -83,11 +83,9 @@ def expected_v2_bytes() -> bytes:
     """MANIFEST_V1 with the documented version-2 changes, edited as text (no serialiser involved)."""
     text = MANIFEST_V1.replace(' "created_by": "mmpack 0.1.0",', f' "created_by": "mmpack {_version()}",')
     text = text.replace('  "tokens": 270\n },', '  "tokens": 270,\n  "truncated": 0\n },')
-    if "max_image_pixels" in PackJobConfig.__dataclass_fields__:
-        limit = PackJobConfig.__dataclass_fields__["max_image_pixels"].default
-        text = text.replace(
-            '  "max_pixels": 12845056,', f'  "max_image_pixels": {limit},\n  "max_pixels": 12845056,'
-        )
+    text = text.replace(
+        '  "max_pixels": 12845056,', '  "max_image_pixels": 40000000,\n  "max_pixels": 12845056,'
+    )
     return text.replace(' "version": 1\n', f' "version": {FORMAT_VERSION}\n').encode()
 
 
@@ -231,11 +229,9 @@ def test_loader_refuses_an_image_over_the_manifest_limit_before_decoding() -> No
 
 
 def test_loader_limit_comes_from_the_manifest(fixed_dataset: Path, tmp_path: Path) -> None:
-    assert load_manifest(str(fixed_dataset)).max_image_pixels == (
-        PackJobConfig.__dataclass_fields__["max_image_pixels"].default
-        if "max_image_pixels" in PackJobConfig.__dataclass_fields__
-        else DEFAULT_MAX_IMAGE_PIXELS
-    )
+    assert (
+        load_manifest(str(fixed_dataset)).max_image_pixels == DEFAULT_MAX_IMAGE_PIXELS
+    )  # recorded by the job
     raw = json.loads(MANIFEST_V1)
     raw["image_rule"]["max_image_pixels"] = 1234
     (tmp_path / "manifest.json").write_text(json.dumps(raw))
