@@ -26,8 +26,9 @@ from trainer.build import build_model, check_data_matches_model, model_hf_config
 from trainer.checkpoint import CheckpointWriter, load_checkpoint
 from trainer.config import RunConfig, build_megatron_configs
 from trainer.convert import HF_CONFIG_NAME
-from trainer.data import DataInfo, StepBatches, build_step_batches, dataset_info, model_inputs
+from trainer.data import DataInfo, build_step_batches, dataset_info, model_inputs
 from trainer.models import family_of
+from trainer.shared_batches import SharedStepBatches, shared_step_batches
 
 
 def te_available() -> bool:
@@ -100,7 +101,7 @@ def _loss_func(loss_mask: torch.Tensor, poison: bool, output: torch.Tensor):
 
 def _tokens_digest(tokens: torch.Tensor) -> int:
     """A position-weighted checksum of a micro-batch's tokens: shows which data a step consumed."""
-    weights = torch.arange(1, tokens.numel() + 1, dtype=torch.int64)
+    weights = torch.arange(1, tokens.numel() + 1, dtype=torch.int64, device=tokens.device)
     return int((tokens.reshape(-1).long() * weights).sum()) % 1_000_000_007
 
 
@@ -134,13 +135,13 @@ class Trainer:
             cache_dir=cfg.data.cache_dir,
             balance=cfg.data.balance,
         )
-        self.train_data = step_batches(cfg.data.data_path, seed=cfg.train.seed)
-        self.eval_data: StepBatches | None = None
+        self.train_data = shared_step_batches(partial(step_batches, cfg.data.data_path, seed=cfg.train.seed))
+        self.eval_data: SharedStepBatches | None = None
         if cfg.train.eval_interval > 0:
             eval_path = cfg.data.eval_data_path
             if cfg.data.data_path and not eval_path:
                 raise ValueError("--eval-interval needs --eval-data-path (a held-out packed dataset)")
-            self.eval_data = step_batches(eval_path, seed=cfg.train.seed + 1)
+            self.eval_data = shared_step_batches(partial(step_batches, eval_path, seed=cfg.train.seed + 1))
         self.iteration = 0
         self.skipped = 0
         self.is_logger = dist.get_rank() == dist.get_world_size() - 1

@@ -1,0 +1,79 @@
+"""Checkpoint behaviour users rely on: ``--save X --load X`` on an empty folder starts at iteration 0 and
+later resumes from X; a checkpoint of another model is one clear error naming both; ``--finetune`` takes the
+weights only; ``--async-save`` writes complete checkpoints in the background."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.test_trainer_support import Run, checkpoint_view, make_packed_dataset, ok, train
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["--micro-batch-size", "1", "--global-batch-size", "2", "--seed", "4", "--lr", "2e-3"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_packed_dataset(tmp_path_factory.mktemp("ckdata") / "data", n_samples=40, seed=6)
+
+
+@pytest.fixture(scope="module")
+def same_folder(data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Run, Run]:
+    """Two launches of the same command line with --save X --load X: 2 iterations, then up to 4."""
+    root = tmp_path_factory.mktemp("same")
+    ckpt = root / "ckpt"
+    args = ["--data-path", str(data), *COMMON, "--save", str(ckpt), "--load", str(ckpt)]
+    first = ok(train(1, [*args, "--train-iters", "2"], root / "first"))
+    second = ok(train(1, [*args, "--train-iters", "4"], root / "second"))
+    return ckpt, first, second
+
+
+def test_empty_folder_starts_at_iteration_zero_then_resumes(same_folder: tuple[Path, Run, Run]) -> None:
+    ckpt, first, second = same_folder
+    assert f"no checkpoint in {ckpt}: training starts at iteration 0" in first.stdout
+    assert [m["iteration"] for m in first.train] == [1, 2]
+    assert f"resumed from {ckpt} at iteration 2" in second.stdout
+    assert [m["iteration"] for m in second.train] == [3, 4]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
+
+
+def test_another_model_is_one_clear_error(
+    same_folder: tuple[Path, Run, Run], data: Path, tmp_path: Path
+) -> None:
+    ckpt, _, _ = same_folder
+    view = checkpoint_view(ckpt, 2, tmp_path)  # without hf_config.json: the size flags build the model
+    run = train(1, ["--data-path", str(data), *COMMON, "--load", str(view), "--hidden-size", "32"], tmp_path)
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("pretrain_vlm: error:")]
+    assert len(errors) == 1, run.stderr[-3000:]
+    assert "holds another model than this run builds" in errors[0]
+    assert "saved qwen2_5_vl (vocab_size=" in errors[0] and "hidden_size=64" in errors[0]
+    assert "this run qwen2_5_vl (" in errors[0] and "hidden_size=32" in errors[0]
+    assert "trainer/checkpoint.py" not in run.stderr  # no traceback of the trainer's, just the line
+
+
+def test_finetune_loads_weights_only(same_folder: tuple[Path, Run, Run], data: Path, tmp_path: Path) -> None:
+    ckpt, first, _ = same_folder
+    view = checkpoint_view(ckpt, 2, tmp_path)
+    args = ["--data-path", str(data), *COMMON, "--load", str(view), "--finetune", "--train-iters", "1"]
+    tuned = ok(train(1, args, tmp_path / "tuned"))
+    assert "(--finetune: starting at iteration 0)" in tuned.stdout
+    assert [m["iteration"] for m in tuned.train] == [1]
+    assert tuned.train[0]["data_digest"] == first.train[0]["data_digest"]  # the data stream starts afresh
+    assert tuned.train[0]["loss"] < first.train[0]["loss"]  # from the trained weights, not a fresh init
+
+
+def test_async_save_writes_complete_checkpoints(data: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    args = ["--data-path", str(data), *COMMON, "--save", str(ckpt), "--save-interval", "1", "--async-save"]
+    ok(train(1, [*args, "--train-iters", "3"], tmp_path / "async"))
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+    for it in (1, 2, 3):
+        assert (ckpt / f"iter_{it:07d}" / "metadata.json").is_file()
+    resumed = ok(
+        train(1, ["--data-path", str(data), *COMMON, "--load", str(ckpt), "--train-iters", "4"], tmp_path)
+    )
+    assert [m["iteration"] for m in resumed.train] == [4]

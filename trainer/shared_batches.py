@@ -1,0 +1,143 @@
+"""One read and one image decode per DP rank: TP rank 0 of the first pipeline stage takes the step's
+micro-batches from the loader; the other ranks of its model-parallel group receive them by broadcast, as
+Megatron-LM's ``get_batch_on_this_tp_rank`` does.
+
+- later pipeline stages get, from the first stage over the pipeline group, everything but the pixels
+  (tokens and image grids for the MRoPE positions, cu_seqlens for the packed attention, labels and loss mask
+  for the loss); the loader state travels with them, so every rank can report and save it;
+- the TP peers of every stage then get their stage's tensors over the TP group (the pixels only on the first
+  stage, where the vision tower runs).
+
+megatron-core's ``broadcast_data`` is not used because it takes one dtype per call and reads a zero-sized
+dimension as the end of a shape (an image-free micro-batch has ``pixel_values`` of shape [0, D]): here one
+object broadcast describes the micro-batches and one flat tensor per dtype carries their data.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+IMAGE_KEYS = ("pixel_values",)
+
+
+def reads_data() -> bool:
+    """True on the rank of each DP replica that reads and decodes: TP rank 0 of the first stage."""
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_first_stage()
+
+
+def _device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def _describe(batches: list[dict[str, Any]], skip: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Per micro-batch: key -> ("tensor", dtype, shape) or ("value", plain value)."""
+    out = []
+    for batch in batches:
+        entry: dict[str, Any] = {}
+        for key, value in batch.items():
+            if key in skip:
+                continue
+            if isinstance(value, torch.Tensor):
+                entry[key] = ("tensor", value.dtype, tuple(value.shape))
+            else:
+                entry[key] = ("value", value)
+        out.append(entry)
+    return out
+
+
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype == torch.bool else dtype  # bool travels as bytes
+
+
+def broadcast_step(
+    batches: list[dict[str, Any]] | None, extra: Any, *, group: Any, src: int, skip: tuple[str, ...] = ()
+) -> tuple[list[dict[str, Any]], Any]:
+    """Sends ``batches`` (and a picklable ``extra``) from global rank ``src`` to every rank of ``group``,
+    leaving out the keys in ``skip``. Returns what this rank holds afterwards."""
+    is_src = dist.get_rank() == src
+    meta: list[Any] = [_describe(batches, skip), extra] if is_src and batches is not None else [None, None]
+    dist.broadcast_object_list(meta, src=src, group=group)
+    layout, extra = meta
+    slots = [(i, k, d) for i, entry in enumerate(layout) for k, d in entry.items() if d[0] == "tensor"]
+    out: list[dict[str, Any]] = [{k: d[1] for k, d in entry.items() if d[0] == "value"} for entry in layout]
+    device = _device()
+    for dtype in sorted({d[1] for _, _, d in slots}, key=str):
+        mine = [(i, k, d[2]) for i, k, d in slots if d[1] == dtype]
+        numel = sum(int(torch.Size(shape).numel()) for _, _, shape in mine)
+        wire = _wire_dtype(dtype)
+        if is_src:
+            assert batches is not None
+            flat = torch.cat([batches[i][k].reshape(-1).to(wire) for i, k, _ in mine]).to(device)
+        else:
+            flat = torch.empty(numel, dtype=wire, device=device)
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for i, k, shape in mine:
+            n = int(torch.Size(shape).numel())
+            out[i][k] = flat[offset : offset + n].view(shape).to(dtype)
+            offset += n
+    return (batches, extra) if is_src and batches is not None else (out, extra)
+
+
+class SharedStepBatches:
+    """The step's micro-batches on every rank of a model-parallel group, read on one of them.
+
+    ``source`` (a :class:`trainer.data.StepBatches`) exists on the reading rank only. The data wait of the
+    other ranks is the time until their broadcast arrived.
+    """
+
+    def __init__(self, source: Any | None) -> None:
+        self.source = source
+        self._state: dict[str, Any] | None = None
+
+    def next_step(self) -> tuple[list[dict[str, Any]], float]:
+        start = time.perf_counter()
+        batches: list[dict[str, Any]] | None = None
+        state = None
+        wait_s = 0.0
+        if self.source is not None:
+            batches, wait_s = self.source.next_step()
+            state = self.source.state_dict()
+        if ps.get_pipeline_model_parallel_world_size() > 1 and ps.get_tensor_model_parallel_rank() == 0:
+            batches, state = broadcast_step(
+                batches, state, group=ps.get_pipeline_model_parallel_group(),
+                src=ps.get_pipeline_model_parallel_first_rank(), skip=IMAGE_KEYS,
+            )  # fmt: skip
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            batches, state = broadcast_step(
+                batches, state, group=ps.get_tensor_model_parallel_group(),
+                src=ps.get_tensor_model_parallel_src_rank(),
+                skip=() if ps.is_pipeline_first_stage() else IMAGE_KEYS,
+            )  # fmt: skip
+        assert batches is not None
+        self._state = state
+        return batches, wait_s if self.source is not None else time.perf_counter() - start
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.source is not None:
+            return self.source.state_dict()
+        return dict(self._state or {})
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.source is not None:
+            self.source.load_state_dict(state)
+        self._state = dict(state)
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
+
+
+def shared_step_batches(build: Callable[[], Any]) -> SharedStepBatches:
+    """The step batches of this rank: ``build()`` (a loader) only where :func:`reads_data`."""
+    return SharedStepBatches(build() if reads_data() else None)
