@@ -8,8 +8,8 @@ Accepted forms (local path or fsspec URL):
   `{"max_len": L, "counts": [...]}` where counts[i] is the number of samples of length i + 1;
 - `.npy`: a 1-D integer array of lengths, or an [N, 2] array of (length, image count) rows.
 
-Text and `.npy` files are streamed (read in chunks of CHUNK_BYTES): memory holds the resulting int64 lengths
-plus one chunk, never the whole file. `.json` files are parsed whole, so ones over JSON_MAX_BYTES are refused
+Text and `.npy` files are streamed (read in chunks of CHUNK_BYTES): memory holds about 1.5 times the resulting
+int64 lengths plus one chunk, never the whole file. `.json` files are parsed whole, so ones over JSON_MAX_BYTES are refused
 with a message to use a text or `.npy` length file instead.
 
 Every problem raises `StatsInputError` with a message naming the file (and line where there is one).
@@ -136,13 +136,15 @@ def _parse_lines(path: str, f: Any) -> LengthInput:
             values = None
         if values is None or (values and min(values) < 1):
             _raise_first_bad_line(path, lines, first_line)
-        parts.append(np.asarray(values, dtype=np.int64))
+        part = np.asarray(values, dtype=np.int64)
+        # held as int32 until the end where lengths allow: the parts then cost half the result
+        parts.append(part.astype(np.int32) if part.size and int(part.max()) < 2**31 else part)
         first_line += len(lines)
     return LengthInput(path, "lines", _concatenate(parts))
 
 
 def _concatenate(parts: list[np.ndarray]) -> np.ndarray:
-    """One array of the parts, freeing each part once copied (peak: the result plus one part)."""
+    """One int64 array of the parts, freeing each part once copied."""
     out = np.empty(sum(p.size for p in parts), dtype=np.int64)
     start = 0
     parts.reverse()
