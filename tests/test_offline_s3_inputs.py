@@ -19,7 +19,7 @@ from offline_packing.config import PackJobConfig
 from offline_packing.inputs import remote
 from offline_packing.pipeline import run_pack
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
-from tests.storage_servers import FaultPlan, FaultProxy, moto_s3, s3_storage_options
+from tests.storage_servers import FaultPlan, FaultProxy, http_server, moto_s3, s3_storage_options
 
 SEQ_LEN = 1024
 
@@ -149,6 +149,24 @@ def test_s3_folder_input_and_image_root(raw, s3, tmp_path: Path) -> None:
     run_pack(_cfg([str(root)], local_out, tok, image_root=str(root)))
     run_pack(_cfg([url], remote_out, tok, image_root=url + "/", storage_options=opts))
     _same_dataset(dataset_files(local_out), dataset_files(remote_out), str(root), url)
+
+
+def test_http_inputs_equal_local_copy(raw, local_run, tmp_path: Path) -> None:
+    """Plain HTTP (no listing, no Range support in `http.server`): each object named, same output."""
+    root, tok = raw
+    with http_server(root) as base:
+        out = tmp_path / "out"
+        # the S3 options of the job (for an s3:// output, say) are not given to the HTTP client
+        opts = s3_storage_options("http://127.0.0.1:1")
+        run_pack(_cfg([f"{base}/{n}" for n in INPUT_NAMES], out, tok, storage_options=opts))
+    _same_dataset(local_run, dataset_files(out), str(root), base)
+
+
+def test_file_urls_are_local_paths(raw, local_run, tmp_path: Path) -> None:
+    root, tok = raw
+    out = tmp_path / "out"
+    run_pack(_cfg([f"file://{root / n}" for n in INPUT_NAMES], out, tok, image_root=f"file://{root}"))
+    assert dataset_files(out) == local_run
 
 
 class CountingProxy(FaultProxy):
