@@ -16,6 +16,7 @@ FILL_BUCKETS: tuple[tuple[str, float, float], ...] = (
     ("95-100", 0.95, 1.0 + 1e-12),
 )
 _HISTOGRAM_CAPACITY_LIMIT = 1 << 24
+_DEBUG = True
 
 
 def _positive_int(value: int, name: str) -> int:
@@ -140,6 +141,90 @@ def lower_bound_images(
     if max_items is not None:
         bound = max(bound, lower_bound_item_cap(fits, capacity, max_items))
     return max(bound, _long_item_image_bound(fits, fit_images, capacity, max_images))
+
+
+def lower_bound_images_lp(
+    lengths: np.ndarray,
+    image_counts: np.ndarray,
+    capacity: int,
+    max_images: int,
+    max_items: int | None = None,
+    *,
+    length_units: int = 256,
+    max_rounds: int = 400,
+) -> int:
+    """LP (configuration model) lower bound on bins under a token capacity, an image cap and an item cap.
+
+    Lengths are rounded down to multiples of ceil(capacity / length_units) (a relaxation: whatever fits before
+    fits after) and the LP "fewest bins covering every (length, images) class" is solved by column generation
+    (`image_cap_lp`). Every round gives a valid bound, duals . demand / best pattern value (Farley), converged
+    or not. Returns the larger of that and `lower_bound_images`. Needs scipy (pip install scipy).
+    """
+    simple = lower_bound_images(lengths, image_counts, capacity, max_images, max_items)
+    farley, _ = image_cap_lp(
+        lengths,
+        image_counts,
+        capacity,
+        max_images,
+        max_items,
+        length_units=length_units,
+        max_rounds=max_rounds,
+    )
+    return max(simple, int(-(-farley * (1 - 1e-9) // 1)))
+
+
+def image_cap_lp(
+    lengths: np.ndarray,
+    image_counts: np.ndarray,
+    capacity: int,
+    max_images: int,
+    max_items: int | None = None,
+    *,
+    length_units: int = 256,
+    max_rounds: int = 400,
+    round_up: bool = False,
+) -> tuple[float, float]:
+    """Column generation for the configuration LP of image-capped packing: (best Farley bound, master value).
+
+    Lengths are rounded to multiples of ceil(capacity / length_units): down (`round_up=False`: the LP is a
+    relaxation, the Farley value a lower bound on bins) or up (every LP bin content fits the real items, so
+    the master value, once converged, bounds from above what rounding that LP solution would need). The
+    master LP is solved by scipy's HiGHS, the pricing knapsack exactly (`_bound_kernels`).
+    """
+    from scipy.optimize import linprog
+
+    from packing._bound_kernels import best_pattern_kernel
+
+    capacity = _positive_int(capacity, "capacity")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    images = np.asarray(image_counts, dtype=np.int64)
+    keep = (lengths <= capacity) & (images <= max_images)
+    if not keep.any():
+        return 0.0, 0.0
+    unit = -(-capacity // length_units)
+    rounded = -(-lengths[keep] // unit) if round_up else lengths[keep] // unit
+    classes, demand = np.unique(np.stack([rounded, images[keep]]), axis=1, return_counts=True)
+    units, class_images = classes[0].astype(np.int64), classes[1].astype(np.int64)
+    capacity_units, item_cap = capacity // unit, 0 if max_items is None else int(max_items)
+    alone = np.minimum(capacity_units // np.maximum(units, 1), max_images // np.maximum(class_images, 1))
+    alone = np.minimum(np.minimum(alone, demand), item_cap if item_cap else demand)
+    columns = [np.where(np.arange(len(demand)) == c, max(int(alone[c]), 1), 0) for c in range(len(demand))]
+    farley, master = 0.0, float("inf")
+    for _ in range(max_rounds):
+        matrix = np.stack(columns, axis=1).astype(np.float64)
+        result = linprog(np.ones(len(columns)), A_ub=-matrix, b_ub=-demand.astype(np.float64), method="highs")
+        if result.status != 0:
+            raise RuntimeError(f"master LP failed: {result.message}")
+        master = float(result.fun)
+        duals = np.maximum(-result.ineqlin.marginals, 0.0)
+        value, pattern = best_pattern_kernel(
+            units, class_images, duals, demand.astype(np.int64), capacity_units, max_images, item_cap
+        )
+        farley = max(farley, float(duals @ demand) / max(value, 1e-12))
+        if value <= 1.0 + 1e-9:
+            break
+        columns.append(pattern)
+    return farley, master
 
 
 def _long_item_image_bound(lengths: np.ndarray, images: np.ndarray, capacity: int, max_images: int) -> int:

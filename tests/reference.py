@@ -258,3 +258,22 @@ def optimal_bins(lengths, capacity, images=None, max_images=UNLIMITED, max_items
 
     place(0)
     return best
+
+
+def best_pattern(units, images, values, counts, capacity_units, max_images, max_items=0) -> float:
+    """Value of the best bin content (see `_bound_kernels.best_pattern_kernel`), by enumeration."""
+    best = 0.0
+
+    def walk(c: int, used: int, imgs: int, items: int, value: float) -> None:
+        nonlocal best
+        best = max(best, value)
+        if c == len(units):
+            return
+        for copies in range(counts[c] + 1):
+            u, m, k = used + copies * units[c], imgs + copies * images[c], items + copies
+            if u > capacity_units or m > max_images or (max_items and k > max_items):
+                break
+            walk(c + 1, u, m, k, value + copies * max(values[c], 0.0) if values[c] > 0 else value)
+
+    walk(0, 0, 0, 0, 0.0)
+    return best

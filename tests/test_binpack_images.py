@@ -122,3 +122,81 @@ def test_auto_reaches_the_two_dimensional_bound_where_length_order_does_not(max_
     )
     if max_images <= 4:
         assert by_length.num_bins > bound * 1.05
+
+
+@FAST
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 6), st.integers(0, 3), st.floats(-1, 5), st.integers(1, 3)), max_size=5
+    ),
+    st.integers(0, 12),
+    st.integers(0, 4),
+    st.integers(0, 4),
+)
+def test_best_pattern_kernel_matches_enumeration(classes, capacity_units, max_images, max_items):
+    from packing._bound_kernels import best_pattern_kernel
+
+    units, images, values, counts = (np.array([c[i] for c in classes]) for i in range(4))
+    value, pattern = best_pattern_kernel(
+        units.astype(np.int64),
+        images.astype(np.int64),
+        values.astype(np.float64),
+        counts.astype(np.int64),
+        capacity_units,
+        max_images,
+        max_items,
+    )
+    want = reference.best_pattern(
+        units.tolist(),
+        images.tolist(),
+        values.tolist(),
+        counts.tolist(),
+        capacity_units,
+        max_images,
+        max_items,
+    )
+    assert value == pytest.approx(want)
+    # the returned content is feasible and worth the value
+    assert np.all(pattern <= np.maximum(counts, 0)) and np.all(pattern >= 0)
+    assert pattern @ units <= capacity_units and pattern @ images <= max_images
+    assert max_items == 0 or pattern.sum() <= max_items
+    assert pattern @ np.maximum(values, 0) == pytest.approx(value)
+
+
+@settings(max_examples=25, deadline=None)
+@given(capped_inputs(max_n=7))
+def test_lp_bound_never_exceeds_the_optimum(inputs):
+    pytest.importorskip("scipy")
+    from packing.stats import lower_bound_images_lp
+
+    lengths, capacity, max_items, images, max_images = inputs
+    optimum = reference.optimal_bins(
+        lengths, capacity, images, max_images, reference.UNLIMITED if max_items is None else max_items
+    )
+    bound = lower_bound_images_lp(
+        np.array(lengths, dtype=np.int64), np.array(images), capacity, max_images, max_items, length_units=16
+    )
+    assert bound <= optimum
+
+
+@pytest.mark.parametrize(
+    ("lengths", "images", "max_images", "optimum"),
+    [
+        ([4, 1, 1, 8, 2, 6, 9], [3, 1, 0, 1, 3, 2, 0], 3, 5),
+        ([3, 9, 3, 7, 6], [3, 2, 3, 3, 2], 4, 5),
+        ([10, 3, 6, 2, 2, 7], [0, 2, 3, 0, 2, 1], 4, 4),
+    ],
+)
+def test_lp_bound_reaches_the_optimum_where_the_simple_bound_does_not(lengths, images, max_images, optimum):
+    """Found by search over small instances (capacity 10): the two dimensions interact; the control is
+    `lower_bound_images`, one bin short."""
+    pytest.importorskip("scipy")
+    from packing.stats import image_cap_lp, lower_bound_images_lp
+
+    assert reference.optimal_bins(lengths, 10, images, max_images) == optimum
+    assert lower_bound_images(np.array(lengths), np.array(images), 10, max_images) == optimum - 1
+    assert (
+        lower_bound_images_lp(np.array(lengths), np.array(images), 10, max_images, length_units=10) == optimum
+    )
+    farley, master = image_cap_lp(np.array(lengths), np.array(images), 10, max_images, length_units=10)
+    assert farley == pytest.approx(master)  # converged: the Farley bound equals the LP optimum
