@@ -113,7 +113,7 @@ def test_thd_inputs_flatten_the_micro_batch() -> None:
             input_ids=np.arange(1, n + 1),
             loss_mask=np.ones(n, dtype=np.uint8),
             image_grid_thw=np.zeros((0, 3), dtype=np.int64),
-            pixel_values=np.zeros((0, 588), dtype=np.float32),
+            pixel_values=np.zeros((0, 1176), dtype=np.float32),
         )
 
     batch = make_micro_batch([[sample(3), sample(2)], [sample(4)]], 6, 0, attention_mask=False)

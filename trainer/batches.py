@@ -84,6 +84,7 @@ class SyntheticSpec:
     vision_start_id: int
     vision_end_id: int
     patch_size: int = 14
+    temporal_patch_size: int = 2
     merge_size: int = 2
     min_len: int = 8
     max_len: int = 40
@@ -98,11 +99,12 @@ def synthetic_sample(spec: SyntheticSpec, rng: np.random.Generator) -> Sample:
     answer = prompt[::-1].copy()  # learnable: the answer reverses the prompt
     ids = [prompt]
     grids = np.zeros((0, 3), dtype=np.int64)
-    pixels = np.zeros((0, 3 * spec.patch_size**2), dtype=np.float32)
+    width = 3 * spec.temporal_patch_size * spec.patch_size**2  # the processor's [C, T, p, p] per patch
+    pixels = np.zeros((0, width), dtype=np.float32)
     if rng.random() < spec.image_probability:
         gh, gw = (spec.merge_size * int(rng.integers(1, 3)) for _ in range(2))
         grids = np.array([[1, gh, gw]], dtype=np.int64)
-        pixels = rng.standard_normal((gh * gw, 3 * spec.patch_size**2)).astype(np.float32)
+        pixels = rng.standard_normal((gh * gw, width)).astype(np.float32)
         n_img = gh * gw // spec.merge_size**2
         ids.append(np.array([spec.vision_start_id, *[spec.image_pad_id] * n_img, spec.vision_end_id]))
     ids.append(answer)

@@ -48,6 +48,8 @@ class Qwen25VLModel(MegatronModule):
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="mrope",
             rotary_base=int(arch.rope_theta),
+            # whole-sequence word embeddings: image features go in before embed() scatters for SP
+            scatter_embedding_sequence_parallel=False,
         )
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor]) -> None:

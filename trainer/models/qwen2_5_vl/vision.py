@@ -74,11 +74,7 @@ class VisionTower(MegatronModule):
     def _embed_patches(self, pixel_values: torch.Tensor) -> torch.Tensor:
         a = self.arch
         width = a.in_channels * a.temporal_patch_size * a.patch_size**2
-        if pixel_values.shape[-1] == width // a.temporal_patch_size:
-            # a still image given once per patch: the processor repeats it over the temporal patch
-            pixel_values = pixel_values.reshape(-1, a.in_channels, 1, a.patch_size**2)
-            pixel_values = pixel_values.expand(-1, -1, a.temporal_patch_size, -1)
-        elif pixel_values.shape[-1] != width:
+        if pixel_values.shape[-1] != width:
             raise ValueError(
                 f"pixel_values rows have {pixel_values.shape[-1]} values, the model takes {width}"
             )
