@@ -57,6 +57,17 @@ def test_resume_under_another_layout_continues_the_run(
     check_continues(resumed, full)
 
 
+def test_resume_with_an_uneven_pipeline_split(saved: tuple[Path, Path, Run], tmp_path: Path) -> None:
+    """Saved with 2 + 2 language layers per stage, resumed with 1 on the first stage (beside the vision
+    tower) and 3 on the last: the layers are stored by global number, so the run continues unchanged."""
+    data, ckpt, full = saved
+    view = checkpoint_view(ckpt, SAVE_AT, tmp_path)
+    args = ["--data-path", str(data), *COMMON, *layout(2, 2), "--load", str(view)]
+    resumed = ok(train(8, [*args, "--decoder-first-pipeline-num-layers", "1"], tmp_path))
+    assert "language layers per stage 1,3 |" in resumed.stdout
+    check_continues(resumed, full)
+
+
 def test_resume_without_optimizer_state_differs(saved: tuple[Path, Path, Run], tmp_path: Path) -> None:
     """Control: the same resume with a fresh optimizer (--no-load-optim) does not match the full run, so
     the equality above depends on the resharded optimizer state."""

@@ -18,6 +18,7 @@ from trainer.config import (
     RunConfig,
     TrainConfig,
 )
+from trainer.observability import ObservabilityConfig
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -87,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size")
     g.add_argument("--sequence-parallel", action="store_true", help="shard activations along sequence (TP>1)")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer state over DP")
+    g.add_argument(
+        "--decoder-first-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="language layers on the first stage (it also runs the vision tower); the rest split evenly",
+    )
+    g.add_argument(
+        "--decoder-last-pipeline-num-layers", type=int, default=None, help="language layers on the last stage"
+    )
 
     g = p.add_argument_group("mixed precision")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and compute, fp32 master weights")
@@ -156,6 +166,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute: spread each global batch's bins over DP ranks by compute cost (dataloader.balance)",
     )
 
+    g = p.add_argument_group("logging")
+    g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard event files here (last rank)")
+    g.add_argument(
+        "--wandb-project", default=None, help="log to Weights & Biases (offline mode; needs wandb)"
+    )
+    g.add_argument("--wandb-exp-name", default=None, help="W&B run name")
+    g.add_argument("--wandb-save-dir", default=None, help="W&B offline folder (default: --tensorboard-dir)")
+    g.add_argument(
+        "--log-timers-to-tensorboard", action="store_true", help="megatron-core timers (max over ranks)"
+    )
+    g.add_argument("--log-params-norm", action="store_true", help="L2 norm of all parameters")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true", help="zeros in the gradient")
+    g.add_argument(
+        "--peak-tflops-per-gpu",
+        type=float,
+        default=None,
+        help="for MFU (default: known GPUs' dense bf16 peak)",
+    )
+
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="checkpoint folder to write")
     g.add_argument("--load", default=None, help="checkpoint folder to resume from")
@@ -193,4 +222,5 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
         ),
         data=_config_from_args(DataConfig, args, cache_dir=args.data_cache_dir),
         checkpoint=_config_from_args(CheckpointConfig, args),
+        logging=_config_from_args(ObservabilityConfig, args),
     )

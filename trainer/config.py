@@ -11,6 +11,8 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 
+from trainer.observability import ObservabilityConfig
+
 
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
@@ -64,10 +66,21 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    # megatron-core's uneven split: language layers on the first / last stage (the rest evenly in between),
+    # e.g. fewer on the first stage, which also runs the vision tower
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
             raise ValueError("parallel sizes must be >= 1")
+        uneven = (self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)
+        if any(n is not None for n in uneven) and self.pipeline_model_parallel_size < 2:
+            raise ValueError(
+                "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1"
+            )
+        if any(n is not None and n < 0 for n in uneven):
+            raise ValueError("--decoder-first/last-pipeline-num-layers must be >= 0")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
 
@@ -208,6 +221,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=lambda: DataConfig(mock_data=True))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -254,7 +268,12 @@ def build_megatron_configs(cfg: RunConfig, arch: Any) -> MegatronConfigs:
         if tr.recompute_activations
         else {}
     )
-    language_extra = {"sequence_parallel": par.sequence_parallel, **recompute}
+    language_extra = {
+        "sequence_parallel": par.sequence_parallel,
+        "num_layers_in_first_pipeline_stage": par.decoder_first_pipeline_num_layers,
+        "num_layers_in_last_pipeline_stage": par.decoder_last_pipeline_num_layers,
+        **recompute,
+    }
     parts = family(m.model_type).build_transformer_configs(arch, common, language_extra)
     ddp = DistributedDataParallelConfig(
         grad_reduce_in_fp32=prec.accumulate_allreduce_grads_in_fp32,
@@ -282,5 +301,6 @@ def build_megatron_configs(cfg: RunConfig, arch: Any) -> MegatronConfigs:
         loss_scale_window=prec.loss_scale_window,
         hysteresis=prec.hysteresis,
         use_distributed_optimizer=par.use_distributed_optimizer,
+        log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad,
     )
     return MegatronConfigs(language=parts.language, model=parts, ddp=ddp, optimizer=optimizer)

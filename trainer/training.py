@@ -20,6 +20,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from trainer import cpu_backend
 from trainer.build import build_model, check_data_matches_model, model_hf_config
@@ -28,6 +29,7 @@ from trainer.config import RunConfig, build_megatron_configs
 from trainer.convert import HF_CONFIG_NAME
 from trainer.data import DataInfo, build_step_batches, dataset_info, model_inputs
 from trainer.models import family_of
+from trainer.observability import Observer
 from trainer.shared_batches import SharedStepBatches, shared_step_batches
 
 
@@ -145,6 +147,10 @@ class Trainer:
         self.iteration = 0
         self.skipped = 0
         self.is_logger = dist.get_rank() == dist.get_world_size() - 1
+        self.observer = Observer(
+            cfg.logging, arch=self.arch, pad_id=info.pad_id, model=self.model, optimizer=self.optimizer,
+            language_config=self.mcfg.language, is_logger=self.is_logger, run_config=dataclasses.asdict(cfg),
+        )  # fmt: skip
         ck = cfg.checkpoint
         self.writer = CheckpointWriter(ck.save, async_save=ck.async_save) if ck.save else None
         if ck.load:
@@ -201,9 +207,10 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         poison = (self.iteration + 1) in self.cfg.train.debug_overflow_iterations
-        losses = self._run_schedule(batches, forward_only=False, poison=poison)
+        losses = self._run_schedule(batches, forward_only=False, poison=poison)  # timed by the schedule
         lr = self.optimizer.param_groups[0]["lr"]
-        ok, grad_norm, _ = self.optimizer.step()
+        with self.observer.timed("optimizer"):
+            ok, grad_norm, num_zeros = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
         else:
@@ -216,7 +223,8 @@ class Trainer:
         loss_sum, n_tok, real, digest = self._reduce_over_dp([loss_sum, n_tok, real, digest])
         elapsed = time.perf_counter() - start + wait_s
         total = float(self.cfg.train.global_batch_size * self.cfg.train.seq_length)
-        return {
+        extra = self.observer.step_metrics(batches, wait_s=wait_s, elapsed_s=elapsed, num_zeros=num_zeros)
+        return extra | {
             "iteration": self.iteration,
             "loss": loss_sum / max(n_tok, 1.0),
             "lr": lr,
@@ -227,10 +235,8 @@ class Trainer:
             "target_tokens": int(n_tok),
             "tokens_per_s": real / elapsed,
             "real_token_fraction": real / total,
-            "data_wait_ms": wait_s * 1e3,
             "data_digest": int(digest),
             "bins_consumed": int(self.train_data.state_dict().get("bins_consumed", -1)),
-            "step_ms": elapsed * 1e3,
         }
 
     def evaluate(self) -> float:
@@ -257,14 +263,17 @@ class Trainer:
         if not self.is_logger:
             return
         gn = "nan" if m.get("grad_norm") is None else f"{m['grad_norm']:.3f}"
+        mfu = "" if m.get("mfu") is None else f" MFU: {m['mfu']:.3f} |"
         self.log_text(
             f" iteration {m['iteration']:>6}/{self.cfg.train.train_iters:>6} | lm loss: {m['loss']:.6E} |"
             f" learning rate: {m['lr']:.3E} | grad norm: {gn} | loss scale: {m['loss_scale']:.1f} |"
             f" tokens/s: {m['tokens_per_s']:.1f} | real-token fraction: {m['real_token_fraction']:.3f} |"
-            f" data-wait ms: {m['data_wait_ms']:.1f} | step ms: {m['step_ms']:.1f} |"
+            f" data-wait ms (max over ranks): {m['data_wait_ms']:.1f} | step ms: {m['step_ms']:.1f} |"
+            f" TFLOPs/GPU: {m['tflops_per_gpu']:.3f} |{mfu}"
             f" skipped iterations: {m['skipped_total']} |"
         )
         self.write_metrics(m)
+        self.observer.write(m)
 
     def write_metrics(self, record: dict[str, Any]) -> None:
         """Appends ``record`` as one JSON line to --metrics-file (logging rank only)."""
@@ -295,6 +304,7 @@ class Trainer:
                 self.log_text(f"iteration {self.iteration}: skipped (gradient overflow), loss scale lowered")
             if self.iteration % tr.log_interval == 0 or metrics["skipped"]:
                 self.log_metrics(metrics)
+                self.observer.write_timers(self.iteration, normalizer=1.0)
             if tr.eval_interval and self.iteration % tr.eval_interval == 0:
                 loss = self.evaluate()
                 self.log_text(f" validation loss at iteration {self.iteration} | lm loss: {loss:.6E} |")
@@ -309,7 +319,8 @@ class Trainer:
             self.writer.close()  # waits for an async save still being written
 
     def close(self) -> None:
-        """Stops data workers."""
+        """Stops data workers, closes the metric writers."""
+        self.observer.close()
         for data in (self.train_data, self.eval_data):
             if data is not None:
                 data.close()
@@ -323,9 +334,14 @@ class Trainer:
             f"backend {'cpu/gloo' if self.on_cpu else 'cuda/nccl'} | attention "
             f"{'THD cu_seqlens (TE)' if self.use_te else 'block-diagonal mask'} | seq {c.train.seq_length} | "
             f"micro {c.train.micro_batch_size} x {self.num_micro} micro-batches x DP {self.dp_size} = "
-            f"global {c.train.global_batch_size} | data "
+            f"global {c.train.global_batch_size} | language layers per stage {self.layers_per_stage()} | data "
             f"{c.data.data_path or 'synthetic (--mock-data)'}"
         )
+
+    def layers_per_stage(self) -> str:
+        """megatron-core's split of the language layers over the pipeline stages, e.g. "1,3"."""
+        pp = self.cfg.parallel.pipeline_model_parallel_size
+        return ",".join(str(get_num_layers_to_build(self.mcfg.language, pp_rank=r)) for r in range(pp))
 
 
 def shutdown() -> None:

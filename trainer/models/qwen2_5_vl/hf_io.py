@@ -98,8 +98,11 @@ def layers_of_stage(arch: Qwen25VLArch, pp_rank: int, pp_size: int) -> tuple[int
     return pp_rank * count, count
 
 
-def stage_rules(arch: Qwen25VLArch, pp_rank: int, pp_size: int) -> dict[str, Rule]:
-    """megatron-core parameter name (relative to the stage's model) -> :class:`Rule`."""
+def stage_rules(
+    arch: Qwen25VLArch, pp_rank: int, pp_size: int, layers: tuple[int, int] | None = None
+) -> dict[str, Rule]:
+    """megatron-core parameter name (relative to the stage's model) -> :class:`Rule`; ``layers`` (first
+    global layer, count) of an uneven split, else the even one."""
     first_stage, last_stage = pp_rank == 0, pp_rank == pp_size - 1
     rules: dict[str, Rule] = {}
     if first_stage:
@@ -107,7 +110,7 @@ def stage_rules(arch: Qwen25VLArch, pp_rank: int, pp_size: int) -> dict[str, Rul
         rules["language_model.embedding.word_embeddings.weight"] = Rule(
             "copy", ("model.embed_tokens.weight",), 0
         )
-    rules |= _decoder_rules(arch, *layers_of_stage(arch, pp_rank, pp_size))
+    rules |= _decoder_rules(arch, *(layers or layers_of_stage(arch, pp_rank, pp_size)))
     if last_stage:
         rules["language_model.decoder.final_layernorm.weight"] = Rule("copy", ("model.norm.weight",), None)
         if not arch.tie_word_embeddings:
@@ -250,7 +253,10 @@ def load_stage_weights(
 
     Every parameter must have a rule and the shapes must agree, else a ValueError names the tensor.
     """
-    rules = stage_rules(arch, pp_rank, pp_size)
+    language_model: Any = model.language_model
+    decoder = language_model.decoder  # its layers carry megatron-core's global numbers (uneven splits)
+    layers = (decoder.layers[0].layer_number - 1 if len(decoder.layers) else 0, len(decoder.layers))
+    rules = stage_rules(arch, pp_rank, pp_size, layers)
     params = {_strip_wrappers(n): p for n, p in model.named_parameters()}
     unknown = sorted(set(params) - set(rules))
     if unknown:

@@ -1,0 +1,83 @@
+"""Observability: TensorBoard event files readable by tensorboard's own reader with loss, learning rate,
+TFLOPs, data wait, params norm, zeros in the gradient and megatron-core timers; the FLOP count of packed
+attention is per sample; W&B without the package is one clear error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.test_trainer_support import make_packed_dataset, ok, train
+
+
+@pytest.mark.slow
+def test_tensorboard_events_hold_the_logged_metrics(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data = make_packed_dataset(tmp_path / "data", n_samples=30, seed=3)
+    tb = tmp_path / "tb"
+    args = [
+        "--data-path", str(data), "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3",
+        "--pipeline-model-parallel-size", "2", "--tensorboard-dir", str(tb), "--log-timers-to-tensorboard",
+        "--log-params-norm", "--log-num-zeros-in-grad",
+    ]  # fmt: skip
+    run = ok(train(2, args, tmp_path / "run"))
+    assert "TFLOPs/GPU:" in run.stdout and "data-wait ms (max over ranks)" in run.stdout
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("lm loss", "learning-rate", "throughput/tflops-per-gpu", "data-wait-ms", "params-norm",
+                "num-zeros", "grad-norm", "memory/max-rss-gb", "forward-backward-time", "forward-compute-time", "optimizer-time"):  # fmt: skip
+        assert tag in tags, (tag, sorted(tags))
+    losses = [(e.step, e.value) for e in events.Scalars("lm loss")]
+    assert [s for s, _ in losses] == [1, 2, 3]
+    assert [v for _, v in losses] == pytest.approx([m["loss"] for m in run.train], rel=1e-6)
+    assert [e.value for e in events.Scalars("learning-rate")] == pytest.approx([m["lr"] for m in run.train])
+    assert all(e.value > 0 for e in events.Scalars("throughput/tflops-per-gpu"))
+    assert all(e.value >= 0 for e in events.Scalars("data-wait-ms"))
+    assert all(e.value > 0 for e in events.Scalars("params-norm"))
+
+
+def _arch():  # type: ignore[no-untyped-def]
+    from trainer.models.qwen2_5_vl.config import arch_from_hf_config, tiny_hf_config
+
+    return arch_from_hf_config(
+        tiny_hf_config(vocab_size=512, image_token_id=500, vision_start_token_id=501, vision_end_token_id=502)
+    )
+
+
+def test_packed_attention_flops_are_counted_per_sample() -> None:
+    from trainer.observability import language_flops, vision_flops
+
+    arch = _arch()
+    packed = language_flops(arch, np.array([100, 300]))
+    assert packed == pytest.approx(
+        language_flops(arch, np.array([100])) + language_flops(arch, np.array([300]))
+    )
+    as_one_sequence = language_flops(arch, np.array([400]))  # control: the bin counted as one sample
+    assert as_one_sequence > packed * 1.001
+    # the linear part: 2 * (layers * per-layer weights + logits) per token
+    h, g, d, f, v = (
+        arch.hidden_size,
+        arch.num_key_value_heads,
+        arch.head_dim,
+        arch.intermediate_size,
+        arch.vocab_size,
+    )
+    weights = arch.num_layers * (h * (h + 2 * g * d) + h * h + 3 * h * f) + h * v
+    attention = arch.num_layers * 4 * h * 1 * 2 / 2  # one sample of 1 token: n(n+1)/2 = 1 pair
+    assert language_flops(arch, np.array([1])) == pytest.approx(2 * weights + attention)
+    assert vision_flops(arch, np.array([[1, 8, 8]])) > vision_flops(arch, np.array([[1, 4, 4]])) > 0
+    assert vision_flops(arch, np.zeros((0, 3), dtype=np.int64)) == 0
+
+
+def test_wandb_without_the_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from trainer.observability import MetricsSink, ObservabilityConfig
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(ValueError, match=r"--wandb-project needs the wandb package \(pip install wandb\)"):
+        MetricsSink(ObservabilityConfig(wandb_project="p"), is_logger=True, run_config={})

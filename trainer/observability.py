@@ -1,0 +1,304 @@
+"""What a run reports beyond its log line, as Megatron-LM users expect: TensorBoard (``--tensorboard-dir``),
+Weights & Biases in offline mode (``--wandb-project``), megatron-core's timers (``--log-timers-to-tensorboard``),
+the parameter norm (``--log-params-norm``), the zeros in the gradient (``--log-num-zeros-in-grad``), model
+TFLOPs and MFU per iteration, memory, and the data wait as the maximum over all ranks.
+
+FLOPs of one step (model FLOPs: what the model needs, whatever recomputation the run adds) are 3 x the
+forward FLOPs (the backward pass costs twice the forward). Forward FLOPs, counting a multiply-add as 2:
+
+- language model, per token: ``2 * L * (h*(h + 2*g*d) + h*h + 3*h*f) + 2*h*V`` (QKV with g key/value groups
+  of head size d, output projection, SwiGLU MLP, logits); attention per *sample* of n tokens (packed bins
+  count each sample alone, its causal half): ``L * 2 * 2 * h * n*(n+1)/2``;
+- vision tower, per patch: ``2*C*T*p*p*hv`` (patch embedding) + ``2 * Lv * (4*hv*hv + 3*hv*fv)``; attention
+  over each window (window layers) or image (full-attention layers) of m patches: ``2 * 2 * hv * m*m``;
+  merger per merged token: ``2 * (k*hv*k*hv + k*hv*h)`` with k = merge_size**2.
+
+MFU = achieved model TFLOPs per GPU / the GPU's peak dense bf16 TFLOPs (``--peak-tflops-per-gpu``, else a
+table of known devices; not reported on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
+
+
+@dataclass(kw_only=True, frozen=True)
+class ObservabilityConfig:
+    """Where metrics go and which optional ones are computed."""
+
+    tensorboard_dir: str | None = None
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    log_timers_to_tensorboard: bool = False
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
+    peak_tflops_per_gpu: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.log_timers_to_tensorboard and not (self.tensorboard_dir or self.wandb_project):
+            raise ValueError("--log-timers-to-tensorboard needs --tensorboard-dir or --wandb-project")
+        if self.peak_tflops_per_gpu is not None and self.peak_tflops_per_gpu <= 0:
+            raise ValueError("--peak-tflops-per-gpu must be > 0")
+
+
+def _attention_pairs(lengths: np.ndarray, causal: bool) -> float:
+    n = lengths.astype(np.float64)
+    return float((n * (n + 1) / 2).sum() if causal else (n * n).sum())
+
+
+def language_flops(arch: Any, sample_lengths: np.ndarray) -> float:
+    """Forward FLOPs of the language model over samples of the given lengths (see the module docstring)."""
+    h, d, g = arch.hidden_size, arch.head_dim, arch.num_key_value_heads
+    per_token = 2 * arch.num_layers * (h * (h + 2 * g * d) + h * h + 3 * h * arch.intermediate_size)
+    per_token += 2 * h * arch.vocab_size
+    attention = arch.num_layers * 4 * h * _attention_pairs(sample_lengths, causal=True)
+    return float(per_token * sample_lengths.sum()) + attention
+
+
+def vision_flops(arch: Any, image_grid_thw: np.ndarray) -> float:
+    """Forward FLOPs of the vision tower and merger over the images of ``image_grid_thw``."""
+    from trainer.models.qwen2_5_vl.rope import window_order
+
+    v = arch.vision
+    if len(image_grid_thw) == 0:
+        return 0.0
+    patches = float(image_grid_thw.prod(axis=1).sum())
+    hv, k = v.hidden_size, v.spatial_merge_size**2
+    per_patch = 2 * v.in_channels * v.temporal_patch_size * v.patch_size**2 * hv
+    per_patch += 2 * v.depth * (4 * hv * hv + 3 * hv * v.intermediate_size)
+    _, windows = window_order(
+        image_grid_thw, merge_size=v.spatial_merge_size, window_size=v.window_size, patch_size=v.patch_size
+    )
+    full = len(v.fullatt_block_indexes)
+    attention = (
+        4
+        * hv
+        * (
+            full * _attention_pairs(image_grid_thw.prod(axis=1), causal=False)
+            + (v.depth - full) * _attention_pairs(windows, causal=False)
+        )
+    )
+    merger = 2 * (k * hv * k * hv + k * hv * arch.hidden_size) * patches / k
+    return per_patch * patches + attention + merger
+
+
+def sample_lengths(batch: dict[str, Any], pad_id: int) -> np.ndarray:
+    """Lengths of the samples of a micro-batch: the ``cu_seqlens`` segments, less the padding segments."""
+    cu = batch["cu_seqlens"].detach().cpu().numpy().astype(np.int64)
+    starts = batch["tokens"].detach().reshape(-1).cpu().numpy()[cu[:-1]]
+    lengths = np.diff(cu)
+    return lengths[starts != pad_id]
+
+
+def step_flops(arch: Any, batches: list[dict[str, Any]], pad_id: int) -> float:
+    """Model FLOPs (forward + backward) of one DP rank's micro-batches of a step."""
+    forward = 0.0
+    for b in batches:
+        forward += language_flops(arch, sample_lengths(b, pad_id))
+        grid = b.get("image_grid_thw")
+        if grid is not None:
+            forward += vision_flops(arch, grid.detach().cpu().numpy().astype(np.int64))
+    return 3.0 * forward
+
+
+def peak_tflops(cfg: ObservabilityConfig) -> float | None:
+    """The peak dense bf16 TFLOPs of this GPU (flag, else the table), None when unknown or on CPU."""
+    if cfg.peak_tflops_per_gpu:
+        return cfg.peak_tflops_per_gpu
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+@torch.no_grad()
+def params_norm(model: torch.nn.Module) -> float:
+    """L2 norm of all parameters of the model (every TP shard and stage once). Collective over the
+    model-parallel group."""
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    first = ps.is_pipeline_first_stage()
+    total = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        replicated = not getattr(p, "tensor_model_parallel", False)
+        if replicated and tp_rank != 0:
+            continue
+        if getattr(p, "shared_embedding", False) and not first:
+            continue  # the tied output layer is the first stage's embedding
+        total += p.detach().double().pow(2).sum().cpu()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    total = total.to(device)
+    dist.all_reduce(total, group=ps.get_model_parallel_group())
+    return math.sqrt(float(total))
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise maximum over every rank of the world. Collective."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def memory_gb() -> dict[str, float]:
+    """Accelerator memory (allocated now, peak) or, on CPU, the process's peak resident set."""
+    if torch.cuda.is_available():
+        return {
+            "mem_allocated_gb": torch.cuda.memory_allocated() / 2**30,
+            "mem_max_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+        }
+    return {"mem_max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+# metric key -> TensorBoard tag (Megatron-LM's names where it has one)
+TAGS = {
+    "loss": "lm loss",
+    "lr": "learning-rate",
+    "grad_norm": "grad-norm",
+    "loss_scale": "loss-scale",
+    "tokens_per_s": "tokens-per-second",
+    "tflops_per_gpu": "throughput/tflops-per-gpu",
+    "mfu": "throughput/mfu",
+    "data_wait_ms": "data-wait-ms",
+    "step_ms": "iteration-time-ms",
+    "params_norm": "params-norm",
+    "num_zeros": "num-zeros",
+    "real_token_fraction": "real-token-fraction",
+    "mem_allocated_gb": "memory/allocated-gb",
+    "mem_max_allocated_gb": "memory/max-allocated-gb",
+    "mem_max_rss_gb": "memory/max-rss-gb",
+}
+
+
+class MetricsSink:
+    """TensorBoard and W&B writers of the logging rank (the last one, as in Megatron-LM); no-ops elsewhere."""
+
+    def __init__(self, cfg: ObservabilityConfig, *, is_logger: bool, run_config: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.tensorboard: Any = None
+        self.wandb: Any = None
+        if cfg.wandb_project:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ValueError(
+                    "--wandb-project needs the wandb package (pip install wandb); or log to --tensorboard-dir"
+                ) from e
+            if is_logger:
+                self.wandb = wandb.init(
+                    project=cfg.wandb_project, name=cfg.wandb_exp_name, dir=cfg.wandb_save_dir or cfg.tensorboard_dir,
+                    mode="offline", config=run_config,
+                )  # fmt: skip
+        if cfg.tensorboard_dir and is_logger:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=cfg.tensorboard_dir, max_queue=1000)
+
+    @property
+    def timer_writer(self) -> Any:
+        """What megatron-core's ``Timers.write`` takes (a SummaryWriter; None on other ranks)."""
+        return self.tensorboard
+
+    def write(self, iteration: int, metrics: dict[str, Any]) -> None:
+        scalars = {
+            TAGS[k]: float(v)
+            for k, v in metrics.items()
+            if k in TAGS and v is not None and math.isfinite(float(v))
+        }
+        if self.tensorboard is not None:
+            for tag, value in scalars.items():
+                self.tensorboard.add_scalar(tag, value, iteration)
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=iteration)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+TIMER_NAMES = [
+    "forward-backward", "forward-compute", "backward-compute", "forward-recv", "forward-send",
+    "backward-recv", "backward-send", "forward-send-backward-recv", "backward-send-forward-recv",
+    "all-grads-sync", "optimizer-copy-to-main-grad", "optimizer-clip-main-grad", "optimizer-count-zeros",
+    "optimizer-inner-step", "optimizer-copy-main-to-model-params", "optimizer",
+]  # fmt: skip
+
+
+class Observer:
+    """The metrics of each step beyond loss and learning rate, and where they are written."""
+
+    def __init__(
+        self, cfg: ObservabilityConfig, *, arch: Any, pad_id: int, model: Any, optimizer: Any,
+        language_config: Any, is_logger: bool, run_config: dict[str, Any],
+    ) -> None:  # fmt: skip
+        from megatron.core.timers import Timers
+
+        self.cfg, self.arch, self.pad_id, self.model = cfg, arch, pad_id, model
+        self.sink = MetricsSink(cfg, is_logger=is_logger, run_config=run_config)
+        self.peak = peak_tflops(cfg)
+        self.timers = Timers(2, "max") if cfg.log_timers_to_tensorboard else None
+        if self.timers is not None:  # megatron-core's schedule, grad sync and optimizer time themselves
+            language_config.timers = self.timers
+            for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+                opt.config.timers = self.timers
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Times the block with megatron-core's timer ``name`` (when timers are on)."""
+        if self.timers is None:
+            yield
+            return
+        self.timers(name, log_level=1).start()
+        try:
+            yield
+        finally:
+            self.timers(name).stop()
+
+    def step_metrics(
+        self, batches: list[dict[str, Any]], *, wait_s: float, elapsed_s: float, num_zeros: Any
+    ) -> dict[str, Any]:
+        """TFLOPs, MFU, the slowest rank's data wait and step time, norms, memory. Collective."""
+        flops = torch.tensor([step_flops(self.arch, batches, self.pad_id)], dtype=torch.float64)
+        flops = flops.to("cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(flops, group=ps.get_data_parallel_group())
+        wait_max, step_max = max_over_ranks([wait_s, elapsed_s])
+        tflops = float(flops) / max(step_max, 1e-9) / dist.get_world_size() / 1e12
+        out: dict[str, Any] = {
+            "tflops_per_gpu": tflops,
+            "mfu": tflops / self.peak if self.peak else None,
+            "data_wait_ms": wait_max * 1e3,
+            "step_ms": step_max * 1e3,
+            **memory_gb(),
+        }
+        if self.cfg.log_params_norm:
+            out["params_norm"] = params_norm(self.model)
+        if self.cfg.log_num_zeros_in_grad and num_zeros is not None:
+            out["num_zeros"] = float(num_zeros)
+        return out
+
+    def write(self, metrics: dict[str, Any]) -> None:
+        """To TensorBoard / W&B (logging rank)."""
+        self.sink.write(int(metrics["iteration"]), metrics)
+
+    def write_timers(self, iteration: int, normalizer: float) -> None:
+        """megatron-core's timers (max over ranks) to TensorBoard. Collective."""
+        if self.timers is not None:
+            self.timers.write(TIMER_NAMES, self.sink.timer_writer, iteration, normalizer=normalizer)
+
+    def close(self) -> None:
+        self.sink.close()
