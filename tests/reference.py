@@ -213,14 +213,14 @@ def qwen_vl_video_plan(
 
 
 def image_fit(lengths, capacity, max_items, images, max_images):
-    """Best fit over items sorted by length/capacity + images/max_images (descending, ties by index),
-    and over items sorted by images, then length; the one with fewer bins (the first on ties)."""
+    """Best fit over items sorted by length/capacity + w * images/max_images for w = 1, 2 (descending,
+    ties by index), and over items sorted by images, then length; the fewest bins (the first on ties)."""
     fits = [i for i in range(len(lengths)) if lengths[i] <= capacity and images[i] <= max_images]
     cap = max(max_images, 1)
-    combined = sorted(fits, key=lambda i: (-(lengths[i] * cap + images[i] * capacity), i))
-    images_first = sorted(fits, key=lambda i: (-images[i], -lengths[i], i))
+    orders = [sorted(fits, key=lambda i: (-(lengths[i] * cap + w * images[i] * capacity), i)) for w in (1, 2)]
+    orders.append(sorted(fits, key=lambda i: (-images[i], -lengths[i], i)))
     best = None
-    for order in (combined, images_first):
+    for order in orders:
         result = best_fit_decreasing(lengths, capacity, max_items, images, max_images, order)
         if best is None or result[1] < best[1]:
             best = result
