@@ -1,11 +1,10 @@
 """The model of a run: its architecture (from ``--hf-model``'s config.json or the size flags), this stage's
-megatron-core module, and its weights (the HF checkpoint's slice of this rank, or a layout-independent
-random initialisation)."""
+megatron-core module, and its weights (this rank's slice of the HF checkpoint, or of random HF-layout
+weights drawn per HF tensor name, so that every TP x PP layout starts from the same model)."""
 
 from __future__ import annotations
 
 import json
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -66,52 +65,6 @@ def check_data_matches_model(arch: Any, info: DataInfo, where: str) -> None:
         raise ValueError(f"dataset and model {where} disagree: " + "; ".join(problems) + " (repack the data)")
 
 
-def _global_param_names(model: torch.nn.Module) -> dict[int, str]:
-    """Parameter id -> name that is the same under every TP/PP layout (decoder layers by global number)."""
-    names: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
-    decoder = getattr(getattr(model, "language_model", None), "decoder", None)
-    if decoder is not None:
-        for layer in decoder.layers:
-            for pname, param in layer.named_parameters():
-                names[id(param)] = f"language_model.decoder.layers.{layer.layer_number - 1}.{pname}"
-    output = getattr(getattr(model, "language_model", None), "output_layer", None)
-    if getattr(model, "share_embeddings_and_output_weights", False) and output is not None:
-        names[id(output.weight)] = "language_model.embedding.word_embeddings.weight"  # tied: the same draw
-    return names
-
-
-@torch.no_grad()
-def init_layout_invariant(model: torch.nn.Module, seed: int, std: float, num_layers: int) -> None:
-    """Re-initialise every parameter from (seed, global name), then keep this rank's TP shard.
-
-    The full tensor is drawn the same way under every TP x PP layout, so runs with different layouts start
-    from the same model (megatron-core's own init draws per-shard and per-stage).
-    """
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    names = _global_param_names(model)
-    for param in model.parameters():
-        name = names[id(param)]
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "bias":
-            param.zero_()
-            continue
-        if "norm" in name or "ln_q" in name:
-            param.fill_(1.0)
-            continue
-        split = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
-        dim = int(getattr(param, "partition_dim", 0))
-        full_shape = list(param.shape)
-        if split:
-            full_shape[dim] *= tp_size
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        scale = std / (2.0 * num_layers) ** 0.5 if ("linear_proj" in name or "linear_fc2" in name) else std
-        full = torch.randn(full_shape, generator=gen, dtype=torch.float32) * scale
-        if split:
-            full = full.chunk(tp_size, dim=dim)[tp_rank]
-        param.copy_(full)
-
-
 def build_stage_model(cfg: RunConfig, mcfg: MegatronConfigs, arch: Any, *, use_te: bool) -> torch.nn.Module:
     """This pipeline stage's (unwrapped) model with its weights."""
     fam = family_of(arch.source)
@@ -127,7 +80,11 @@ def build_stage_model(cfg: RunConfig, mcfg: MegatronConfigs, arch: Any, *, use_t
             pp_rank=pp_rank, pp_size=pp_size,
         )  # fmt: skip
     else:
-        init_layout_invariant(model, cfg.train.seed, cfg.model.init_method_std, arch.num_layers)
+        fam.init_stage_random(
+            model, arch, seed=cfg.train.seed, std=cfg.model.init_method_std,
+            tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+            pp_rank=pp_rank, pp_size=pp_size,
+        )  # fmt: skip
     return model
 
 

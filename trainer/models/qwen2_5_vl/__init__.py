@@ -7,7 +7,13 @@ from trainer.models.qwen2_5_vl.config import (
     build_transformer_configs,
     tiny_hf_config,
 )
-from trainer.models.qwen2_5_vl.hf_io import hf_state_dict, load_stage_weights, stage_rules, stage_state_dict
+from trainer.models.qwen2_5_vl.hf_io import (
+    hf_state_dict,
+    init_stage_random,
+    load_stage_weights,
+    stage_rules,
+    stage_state_dict,
+)
 from trainer.models.qwen2_5_vl.model import Qwen25VLModel
 
 Model = Qwen25VLModel
@@ -20,6 +26,7 @@ __all__ = [
     "arch_from_hf_config",
     "build_transformer_configs",
     "hf_state_dict",
+    "init_stage_random",
     "load_stage_weights",
     "stage_rules",
     "stage_state_dict",

@@ -13,6 +13,7 @@ HF names are those transformers writes with ``save_pretrained`` (``model.layers.
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -165,6 +166,72 @@ class SafetensorsReader:
         if cols is not None:
             return sl[rows or slice(None), cols]
         return sl[rows] if rows is not None else sl[:]
+
+
+class RandomHFWeights:
+    """Stands in for :class:`SafetensorsReader` with random HF tensors drawn from (seed, HF name), so that
+    a random model is the same under every TP x PP layout (megatron-core's own init draws per shard, and
+    fused QKV / SwiGLU shards are not slices of one layout-free tensor)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int, std: float, num_layers: int) -> None:
+        self.shapes, self.seed, self.std, self.num_layers = shapes, seed, std, num_layers
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.shapes[name])
+
+    def _full(self, name: str) -> torch.Tensor:
+        if name not in self._cache:
+            shape = self.shapes[name]
+            if name.endswith("bias"):
+                full = torch.zeros(shape)
+            elif "norm" in name or "ln_q" in name:
+                full = torch.ones(shape)
+            else:
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+                out_proj = any(k in name for k in ("o_proj", "down_proj", "attn.proj", "mlp.2"))
+                std = self.std / (2.0 * self.num_layers) ** 0.5 if out_proj else self.std
+                full = torch.randn(shape, generator=gen) * std
+            self._cache[name] = full
+        return self._cache[name]
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        full = self._full(name)
+        full = full[rows] if rows is not None else full
+        return full[:, cols] if cols is not None else full
+
+
+def hf_shapes(rule: Rule, param_shape: tuple[int, ...], tp_size: int) -> dict[str, tuple[int, ...]]:
+    """Full shapes of the HF tensors behind a megatron-core parameter of ``param_shape`` on one TP rank."""
+    rest = tuple(param_shape[1:])
+    if rule.kind == "copy":
+        if rule.split is None:
+            return {rule.hf[0]: tuple(param_shape)}
+        full = list(param_shape)
+        full[rule.split] *= tp_size
+        return {rule.hf[0]: tuple(full)}
+    if rule.kind == "glu":
+        return {name: (param_shape[0] // 2 * tp_size, *rest) for name in rule.hf}
+    q_rows, kv_rows = rule.heads * rule.head_dim, rule.groups * rule.head_dim
+    if rule.kind == "qkv":
+        return dict(zip(rule.hf, ((q_rows, *rest), (kv_rows, *rest), (kv_rows, *rest)), strict=True))
+    return {rule.hf[0]: (q_rows + 2 * kv_rows, *rest)}
+
+
+@torch.no_grad()
+def init_stage_random(
+    model: torch.nn.Module, arch: Qwen25VLArch, *, seed: int, std: float, tp_rank: int, tp_size: int,
+    pp_rank: int, pp_size: int,
+) -> None:  # fmt: skip
+    """Random weights of a whole HF-layout model, of which this rank keeps its slices (layout-independent)."""
+    rules = stage_rules(arch, pp_rank, pp_size)
+    params = {_strip_wrappers(n): p for n, p in model.named_parameters()}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, param in params.items():
+        shapes |= hf_shapes(rules[name], tuple(param.shape), tp_size)
+    reader = RandomHFWeights(shapes, seed, std, arch.num_layers)
+    for name, param in params.items():
+        param.copy_(read_shard(reader, rules[name], tp_rank, tp_size))  # type: ignore[arg-type]
 
 
 @contextmanager
