@@ -6,6 +6,8 @@ L1 = ceil(total / capacity); L2 is the Martello-Toth bound, computed over the le
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 FILL_BUCKETS: tuple[tuple[str, float, float], ...] = (
@@ -149,27 +151,17 @@ def lower_bound_images_lp(
     capacity: int,
     max_images: int,
     max_items: int | None = None,
-    *,
-    length_units: int = 256,
-    max_rounds: int = 400,
+    **options: Any,
 ) -> int:
     """LP (configuration model) lower bound on bins under a token capacity, an image cap and an item cap.
 
-    Lengths are rounded down to multiples of ceil(capacity / length_units) (a relaxation: whatever fits before
-    fits after) and the LP "fewest bins covering every (length, images) class" is solved by column generation
-    (`image_cap_lp`). Every round gives a valid bound, duals . demand / best pattern value (Farley), converged
-    or not. Returns the larger of that and `lower_bound_images`. Needs scipy (pip install scipy).
+    Lengths are rounded down (`image_cap_lp`'s `length_units`: a relaxation, whatever fits before fits after)
+    and the LP "fewest bins covering every (length, images) class" is solved by column generation
+    (`image_cap_lp`, `options` go to it). Every round gives a valid bound, duals . demand / best pattern
+    value (Farley), converged or not. Returns the larger of that and `lower_bound_images`. Needs scipy.
     """
     simple = lower_bound_images(lengths, image_counts, capacity, max_images, max_items)
-    farley, _ = image_cap_lp(
-        lengths,
-        image_counts,
-        capacity,
-        max_images,
-        max_items,
-        length_units=length_units,
-        max_rounds=max_rounds,
-    )
+    farley, _ = image_cap_lp(lengths, image_counts, capacity, max_images, max_items, **options)
     return max(simple, int(-(-farley * (1 - 1e-9) // 1)))
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from packing.binpack import pack_lengths
 from packing.stats import lower_bound_images, lower_bound_l2
 from tests import reference
-from tests.test_binpack import assert_valid
+from tests.test_binpack import _pack, assert_valid
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -25,17 +25,6 @@ def capped_inputs(draw, max_n: int = 40):
     max_items = draw(st.one_of(st.none(), st.integers(1, 5)))
     max_images = draw(st.integers(0, 5))
     return lengths, capacity, max_items, images, max_images
-
-
-def _pack(lengths, capacity, max_items, images, max_images, algorithm):
-    return pack_lengths(
-        np.asarray(lengths, dtype=np.int64),
-        capacity,
-        algorithm=algorithm,
-        max_items_per_bin=max_items,
-        image_counts=np.asarray(images, dtype=np.int64),
-        max_images_per_bin=max_images,
-    )
 
 
 @FAST
