@@ -1,4 +1,8 @@
-"""Turns the bin records of one micro-batch into the loader's output arrays (numpy; torch only in loader.py)."""
+"""Turns the bin records of one micro-batch into the loader's output arrays (numpy; torch only in loader.py).
+
+Images are decoded with Pillow; videos (format version 3 datasets) by `dataloader.video`, which decodes only
+the frames the offline plan recorded, in the worker that collates.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,11 @@ import numpy as np
 from PIL import Image
 
 from dataloader.readers import BinRecord
+from dataloader.video import VideoPixels, collate_videos, load_video
 from packing.format import DEFAULT_MAX_IMAGE_PIXELS
 from packing.image_tokens import ImageTokenRule, image_to_patches
 from packing.layout import IGNORE_INDEX, build_attention_mask_from_cu_seqlens
+from packing.video_tokens import VideoPlan
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -26,6 +32,7 @@ class CollateConfig:
     rule: ImageTokenRule
     build_attention_mask: bool = False
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # the manifest's image_rule.max_image_pixels
+    video_pad_id: int = -1  # the manifest's <|video_pad|> id (-1: the tokenizer has none)
 
 
 class ImageTooLargeError(ValueError):
@@ -76,6 +83,7 @@ def collate_bins(records: Sequence[BinRecord], cfg: CollateConfig) -> dict[str, 
     max_seqlen = num_real = 0
     patches: list[np.ndarray] = []
     grids: list[np.ndarray] = []
+    videos: list[VideoPixels] = []
     for row, rec in enumerate(records):
         ids = np.asarray(rec["input_ids"]).reshape(-1)
         mask = np.asarray(rec["loss_mask"]).reshape(-1)
@@ -99,6 +107,8 @@ def collate_bins(records: Sequence[BinRecord], cfg: CollateConfig) -> dict[str, 
             keep[ends[:-1] - 1] = False
             if cfg.image_pad_id >= 0:
                 keep &= nxt != cfg.image_pad_id
+            if cfg.video_pad_id >= 0:
+                keep &= nxt != cfg.video_pad_id
             np.copyto(labels[row, : total - 1], nxt, where=keep)
         segment_ends = ends if total == length else np.append(ends, length)
         segment_lens = np.diff(segment_ends, prepend=0)
@@ -127,6 +137,7 @@ def collate_bins(records: Sequence[BinRecord], cfg: CollateConfig) -> dict[str, 
             except ImageTooLargeError as e:
                 raise ImageTooLargeError(str(e), row=row) from None
             grids.append(g)
+        videos += decode_bin_videos(rec, ids, cfg)
     cu_seqlens = np.concatenate(cu).astype(np.int32)
     out: dict[str, Any] = {
         "tokens": tokens,
@@ -147,4 +158,36 @@ def collate_bins(records: Sequence[BinRecord], cfg: CollateConfig) -> dict[str, 
     width = cfg.rule.patch_dim
     out["pixel_values"] = np.concatenate(patches) if patches else np.zeros((0, width), dtype=np.float32)
     out["image_grid_thw"] = np.stack(grids) if grids else np.zeros((0, 3), dtype=np.int64)
+    out |= collate_videos(videos)
+    if not videos:
+        out["pixel_values_videos"] = np.zeros((0, width), dtype=np.float32)
+    return out
+
+
+def decode_bin_videos(rec: BinRecord, ids: np.ndarray, cfg: CollateConfig) -> list[VideoPixels]:
+    """The planned frames of each video of one bin, as model inputs; checks plans, grids and pad count."""
+    plans = [VideoPlan.from_dict(p) for p in rec.get("video_plans", ())]
+    grid = np.asarray(rec.get("video_grid_thw", np.zeros((0, 3))), dtype=np.int64).reshape(-1, 3)
+    data = rec.get("videos", ())
+    if not (len(plans) == len(grid) == len(data)):
+        raise ValueError(f"bin {rec['key']}: {len(data)} videos, {len(plans)} plans, {len(grid)} grids")
+    if not plans:
+        return []
+    if cfg.video_pad_id < 0:
+        raise ValueError(
+            f"bin {rec['key']} holds videos but the manifest's tokenizer has no <|video_pad|> id"
+        )
+    expected_pads = sum(p.num_tokens for p in plans)
+    got_pads = int(np.count_nonzero(ids == cfg.video_pad_id))
+    if got_pads != expected_pads:
+        raise ValueError(
+            f"bin {rec['key']}: {got_pads} <|video_pad|> tokens, its videos need {expected_pads}"
+        )
+    out = []
+    for i, (blob, plan, g) in enumerate(zip(data, plans, grid)):
+        if tuple(int(v) for v in g) != tuple(plan.grid_thw):
+            raise ValueError(
+                f"bin {rec['key']} video {i}: grid {g.tolist()} differs from its plan's {plan.grid_thw}"
+            )
+        out.append(load_video(blob, plan, cfg.rule, name=f"bin {rec['key']} video {i}"))
     return out

@@ -282,6 +282,7 @@ def build_loader(
         rule=manifest.image_rule,
         build_attention_mask=build_attention_mask,
         max_image_pixels=manifest.max_image_pixels,
+        video_pad_id=manifest.video_pad_id,
     )
     costs = compute_balance(manifest, storage, cost_model) if balance == "compute" else None
     return PackedLoader(path, manifest, topology, config, storage, collate, balance=costs)

@@ -39,6 +39,7 @@ class Manifest:
     max_image_pixels: int  # images larger than this are refused before decoding
     fingerprint: str
     dataset: DatasetManifest = field(repr=False, compare=False)
+    video_pad_id: int = -1  # -1: the dataset's tokenizer has no <|video_pad|> (no videos)
 
     @property
     def raw(self) -> dict[str, Any]:
@@ -91,6 +92,7 @@ class Manifest:
             max_image_pixels=rule.image_pixel_limit,
             fingerprint=hashlib.sha256(canon.encode()).hexdigest()[:16],
             dataset=dataset,
+            video_pad_id=dataset.special_id("video_pad", -1),
         )
 
 

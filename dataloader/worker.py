@@ -276,6 +276,8 @@ def worker_loop(
     this thread (no feeder thread waiting for the GIL): each is small and few are ever unread, so sending
     does not block.
     """
+    # one intra-op thread: workers are the parallelism (video frames are resized with torch here)
+    torch.set_num_threads(1)
     producer = Producer(spec, k_start, k_end)
     writer = SlotWriter(slot_flags, ahead, stop_ev)
     k = k_start + worker_id

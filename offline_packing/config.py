@@ -14,6 +14,9 @@ from typing import Literal, overload
 
 from packing.format import DEFAULT_MAX_IMAGE_PIXELS
 from packing.image_tokens import CLIP_MEAN, CLIP_STD
+from packing.video_tokens import VideoTokenRule
+
+_VIDEO_DEFAULTS = VideoTokenRule()
 
 STAGES = ("scan", "lengths", "binpack", "write")
 OVERLENGTH_POLICIES = ("drop", "truncate", "error")
@@ -74,6 +77,15 @@ class PackJobConfig:
     image_std: tuple[float, ...] = CLIP_STD
     rescale_factor: float = 1 / 255
     resample: int = 3  # PIL filter, 3 = bicubic
+    # The video rule (qwen-vl-utils): frames sampled per second, frame count bounds, per-frame pixel bounds and
+    # the pixel budget shared by a video's frames; patch, merge and temporal patch sizes are the image rule's
+    video_fps: float = _VIDEO_DEFAULTS.fps
+    video_min_frames: int = _VIDEO_DEFAULTS.min_frames
+    video_max_frames: int = _VIDEO_DEFAULTS.max_frames
+    video_min_pixels: int = _VIDEO_DEFAULTS.min_pixels
+    video_max_pixels: int = _VIDEO_DEFAULTS.max_pixels
+    video_total_pixels: float = _VIDEO_DEFAULTS.total_pixels
+    max_video_seconds: float = 3 * 3600.0  # longer videos (from the container) are rejects
     default_system: str | None = None  # system prompt added where a record has none
     image_check: str = "header"  # "header": sizes + end-marker check; "decode": full decode of every image
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # larger images (from the header) are rejects
@@ -107,6 +119,9 @@ class PackJobConfig:
             bad(f"verify_inputs must be one of {VERIFY_INPUTS}, got {self.verify_inputs!r}")
         if self.max_image_pixels < 1:
             bad(f"--max-image-pixels must be >= 1, got {self.max_image_pixels}")
+        if not self.max_video_seconds > 0:
+            bad(f"--max-video-seconds must be > 0, got {self.max_video_seconds}")
+        video_rule(self)  # raises ValueError naming the --video-* flag
         if self.engine not in ENGINES:
             bad(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.workers < 1:
@@ -155,7 +170,8 @@ class ScanConfig:
 
     image_root: str | None
     image_check: str
-    max_image_pixels: int
+    max_image_pixels: int  # also the limit on a video's frame size
+    max_video_seconds: float
     chunk_size: int
     strict: bool
     verify_inputs: str
@@ -178,6 +194,12 @@ class LengthsConfig:
     image_std: tuple[float, ...]
     rescale_factor: float
     resample: int
+    video_fps: float
+    video_min_frames: int
+    video_max_frames: int
+    video_min_pixels: int
+    video_max_pixels: int
+    video_total_pixels: float
     default_system: str | None
     max_images_per_bin: int | None
     strict: bool
@@ -211,6 +233,21 @@ class WriteConfig:
         return ("arrow", "wds") if self.format == "both" else (self.format,)
 
 
+def video_rule(cfg: PackJobConfig | LengthsConfig) -> VideoTokenRule:
+    """The video rule of a job (or lengths) config: the --video-* flags and the image rule's patch sizes."""
+    return VideoTokenRule(
+        fps=cfg.video_fps,
+        min_frames=cfg.video_min_frames,
+        max_frames=cfg.video_max_frames,
+        min_pixels=cfg.video_min_pixels,
+        max_pixels=cfg.video_max_pixels,
+        total_pixels=cfg.video_total_pixels,
+        patch_size=cfg.patch_size,
+        merge_size=cfg.merge_size,
+        temporal_patch_size=cfg.temporal_patch_size,
+    )
+
+
 StageConfig = ScanConfig | LengthsConfig | BinpackConfig | WriteConfig
 STAGE_CONFIGS: dict[str, type[StageConfig]] = {
     "scan": ScanConfig,
@@ -233,6 +270,7 @@ class PackSummary:
     bins: int = 0
     tokens: int = 0
     image_tokens: int = 0
+    video_tokens: int = 0
     fill_efficiency: float = 0.0
     output_bytes: int = 0
     shards: list[dict] = field(default_factory=list)
@@ -251,7 +289,7 @@ class PackSummary:
         rows.append(("samples truncated", f"{self.samples_truncated}"))
         rows += [
             ("bins", f"{self.bins}"),
-            ("tokens", f"{self.tokens} ({self.image_tokens} image)"),
+            ("tokens", f"{self.tokens} ({self.image_tokens} image, {self.video_tokens} video)"),
             ("fill efficiency", f"{100 * self.fill_efficiency:.2f}%"),
             ("shards", f"{len(self.shards)} ({self.output_bytes / 2**20:.1f} MiB)"),
         ]

@@ -43,6 +43,8 @@ def compute_counts(wd: WorkDir, rejects: list[dict]) -> ManifestCounts:
         tokens=plan["tokens"],
         image_tokens=sum(lengths["image_tokens"]),
         truncated=int(lengths.get("truncated", 0)),
+        videos=int(lengths.get("videos", 0)),
+        video_tokens=sum(lengths.get("video_tokens", ())),
     )
     if counts.samples_read != packed + len(rejects):
         raise AssertionError(
@@ -88,6 +90,7 @@ def fill_efficiency(stats: dict) -> float:
 
 
 def build_manifest(cfg: PackJobConfig, wd: WorkDir, counts: ManifestCounts, shards: list[dict]) -> Manifest:
+    from offline_packing.config import video_rule
     from offline_packing.lengths import get_tokenizer, image_rule
     from packing.chat import ChatTemplate
     from packing.tokenizer import tokenizer_info
@@ -99,6 +102,7 @@ def build_manifest(cfg: PackJobConfig, wd: WorkDir, counts: ManifestCounts, shar
         formats=tuple(cfg.formats),
         tokenizer=tokenizer_info(get_tokenizer(cfg.tokenizer)),
         image_rule=ManifestImageRule.from_rule(rule, cfg.max_image_pixels),
+        video_rule=video_rule(cfg),
         chat_template=ChatTemplate(default_system=cfg.default_system).to_dict(),
         algorithm={
             "name": wd.read_marker("binpack")["algorithm"],

@@ -16,6 +16,7 @@ from offline_packing.config import (
 )
 from offline_packing.model_folder import RULE_FLAG_FIELDS, resolve_job_image_options
 from packing.format import DEFAULT_MAX_IMAGE_PIXELS
+from packing.video_tokens import VideoTokenRule
 
 
 def _size(text: str) -> int:
@@ -104,6 +105,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-pixels", type=int, default=None, help="smart_resize upper bound on h*w (default 12845056)"
     )
     g.add_argument("--default-system", default=None, help="system prompt for records that have none")
+    g = p.add_argument_group(
+        "video rule (qwen-vl-utils; patch, merge and temporal patch sizes as for images)"
+    )
+    d = VideoTokenRule()
+    g.add_argument(
+        "--video-fps", type=float, default=d.fps, help=f"frames sampled per second (default {d.fps})"
+    )
+    g.add_argument(
+        "--video-min-frames",
+        type=int,
+        default=d.min_frames,
+        help=f"fewest frames sampled (default {d.min_frames})",
+    )
+    g.add_argument(
+        "--video-max-frames",
+        type=int,
+        default=d.max_frames,
+        help=f"most frames sampled (default {d.max_frames})",
+    )
+    g.add_argument(
+        "--video-min-pixels",
+        type=int,
+        default=d.min_pixels,
+        help=f"smart_resize lower bound on a frame's h*w (default {d.min_pixels})",
+    )
+    g.add_argument(
+        "--video-max-pixels",
+        type=int,
+        default=d.max_pixels,
+        help=f"smart_resize upper bound on a frame's h*w (default {d.max_pixels})",
+    )
+    g.add_argument(
+        "--video-total-pixels",
+        type=float,
+        default=d.total_pixels,
+        help=f"pixels all sampled frames of a video share, two frames per step (default {d.total_pixels:.0f})",
+    )
+    g.add_argument(
+        "--max-video-seconds",
+        type=float,
+        default=3 * 3600.0,
+        help="longer videos (duration from the container) are rejected as video_too_long (default 10800)",
+    )
     g = p.add_argument_group("bin packing")
     g.add_argument("-M", "--max-samples-per-bin", type=int, default=None, help="at most N samples per bin")
     g.add_argument(
@@ -203,6 +247,13 @@ def config_from_args(args: argparse.Namespace, only_stage: int | None = None) ->
         strict=args.strict,
         **image_options,
         default_system=args.default_system,
+        video_fps=args.video_fps,
+        video_min_frames=args.video_min_frames,
+        video_max_frames=args.video_max_frames,
+        video_min_pixels=args.video_min_pixels,
+        video_max_pixels=args.video_max_pixels,
+        video_total_pixels=args.video_total_pixels,
+        max_video_seconds=args.max_video_seconds,
         image_check=args.image_check,
         max_image_pixels=args.max_image_pixels,
         verify_inputs=args.verify_inputs,

@@ -1,10 +1,12 @@
 """Stage 2, lengths: exact token ids, loss mask and length of every scanned sample.
 
-Reads:  `<work>/scan/chunk-N.samples.jsonl`, the tokenizer (-t), the image-token rule flags.
+Reads:  `<work>/scan/chunk-N.samples.jsonl`, the tokenizer (-t), the image-token rule flags, the video rule
+        flags (--video-*: each video's frames, size, grid and tokens planned from its container metadata).
 Writes: `<work>/lengths/chunk-N.{ids,mask,offsets,nimg}.npy` (token ids and loss mask of the chunk's kept
         samples, concatenated), `chunk-N.samples.jsonl` (ids, images, grids) with its line offsets
         `chunk-N.meta_offsets.npy`, `chunk-N.rejects.jsonl`
-        (over-length, bad image sizes), `chunk-N.done.json`, then `<work>/lengths.done.json`.
+        (over-length, bad image sizes, videos the rule refuses), `chunk-N.done.json`, then
+        `<work>/lengths.done.json`.
 Run alone: `python -m offline_packing.lengths <mmpack pack flags>`.
 """
 
@@ -15,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from offline_packing.config import LengthsConfig
+from offline_packing.config import LengthsConfig, video_rule
 from offline_packing.engines import run_parallel
 from offline_packing.errors import PackError, SampleReject, reject_row
 from offline_packing.workdir import (
@@ -60,7 +62,22 @@ def image_rule(cfg: Any) -> Any:
     return ImageTokenRule(**{name: getattr(cfg, name) for name in RULE_JOB_FIELDS})
 
 
-def tokenize_scanned(sample: dict, cfg: LengthsConfig, rule: Any, tokenizer: Any) -> tuple[Any, dict]:
+def plan_videos(sample: dict, vrule: Any) -> list[Any]:
+    """The `VideoPlan` of each video of a scanned sample; SampleReject where the rule refuses one."""
+    from packing.video_tokens import VideoMeta, VideoRuleError
+
+    plans = []
+    for path, info in zip(sample.get("videos", ()), sample.get("video_info", ())):
+        try:
+            plans.append(vrule.plan(VideoMeta(**info["meta"])))
+        except VideoRuleError as exc:
+            raise SampleReject(exc.reason, f"video {path}: {exc.message}") from None
+    return plans
+
+
+def tokenize_scanned(
+    sample: dict, cfg: LengthsConfig, rule: Any, tokenizer: Any, vrule: Any = None
+) -> tuple[Any, dict]:
     """Token ids + loss mask of one scanned sample under the over-length policy, and its metadata row."""
     from packing.chat import ChatTemplate, Conversation, tokenize_conversation, truncate_sample
     from packing.image_tokens import ImageSizeError
@@ -76,12 +93,20 @@ def tokenize_scanned(sample: dict, cfg: LengthsConfig, rule: Any, tokenizer: Any
             "too_many_images", f"{len(grids)} images > --max-images-per-bin {cfg.max_images_per_bin}"
         )
     counts = [rule.tokens_of_grid(g) for g in grids]
+    plans = plan_videos(sample, vrule or video_rule(cfg))
     conv = Conversation(
         messages=tuple((r, c) for r, c in sample["messages"]),
         images=tuple(sample["images"]),
         sample_id=sample["id"],
+        videos=tuple(sample.get("videos", ())),
     )
-    tok = tokenize_conversation(conv, tokenizer, counts, ChatTemplate(default_system=cfg.default_system))
+    template = ChatTemplate(default_system=cfg.default_system)
+    try:
+        tok = tokenize_conversation(conv, tokenizer, counts, template, [p.num_tokens for p in plans])
+    except ValueError as exc:
+        if plans and "video_pad" not in tokenizer.special_ids:
+            raise PackError(f"{sample['src']}:{sample['line']}: {exc}") from None
+        raise
     full_len = len(tok)
     if full_len > cfg.seq_len:
         message = f"{len(tok)} tokens > seq_len {cfg.seq_len}"
@@ -105,6 +130,16 @@ def tokenize_scanned(sample: dict, cfg: LengthsConfig, rule: Any, tokenizer: Any
         "image_tokens": int(tok.num_image_tokens),
         "truncated_from": full_len if full_len != len(tok) else None,
     }
+    if plans:  # image-only samples keep their earlier row
+        k = tok.num_videos
+        info = sample["video_info"][:k]
+        meta |= {
+            "videos": sample["videos"][:k],
+            "vfmt": [v["fmt"] for v in info],
+            "vbytes": [v["nbytes"] for v in info],
+            "video_plans": [p.to_dict() for p in plans[:k]],
+            "video_tokens": int(tok.num_video_tokens),
+        }
     return tok, meta
 
 
@@ -115,11 +150,11 @@ def lengths_chunk(task: LengthsTask) -> dict:
     if (marker := read_done_marker(done, task.fingerprint)) is not None:
         return marker
     cfg = task.cfg
-    rule, tokenizer = image_rule(cfg), get_tokenizer(cfg.tokenizer)
+    rule, vrule, tokenizer = image_rule(cfg), video_rule(cfg), get_tokenizer(cfg.tokenizer)
     ids, masks, metas, rejects = [], [], [], []
     for sample in read_jsonl(wd.chunk_path("scan", task.chunk, "samples.jsonl")):
         try:
-            tok, meta = tokenize_scanned(sample, cfg, rule, tokenizer)
+            tok, meta = tokenize_scanned(sample, cfg, rule, tokenizer, vrule)
         except SampleReject as exc:
             if cfg.strict:
                 raise PackError(f"{sample['src']}:{sample['line']}: {exc.reason}: {exc.message}") from None
@@ -137,7 +172,8 @@ def lengths_chunk(task: LengthsTask) -> dict:
     atomic_write_npy(path("mask.npy"), np.concatenate(masks) if masks else np.zeros(0, np.uint8))
     atomic_write_npy(path("offsets.npy"), offsets)
     atomic_write_npy(path("nimg.npy"), np.array([len(m["images"]) for m in metas], dtype=np.int64))
-    atomic_write_npy(path("ibytes.npy"), np.array([sum(m["nbytes"]) for m in metas], dtype=np.int64))
+    media_bytes = [sum(m["nbytes"]) + sum(m.get("vbytes", ())) for m in metas]
+    atomic_write_npy(path("ibytes.npy"), np.array(media_bytes, dtype=np.int64))
     lines = [jsonl_line(m) for m in metas]
     line_offsets = np.zeros(len(lines) + 1, dtype=np.int64)
     line_offsets[1:] = np.cumsum([len(x) for x in lines], dtype=np.int64)
@@ -149,6 +185,8 @@ def lengths_chunk(task: LengthsTask) -> dict:
         "accepted": len(metas),
         "rejected": len(rejects),
         "image_tokens": sum(m["image_tokens"] for m in metas),
+        "video_tokens": sum(m.get("video_tokens", 0) for m in metas),
+        "videos": sum(len(m.get("videos", ())) for m in metas),
         "truncated": sum(m["truncated_from"] is not None for m in metas),
     }
     atomic_write_json(done, counts)
@@ -182,6 +220,8 @@ def run_lengths(cfg: LengthsConfig, wd: WorkDir, fingerprint: str, *, workers: i
         "accepted": [r["accepted"] for r in results],
         "rejected": sum(r["rejected"] for r in results),
         "image_tokens": [r["image_tokens"] for r in results],
+        "video_tokens": [r.get("video_tokens", 0) for r in results],
+        "videos": sum(r.get("videos", 0) for r in results),
         "truncated": sum(r.get("truncated", 0) for r in results),
     }
     wd.mark_done(STAGE, fingerprint, info)

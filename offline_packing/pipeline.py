@@ -230,6 +230,7 @@ def _fill_summary(summary: PackSummary, cfg: PackJobConfig) -> None:
     summary.bins = counts.bins
     summary.tokens = counts.tokens
     summary.image_tokens = counts.image_tokens
+    summary.video_tokens = counts.video_tokens or 0
     summary.samples_truncated = counts.truncated or 0
     summary.shards = [e.to_dict() for e in manifest.shards]
     summary.output_bytes = sum(e.bytes for e in manifest.shards)

@@ -1,7 +1,9 @@
 """Stage 1, scan: read the raw records, validate them, resolve image paths, read image sizes from headers.
 
-Reads:  the input files (-i) and the images under the image root (-r).
-Writes: `<work>/scan/chunk-N.samples.jsonl` (normalised conversation, image paths, sizes, formats, bytes),
+Reads:  the input files (-i) and the images and videos under the image root (-r): image headers, and video
+        container metadata (frame count, rate, duration, size; no frame decoded).
+Writes: `<work>/scan/chunk-N.samples.jsonl` (normalised conversation, image paths, sizes, formats, bytes;
+        video paths, container metadata, formats, bytes),
         `<work>/scan/chunk-N.rejects.jsonl`, `<work>/scan/chunk-N.images.json` (identity of every image file
         read), `<work>/scan/chunk-N.done.json`, then `<work>/scan.done.json`.
 Run alone: `python -m offline_packing.scan <mmpack pack flags>`.
@@ -47,6 +49,7 @@ class ImageCheck:
 
     full_decode: bool
     max_image_pixels: int
+    max_video_seconds: float = 3 * 3600.0
 
 
 def _read_image(path: str, check: ImageCheck) -> tuple[int, int, str, int]:
@@ -110,7 +113,51 @@ def _decode_fully(data: bytes, name: str) -> None:
         decode_or_raise(im, name)
 
 
-def _locate_image(image: str, rec: RawRecord, source: str, image_root: str) -> str:
+def _read_video(path: str, check: ImageCheck) -> dict:
+    """Container metadata of a video file, URL or tar member (no frame decoded); SampleReject with the probe's
+    reason (missing, unreadable, empty, not a video, corrupt or truncated, too long, frames too large)."""
+    from offline_packing.inputs import remote
+    from offline_packing.inputs.video_probe import VideoProbeConfig, probe_video
+    from offline_packing.tar_source import is_member_ref, read_image_bytes
+
+    config = VideoProbeConfig(max_duration_s=check.max_video_seconds, max_frame_pixels=check.max_image_pixels)
+    try:
+        if is_member_ref(path):
+            probe = probe_video(read_image_bytes(path), config, name=path)
+        elif remote.is_url(path):
+            probe = probe_video(cast(IO[bytes], remote.open_ranged(path)), config, name=path)
+        else:
+            probe = probe_video(path, config)
+    except FileNotFoundError:
+        raise SampleReject("missing_video", f"video {path} does not exist") from None
+    except remote.InputReadError:
+        raise
+    except MmpackError as exc:
+        raise SampleReject(exc.reason, exc.message) from None
+    except (ValueError, OSError) as exc:
+        raise SampleReject("unreadable_video", f"cannot read video {path}: {exc}") from None
+    m = probe.meta
+    return {
+        "meta": {
+            "total_frames": m.total_frames,
+            "fps": m.fps,
+            "width": m.width,
+            "height": m.height,
+            "duration_s": m.duration_s,
+            "frame_count_exact": m.frame_count_exact,
+        },
+        "nbytes": probe.size_bytes,
+    }
+
+
+def video_format(name: str) -> str:
+    """The format name a video is stored under: its file extension, lowercase ("mp4", "avi", ...)."""
+    stem, dot, ext = name.rsplit("/", 1)[-1].rpartition(".")
+    ext = ext.lower()
+    return ext if dot and stem and ext.isascii() and ext.isalnum() and len(ext) <= 8 else "bin"
+
+
+def _locate_image(image: str, rec: RawRecord, source: str, image_root: str, kind: str = "image") -> str:
     """A file path under the image root, or a member reference for records read from a tar."""
     from offline_packing.tar_source import TarSample, resolve_member
 
@@ -118,11 +165,11 @@ def _locate_image(image: str, rec: RawRecord, source: str, image_root: str) -> s
         try:
             return resolve_member(image, source, rec.tar_sample)
         except FileNotFoundError as exc:
-            raise SampleReject("missing_image", str(exc)) from None
+            raise SampleReject(f"missing_{kind}", str(exc)) from None
     try:
         return resolve_image_path(image, image_root)
     except PermissionError as exc:
-        raise SampleReject("image_path_escape", str(exc)) from None
+        raise SampleReject(f"{kind}_path_escape", str(exc)) from None
 
 
 def scan_record(
@@ -162,7 +209,18 @@ def scan_record(
         sizes.append([w, h])
         formats.append(fmt)
         nbytes.append(size)
-    return {
+    videos: list[str] = []
+    video_info: list[dict] = []
+    probed: dict[str, dict] = {}
+    for video in conv.videos:
+        path = _locate_image(video, rec, source, image_root, kind="video")
+        if read_files is not None and path not in read_files and rec.tar_sample is None:
+            read_files[path] = file_identity(path, verify)
+        if path not in probed:
+            probed[path] = _read_video(path, check)
+        videos.append(path)
+        video_info.append({**probed[path], "fmt": video_format(video)})
+    row = {
         "src": source,
         "line": rec.line,
         "id": conv.sample_id,
@@ -172,6 +230,9 @@ def scan_record(
         "fmt": formats,
         "nbytes": nbytes,
     }
+    if videos:  # image-only samples keep their earlier form
+        row |= {"videos": videos, "video_info": video_info}
+    return row
 
 
 def scan_chunk(task: ScanTask) -> dict:
@@ -186,7 +247,11 @@ def scan_chunk(task: ScanTask) -> dict:
         return marker
     chunk = task.chunk
     image_root = cfg.image_root or input_folder(chunk.path)
-    check = ImageCheck(full_decode=cfg.image_check == "decode", max_image_pixels=cfg.max_image_pixels)
+    check = ImageCheck(
+        full_decode=cfg.image_check == "decode",
+        max_image_pixels=cfg.max_image_pixels,
+        max_video_seconds=cfg.max_video_seconds,
+    )
     samples, rejects = [], []
     read_files: dict[str, FileIdentity] = {}
     n_read = 0

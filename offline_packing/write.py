@@ -1,7 +1,8 @@
 """Stage 4, write: the shards (Arrow IPC and/or WebDataset), then rejects.jsonl, stats.json, the Energon
 metadata (`--energon`) and, last, manifest.json (the commit point of the dataset).
 
-Reads:  `<work>/binpack/*.npy`, `<work>/lengths/chunk-N.*` (token ids, loss masks, image paths), the images.
+Reads:  `<work>/binpack/*.npy`, `<work>/lengths/chunk-N.*` (token ids, loss masks, image and video paths,
+        video plans), the images and videos (copied as read, never re-encoded).
 Writes: `<out>/shards/<prefix>-NNNNNN.{arrow,tar}` (temporary name, then rename), `<work>/write/shard-N.json`
         per finished shard (resume skips those), `<out>/rejects.jsonl`, `<out>/stats.json`,
         `<out>/.nv-meta/` (with --energon), `<out>/manifest.json`; then removes the shards an earlier run
@@ -41,6 +42,7 @@ class ShardTask:
     storage_options: dict
     work_dir: str
     fingerprint: str
+    with_videos: bool = False  # the dataset holds videos: Arrow shards get the video columns
 
 
 class BinSource:
@@ -80,6 +82,7 @@ class BinSource:
         members = np.asarray(self.order[self.bin_offsets[b] : self.bin_offsets[b + 1]])
         chunks = np.searchsorted(self.chunk_starts, members, side="right") - 1
         ids, masks, lens, sample_ids, images, formats, grids = [], [], [], [], [], [], []
+        videos, video_formats, video_plans = [], [], []
         for c, g in zip(chunks.tolist(), members.tolist()):
             c_ids, c_mask, c_off, c_meta, c_meta_off = self.chunk(c)
             i = g - int(self.chunk_starts[c])
@@ -93,6 +96,12 @@ class BinSource:
                 images.append(_read_file(path))
                 formats.append(fmt)
                 grids.append(grid)
+            for path, fmt, plan in zip(
+                meta.get("videos", ()), meta.get("vfmt", ()), meta.get("video_plans", ())
+            ):
+                videos.append(_read_file(path))
+                video_formats.append(fmt)
+                video_plans.append(plan)
         return PackedBin(
             key=bin_key(self.prefix, b),
             input_ids=np.concatenate(ids).astype(np.uint32, copy=False),
@@ -102,6 +111,10 @@ class BinSource:
             images=images,
             image_formats=formats,
             image_grid_thw=np.asarray(grids, dtype=np.int32).reshape(-1, 3),
+            videos=videos,
+            video_formats=video_formats,
+            video_plans=video_plans,
+            video_grid_thw=np.asarray([p["grid_thw"] for p in video_plans], dtype=np.int32).reshape(-1, 3),
         )
 
 
@@ -135,7 +148,10 @@ def write_shard(task: ShardTask) -> list[dict]:
     samples = tokens = 0
     with ExitStack() as stack:  # every format from one pass over the bins: each bin is built once
         sinks = [HashingWriter(stack.enter_context(store.open_atomic(rel))) for rel in rels]
-        writers = [open_shard_writer(fmt, sink) for fmt, sink in zip(cfg.formats, sinks)]  # type: ignore[arg-type]
+        writers = [
+            open_shard_writer(fmt, sink, task.with_videos)  # type: ignore[arg-type]
+            for fmt, sink in zip(cfg.formats, sinks)
+        ]
         for b in range(task.first_bin, task.end_bin):
             packed = source.packed_bin(b)
             for writer in writers:
@@ -169,8 +185,9 @@ def run_write_shards(
 
     plan = load_plan(wd)
     firsts = plan["shard_first_bin"].tolist()
+    with_videos = int(wd.read_marker("lengths").get("videos", 0)) > 0
     tasks = [
-        ShardTask(s, firsts[s], firsts[s + 1], cfg, storage_options, str(wd.root), fingerprint)
+        ShardTask(s, firsts[s], firsts[s + 1], cfg, storage_options, str(wd.root), fingerprint, with_videos)
         for s in range(len(firsts) - 1)
     ]
     _SOURCES.clear()  # the plan may have changed since this process last wrote shards

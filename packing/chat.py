@@ -5,13 +5,15 @@
 
     <|im_start|>{role}\\n{content}<|im_end|>\\n        (per message)
 
-with each `<image>` replaced by `<|vision_start|>` + N x `<|image_pad|>` + `<|vision_end|>`, encodes the whole
+with each `<image>` replaced by `<|vision_start|>` + N x `<|image_pad|>` + `<|vision_end|>` (each `<video>` by
+`<|vision_start|>` + N x `<|video_pad|>` + `<|vision_end|>`, N from the video rule), encodes the whole
 string once (so the ids equal a direct tokenizer encode of the rendered text) and derives the loss mask from
 the token offsets. `truncate_sample` implements the `truncate` over-length policy.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -19,14 +21,14 @@ from typing import Any
 import numpy as np
 
 from packing.errors import MmpackError
-from packing.tokenizer import SPECIAL_TOKENS, TextTokenizer
+from packing.tokenizer import RESERVED_TOKENS, SPECIAL_TOKENS, VIDEO_PAD, TextTokenizer
 
 IMAGE_TAG = "<image>"
+VIDEO_TAG = "<video>"
+_MEDIA_TAG_RE = re.compile(f"({re.escape(IMAGE_TAG)}|{re.escape(VIDEO_TAG)})")
 # Modalities a record may carry that the length model cannot count yet: the record keys and the tag that
-# name each. Such records are rejects (`unsupported_modality`), never packed as text. Video support
-# removes "video" from here and adds its rule beside the image rule.
+# name each. Such records are rejects (`unsupported_modality`), never packed as text.
 UNSUPPORTED_MODALITIES: dict[str, tuple[tuple[str, ...], str]] = {
-    "video": (("video", "videos"), "<video>"),
     "audio": (("audio", "audios"), "<audio>"),
 }
 ROLES = ("system", "user", "assistant")
@@ -44,7 +46,7 @@ class SampleError(MmpackError, ValueError):
     """A raw sample that cannot be used; `reason` is a short snake_case code for rejects.jsonl.
 
     Reason codes raised here: malformed_record, unknown_role, empty_conversation, misplaced_system,
-    no_assistant_turn, image_tag_mismatch, reserved_token_in_text, unsupported_modality.
+    no_assistant_turn, image_tag_mismatch, video_tag_mismatch, reserved_token_in_text, unsupported_modality.
     """
 
     def __init__(self, reason: str, message: str):
@@ -56,24 +58,29 @@ class SampleError(MmpackError, ValueError):
 
 @dataclass(frozen=True)
 class Conversation:
-    """A normalised sample: messages in order, image paths in order of their `<image>` tags."""
+    """A normalised sample: messages in order, image paths in order of their `<image>` tags, video paths in
+    order of their `<video>` tags."""
 
     messages: tuple[tuple[str, str], ...]
     images: tuple[str, ...] = ()
     sample_id: str = ""
+    videos: tuple[str, ...] = ()
 
 
 def normalize_record(obj: Any, *, source: str, line: int) -> Conversation:
     """One raw record (LLaVA / ShareGPT / caption / text-only) as a validated `Conversation`.
 
     A record is trainable only with at least one assistant message with non-empty content; the number of
-    `<image>` tags over all messages must equal the number of images. `sample_id` is the record's "id"
-    if it has one, else "{source}:{line}".
+    `<image>` tags over all messages must equal the number of images, that of `<video>` tags the number of
+    videos (LLaVA `"video": str | [str]`, ShareGPT `"videos"`). `sample_id` is the record's "id" if it has
+    one, else "{source}:{line}".
     """
     if not isinstance(obj, dict):
         raise SampleError("malformed_record", f"expected a JSON object, got {type(obj).__name__}")
     _refuse_unsupported_modalities(obj)
     _refuse_conflicting_keys(obj, "image", "images")
+    _refuse_conflicting_keys(obj, "video", "videos")
+    videos = _media_list(obj.get("video", obj.get("videos")), "videos")
     if "conversations" in obj:
         messages = _messages_from(obj["conversations"], "from", "value")
         images = _image_list(obj.get("image", obj.get("images")))
@@ -86,7 +93,7 @@ def normalize_record(obj: Any, *, source: str, line: int) -> Conversation:
     elif "caption" in obj or "text" in obj:
         text = obj["caption"] if "caption" in obj else obj["text"]
         images = _image_list(obj.get("image", obj.get("images")))
-        prompt = [("user", IMAGE_TAG * len(images))] if images else []
+        prompt = [("user", IMAGE_TAG * len(images) + VIDEO_TAG * len(videos))] if images or videos else []
         messages = [*prompt, ("assistant", text)]
         system = None
     else:
@@ -101,7 +108,9 @@ def normalize_record(obj: Any, *, source: str, line: int) -> Conversation:
         messages.insert(0, ("system", system))
     raw_id = obj.get("id")
     sample_id = f"{source}:{line}" if raw_id is None or raw_id == "" else str(raw_id)
-    conv = Conversation(messages=tuple(messages), images=tuple(images), sample_id=sample_id)
+    conv = Conversation(
+        messages=tuple(messages), images=tuple(images), sample_id=sample_id, videos=tuple(videos)
+    )
     validate_conversation(conv)
     return conv
 
@@ -145,11 +154,15 @@ def _messages_from(raw: Any, role_key: str, content_key: str) -> list[tuple[str,
 
 
 def _image_list(raw: Any) -> list[str]:
+    return _media_list(raw, "images")
+
+
+def _media_list(raw: Any, what: str) -> list[str]:
     if raw is None:
         return []
     items = [raw] if isinstance(raw, str) else raw
     if not isinstance(items, list) or not all(isinstance(p, str) and p for p in items):
-        raise SampleError("malformed_record", "images must be a non-empty string or a list of them")
+        raise SampleError("malformed_record", f"{what} must be a non-empty string or a list of them")
     return list(items)
 
 
@@ -157,7 +170,7 @@ def validate_conversation(conv: Conversation) -> None:
     """Raise `SampleError` unless `conv` is a trainable, well-formed conversation."""
     if not conv.messages:
         raise SampleError("empty_conversation", "no messages")
-    tags = 0
+    tags = video_tags = 0
     for i, (role, content) in enumerate(conv.messages):
         if role not in ROLES:
             raise SampleError("unknown_role", f"message {i} has unknown role {role!r}")
@@ -169,16 +182,19 @@ def validate_conversation(conv: Conversation) -> None:
             raise SampleError("malformed_record", f"message {i} is not valid Unicode: {exc}") from None
         if role == "system" and i != 0:
             raise SampleError("misplaced_system", f"system message at position {i}; only the first may be")
-        for literal in SPECIAL_TOKENS.values():
+        for literal in RESERVED_TOKENS:
             if literal in content:
                 raise SampleError(
                     "reserved_token_in_text", f"message {i} contains the control token {literal}"
                 )
         tags += content.count(IMAGE_TAG)
+        video_tags += content.count(VIDEO_TAG)
     if not any(role == "assistant" and content.strip() for role, content in conv.messages):
         raise SampleError("no_assistant_turn", "no assistant message with content: nothing to train on")
     if tags != len(conv.images):
         raise SampleError("image_tag_mismatch", f"{tags} <image> tags but {len(conv.images)} images")
+    if video_tags != len(conv.videos):
+        raise SampleError("video_tag_mismatch", f"{video_tags} <video> tags but {len(conv.videos)} videos")
 
 
 @dataclass(frozen=True)
@@ -211,8 +227,9 @@ class TokenizedSample:
     """Token ids and loss mask of one rendered conversation, plus what truncation needs.
 
     `turn_boundaries[k]` is the token index just past message k (after its trailing newline);
-    `turn_roles[k]` its role and `turn_image_counts[k]` its number of images. `image_spans` are the
-    [start, end) token ranges <|vision_start|> ... <|vision_end|> of each image, in order.
+    `turn_roles[k]` its role and `turn_image_counts[k]` / `turn_video_counts[k]` its numbers of images and
+    videos. `image_spans` / `video_spans` are the [start, end) token ranges <|vision_start|> ...
+    <|vision_end|> of each image / video, in order.
     """
 
     input_ids: np.ndarray  # uint32 [n]
@@ -223,6 +240,9 @@ class TokenizedSample:
     turn_roles: tuple[str, ...]
     turn_image_counts: tuple[int, ...]
     image_spans: tuple[tuple[int, int], ...]
+    video_token_counts: tuple[int, ...] = ()
+    turn_video_counts: tuple[int, ...] = ()
+    video_spans: tuple[tuple[int, int], ...] = ()
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -230,6 +250,14 @@ class TokenizedSample:
     @property
     def num_images(self) -> int:
         return len(self.image_token_counts)
+
+    @property
+    def num_videos(self) -> int:
+        return len(self.video_token_counts)
+
+    @property
+    def num_video_tokens(self) -> int:
+        return sum(self.video_token_counts)
 
     @property
     def num_loss_tokens(self) -> int:
@@ -241,25 +269,33 @@ class _Rendered:
     text: str
     target_spans: list[tuple[int, int]]  # character spans whose tokens carry loss
     message_ends: list[int]  # character index past each message
-    image_char_spans: list[tuple[int, int]]
+    media_char_spans: list[tuple[str, int, int]]  # (tag, start, end) of each image / video, in text order
 
 
 def render_conversation(
     messages: Sequence[tuple[str, str]],
     image_token_counts: Sequence[int],
     specials: dict[str, str] | None = None,
+    video_token_counts: Sequence[int] = (),
 ) -> str:
-    """The rendered chat text of `messages` (what gets encoded), images expanded."""
-    return _render(messages, image_token_counts, specials or SPECIAL_TOKENS).text
+    """The rendered chat text of `messages` (what gets encoded), images and videos expanded."""
+    return _render(messages, image_token_counts, video_token_counts, specials or _ALL_SPECIALS).text
+
+
+_ALL_SPECIALS = {**SPECIAL_TOKENS, "video_pad": VIDEO_PAD}
 
 
 def _render(
-    messages: Sequence[tuple[str, str]], image_token_counts: Sequence[int], specials: dict[str, str]
+    messages: Sequence[tuple[str, str]],
+    image_token_counts: Sequence[int],
+    video_token_counts: Sequence[int],
+    specials: dict[str, str],
 ) -> _Rendered:
     parts: list[str] = []
     pos = 0
     out = _Rendered("", [], [], [])
-    images = iter(image_token_counts)
+    counts = {IMAGE_TAG: iter(image_token_counts), VIDEO_TAG: iter(video_token_counts)}
+    pads = {IMAGE_TAG: specials["image_pad"], VIDEO_TAG: specials.get("video_pad", VIDEO_PAD)}
 
     def emit(s: str) -> None:
         nonlocal pos
@@ -268,12 +304,12 @@ def _render(
 
     for role, content in messages:
         emit(f"{specials['im_start']}{role}\n")
-        chunks = content.split(IMAGE_TAG)
-        for j, chunk in enumerate(chunks):
-            if j > 0:
+        for j, chunk in enumerate(_MEDIA_TAG_RE.split(content)):
+            if j % 2:  # a tag: the split keeps them at odd positions
                 start = pos
-                emit(specials["vision_start"] + specials["image_pad"] * next(images) + specials["vision_end"])
-                out.image_char_spans.append((start, pos))
+                emit(specials["vision_start"] + pads[chunk] * next(counts[chunk]) + specials["vision_end"])
+                out.media_char_spans.append((chunk, start, pos))
+                continue
             if role == "assistant" and chunk:
                 out.target_spans.append((pos, pos + len(chunk)))
             emit(chunk)
@@ -285,28 +321,39 @@ def _render(
     return out
 
 
+def _checked_counts(counts: Sequence[int], paths: tuple[str, ...], what: str) -> list[int]:
+    if len(counts) != len(paths):
+        raise ValueError(f"{len(counts)} {what} token counts for {len(paths)} {what}s")
+    if any(int(n) < 1 for n in counts):
+        raise ValueError(f"{what} token counts must be >= 1, got {list(counts)}")
+    return [int(n) for n in counts]
+
+
 def tokenize_conversation(
     conv: Conversation,
     tokenizer: TextTokenizer,
     image_token_counts: Sequence[int],
     template: ChatTemplate | None = None,
+    video_token_counts: Sequence[int] = (),
 ) -> TokenizedSample:
     """Render `conv`, encode it once, and mark as targets the tokens of assistant content + closing <|im_end|>.
 
     A token is a target when its character span overlaps assistant content (so a token that straddles the
     header newline and the first content characters is predicted, as the content needs it) or is the
-    <|im_end|> closing an assistant message; image tokens are never targets.
+    <|im_end|> closing an assistant message; image and video tokens are never targets.
     """
-    if len(image_token_counts) != len(conv.images):
-        raise ValueError(f"{len(image_token_counts)} image token counts for {len(conv.images)} images")
-    if any(int(n) < 1 for n in image_token_counts):
-        raise ValueError(f"image token counts must be >= 1, got {list(image_token_counts)}")
-    counts = [int(n) for n in image_token_counts]
+    counts = _checked_counts(image_token_counts, conv.images, "image")
+    video_counts = _checked_counts(video_token_counts, conv.videos, "video")
+    if video_counts and "video_pad" not in tokenizer.special_ids:
+        raise ValueError(
+            f"tokenizer {tokenizer.name} has no {VIDEO_PAD} token, needed for videos; use a "
+            "Qwen2-VL/Qwen2.5-VL/Qwen3-style tokenizer.json"
+        )
     messages = (template or ChatTemplate()).with_default_system(conv)
-    # Encode with one <|image_pad|> per image and repeat it afterwards: special tokens are split out before
+    # Encode with one pad per image / video and repeat it afterwards: special tokens are split out before
     # the model's pre-tokenizer runs, so the ids are those of the fully expanded text, at a fraction of the
     # cost for large images (thousands of pads each).
-    rendered = _render(messages, [1] * len(counts), SPECIAL_TOKENS)
+    rendered = _render(messages, [1] * len(counts), [1] * len(video_counts), _ALL_SPECIALS)
     ids, offsets = tokenizer.encode_with_offsets(rendered.text)
     starts = np.fromiter((a for a, _ in offsets), dtype=np.int64, count=len(offsets))
     ends = np.fromiter((b for _, b in offsets), dtype=np.int64, count=len(offsets))
@@ -316,20 +363,23 @@ def tokenize_conversation(
     for a, b in rendered.target_spans:
         loss[(starts < b) & (ends > a)] = 1
     repeats = np.ones(len(ids), dtype=np.int64)
-    compact_spans = []
-    expected = [tokenizer.special_ids[k] for k in ("vision_start", "image_pad", "vision_end")]
-    for (a, b), n in zip(rendered.image_char_spans, counts):
+    compact_spans: dict[str, list[tuple[int, int]]] = {IMAGE_TAG: [], VIDEO_TAG: []}
+    n_of = {IMAGE_TAG: iter(counts), VIDEO_TAG: iter(video_counts)}
+    pad_role = {IMAGE_TAG: "image_pad", VIDEO_TAG: "video_pad"}
+    for tag, a, b in rendered.media_char_spans:
+        expected = [tokenizer.special_ids[k] for k in ("vision_start", pad_role[tag], "vision_end")]
         inside = np.flatnonzero((starts >= a) & (ends <= b))
         if compact_ids[inside].tolist() != expected:
             raise ValueError(f"tokenizer {tokenizer.name} does not keep the vision tokens as single tokens")
         loss[inside] = 0
-        repeats[inside[1]] = n
-        compact_spans.append((int(inside[0]), int(inside[-1]) + 1))
+        repeats[inside[1]] = next(n_of[tag])
+        compact_spans[tag].append((int(inside[0]), int(inside[-1]) + 1))
 
     # compact token index -> index in the expanded sequence
     new_index = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum(repeats, out=new_index[1:])
     boundaries = np.searchsorted(starts, np.asarray(rendered.message_ends, dtype=np.int64), side="left")
+    expand = lambda spans: tuple((int(new_index[a]), int(new_index[b])) for a, b in spans)  # noqa: E731
     return TokenizedSample(
         input_ids=np.repeat(compact_ids, repeats),
         loss_mask=np.repeat(loss, repeats),
@@ -338,7 +388,10 @@ def tokenize_conversation(
         turn_boundaries=tuple(int(new_index[k]) for k in boundaries),
         turn_roles=tuple(role for role, _ in messages),
         turn_image_counts=tuple(content.count(IMAGE_TAG) for _, content in messages),
-        image_spans=tuple((int(new_index[a]), int(new_index[b])) for a, b in compact_spans),
+        image_spans=expand(compact_spans[IMAGE_TAG]),
+        video_token_counts=tuple(video_counts),
+        turn_video_counts=tuple(content.count(VIDEO_TAG) for _, content in messages),
+        video_spans=expand(compact_spans[VIDEO_TAG]),
     )
 
 
@@ -347,8 +400,8 @@ def truncate_sample(tokenized: TokenizedSample, max_len: int) -> TokenizedSample
 
     First whole trailing turns are dropped: the result ends after the last assistant message that fits.
     If not even the first assistant message fits, the text is cut at a token boundary, provided the cut is
-    outside every image span and keeps at least one loss token. Images after the cut are dropped with their
-    messages: the kept images are the first `result.num_images` of the conversation.
+    outside every image and video span and keeps at least one loss token. Images and videos after the cut
+    are dropped with their messages: the kept ones are the first `result.num_images` / `result.num_videos`.
     """
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
@@ -363,17 +416,25 @@ def truncate_sample(tokenized: TokenizedSample, max_len: int) -> TokenizedSample
     if cut > 0:
         end = tokenized.turn_boundaries[cut - 1]
         return _prefix(tokenized, end, cut)
-    if any(a < max_len < b for a, b in tokenized.image_spans) or not tokenized.loss_mask[:max_len].any():
+    media_spans = (*tokenized.image_spans, *tokenized.video_spans)
+    if any(a < max_len < b for a, b in media_spans) or not tokenized.loss_mask[:max_len].any():
         return None
     turns = sum(1 for b in tokenized.turn_boundaries if b <= max_len) + 1
     return _prefix(tokenized, max_len, min(turns, len(tokenized.turn_roles)))
 
 
+def _kept_per_turn(per_turn: tuple[int, ...], turns: int, kept: int) -> tuple[int, ...]:
+    counts = list(per_turn[:turns])
+    if not counts:
+        return ()
+    counts[-1] = kept - sum(counts[:-1])  # a cut last turn loses its later media
+    return tuple(counts)
+
+
 def _prefix(t: TokenizedSample, end: int, turns: int) -> TokenizedSample:
     kept_spans = tuple(s for s in t.image_spans if s[1] <= end)
+    kept_videos = tuple(s for s in t.video_spans if s[1] <= end)
     counts = t.image_token_counts[: len(kept_spans)]
-    turn_images = list(t.turn_image_counts[:turns])
-    turn_images[-1] = len(kept_spans) - sum(turn_images[:-1])  # a cut last turn loses its later images
     return replace(
         t,
         input_ids=t.input_ids[:end].copy(),
@@ -382,6 +443,9 @@ def _prefix(t: TokenizedSample, end: int, turns: int) -> TokenizedSample:
         image_token_counts=counts,
         turn_boundaries=tuple(min(b, end) for b in t.turn_boundaries[:turns]),
         turn_roles=t.turn_roles[:turns],
-        turn_image_counts=tuple(turn_images),
+        turn_image_counts=_kept_per_turn(t.turn_image_counts, turns, len(kept_spans)),
         image_spans=kept_spans,
+        video_token_counts=t.video_token_counts[: len(kept_videos)],
+        turn_video_counts=_kept_per_turn(t.turn_video_counts, turns, len(kept_videos)),
+        video_spans=kept_videos,
     )

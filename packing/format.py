@@ -21,7 +21,7 @@ import re
 
 FORMAT_NAME = "mmpack-packed"
 # The manifest's version rule lives in packing.manifest: versions 1..FORMAT_VERSION load, newer ones are refused.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST_NAME = "manifest.json"
 REJECTS_NAME = "rejects.jsonl"
 STATS_NAME = "stats.json"
@@ -42,10 +42,21 @@ ARRAY_FIELDS: dict[str, str] = {
 # Other per-bin fields: "key" (str), "sample_ids" (list[str], one per sample),
 # "images" (list[bytes], encoded as read, in order of appearance), "image_formats" (list[str], e.g. "jpg").
 
-# WebDataset members of one bin with key K: K.json (key, sample_ids, image_formats, n_images),
-# K.input_ids.npy, K.loss_mask.npy, K.seq_lens.npy, K.image_grid_thw.npy, K.img<i>.<ext> per image.
+# Video fields (format version 3), only in datasets with videos (Arrow: columns of every shard of such a
+# dataset; WebDataset: members of the bins that hold videos), so image-only datasets keep their bytes:
+# "videos" (list[bytes], the files as read, never re-encoded), "video_formats" (list[str], e.g. "mp4"),
+# "video_plans" (list[str]: JSON of `packing.video_tokens.VideoPlan.to_dict`, with the frame indices,
+# grid, seconds per temporal patch, frame-count exactness and frame rate), and:
+VIDEO_ARRAY_FIELDS: dict[str, str] = {
+    "video_grid_thw": "int32",  # [n_videos, 3] (t, h, w) in patches, t = sampled frames / temporal patch
+}
+
+# WebDataset members of one bin with key K: K.json (key, sample_ids, image_formats, n_images; with videos also
+# video_formats, video_plans, n_videos), K.input_ids.npy, K.loss_mask.npy, K.seq_lens.npy,
+# K.image_grid_thw.npy, K.img<i>.<ext> per image; with videos K.video_grid_thw.npy and K.vid<i>.<ext> per video.
 WDS_JSON_MEMBER = "json"
 WDS_IMAGE_MEMBER = "img{index}.{ext}"
+WDS_VIDEO_MEMBER = "vid{index}.{ext}"
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 

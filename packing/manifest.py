@@ -6,7 +6,10 @@ the bytes). Version rule: manifests of version 1..FORMAT_VERSION load; a newer o
 to upgrade mmpack. A loaded manifest writes back the same bytes (unknown keys of a known version are kept).
 
 Versions: 1 (first), 2 (adds `counts.truncated` and `image_rule.max_image_pixels`; both optional when
-reading, so version 1 manifests load with truncated unknown (None) and the default image limit).
+reading, so version 1 manifests load with truncated unknown (None) and the default image limit), 3 (adds
+`video_rule` (the `packing.video_tokens.VideoTokenRule` the videos were planned with), `counts.videos` and
+`counts.video_tokens`, and the optional video fields of the shards (packing/format.py); a version 1 or 2
+dataset has no videos, and loads as before).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from packing.errors import MmpackError
 from packing.fileio import json_bytes
 from packing.format import DEFAULT_MAX_IMAGE_PIXELS, FORMAT_NAME, FORMAT_VERSION, SHARD_FORMATS
 from packing.image_tokens import ImageTokenRule
+from packing.video_tokens import VideoTokenRule
 
 _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -114,7 +118,8 @@ class ShardEntry:
 @dataclass(frozen=True)
 class ManifestCounts:
     """samples read = packed + rejected; `truncated` counts packed samples shortened by --overlength truncate
-    (None: a version 1 manifest, which did not record it)."""
+    (None: a version 1 manifest, which did not record it); `videos` and `video_tokens` (None before version 3)
+    count the packed videos and their <|video_pad|> tokens."""
 
     samples_read: int
     samples_packed: int
@@ -124,6 +129,8 @@ class ManifestCounts:
     tokens: int
     image_tokens: int
     truncated: int | None = None
+    videos: int | None = None
+    video_tokens: int | None = None
 
     @classmethod
     def from_dict(cls, raw: object, where: str) -> ManifestCounts:
@@ -132,14 +139,18 @@ class ManifestCounts:
         ints = {k: _int(_take(counts, k, where), f"{where}.{k}") for k in names}
         reasons = _mapping(_take(counts, "rejected_by_reason", where), f"{where}.rejected_by_reason")
         by_reason = {str(k): _int(v, f"{where}.rejected_by_reason.{k}") for k, v in reasons.items()}
-        truncated = _opt_int(counts.get("truncated"), f"{where}.truncated")
-        return cls(rejected_by_reason=by_reason, truncated=truncated, **ints)
+        opt = {k: _opt_int(counts.get(k), f"{where}.{k}") for k in ("truncated", "videos", "video_tokens")}
+        return cls(
+            rejected_by_reason=by_reason,
+            truncated=opt["truncated"],
+            videos=opt["videos"],
+            video_tokens=opt["video_tokens"],
+            **ints,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        if self.truncated is None:
-            del out["truncated"]
-        return out
+        return {k: v for k, v in out.items() if v is not None}
 
 
 _RULE_SIZES = ("patch_size", "merge_size", "min_pixels", "max_pixels")
@@ -218,6 +229,7 @@ class Manifest:
     formats: tuple[str, ...] | None = None
     tokenizer: dict[str, Any] | None = None
     image_rule: ManifestImageRule | None = None
+    video_rule: VideoTokenRule | None = None
     chat_template: dict[str, Any] | None = None
     algorithm: dict[str, Any] | None = None
     seed: int | None = None
@@ -258,6 +270,7 @@ class Manifest:
             formats=_formats(doc.get("formats"), source),
             tokenizer=_opt(doc, "tokenizer", _mapping, source),
             image_rule=_opt(doc, "image_rule", ManifestImageRule.from_dict, source),
+            video_rule=_opt(doc, "video_rule", _video_rule, source),
             chat_template=_opt(doc, "chat_template", _mapping, source),
             algorithm=_opt(doc, "algorithm", _mapping, source),
             seed=_opt_int(doc.get("seed"), f"{source}: seed"),
@@ -284,6 +297,7 @@ class Manifest:
             "formats": list(self.formats) if self.formats is not None else None,
             "tokenizer": self.tokenizer,
             "image_rule": self.image_rule.to_dict() if self.image_rule else None,
+            "video_rule": self.video_rule.to_dict() if self.video_rule else None,
             "chat_template": self.chat_template,
             "algorithm": self.algorithm,
             "seed": self.seed,
@@ -325,6 +339,14 @@ class Manifest:
     @property
     def image_rule_or_default(self) -> ManifestImageRule:
         return self.image_rule or ManifestImageRule()
+
+
+def _video_rule(value: object, where: str) -> VideoTokenRule:
+    raw = _mapping(value, where)
+    try:
+        return VideoTokenRule.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise ManifestError(f"{where}: {e}") from e
 
 
 def _str(value: object, where: str) -> str:

@@ -1,7 +1,8 @@
 """Text tokenizers for the length model: a wrapper over HF `tokenizers` and a byte-level demo fallback.
 
 Both expose the same small interface (`TextTokenizer`): `encode`, `encode_with_offsets` (character offsets
-into the input string), `special_ids` (pad, im_start, im_end, vision_start, vision_end, image_pad),
+into the input string), `special_ids` (pad, im_start, im_end, vision_start, vision_end, image_pad, and
+video_pad where the tokenizer has it: only datasets with videos need it),
 `vocab_size`, `name`, `sha256` and `is_fallback`. Special tokens are always parsed out of the text (so the
 rendered chat string can be encoded in one call) and no BOS/EOS is added.
 """
@@ -21,6 +22,10 @@ SPECIAL_TOKENS: dict[str, str] = {
     "vision_end": "<|vision_end|>",
     "image_pad": "<|image_pad|>",
 }
+# The video pad: optional, since a tokenizer for image and text data need not have it.
+VIDEO_PAD = "<|video_pad|>"
+# Control tokens that may not appear in a record's text.
+RESERVED_TOKENS: tuple[str, ...] = (*SPECIAL_TOKENS.values(), VIDEO_PAD)
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -84,6 +89,9 @@ class HFTokenizer:
                     "it must be an added (special) token"
                 )
             ids[role] = int(token_id)
+        video_pad = self._tok.token_to_id(VIDEO_PAD)
+        if video_pad is not None and self.encode(VIDEO_PAD) == [video_pad]:
+            ids["video_pad"] = int(video_pad)
         return ids
 
     def encode(self, text: str) -> list[int]:
@@ -98,7 +106,7 @@ class HFTokenizer:
 
 
 class ByteTokenizer:
-    """Byte-level fallback for demos: ids 0..255 are UTF-8 bytes, 256..261 the control tokens.
+    """Byte-level fallback for demos: ids 0..255 are UTF-8 bytes, 256..262 the control tokens (262: video pad).
 
     Token counts are far from a real model's; the manifest records `is_fallback` so nobody mistakes it.
     """
@@ -106,11 +114,12 @@ class ByteTokenizer:
     is_fallback = True
     name = "byte-fallback"
     sha256 = ""
-    vocab_size = 256 + len(SPECIAL_TOKENS)
+    vocab_size = 256 + len(SPECIAL_TOKENS) + 1
 
     def __init__(self) -> None:
-        self.special_ids = {role: 256 + i for i, role in enumerate(SPECIAL_TOKENS)}
-        self._literal_to_id = {SPECIAL_TOKENS[role]: tid for role, tid in self.special_ids.items()}
+        literals = {**SPECIAL_TOKENS, "video_pad": VIDEO_PAD}
+        self.special_ids = {role: 256 + i for i, role in enumerate(literals)}
+        self._literal_to_id = {literals[role]: tid for role, tid in self.special_ids.items()}
 
     def encode(self, text: str) -> list[int]:
         return self.encode_with_offsets(text)[0]

@@ -99,7 +99,7 @@ def _render_by_hand(messages: list[tuple[str, str]], counts: list[int]) -> str:
 
 def test_byte_tokenizer_ids_and_offsets() -> None:
     tok = load_tokenizer(None)
-    assert isinstance(tok, ByteTokenizer) and tok.is_fallback and tok.sha256 == "" and tok.vocab_size == 262
+    assert isinstance(tok, ByteTokenizer) and tok.is_fallback and tok.sha256 == "" and tok.vocab_size == 263
     assert tok.special_ids == {
         "pad": 256,
         "im_start": 257,
@@ -107,6 +107,7 @@ def test_byte_tokenizer_ids_and_offsets() -> None:
         "vision_start": 259,
         "vision_end": 260,
         "image_pad": 261,
+        "video_pad": 262,
     }
     ids, offsets = tok.encode_with_offsets("é<|im_end|>a<|im")
     assert ids == [0xC3, 0xA9, 258, ord("a"), *b"<|im"]
@@ -165,6 +166,7 @@ def test_qwen3_tokenizer_facts(qwen3: tuple[HFTokenizer, Tokenizer], qwen3_token
         "vision_start": 151652,
         "vision_end": 151653,
         "image_pad": 151655,
+        "video_pad": 151656,
     }
     assert tok.vocab_size == 151669
     assert tok.sha256 == "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"

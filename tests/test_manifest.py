@@ -1,8 +1,10 @@
 """The one manifest model (packing.manifest): bytes, version rule, shard paths, and what the loader enforces.
 
 `MANIFEST_V1` is the manifest.json that mmpack wrote for the fixed job below before the model existed
-(format version 1). Version 2 adds `counts.truncated` and `image_rule.max_image_pixels`; everything else of
-the same job must stay byte-identical, shards included (their sha256 are in the manifest).
+(format version 1). Version 2 adds `counts.truncated` and `image_rule.max_image_pixels`; version 3 adds
+`video_rule`, `counts.videos`, `counts.video_tokens` and the video pad among the tokenizer's special ids;
+everything else of the same job must stay byte-identical, shards included (their sha256 are in the manifest:
+a dataset without videos gets no video columns or members).
 """
 
 from __future__ import annotations
@@ -79,14 +81,33 @@ def fixed_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_fixed_job(tmp_path_factory.mktemp("fixed"))
 
 
-def expected_v2_bytes() -> bytes:
-    """MANIFEST_V1 with the documented version-2 changes, edited as text (no serialiser involved)."""
+VIDEO_RULE_V3 = """ "video_rule": {
+  "fps": 2.0,
+  "frame_factor": 2,
+  "max_aspect_ratio": 200,
+  "max_frames": 768,
+  "max_pixels": 602112,
+  "merge_size": 2,
+  "min_frames": 4,
+  "min_pixels": 100352,
+  "patch_size": 14,
+  "temporal_patch_size": 2,
+  "total_pixels": 90316800.0
+ }
+"""
+
+
+def expected_v3_bytes() -> bytes:
+    """MANIFEST_V1 with the documented version-2 and -3 changes, edited as text (no serialiser involved)."""
     text = MANIFEST_V1.replace(' "created_by": "mmpack 0.1.0",', f' "created_by": "mmpack {_version()}",')
-    text = text.replace('  "tokens": 270\n },', '  "tokens": 270,\n  "truncated": 0\n },')
+    counts_v3 = '  "tokens": 270,\n  "truncated": 0,\n  "video_tokens": 0,\n  "videos": 0\n },'
+    text = text.replace('  "tokens": 270\n },', counts_v3)
     text = text.replace(
         '  "max_pixels": 12845056,', '  "max_image_pixels": 40000000,\n  "max_pixels": 12845056,'
     )
-    return text.replace(' "version": 1\n', f' "version": {FORMAT_VERSION}\n').encode()
+    text = text.replace('   "pad": 256,\n', '   "pad": 256,\n   "video_pad": 262,\n')
+    text = text.replace('  "vocab_size": 262\n', '  "vocab_size": 263\n')  # the byte fallback's video pad
+    return text.replace(' "version": 1\n}\n', f' "version": {FORMAT_VERSION},\n{VIDEO_RULE_V3}}}\n').encode()
 
 
 def test_expected_bytes_are_the_recorded_ones() -> None:
@@ -95,8 +116,8 @@ def test_expected_bytes_are_the_recorded_ones() -> None:
 
 def test_fixed_job_manifest_is_byte_identical(fixed_dataset: Path) -> None:
     got = (fixed_dataset / "manifest.json").read_bytes()
-    want = expected_v2_bytes()
-    assert FORMAT_VERSION == 2 and want != MANIFEST_V1.encode()  # control: the edits did change the text
+    want = expected_v3_bytes()
+    assert FORMAT_VERSION == 3 and want != MANIFEST_V1.encode()  # control: the edits did change the text
     assert got.decode() == want.decode()
 
 
@@ -115,7 +136,7 @@ def test_unknown_keys_are_kept() -> None:
 
 def test_a_newer_version_is_refused_with_upgrade_advice() -> None:
     raw = json.loads(MANIFEST_V1) | {"version": FORMAT_VERSION + 1}
-    with pytest.raises(ManifestError, match=r"version 3 is newer .*upgrade mmpack"):
+    with pytest.raises(ManifestError, match=r"version 4 is newer .*upgrade mmpack"):
         Manifest.from_dict(raw, source="ds/manifest.json")
 
 

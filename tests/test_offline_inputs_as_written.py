@@ -134,14 +134,15 @@ def test_image_over_max_image_pixels_is_rejected_from_the_header(tmp_path: Path)
 @pytest.mark.parametrize(
     ("record", "reason", "words"),
     [
-        ({**_llava(0), "video": "clip.mp4"}, "unsupported_modality", "'video'"),
+        # videos are supported: a video without its <video> tag (or a tag without a video) is a mismatch
+        ({**_llava(0), "video": "clip.mp4"}, "video_tag_mismatch", "0 <video> tags but 1 videos"),
         (
             {
                 "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
                 "videos": ["a.mp4"],
             },
-            "unsupported_modality",
-            "'videos'",
+            "video_tag_mismatch",
+            "0 <video> tags but 1 videos",
         ),
         (
             {
@@ -150,8 +151,8 @@ def test_image_over_max_image_pixels_is_rejected_from_the_header(tmp_path: Path)
                     {"from": "gpt", "value": "x"},
                 ]
             },
-            "unsupported_modality",
-            "<video>",
+            "video_tag_mismatch",
+            "1 <video> tags but 0 videos",
         ),
         ({**_llava(0), "audio": "a.wav"}, "unsupported_modality", "'audio'"),
         (

@@ -8,8 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from dataloader.readers.record import BinRecord
-from packing.format import ARRAY_FIELDS
+from dataloader.readers.record import BinRecord, no_videos, video_plan_dicts
+from packing.format import ARRAY_FIELDS, VIDEO_ARRAY_FIELDS
 
 
 class ArrowShardReader:
@@ -42,6 +42,14 @@ class ArrowShardReader:
         for name in ("sample_ids", "images", "image_formats"):
             offsets, flat = cols[name]
             rec[name] = flat[offsets[j] : offsets[j + 1]].to_pylist()
+        if "videos" not in cols:  # a dataset without videos (any format version)
+            return rec | no_videos()
+        for name in ("videos", "video_formats", "video_plans"):
+            offsets, flat = cols[name]
+            rec[name] = flat[offsets[j] : offsets[j + 1]].to_pylist()
+        offsets, flat = cols["video_grid_thw"]
+        rec["video_grid_thw"] = np.asarray(flat[offsets[j] : offsets[j + 1]], dtype=np.int32).reshape(-1, 3)
+        rec["video_plans"] = video_plan_dicts(rec["video_plans"], f"{self.label}: bin {rec['key']}")
         return rec
 
     def close(self) -> None:
@@ -64,4 +72,10 @@ def _columns_of(batch: Any) -> dict[str, Any]:
         cols[name] = (offsets, flat.to_numpy(zero_copy_only=False))
     for name in ("sample_ids", "images", "image_formats"):
         cols[name] = _list_column(batch.column(name))
+    if "videos" in batch.schema.names:
+        for name in ("videos", "video_formats", "video_plans"):
+            cols[name] = _list_column(batch.column(name))
+        for name in VIDEO_ARRAY_FIELDS:
+            offsets, flat = _list_column(batch.column(name))
+            cols[name] = (offsets * 3, flat.flatten().to_numpy(zero_copy_only=False))
     return cols

@@ -10,11 +10,12 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from dataloader.readers.npy import decode_npy
-from dataloader.readers.record import BinRecord
+from dataloader.readers.record import BinRecord, no_videos, video_plan_dicts
 from dataloader.readers.tar_index import MEMBER_RE, _tar_index
 from packing.format import ARRAY_FIELDS, WDS_JSON_MEMBER
 
 _IMG_RE = re.compile(r"^img(\d+)\.([A-Za-z0-9]+)$")
+_VID_RE = re.compile(r"^vid(\d+)\.([A-Za-z0-9]+)$")
 
 
 class WdsShardReader:
@@ -103,4 +104,19 @@ def decode_wds_bin(
     )
     rec["images"] = [bytes(read(suffix)) for _, _, suffix in images]
     rec["image_formats"] = list(meta.get("image_formats") or [ext for _, ext, _ in images])
+    if not meta.get("n_videos"):
+        return rec | no_videos()
+    videos = sorted(
+        (int(m.group(1)), suffix) for suffix in suffixes if (m := _VID_RE.match(suffix)) is not None
+    )
+    if len(videos) != meta["n_videos"]:
+        raise ValueError(f"{label}: bin {key} lists {meta['n_videos']} videos, its tar has {len(videos)}")
+    try:
+        grids = decode_npy(read("video_grid_thw.npy"))
+    except KeyError:
+        raise ValueError(f"{label}: bin {key} lacks member 'video_grid_thw.npy'") from None
+    rec["videos"] = [bytes(read(suffix)) for _, suffix in videos]
+    rec["video_formats"] = list(meta["video_formats"])
+    rec["video_grid_thw"] = np.asarray(grids, dtype=np.int32).reshape(-1, 3)
+    rec["video_plans"] = video_plan_dicts(meta["video_plans"], f"{label}: bin {key}")
     return rec

@@ -1,7 +1,9 @@
 """Shard writers: one packed bin -> an Arrow IPC row or a group of WebDataset tar members.
 
 Both formats hold the same record per bin (packing/format.py). Output bytes are a pure function of the
-bins: no timestamps, owners or random names end up in a shard.
+bins: no timestamps, owners or random names end up in a shard. Video fields are written only for datasets
+with videos (Arrow: `with_videos` columns in every shard; WebDataset: members of bins that hold videos), so
+the shards of image-only datasets are byte-identical to those of format version 2.
 """
 
 from __future__ import annotations
@@ -11,14 +13,14 @@ import io
 import json
 import re
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 import numpy as np
 import pyarrow as pa
 
 from offline_packing.workdir import npy_bytes
-from packing.format import WDS_IMAGE_MEMBER, WDS_JSON_MEMBER
+from packing.format import WDS_IMAGE_MEMBER, WDS_JSON_MEMBER, WDS_VIDEO_MEMBER
 
 ARROW_BATCH_ROWS = 64
 ARROW_SCHEMA = pa.schema(
@@ -33,6 +35,13 @@ ARROW_SCHEMA = pa.schema(
         pa.field("image_grid_thw", pa.list_(pa.list_(pa.int32(), 3))),
     ]
 )
+ARROW_VIDEO_FIELDS = [
+    pa.field("videos", pa.list_(pa.binary())),
+    pa.field("video_formats", pa.list_(pa.string())),
+    pa.field("video_grid_thw", pa.list_(pa.list_(pa.int32(), 3))),
+    pa.field("video_plans", pa.list_(pa.string())),
+]
+ARROW_VIDEO_SCHEMA = pa.schema([*ARROW_SCHEMA, *ARROW_VIDEO_FIELDS])
 _EXT_RE = re.compile(r"^[a-z0-9]{1,8}$")
 
 
@@ -48,6 +57,10 @@ class PackedBin:
     images: list[bytes]
     image_formats: list[str]
     image_grid_thw: np.ndarray  # int32 [n_images, 3]
+    videos: list[bytes] = field(default_factory=list)
+    video_formats: list[str] = field(default_factory=list)
+    video_plans: list[dict] = field(default_factory=list)  # VideoPlan.to_dict() per video
+    video_grid_thw: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int32))
 
 
 class HashingWriter:
@@ -91,8 +104,13 @@ def _list_array(values: pa.Array, lengths: list[int]) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values)
 
 
-def bins_to_record_batch(bins: list[PackedBin]) -> pa.RecordBatch:
-    """Arrow record batch of `bins` (one row each) with ARROW_SCHEMA."""
+def video_plan_json(plan: dict) -> str:
+    """The stored text of one video plan (sorted keys: deterministic bytes)."""
+    return json.dumps(plan, sort_keys=True, separators=(",", ":"))
+
+
+def bins_to_record_batch(bins: list[PackedBin], with_videos: bool = False) -> pa.RecordBatch:
+    """Arrow record batch of `bins` (one row each) with ARROW_SCHEMA (ARROW_VIDEO_SCHEMA `with_videos`)."""
     cat = lambda arrs, dtype: np.concatenate(arrs).astype(dtype, copy=False) if arrs else np.zeros(0, dtype)  # noqa: E731
     grids = cat([b.image_grid_thw.reshape(-1) for b in bins], np.int32)
     n_images = [len(b.images) for b in bins]
@@ -108,14 +126,29 @@ def bins_to_record_batch(bins: list[PackedBin]) -> pa.RecordBatch:
         _list_array(pa.array([f for b in bins for f in b.image_formats], pa.string()), n_images),
         _list_array(pa.FixedSizeListArray.from_arrays(pa.array(grids, pa.int32()), 3), n_images),
     ]
-    return pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA)
+    if not with_videos:
+        if any(b.videos for b in bins):
+            raise ValueError("bins hold videos: write them with with_videos=True")
+        return pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA)
+    n_videos = [len(b.videos) for b in bins]
+    video_grids = cat([b.video_grid_thw.reshape(-1) for b in bins], np.int32)
+    columns += [
+        _list_array(pa.array([v for b in bins for v in b.videos], pa.binary()), n_videos),
+        _list_array(pa.array([f for b in bins for f in b.video_formats], pa.string()), n_videos),
+        _list_array(pa.FixedSizeListArray.from_arrays(pa.array(video_grids, pa.int32()), 3), n_videos),
+        _list_array(
+            pa.array([video_plan_json(p) for b in bins for p in b.video_plans], pa.string()), n_videos
+        ),
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=ARROW_VIDEO_SCHEMA)
 
 
 class ArrowShardWriter:
     """Arrow IPC file of bins, in record batches of up to ARROW_BATCH_ROWS rows."""
 
-    def __init__(self, sink: IO[bytes]):
-        self._writer = pa.ipc.new_file(sink, ARROW_SCHEMA)
+    def __init__(self, sink: IO[bytes], with_videos: bool = False):
+        self._with_videos = with_videos
+        self._writer = pa.ipc.new_file(sink, ARROW_VIDEO_SCHEMA if with_videos else ARROW_SCHEMA)
         self._pending: list[PackedBin] = []
 
     def add(self, packed: PackedBin) -> None:
@@ -125,7 +158,7 @@ class ArrowShardWriter:
 
     def _flush(self) -> None:
         if self._pending:
-            self._writer.write_batch(bins_to_record_batch(self._pending))
+            self._writer.write_batch(bins_to_record_batch(self._pending, self._with_videos))
             self._pending = []
 
     def close(self) -> None:
@@ -148,6 +181,12 @@ def wds_members(packed: PackedBin) -> list[tuple[str, bytes]]:
         "image_formats": list(packed.image_formats),
         "n_images": len(packed.images),
     }
+    if packed.videos:
+        meta |= {
+            "n_videos": len(packed.videos),
+            "video_formats": list(packed.video_formats),
+            "video_plans": list(packed.video_plans),
+        }
     members = [
         (f"{k}.{WDS_JSON_MEMBER}", json.dumps(meta, sort_keys=True, ensure_ascii=False).encode()),
         (f"{k}.input_ids.npy", npy_bytes(packed.input_ids.astype(np.uint32, copy=False))),
@@ -160,6 +199,11 @@ def wds_members(packed: PackedBin) -> list[tuple[str, bytes]]:
     ]
     for i, (data, fmt) in enumerate(zip(packed.images, packed.image_formats)):
         members.append((f"{k}." + WDS_IMAGE_MEMBER.format(index=i, ext=image_extension(fmt)), data))
+    if packed.videos:
+        grids = packed.video_grid_thw.astype(np.int32, copy=False).reshape(-1, 3)
+        members.append((f"{k}.video_grid_thw.npy", npy_bytes(grids)))
+    for i, (data, fmt) in enumerate(zip(packed.videos, packed.video_formats)):
+        members.append((f"{k}." + WDS_VIDEO_MEMBER.format(index=i, ext=image_extension(fmt)), data))
     return sorted(members)
 
 
@@ -195,10 +239,12 @@ class WdsShardWriter:
         self._tar.close()
 
 
-def open_shard_writer(fmt: str, sink: IO[bytes]) -> ArrowShardWriter | WdsShardWriter:
-    """A writer of format `fmt` ("arrow" or "wds") over `sink`."""
+def open_shard_writer(
+    fmt: str, sink: IO[bytes], with_videos: bool = False
+) -> ArrowShardWriter | WdsShardWriter:
+    """A writer of format `fmt` ("arrow" or "wds") over `sink`; `with_videos`: the dataset holds videos."""
     if fmt == "arrow":
-        return ArrowShardWriter(sink)
+        return ArrowShardWriter(sink, with_videos)
     if fmt == "wds":
         return WdsShardWriter(sink)
     raise ValueError(f"unknown shard format {fmt!r}")
