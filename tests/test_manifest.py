@@ -13,6 +13,7 @@ import base64
 import hashlib
 import io
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,38 @@ def test_a_version_1_manifest_round_trips_byte_for_byte() -> None:
     assert m.image_rule is not None and m.image_rule.image_pixel_limit == DEFAULT_MAX_IMAGE_PIXELS
     assert m.to_json() == MANIFEST_V1.encode()
     assert Manifest.from_dict(m.to_dict()) == m
+
+
+def test_a_version_2_manifest_loads_without_videos(fixed_dataset: Path) -> None:
+    """A version 2 dataset (no video fields anywhere) reads as before: no video rule, no video counts."""
+    text = MANIFEST_V1.replace('  "tokens": 270\n },', '  "tokens": 270,\n  "truncated": 0\n },')
+    text = text.replace(' "version": 1\n', ' "version": 2\n')
+    m = Manifest.from_json(text.encode())
+    assert m.version == 2 and m.video_rule is None and m.counts is not None and m.counts.videos is None
+    assert m.to_json() == text.encode()
+    # the shards of an image-only job have no video columns or members: their records read with no videos
+    v2 = fixed_dataset.parent / "as_v2"
+    if not v2.exists():
+        shutil.copytree(fixed_dataset, v2)
+    raw = json.loads((v2 / "manifest.json").read_bytes())
+    raw["version"] = 2
+    del raw["video_rule"], raw["counts"]["videos"], raw["counts"]["video_tokens"]
+    (v2 / "manifest.json").write_text(json.dumps(raw))
+    loaded = load_manifest(str(v2))
+    assert loaded.video_pad_id == 262 and loaded.num_bins == 3
+    from dataloader.readers import ArrowShardReader, WdsShardReader
+
+    for entry in raw["shards"]:
+        path = str(v2 / entry["path"])
+        reader = (
+            ArrowShardReader(path, label=path)
+            if entry["format"] == "arrow"
+            else WdsShardReader(path, label=path)
+        )
+        for i in range(len(reader)):
+            rec = reader.read(i)
+            assert rec["videos"] == [] and rec["video_plans"] == [] and rec["video_grid_thw"].shape == (0, 3)
+        reader.close()
 
 
 def test_unknown_keys_are_kept() -> None:
