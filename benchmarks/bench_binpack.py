@@ -247,6 +247,7 @@ def run_image_caps(args: argparse.Namespace, rows: list[dict]) -> None:
         for source, images in sources.items():
             for cap, max_items in ((2, None), (4, None), (8, None), (4, 6)):
                 bound = lower_bound_images(lengths, images, capacity, cap, max_items)
+                lp = image_cap_lp_columns(args, lengths, images, capacity, cap, max_items)
                 kept = (lengths <= capacity) & (images <= cap)
                 section = f"images {source}, cap {cap}" + (f", max {max_items}/bin" if max_items else "")
                 for algorithm in ("auto", "obfd", "ffd"):
@@ -268,8 +269,39 @@ def run_image_caps(args: argparse.Namespace, rows: list[dict]) -> None:
                     assert per_bin.max(initial=0) <= cap, "image cap broken"
                     row = _row(section, f"mmpack {algorithm}", lengths[kept], capacity, bins, bound, timing)
                     row["chosen"] = result.algorithm
+                    row |= lp if algorithm == "auto" else {}
                     rows.append(row)
-                    print(_format(row), flush=True)
+                    print(_format(row) + (f"  LP: {lp}" if algorithm == "auto" and lp else ""), flush=True)
+
+
+def image_cap_lp_columns(
+    args: argparse.Namespace,
+    lengths: np.ndarray,
+    images: np.ndarray,
+    capacity: int,
+    cap: int,
+    max_items: int | None,
+) -> dict:
+    """With --lp: the configuration-LP bound (lengths rounded down) and the LP optimum with lengths rounded up
+    (bin contents that fit the real samples: what rounding an LP solution would approach), by column generation
+    at most --lp-rounds rounds."""
+    if not args.lp:
+        return {}
+    from packing.stats import image_cap_lp, lower_bound_images_lp
+
+    units, rounds = args.lp_units, args.lp_rounds
+    farley, master = image_cap_lp(
+        lengths, images, capacity, cap, max_items, length_units=units, round_up=True, max_rounds=rounds
+    )
+    return {
+        "lp_lower_bound": lower_bound_images_lp(
+            lengths, images, capacity, cap, max_items, length_units=units, max_rounds=rounds
+        ),
+        # converged when the two agree; until then the LP optimum lies between them
+        "lp_rounded_up_farley": round(farley, 1),
+        "lp_rounded_up_master": round(master, 1),
+        "lp_length_units": units,
+    }
 
 
 def run_histograms(args: argparse.Namespace, rows: list[dict]) -> None:
@@ -363,6 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-lognormal", action="store_true")
     parser.add_argument("--skip-histograms", action="store_true")
     parser.add_argument("--skip-image-caps", action="store_true")
+    parser.add_argument(
+        "--lp", action="store_true", help="image caps: also the LP bound and estimate (scipy)"
+    )
+    parser.add_argument(
+        "--lp-units", type=int, default=128, help="--lp: length grid (capacity / units tokens)"
+    )
+    parser.add_argument("--lp-rounds", type=int, default=1500, help="--lp: column generation rounds at most")
     parser.add_argument(
         "--quick", action="store_true", help="--sizes 100000 --histogram-items 1000000 --repeats 3"
     )
