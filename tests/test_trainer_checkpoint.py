@@ -77,3 +77,20 @@ def test_async_save_writes_complete_checkpoints(data: Path, tmp_path: Path) -> N
         train(1, ["--data-path", str(data), *COMMON, "--load", str(ckpt), "--train-iters", "4"], tmp_path)
     )
     assert [m["iteration"] for m in resumed.train] == [4]
+
+
+def test_overlapped_communication_gives_the_same_run(data: Path, tmp_path: Path) -> None:
+    """--overlap-grad-reduce / --overlap-param-gather (distributed optimizer, DP2) change when the
+    collectives run, not what the run computes; a checkpoint saved after a step holds the gathered
+    parameters (the resume continues the run)."""
+    args = ["--data-path", str(data), *COMMON, "--global-batch-size", "4", "--train-iters", "4",
+            "--use-distributed-optimizer"]  # fmt: skip
+    plain = ok(train(2, args, tmp_path / "plain"))
+    ckpt = tmp_path / "ckpt"
+    overlap = ["--overlap-grad-reduce", "--overlap-param-gather"]
+    saving = [*overlap, "--save", str(ckpt), "--save-interval", "3"]
+    overlapped = ok(train(2, [*args, *saving], tmp_path / "overlapped"))
+    assert overlapped.losses() == pytest.approx(plain.losses(), rel=1e-6)
+    view = checkpoint_view(ckpt, 3, tmp_path)
+    resumed = ok(train(2, [*args, *overlap, "--load", str(view)], tmp_path / "resumed"))
+    assert resumed.losses() == pytest.approx(plain.losses()[3:], rel=1e-5)

@@ -89,6 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true", help="shard activations along sequence (TP>1)")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer state over DP")
     g.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="reduce gradients by bucket during the backward pass",
+    )
+    g.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="distributed optimizer: gather updated parameters by bucket during the next forward pass",
+    )
+    g.add_argument(
         "--decoder-first-pipeline-num-layers",
         type=int,
         default=None,

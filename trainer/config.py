@@ -70,6 +70,8 @@ class ParallelConfig:
     # e.g. fewer on the first stage, which also runs the vision tower
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
+    overlap_grad_reduce: bool = False  # DP gradient reduction by bucket during the backward pass
+    overlap_param_gather: bool = False  # distributed optimizer: parameter all-gather during the next forward
 
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
@@ -78,6 +80,10 @@ class ParallelConfig:
         if any(n is not None for n in uneven) and self.pipeline_model_parallel_size < 2:
             raise ValueError(
                 "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1"
+            )
+        if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
+            raise ValueError(
+                "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
             )
         if any(n is not None and n < 0 for n in uneven):
             raise ValueError("--decoder-first/last-pipeline-num-layers must be >= 0")
@@ -278,8 +284,8 @@ def build_megatron_configs(cfg: RunConfig, arch: Any) -> MegatronConfigs:
     ddp = DistributedDataParallelConfig(
         grad_reduce_in_fp32=prec.accumulate_allreduce_grads_in_fp32,
         use_distributed_optimizer=par.use_distributed_optimizer,
-        overlap_grad_reduce=False,
-        overlap_param_gather=False,
+        overlap_grad_reduce=par.overlap_grad_reduce,
+        overlap_param_gather=par.overlap_param_gather,
         average_in_collective=False,
     )
     opt = cfg.optim

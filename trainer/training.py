@@ -128,6 +128,10 @@ class Trainer:
         lang.grad_scale_func = self.optimizer.scale_loss
         lang.finalize_model_grads_func = finalize_model_grads
         lang.no_sync_func = self.model.no_sync
+        if cfg.parallel.overlap_grad_reduce:  # the schedule starts each bucket's reduction when it is ready
+            lang.grad_sync_func = self.model.start_grad_sync
+        if cfg.parallel.overlap_param_gather:  # and the next forward waits for its bucket's parameters
+            lang.param_sync_func = self.model.start_param_sync
         step_batches = partial(
             build_step_batches,
             info=info,
@@ -289,6 +293,8 @@ class Trainer:
             with open(os.path.join(ck.save, HF_CONFIG_NAME), "w") as f:
                 json.dump(self.hf_config, f, indent=2)
         assert self.writer is not None
+        if self.cfg.parallel.overlap_param_gather:  # the updated parameters are otherwise gathered lazily
+            self.model.start_param_sync(force_sync=True)
         self.writer.save(
             self.iteration, self.model, self.optimizer, self.scheduler, self.train_data.state_dict(),
             self.hf_config,

@@ -218,14 +218,44 @@ def hf_shapes(rule: Rule, param_shape: tuple[int, ...], tp_size: int) -> dict[st
     return {rule.hf[0]: (q_rows + 2 * kv_rows, *rest)}
 
 
+# Transformer Engine's layer spec fuses the pre-attention and pre-MLP norms into the next linear layer; the
+# rules name them as the local spec does (as megatron-core's checkpoint key map does).
+TE_FUSED_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def local_param_name(name: str) -> str:
+    """The local-spec name of a parameter (TE's fused norm weights renamed, all others unchanged)."""
+    for fused, local in TE_FUSED_NORMS.items():
+        if name.endswith("." + fused):
+            return name[: -len(fused)] + local
+    return name
+
+
+def built_layers(model: torch.nn.Module) -> tuple[int, int]:
+    """(first global layer, count) of the language layers a stage's model holds: megatron-core numbers its
+    layers globally, also under an uneven pipeline split."""
+    language_model: Any = _unwrapped(model).language_model
+    layers = language_model.decoder.layers
+    return (layers[0].layer_number - 1 if len(layers) else 0, len(layers))
+
+
+def _unwrapped(model: torch.nn.Module) -> Any:
+    while hasattr(model, "module"):
+        model = model.module  # type: ignore[assignment]
+    return model
+
+
 @torch.no_grad()
 def init_stage_random(
     model: torch.nn.Module, arch: Qwen25VLArch, *, seed: int, std: float, tp_rank: int, tp_size: int,
     pp_rank: int, pp_size: int,
 ) -> None:  # fmt: skip
     """Random weights of a whole HF-layout model, of which this rank keeps its slices (layout-independent)."""
-    rules = stage_rules(arch, pp_rank, pp_size)
-    params = {_strip_wrappers(n): p for n, p in model.named_parameters()}
+    rules = stage_rules(arch, pp_rank, pp_size, built_layers(model))
+    params = {local_param_name(_strip_wrappers(n)): p for n, p in model.named_parameters()}
     shapes: dict[str, tuple[int, ...]] = {}
     for name, param in params.items():
         shapes |= hf_shapes(rules[name], tuple(param.shape), tp_size)
@@ -320,11 +350,8 @@ def load_stage_weights(
 
     Every parameter must have a rule and the shapes must agree, else a ValueError names the tensor.
     """
-    language_model: Any = model.language_model
-    decoder = language_model.decoder  # its layers carry megatron-core's global numbers (uneven splits)
-    layers = (decoder.layers[0].layer_number - 1 if len(decoder.layers) else 0, len(decoder.layers))
-    rules = stage_rules(arch, pp_rank, pp_size, layers)
-    params = {_strip_wrappers(n): p for n, p in model.named_parameters()}
+    rules = stage_rules(arch, pp_rank, pp_size, built_layers(model))
+    params = {local_param_name(_strip_wrappers(n)): p for n, p in model.named_parameters()}
     unknown = sorted(set(params) - set(rules))
     if unknown:
         raise ValueError(f"no HF source for parameters {unknown[:5]} (model and rules disagree)")

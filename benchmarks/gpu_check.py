@@ -1,0 +1,211 @@
+"""GPU check of the trainer on one CUDA machine (run by ``benchmarks/gpu_check.sh``; under 8 minutes on one
+H100/H200-class GPU):
+
+1. equality: one packed micro-batch through a tiny model twice, by Transformer Engine's THD attention
+   (cu_seqlens) and by the block-diagonal mask on megatron-core's local attention (same weights); loss and
+   gradients must agree (bf16 tolerances);
+2. throughput: bf16 training steps of a ~0.5B-parameter random ``qwen2_5_vl`` at seq 8192 (synthetic packed
+   bins), printing tokens/s, model TFLOPs per GPU and MFU (formula: ``trainer/observability.py``);
+3. save/load/resume: a run saved at iteration 2 and resumed continues with the uninterrupted run's losses.
+
+``--dry-run`` runs all of it on CPU (gloo, fp32, tiny sizes, the mask path twice instead of THD), so CI keeps
+the script working. Prints one table; writes benchmarks/results/gpu_check.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# ~0.47B parameters: 24 x (GQA attention + SwiGLU 4096) at hidden 1024, a 4-layer vision tower of 512
+MODEL_GPU = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--num-query-groups",
+             "2", "--ffn-hidden-size", "4096", "--vision-num-layers", "4", "--vision-hidden-size", "512",
+             "--vision-num-attention-heads", "8"]  # fmt: skip
+MODEL_TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+              "--vision-num-layers", "1", "--vision-hidden-size", "32", "--vision-num-attention-heads", "2"]  # fmt: skip
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(args: list[str], *, timeout_s: int) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(_port()),
+           *args]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise SystemExit(f"gpu_check: {' '.join(args[:3])} failed:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def _train(flags: list[str], work: Path, name: str, *, timeout_s: int) -> list[dict[str, Any]]:
+    metrics = work / f"{name}.jsonl"
+    _torchrun(["-m", "trainer.pretrain_vlm", *flags, "--metrics-file", str(metrics)], timeout_s=timeout_s)
+    return [m for m in map(json.loads, metrics.read_text().splitlines()) if "loss" in m]
+
+
+# -- phase 1: runs inside one torchrun process --------------------------------------------------------------
+
+
+def _loss_and_grads(trainer: Any, model: Any, batch: dict[str, Any], use_thd: bool) -> tuple[float, Any]:
+    import torch
+
+    from trainer.checkpoint import _bare
+    from trainer.data import model_inputs
+
+    bare = _bare(model)
+    bare.zero_grad(set_to_none=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    b = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    inputs = model_inputs(b, use_thd=use_thd, image_pad_id=trainer.arch.image_token_id,
+                          merge_size=trainer.arch.vision.spatial_merge_size)  # fmt: skip
+    mask = b["loss_mask"].reshape(-1).float()
+    loss = (model(**inputs).float().reshape(-1) * mask).sum() / mask.sum()
+    params = [p for p in bare.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    flat = torch.cat(
+        [
+            (g if g is not None else torch.zeros_like(p)).float().reshape(-1)
+            for g, p in zip(grads, params, strict=True)
+        ]
+    )
+    return float(loss), flat
+
+
+def equality_worker(dry_run: bool) -> None:
+    """THD (TE) vs block mask (local attention) on the same weights; prints one JSON line."""
+    import torch
+
+    from trainer.arguments import parse_args
+    from trainer.build import build_model
+    from trainer.training import Trainer, shutdown
+
+    flags = ["--mock-data", "--seq-length", "512", "--num-workers", "0", "--seed", "7", *MODEL_TINY]
+    trainer = Trainer(parse_args(flags + ([] if dry_run else ["--bf16"])))
+    batches, _ = trainer.train_data.next_step()
+    batch = batches[0]
+    mask_model = build_model(trainer.cfg, trainer.mcfg, trainer.arch, use_te=False)
+    ref_loss, ref_grad = _loss_and_grads(trainer, mask_model, batch, use_thd=False)
+    if trainer.use_te:
+        other = "THD (Transformer Engine)"
+        loss, grad = _loss_and_grads(trainer, trainer.model, batch, use_thd=True)
+    else:  # dry run: no TE, the same path again (checks the harness, not THD)
+        other = "block mask again (no Transformer Engine)"
+        loss, grad = _loss_and_grads(trainer, trainer.model, batch, use_thd=False)
+    cos = float(torch.nn.functional.cosine_similarity(grad, ref_grad, dim=0))
+    rel = abs(loss - ref_loss) / abs(ref_loss)
+    grad_rel = float((grad - ref_grad).norm() / ref_grad.norm())
+    print(json.dumps({"compared": other, "loss_mask": ref_loss, "loss_other": loss, "loss_rel_diff": rel,
+                      "grad_rel_diff": grad_rel, "grad_cosine": cos}))  # fmt: skip
+    shutdown()
+
+
+# -- the driver ---------------------------------------------------------------------------------------------
+
+
+def run(dry_run: bool, out: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {"dry_run": dry_run, "machine": platform.node()}
+    start = time.perf_counter()
+    proc = _torchrun([__file__, "--equality-worker", *(["--dry-run"] if dry_run else [])], timeout_s=300)
+    eq = json.loads(proc.stdout.strip().splitlines()[-1])
+    tol = (1e-5, 1e-4) if dry_run else (2e-2, 5e-2)  # fp32 on CPU; bf16 kernels on GPU
+    eq["ok"] = eq["loss_rel_diff"] < tol[0] and eq["grad_rel_diff"] < tol[1]
+    results["equality"] = eq
+
+    model = MODEL_TINY if dry_run else MODEL_GPU
+    seq = "256" if dry_run else "8192"
+    precision = [] if dry_run else ["--bf16", "--use-distributed-optimizer"]
+    common = ["--mock-data", "--seq-length", seq, "--num-workers", "0", "--seed", "3", "--lr", "1e-4", *model,
+              *precision]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        steps = _train(
+            [*common, "--train-iters", "8" if not dry_run else "3"], work, "throughput", timeout_s=420
+        )
+        timed = steps[2:] or steps
+        results["throughput"] = {
+            "seq_length": int(seq),
+            "tokens_per_s": sum(m["tokens_per_s"] for m in timed) / len(timed),
+            "tflops_per_gpu": sum(m["tflops_per_gpu"] for m in timed) / len(timed),
+            "mfu": None if timed[0].get("mfu") is None else sum(m["mfu"] for m in timed) / len(timed),
+            "step_ms": sum(m["step_ms"] for m in timed) / len(timed),
+            "loss_first_last": [steps[0]["loss"], steps[-1]["loss"]],
+        }
+        ckpt = work / "ckpt"
+        small = ["--mock-data", "--seq-length", "256" if dry_run else "1024", "--num-workers", "0", "--seed", "3",
+                 "--lr", "1e-3", *MODEL_TINY, *precision]  # fmt: skip
+        full = _train(
+            [*small, "--train-iters", "4", "--save", str(ckpt), "--save-interval", "2"],
+            work,
+            "full",
+            timeout_s=300,
+        )
+        (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+        resumed = _train([*small, "--train-iters", "4", "--load", str(ckpt)], work, "resumed", timeout_s=300)
+        diffs = [abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(resumed, full[2:], strict=True)]
+        results["resume"] = {
+            "iterations": [m["iteration"] for m in resumed],
+            "max_rel_loss_diff": max(diffs),
+            "same_data": [m["data_digest"] for m in resumed] == [m["data_digest"] for m in full[2:]],
+        }
+        results["resume"]["ok"] = results["resume"]["same_data"] and max(diffs) < (1e-6 if dry_run else 1e-3)
+    results["wall_s"] = time.perf_counter() - start
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    return results
+
+
+def print_table(r: dict[str, Any]) -> None:
+    eq, tp, rs = r["equality"], r["throughput"], r["resume"]
+    mfu = "n/a (CPU)" if tp["mfu"] is None else f"{tp['mfu']:.3f}"
+    rows = [
+        ("equality", f"{eq['compared']} vs block mask: loss rel {eq['loss_rel_diff']:.2e}, grad rel "
+                     f"{eq['grad_rel_diff']:.2e}, cosine {eq['grad_cosine']:.6f} -> {'ok' if eq['ok'] else 'FAIL'}"),
+        ("throughput", f"seq {tp['seq_length']}: {tp['tokens_per_s']:.0f} tokens/s, {tp['tflops_per_gpu']:.2f} "
+                       f"TFLOPs/GPU, MFU {mfu}, step {tp['step_ms']:.0f} ms, loss {tp['loss_first_last'][0]:.3f}"
+                       f" -> {tp['loss_first_last'][1]:.3f}"),
+        ("resume", f"iterations {rs['iterations']}, max rel loss diff {rs['max_rel_loss_diff']:.2e}, same data "
+                   f"{rs['same_data']} -> {'ok' if rs['ok'] else 'FAIL'}"),
+        ("wall", f"{r['wall_s']:.0f} s{' (dry run on CPU)' if r['dry_run'] else ''}"),
+    ]  # fmt: skip
+    for name, text in rows:
+        print(f"{name:<11} {text}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="everything but CUDA: CPU, fp32, tiny sizes")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_check.json")
+    p.add_argument("--equality-worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.equality_worker:
+        equality_worker(args.dry_run)
+        return 0
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; use --dry-run to run the same checks on CPU", file=sys.stderr)
+        return 2
+    results = run(args.dry_run, args.out)
+    print_table(results)
+    ok = results["equality"]["ok"] and results["resume"]["ok"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
