@@ -172,6 +172,34 @@ def mrope_position_ids(batch: dict[str, Any], *, image_pad_id: int, merge_size: 
     return torch.from_numpy(pos).reshape(3, b, seq).to(tokens.device)
 
 
+def thd_length(num_tokens: int, multiple: int) -> int:
+    """Length of a micro-batch flattened for THD: rounded up to ``multiple`` (the TP size under sequence
+    parallelism, which cuts the flattened sequence into TP equal parts)."""
+    return -(-num_tokens // multiple) * multiple
+
+
+def pad_flat_batch(batch: dict[str, Any], multiple: int, pad_id: int) -> dict[str, Any]:
+    """The micro-batch as one flattened row whose length divides by ``multiple``: the extra tokens form a
+    dummy trailing segment (its own cu_seqlens entry, pad tokens, no loss), as LLaVA-OneVision-2 pads THD
+    batches for sequence parallelism."""
+    tokens = batch["tokens"]
+    pad = thd_length(tokens.numel(), multiple) - tokens.numel()
+    if pad == 0:
+        return batch
+
+    def padded(x: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.cat([x.reshape(1, -1), x.new_full((1, pad), value)], dim=1)
+
+    out = {k: v for k, v in batch.items() if k not in ("attention_mask", "position_ids")}
+    out["tokens"] = padded(tokens, pad_id)
+    out["labels"] = padded(batch["labels"], IGNORE_INDEX)
+    out["loss_mask"] = padded(batch["loss_mask"], 0)
+    cu = batch["cu_seqlens"]
+    out["cu_seqlens"] = torch.cat([cu, cu[-1:] + pad])
+    out["max_seqlen"] = max(int(batch["max_seqlen"]), pad)
+    return out
+
+
 def model_inputs(
     batch: dict[str, Any], *, use_thd: bool, image_pad_id: int, merge_size: int
 ) -> dict[str, Any]:

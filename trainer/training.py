@@ -27,7 +27,7 @@ from trainer.build import build_model, check_data_matches_model, model_hf_config
 from trainer.checkpoint import CheckpointWriter, load_checkpoint
 from trainer.config import RunConfig, build_megatron_configs
 from trainer.convert import HF_CONFIG_NAME
-from trainer.data import DataInfo, build_step_batches, dataset_info, model_inputs
+from trainer.data import DataInfo, build_step_batches, dataset_info, model_inputs, pad_flat_batch, thd_length
 from trainer.models import family_of
 from trainer.observability import Observer
 from trainer.shared_batches import SharedStepBatches, shared_step_batches
@@ -119,6 +119,8 @@ class Trainer:
         self.arch = family_of(self.hf_config).arch_from_hf_config(self.hf_config)
         check_data_matches_model(self.arch, info, cfg.model.hf_model or "(random, from the size flags)")
         self.use_te = te_available()
+        self.pad_id = info.pad_id
+        self.thd_multiple = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
         self.mcfg = build_megatron_configs(cfg, self.arch)
         self.num_micro = cfg.train.num_microbatches(self.dp_size)
         self.model = build_model(cfg, self.mcfg, self.arch, use_te=self.use_te)
@@ -173,6 +175,8 @@ class Trainer:
             batch = {
                 k: v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
             }
+        if self.use_te:  # THD: under sequence parallelism the flattened length must divide by TP
+            batch = pad_flat_batch(batch, self.thd_multiple, self.pad_id)
         inputs = model_inputs(
             batch,
             use_thd=self.use_te,
@@ -185,7 +189,7 @@ class Trainer:
     def _run_schedule(self, batches: list[dict[str, Any]], *, forward_only: bool, poison: bool = False):
         b, seq = self.cfg.train.micro_batch_size, self.cfg.train.seq_length
         if self.use_te:
-            b, seq = 1, b * seq
+            b, seq = 1, thd_length(b * seq, self.thd_multiple)
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, poison),
             data_iterator=iter(batches),

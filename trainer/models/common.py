@@ -66,7 +66,9 @@ def build_layer_spec(attn_mask_type: AttnMaskType) -> ModuleSpec:
     return spec
 
 
-def build_block_spec(num_local_layers: int, *, use_te: bool = False) -> TransformerBlockSubmodules:
+def build_block_spec(
+    num_local_layers: int, *, use_te: bool = False, fp32_residual: bool = False
+) -> TransformerBlockSubmodules:
     """Decoder block spec: ``num_local_layers`` layers of this pipeline stage plus the final norm.
 
     Without TE the block-diagonal packed mask is passed densely (``AttnMaskType.arbitrary``); with TE the
@@ -77,6 +79,31 @@ def build_block_spec(num_local_layers: int, *, use_te: bool = False) -> Transfor
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         layer = get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm")
+        if fp32_residual:
+            return TransformerBlockSubmodules(
+                layer_specs=[unfused_te_layer_spec(layer)] * num_local_layers, layer_norm=RMSNorm
+            )
         return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=TENorm)
     layer = build_layer_spec(AttnMaskType.arbitrary)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=RMSNorm)
+
+
+def unfused_te_layer_spec(te_layer: ModuleSpec) -> ModuleSpec:
+    """TE's layer for ``--fp32-residual-connection``: TE modules take one dtype, so the norms that TE fuses
+    into the next linear layer become :class:`RMSNorm` (fp32 residual in, bf16/fp16 out) before plain TE
+    linears, and the residual add keeps the fp32 stream. Checkpoint keys stay those of the fused layer."""
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
+
+    spec = copy.deepcopy(te_layer)
+    sub = spec.submodules
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
+    sub.self_attention.submodules.linear_qkv = TEColumnParallelLinear
+    sub.mlp.submodules.linear_fc1 = TEColumnParallelLinear
+    sub.self_attn_bda = get_residual_bias_dropout_add
+    sub.mlp_bda = get_residual_bias_dropout_add
+    sub.sharded_state_dict_keys_map = {
+        "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+    }
+    return spec

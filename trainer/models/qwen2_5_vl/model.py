@@ -37,7 +37,10 @@ class Qwen25VLModel(MegatronModule):
         self.post_process = post_process
         self.image_pad_id = arch.image_token_id
         self.vision = VisionTower(configs.vision, configs.projector, arch.vision) if pre_process else None
-        block = build_block_spec(get_num_layers_to_build(configs.language), use_te=use_te)
+        block = build_block_spec(
+            get_num_layers_to_build(configs.language), use_te=use_te,
+            fp32_residual=configs.language.fp32_residual_connection,
+        )  # fmt: skip
         self.language_model = GPTModel(
             config=configs.language,
             transformer_layer_spec=block,
