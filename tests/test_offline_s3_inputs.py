@@ -249,11 +249,20 @@ def test_scan_reads_image_headers_only(raw, s3, tmp_path: Path) -> None:
         assert proxy.sent_bytes - scanned >= total
 
 
+def _no_s3fs_retries(monkeypatch) -> None:
+    """s3fs retries some errors itself (with its own sleeps); off, so the job's retries are what is tested."""
+    import s3fs
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+
+
+@pytest.mark.slow  # ~20 s: every object of the job fails once first
 def test_transient_errors_are_retried(raw, s3, local_run, tmp_path: Path, monkeypatch) -> None:
     """Every object GET fails once (503 or a reset connection) before it succeeds: same output."""
     root, tok = raw
     endpoint, url = s3
     monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    _no_s3fs_retries(monkeypatch)
     plan = FaultPlan(kinds=("503", "reset"), max_faults_per_path=1, fault_path_part="/raw/")
     with FaultProxy(endpoint.endpoint_url, plan) as proxy:
         opts = s3_storage_options(proxy.url)
@@ -267,6 +276,7 @@ def test_persistent_error_names_the_object(raw, s3, tmp_path: Path, monkeypatch)
     root, tok = raw
     endpoint, url = s3
     monkeypatch.setattr(remote, "BACKOFF_S", 0.001)
+    _no_s3fs_retries(monkeypatch)
     plan = FaultPlan(kinds=("503",), max_faults_per_path=10**6, fault_path_part="/noise_3.jpg")
     with FaultProxy(endpoint.endpoint_url, plan) as proxy:
         cfg = _cfg(
