@@ -111,7 +111,7 @@ def test_fp16_overflow_skips_step_and_lowers_scale(datasets: tuple[Path, Path], 
         "--train-iters",
         "6",
         "--initial-loss-scale",
-        "1024",
+        "128",  # at 1024 the vision tower's patch-summed fp16 gradients overflow at iteration 2 by themselves
         "--hysteresis",
         "1",
         "--debug-overflow-iterations",
