@@ -104,6 +104,42 @@ def test_killed_worker_is_retried(cluster, raw, local_files, tmp_path: Path, mon
     _assert_same(local_files, dataset_files(out))
 
 
+def test_rerun_redoes_only_missing_chunks(cluster, raw, local_files, tmp_path: Path) -> None:
+    """As after a crash in the middle of lengths: the finished chunks are kept, only the missing one is redone."""
+    out = tmp_path / "out"
+    run_pack(_cfg(raw, out, engine="ray"))
+    work = out / "_work"
+    (work / "lengths.done.json").unlink()
+    (work / "lengths" / "chunk-000002.done.json").unlink()
+    kept = {
+        p: p.stat().st_mtime_ns for p in (work / "lengths").glob("chunk-*.ids.npy") if "000002" not in p.name
+    }
+    summary = run_pack(_cfg(raw, out, engine="ray"))
+    assert summary.stages_skipped == ["scan"]
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept
+    assert (work / "lengths" / "chunk-000002.done.json").is_file()
+    _assert_same(local_files, dataset_files(out))
+
+
+def test_ray_workers_read_s3_inputs(cluster, raw, tmp_path: Path) -> None:
+    """The job's storage options reach the Ray workers: records and images from S3, the same output as the
+    local engine from the same URLs (records without an id are named after their source, so the URL run is
+    compared with a URL run)."""
+    from tests.storage_servers import moto_s3
+
+    src, _ = raw
+    with moto_s3() as endpoint:
+        url = endpoint.upload_folder(src.parent, "raw", "ray")
+        opts = endpoint.storage_options
+        runs = {}
+        for engine in ("local", "ray"):
+            out = tmp_path / engine
+            run_pack(_cfg(raw, out, engine=engine, inputs=(f"{url}/{src.name}",), storage_options=opts))
+            runs[engine] = dataset_files(out)
+    assert url.encode() in runs["ray"]["rejects.jsonl"]
+    _assert_same(runs["local"], runs["ray"])
+
+
 def test_cluster_has_two_nodes(cluster) -> None:
     """The cluster has two nodes with one CPU each, so a stage's tasks run on both."""
     alive = [n for n in ray.nodes() if n["Alive"]]
