@@ -91,3 +91,23 @@ def test_bf16_with_fp32_residual_under_transformer_engine(tmp_path: Path) -> Non
     assert run.returncode == 0, run.stderr[-4000:]
     assert "THD cu_seqlens (TE)" in run.stdout
     assert len(run.losses()) == 2 and all(math.isfinite(x) for x in run.losses())
+
+
+def test_segment_attention_equals_a_block_mask() -> None:
+    """The vision tower's attention over cu_seqlens segments equals softmax attention under the dense
+    block-diagonal mask it replaces; a control without the segments differs."""
+    from trainer.models.segment_attention import segment_attention
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5, 16, 1, 9]
+    s, heads, d = sum(lengths), 3, 8
+    q, k, v = (torch.randn(s, heads, d, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+    block = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    allowed = block[:, None] == block[None, :]
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
+    reference = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, -math.inf).softmax(-1), v)
+    out = segment_attention(q, k, v, cu, scale=1 / math.sqrt(d))
+    assert torch.allclose(out, reference, atol=1e-6)
+    whole = segment_attention(q, k, v, torch.tensor([0, s], dtype=torch.int32), scale=1 / math.sqrt(d))
+    assert not torch.allclose(whole, reference, atol=1e-3)

@@ -3,8 +3,9 @@ local TransformerLayer with RMSNorm, SwiGLU and 2-D rotary positions) under wind
 the 2x2 patch merger (RMSNorm + megatron-core's MultimodalProjector MLP). Tensor parallel like the language
 model; it runs on the first pipeline stage only.
 
-Attention is block-diagonal (never across images, and within windows for the windowed layers): a dense
-block mask here, because megatron-core's local attention takes no cu_seqlens.
+Attention is block-diagonal (never across images, and within windows for the windowed layers): the blocks go
+to attention as cu_seqlens (:class:`trainer.models.segment_attention.SegmentAttention`), never as a dense
+[P, P] mask.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
@@ -26,11 +28,21 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sha
 from trainer.models.common import RMSNorm, build_layer_spec
 from trainer.models.qwen2_5_vl.config import VisionArch
 from trainer.models.qwen2_5_vl.rope import (
-    block_mask,
     patch_hw_positions,
     vision_rotary_angles,
     window_order,
 )
+from trainer.models.segment_attention import SegmentAttention
+
+
+def _segments(lengths: np.ndarray, device: torch.device) -> PackedSeqParams:
+    """Attention blocks of ``lengths`` patches as cu_seqlens (``sbhd``: rotary angles stay per patch)."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
+    cu[1:] = torch.as_tensor(np.cumsum(lengths), dtype=torch.int32, device=device)
+    longest = int(lengths.max()) if len(lengths) else 0
+    return PackedSeqParams(
+        qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
 
 
 class PatchMerger(MegatronModule):
@@ -65,7 +77,8 @@ class VisionTower(MegatronModule):
         self.patch_embed = torch.nn.Conv3d(
             arch.in_channels, arch.hidden_size, kernel, stride=kernel, bias=False
         )
-        spec = build_layer_spec(AttnMaskType.arbitrary)
+        spec = build_layer_spec(AttnMaskType.no_mask)
+        spec.submodules.self_attention.submodules.core_attention = SegmentAttention
         self.layers = torch.nn.ModuleList(
             [build_module(spec, config=config, layer_number=i + 1) for i in range(arch.depth)]
         )
@@ -120,11 +133,10 @@ class VisionTower(MegatronModule):
         angles = vision_rotary_angles(positions[patch_order], a.head_dim, a.rope_theta)
         rotary = angles[:, None, None, :]  # [P, 1, 1, head_dim], megatron-core's [s, b, 1, d]
         # windows are contiguous after the reordering, and every image is a run of whole windows
-        window_mask = block_mask(window_lengths, device)
-        image_mask = block_mask(image_lengths, device)
+        windows, images = (_segments(lengths, device) for lengths in (window_lengths, image_lengths))
         hidden = hidden.unsqueeze(1)  # [P, 1, h]
         for i, layer in enumerate(self.layers):
-            mask = image_mask if i in a.fullatt_block_indexes else window_mask
-            hidden, _ = layer(hidden, attention_mask=mask, rotary_pos_emb=rotary)
+            segments = images if i in a.fullatt_block_indexes else windows
+            hidden, _ = layer(hidden, attention_mask=None, rotary_pos_emb=rotary, packed_seq_params=segments)
         merged = self.merger(hidden.squeeze(1))
         return merged[torch.as_tensor(np.argsort(order), device=device)]
