@@ -29,6 +29,11 @@ BACKOFF_S = 0.2
 MAX_BACKOFF_S = 5.0
 _OPTIONS: dict[str, Any] = {}
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # a scheme, not a `tar::` member reference
+# Sizes just learnt by `identity`, taken (once) by the `open_ranged` that follows it: scan records an image's
+# identity, then reads its header, with one stat between them instead of two. Bounded, and taken only once,
+# so nothing here outlives the read it was fetched for.
+_JUST_STATED: dict[str, int] = {}
+_JUST_STATED_MAX = 64
 
 
 class InputReadError(MmpackError):
@@ -103,6 +108,10 @@ def identity(url: str, verify: str) -> list:
     except FileNotFoundError:
         return [url, None, None]
     size = meta.get("size")
+    if isinstance(size, int):
+        if len(_JUST_STATED) >= _JUST_STATED_MAX:
+            _JUST_STATED.pop(next(iter(_JUST_STATED)))
+        _JUST_STATED[url] = size
     if verify == "sha256":
         import hashlib
 
@@ -220,8 +229,10 @@ class RangedFile(io.RawIOBase):
 
 
 def open_ranged(url: str, block_bytes: int = HEADER_BLOCK_BYTES) -> RangedFile:
-    """A `RangedFile` over a remote object (one stat for its size); FileNotFoundError if it does not exist."""
-    return RangedFile(url, int(info(url)["size"]), block_bytes)
+    """A `RangedFile` over a remote object (its size from the `identity` just taken, else one stat);
+    FileNotFoundError if it does not exist."""
+    size = _JUST_STATED.pop(url, None)
+    return RangedFile(url, size if size is not None else int(info(url)["size"]), block_bytes)
 
 
 STREAM_BLOCK_BYTES = 8 << 20
