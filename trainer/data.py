@@ -156,18 +156,31 @@ def build_step_batches(
     return StepBatches(loader)
 
 
-def mrope_position_ids(batch: dict[str, Any], *, image_pad_id: int, merge_size: int) -> torch.Tensor:
+def mrope_position_ids(
+    batch: dict[str, Any],
+    *,
+    image_pad_id: int,
+    merge_size: int,
+    video_pad_id: int = -1,
+    tokens_per_second: float = 2.0,
+) -> torch.Tensor:
     """[3, B, L] MRoPE positions of a micro-batch: per sample (segments of ``cu_seqlens``), as transformers'
-    ``get_rope_index`` gives each sample alone. Every stage derives them from tokens, cu_seqlens and
-    image_grid_thw, which the loader gives every stage."""
+    ``get_rope_index`` gives each sample alone. Every stage derives them from tokens, cu_seqlens,
+    image_grid_thw, video_grid_thw and second_per_grid_ts, which the loader gives every stage."""
     tokens = batch["tokens"]
     b, seq = tokens.shape
     cu = batch["cu_seqlens"].detach().cpu().numpy().astype(np.int64)
-    grids = batch.get("image_grid_thw")
-    grid_np = np.zeros((0, 3), np.int64) if grids is None else grids.detach().cpu().numpy()
+
+    def host(key: str, empty: np.ndarray) -> np.ndarray:
+        value = batch.get(key)
+        return empty if value is None else value.detach().cpu().numpy()
+
     pos = build_mrope_position_ids(
-        tokens.detach().cpu().numpy().reshape(-1), np.diff(cu), grid_np,
+        tokens.detach().cpu().numpy().reshape(-1), np.diff(cu), host("image_grid_thw", np.zeros((0, 3), np.int64)),
         image_pad_id=image_pad_id, merge_size=merge_size,
+        video_grid_thw=host("video_grid_thw", np.zeros((0, 3), np.int64)),
+        second_per_grid_ts=host("second_per_grid_ts", np.zeros(0, np.float32)),
+        video_pad_id=video_pad_id, tokens_per_second=tokens_per_second,
     )  # fmt: skip
     return torch.from_numpy(pos).reshape(3, b, seq).to(tokens.device)
 
@@ -201,7 +214,13 @@ def pad_flat_batch(batch: dict[str, Any], multiple: int, pad_id: int) -> dict[st
 
 
 def model_inputs(
-    batch: dict[str, Any], *, use_thd: bool, image_pad_id: int, merge_size: int
+    batch: dict[str, Any],
+    *,
+    use_thd: bool,
+    image_pad_id: int,
+    merge_size: int,
+    video_pad_id: int = -1,
+    tokens_per_second: float = 2.0,
 ) -> dict[str, Any]:
     """Model keyword arguments from a loader micro-batch: MRoPE positions, packed mask (dense on CPU, THD
     with TE)."""
@@ -210,10 +229,18 @@ def model_inputs(
     labels = batch["labels"]
     inputs: dict[str, Any] = {
         "tokens": tokens,
-        "position_ids": mrope_position_ids(batch, image_pad_id=image_pad_id, merge_size=merge_size),
+        "position_ids": mrope_position_ids(
+            batch,
+            image_pad_id=image_pad_id,
+            merge_size=merge_size,
+            video_pad_id=video_pad_id,
+            tokens_per_second=tokens_per_second,
+        ),
         "labels": labels.masked_fill(labels == IGNORE_INDEX, 0),  # masked out by loss_mask
         "pixel_values": batch.get("pixel_values"),
         "image_grid_thw": batch.get("image_grid_thw"),
+        "pixel_values_videos": batch.get("pixel_values_videos"),
+        "video_grid_thw": batch.get("video_grid_thw"),
     }
     cu = batch["cu_seqlens"].to(device=tokens.device, dtype=torch.int32)
     if use_thd:

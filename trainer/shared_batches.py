@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-IMAGE_KEYS = ("pixel_values",)
+IMAGE_KEYS = ("pixel_values", "pixel_values_videos")
 
 
 def reads_data() -> bool:

@@ -182,6 +182,8 @@ class Trainer:
             use_thd=self.use_te,
             image_pad_id=self.arch.image_token_id,
             merge_size=self.arch.vision.spatial_merge_size,
+            video_pad_id=self.arch.video_token_id,
+            tokens_per_second=self.arch.tokens_per_second,
         )
         output = model(**inputs)
         return output, partial(_loss_func, batch["loss_mask"], poison)

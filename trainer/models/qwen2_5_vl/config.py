@@ -78,6 +78,16 @@ class Qwen25VLArch:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def video_token_id(self) -> int:
+        """The ``<|video_pad|>`` id of config.json (151656, Qwen2.5-VL's, where it has none)."""
+        return int(self.source.get("video_token_id", 151656))
+
+    @property
+    def tokens_per_second(self) -> float:
+        """MRoPE temporal positions per second of video (``vision_config.tokens_per_second``, 2 by default)."""
+        return float((self.source.get("vision_config") or {}).get("tokens_per_second", 2))
+
 
 def _rope(text: dict[str, Any]) -> tuple[float, tuple[int, int, int]]:
     params = text.get("rope_parameters") or {}

@@ -1,6 +1,7 @@
 """One pipeline stage of Qwen2.5-VL on megatron-core: the vision tower (first stage) whose merged patch
-features replace the ``<|image_pad|>`` embeddings, fed as ``decoder_input`` to a ``GPTModel`` with MRoPE
-(``position_embedding_type="mrope"``), RMSNorm, SwiGLU and grouped-query attention with QKV bias."""
+features replace the ``<|image_pad|>`` (for videos the ``<|video_pad|>``) embeddings, fed as ``decoder_input``
+to a ``GPTModel`` with MRoPE (``position_embedding_type="mrope"``), RMSNorm, SwiGLU and grouped-query
+attention with QKV bias."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class Qwen25VLModel(MegatronModule):
         self.pre_process = pre_process
         self.post_process = post_process
         self.image_pad_id = arch.image_token_id
+        self.video_pad_id = arch.video_token_id
         self.vision = VisionTower(configs.vision, configs.projector, arch.vision) if pre_process else None
         block = build_block_spec(
             get_num_layers_to_build(configs.language), use_te=use_te,
@@ -61,21 +63,41 @@ class Qwen25VLModel(MegatronModule):
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         return self.language_model.shared_embedding_or_output_weight()
 
-    def embed(
-        self, tokens: torch.Tensor, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None
+    def _scatter_vision(
+        self,
+        emb: torch.Tensor,
+        slots: torch.Tensor,
+        pixels: torch.Tensor | None,
+        grid_thw: torch.Tensor | None,
+        what: str,
     ) -> torch.Tensor:
-        """Text embeddings with image features scattered into the ``<|image_pad|>`` slots -> [s, b, h]."""
+        """``emb`` with the vision features of ``pixels`` in the ``slots`` (the pad tokens of one kind)."""
+        num_slots = int(slots.sum())
+        if not num_slots:
+            return emb
+        if pixels is None or grid_thw is None or self.vision is None:
+            raise ValueError(f"batch has <|{what}_pad|> tokens but no pixels/grids for them")
+        features = self.vision(pixels, grid_thw).to(emb.dtype)
+        if features.shape[0] != num_slots:
+            raise ValueError(f"{features.shape[0]} {what} features for {num_slots} <|{what}_pad|> tokens")
+        return emb.masked_scatter(slots.unsqueeze(-1), features)
+
+    def embed(
+        self,
+        tokens: torch.Tensor,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Text embeddings with image (video) features scattered into the ``<|image_pad|>``
+        (``<|video_pad|>``) slots -> [s, b, h]."""
         emb_module = self.language_model.embedding
         emb = emb_module.word_embeddings(tokens)
-        image_slots = tokens == self.image_pad_id
-        num_slots = int(image_slots.sum())
-        if num_slots:
-            if pixel_values is None or image_grid_thw is None or self.vision is None:
-                raise ValueError("batch has <|image_pad|> tokens but no pixel_values/image_grid_thw")
-            features = self.vision(pixel_values, image_grid_thw).to(emb.dtype)
-            if features.shape[0] != num_slots:
-                raise ValueError(f"{features.shape[0]} image features for {num_slots} <|image_pad|> tokens")
-            emb = emb.masked_scatter(image_slots.unsqueeze(-1), features)
+        emb = self._scatter_vision(emb, tokens == self.image_pad_id, pixel_values, image_grid_thw, "image")
+        emb = self._scatter_vision(
+            emb, tokens == self.video_pad_id, pixel_values_videos, video_grid_thw, "video"
+        )
         emb = emb.transpose(0, 1).contiguous()
         if self.config.fp32_residual_connection:
             emb = emb.float()
@@ -94,10 +116,16 @@ class Qwen25VLModel(MegatronModule):
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] on the last stage when labels are given (logits without), hidden states
         elsewhere. ``position_ids`` are the MRoPE positions [3, b, s]."""
-        decoder_input = self.embed(tokens, pixel_values, image_grid_thw) if self.pre_process else None
+        decoder_input = (
+            self.embed(tokens, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+            if self.pre_process
+            else None
+        )
         return self.language_model(
             input_ids=None,
             position_ids=position_ids,

@@ -125,7 +125,8 @@ class VisionTower(MegatronModule):
         order, window_lengths = window_order(
             grids, merge_size=a.spatial_merge_size, window_size=a.window_size, patch_size=a.patch_size
         )
-        image_lengths = grids.prod(axis=1)
+        # full attention within each image and each frame pair of a video (per temporal patch), as transformers
+        image_lengths = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
         patch_order = torch.as_tensor((order[:, None] * unit + np.arange(unit)).reshape(-1), device=device)
         positions = torch.as_tensor(patch_hw_positions(grids, a.spatial_merge_size), device=device)
 
