@@ -1,8 +1,9 @@
-"""Read the packing of a packed dataset (manifest + per-bin `seq_lens`/`image_grid_thw`) for `mmpack stats`.
+"""Read the packing of a packed dataset (manifest + per-bin `seq_lens`/`image_grid_thw`/`video_grid_thw`) for
+`mmpack stats`.
 
-Only metadata is read: from Arrow shards the `key`, `seq_lens` and `image_grid_thw` columns (other columns
-are never loaded), from WebDataset tars the `.json`, `.seq_lens.npy` and `.image_grid_thw.npy` members (image
-members are skipped by seeking). Paths are fsspec URLs: local, `file://`, `s3://`, `http(s)://`.
+Only metadata is read: from Arrow shards the `key`, `seq_lens`, `image_grid_thw` and (datasets with videos)
+`video_grid_thw` columns (other columns are never loaded), from WebDataset tars the `.json`, `.seq_lens.npy`,
+`.image_grid_thw.npy` and `.video_grid_thw.npy` members (image and video members are skipped by seeking). Paths are fsspec URLs: local, `file://`, `s3://`, `http(s)://`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class ShardBins:
     images_per_bin: np.ndarray  # int64 [bins]
     image_patches_per_bin: np.ndarray  # int64 [bins], sum of t*h*w (before the merge)
     size_bytes: int
+    videos_per_bin: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [bins] (empty: none)
+    video_steps_per_bin: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # sum of grid t
+    video_patches_per_bin: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # sum of t*h*w
 
 
 @dataclass(frozen=True)
@@ -185,19 +189,50 @@ def _read_arrow_shard(f: Any, shard_path: str, entry: dict) -> ShardBins:
     if missing:
         raise ValueError(f"columns {missing} missing from the Arrow schema")
     included = [schema.get_field_index(c) for c in _ARROW_COLUMNS]
+    has_videos = schema.get_field_index("video_grid_thw") >= 0
+    if has_videos:
+        included.append(schema.get_field_index("video_grid_thw"))
     reader = pa.ipc.open_file(f, options=pa.ipc.IpcReadOptions(included_fields=included))
+    video: list[list[np.ndarray]] = [[], [], []]
     for i in range(reader.num_record_batches):
         batch = reader.get_batch(i)
         seq_lens = batch.column("seq_lens")
-        grids = batch.column("image_grid_thw")
         keys.extend(batch.column("key").to_pylist())
         lengths.append(pc.list_flatten(seq_lens).to_numpy(zero_copy_only=False))
         spb.append(pc.list_value_length(seq_lens).fill_null(0).to_numpy(zero_copy_only=False))
-        n_images = pc.list_value_length(grids).fill_null(0).to_numpy(zero_copy_only=False)
+        n_images, thw = _arrow_grids(batch.column("image_grid_thw"))
         ipb.append(n_images)
-        thw = pc.list_flatten(pc.list_flatten(grids)).to_numpy(zero_copy_only=False).reshape(-1, 3)
-        patches.append(_sum_per_bin(np.prod(thw.astype(np.int64), axis=1), n_images))
-    return _shard_bins(shard_path, "arrow", entry, keys, lengths, spb, ipb, patches)
+        patches.append(_sum_per_bin(np.prod(thw, axis=1), n_images))
+        if has_videos:
+            n_videos, vthw = _arrow_grids(batch.column("video_grid_thw"))
+            video[0].append(n_videos)
+            video[1].append(_sum_per_bin(vthw[:, 0], n_videos))
+            video[2].append(_sum_per_bin(np.prod(vthw, axis=1), n_videos))
+    shard = _shard_bins(shard_path, "arrow", entry, keys, lengths, spb, ipb, patches)
+    return _with_videos(shard, video) if has_videos else shard
+
+
+def _arrow_grids(grids: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(grids per bin, int64 [n, 3] grids) of a list<fixed_size_list<int32, 3>> column."""
+    import pyarrow.compute as pc
+
+    n = pc.list_value_length(grids).fill_null(0).to_numpy(zero_copy_only=False)
+    thw = pc.list_flatten(pc.list_flatten(grids)).to_numpy(zero_copy_only=False).reshape(-1, 3)
+    return n, thw.astype(np.int64)
+
+
+def _with_videos(shard: ShardBins, video: list[list[np.ndarray]]) -> ShardBins:
+    from dataclasses import replace
+
+    def cat(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+    return replace(
+        shard,
+        videos_per_bin=cat(video[0]),
+        video_steps_per_bin=cat(video[1]),
+        video_patches_per_bin=cat(video[2]),
+    )
 
 
 def _sum_per_bin(per_image: np.ndarray, n_images: np.ndarray) -> np.ndarray:
@@ -223,13 +258,14 @@ def _shard_bins(path, fmt, entry, keys, lengths, spb, ipb, patches) -> ShardBins
 
 def _read_wds_shard(f: Any, shard_path: str, entry: dict) -> ShardBins:
     records: dict[str, dict[str, Any]] = {}
-    wanted = ("json", "seq_lens.npy", "image_grid_thw.npy")
+    wanted = ("json", "seq_lens.npy", "image_grid_thw.npy", "video_grid_thw.npy")
     for name, offset, size in index_tar(f, label=shard_path, non_regular="skip"):
         key, _, suffix = name.rsplit("/", 1)[-1].partition(".")
-        if suffix in wanted:  # image members are never read
+        if suffix in wanted:  # image and video members are never read
             f.seek(offset)
             records.setdefault(key, {})[suffix] = f.read(size)
     keys, lengths, spb, ipb, patches = [], [], [], [], []
+    video: list[list[np.ndarray]] = [[], [], []]
     for key, members in records.items():
         if "seq_lens.npy" not in members:
             raise ValueError(f"bin {key} has no seq_lens.npy member")
@@ -243,7 +279,14 @@ def _read_wds_shard(f: Any, shard_path: str, entry: dict) -> ShardBins:
         spb.append(np.array([seq_lens.size]))
         ipb.append(np.array([grid.shape[0]]))
         patches.append(np.array([int(np.prod(grid, axis=1).sum())]))
-    return _shard_bins(shard_path, "wds", entry, keys, lengths, spb, ipb, patches)
+        vgrid = np.zeros((0, 3), np.int64)
+        if "video_grid_thw.npy" in members:
+            vgrid = np.load(io.BytesIO(members["video_grid_thw.npy"]), allow_pickle=False)
+            vgrid = vgrid.astype(np.int64).reshape(-1, 3)
+        for part, value in zip(video, (len(vgrid), vgrid[:, 0].sum(), np.prod(vgrid, axis=1).sum())):
+            part.append(np.array([int(value)]))
+    shard = _shard_bins(shard_path, "wds", entry, keys, lengths, spb, ipb, patches)
+    return _with_videos(shard, video)
 
 
 def _check_consistency(packing: DatasetPacking, entries: list[dict]) -> list[str]:

@@ -55,6 +55,7 @@ def dataset_fields(data: DatasetPacking) -> dict[str, Any]:
     """The dataset fields added to the stats dict: manifest facts and one summary per shard."""
     manifest = data.manifest
     merge = int(manifest.get("image_rule", {}).get("merge_size", 2) or 2)
+    temporal = int((manifest.get("video_rule") or {}).get("temporal_patch_size", 2) or 2)
     shards = []
     for shard in data.shards:
         tokens = int(shard.sample_lengths.sum())
@@ -68,6 +69,10 @@ def dataset_fields(data: DatasetPacking) -> dict[str, Any]:
                 "tokens": tokens,
                 "images": int(shard.images_per_bin.sum()),
                 "image_tokens": int(shard.image_patches_per_bin.sum()) // (merge * merge),
+                "videos": int(shard.videos_per_bin.sum()),
+                # frames sampled from the videos (grid t x temporal patch), and their <|video_pad|> tokens
+                "video_frames": int(shard.video_steps_per_bin.sum()) * temporal,
+                "video_tokens": int(shard.video_patches_per_bin.sum()) // (merge * merge),
                 "fill_efficiency": tokens / (bins * data.capacity) if bins else 0.0,
                 "bytes": shard.size_bytes,
             }
@@ -81,9 +86,22 @@ def dataset_fields(data: DatasetPacking) -> dict[str, Any]:
         "algorithm": manifest.get("algorithm"),
         "counts": manifest.get("counts", {}),
         "image_tokens": sum(s["image_tokens"] for s in shards),
+        **{k: sum(s[k] for s in shards) for k in ("videos", "video_frames", "video_tokens")},
+        "videos_per_bin": _videos_per_bin(data),
         "bytes": sum(s["bytes"] for s in shards),
         "shards": shards,
         "warnings": list(data.warnings),
+    }
+
+
+def _videos_per_bin(data: DatasetPacking) -> dict[str, float]:
+    """Mean and largest number of videos in a bin (zeros for a dataset without videos)."""
+    per_bin = [s.videos_per_bin for s in data.shards if s.videos_per_bin.size]
+    values = np.concatenate(per_bin) if per_bin else np.zeros(0, np.int64)
+    bins = int(data.samples_per_bin.size)
+    return {
+        "mean": float(values.sum() / bins) if bins else 0.0,
+        "max": int(values.max()) if values.size else 0,
     }
 
 
@@ -249,6 +267,12 @@ def dataset_header(dataset: dict[str, Any]) -> Table:
         "samples rejected", _fmt_int(counts.get("samples_rejected")) + (f" ({reasons})" if reasons else "")
     )
     table.add_row("image tokens", _fmt_int(dataset.get("image_tokens")))
+    if dataset.get("videos"):
+        table.add_row(
+            "videos", f"{_fmt_int(dataset['videos'])} ({_dist_text(dataset.get('videos_per_bin'))} per bin)"
+        )
+        table.add_row("video frames", _fmt_int(dataset.get("video_frames")))
+        table.add_row("video tokens", _fmt_int(dataset.get("video_tokens")))
     return table
 
 
