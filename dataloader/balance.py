@@ -13,11 +13,12 @@ shards' metadata (`load_bin_features`): no image is decoded.
 from __future__ import annotations
 
 import heapq
+import os
 import threading
 
 import numpy as np
 
-from dataloader.manifest import Manifest
+from dataloader.manifest import Manifest, ShardInfo
 from dataloader.storage import ShardStore, StorageConfig
 from packing.cost import DEFAULT_COST_MODEL, CostModel, features_from_offsets
 
@@ -149,37 +150,64 @@ def load_bin_features(manifest: Manifest, storage: StorageConfig) -> np.ndarray:
     """Cost features (float64 [num_bins, 4]) of every bin, from seq_lens and image_grid_thw only.
 
     Arrow shards: just those two columns are read. WebDataset shards: the bin's members are read (image
-    bytes included, never decoded). Each shard is fetched and checked like the loader's own reads.
+    bytes included, never decoded). Each shard is fetched and checked like the loader's own reads, once per
+    machine: the features are kept in the cache's `.meta/<sha256>.bin-features.npy` (a damaged file is
+    recomputed), so later loaders (other ranks, restarts) neither read nor download the shard for them.
     """
-    from dataloader.readers import open_shard_reader
-
     store = ShardStore(storage)
     out = np.zeros((manifest.num_bins, 4))
     for shard in manifest.shards:
-        path = store.local_path(shard)  # fetched (remote) or checked (local) like the loader's own reads
-        label = f"shard {shard.path}"
-        if shard.format == "arrow":
-            features = _arrow_features(path, label)
-        else:
-            reader = open_shard_reader(
-                path, shard.format, label=label, index_cache=store.index_cache_path(shard)
-            )
-            try:
-                rows = [reader.read(i) for i in range(len(reader))]
-            finally:
-                reader.close()
-            seq = [r["seq_lens"] for r in rows]
-            grids = [np.asarray(r["image_grid_thw"]).reshape(-1, 3) for r in rows]
-            features = features_from_offsets(
-                np.concatenate(seq) if seq else np.zeros(0),
-                np.concatenate(([0], np.cumsum([len(s) for s in seq]))),
-                np.concatenate(grids) if grids else np.zeros((0, 3)),
-                np.concatenate(([0], np.cumsum([len(g) for g in grids]))),
-            )
-        if len(features) != shard.bins:
-            raise ValueError(f"{label} holds {len(features)} bins, the manifest says {shard.bins}")
+        kept = os.path.join(store.meta_dir, f"{shard.sha256}.bin-features.npy") if store.meta_dir else ""
+        features = _read_kept(kept, shard.bins)
+        if features is None:
+            features = _shard_features(store, shard)
+            if len(features) != shard.bins:
+                raise ValueError(
+                    f"shard {shard.path} holds {len(features)} bins, the manifest says {shard.bins}"
+                )
+            if kept:
+                _keep(kept, features)
         out[shard.first_bin : shard.first_bin + shard.bins] = features
     return out
+
+
+def _read_kept(path: str, bins: int) -> np.ndarray | None:
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        features = np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    return features if features.shape == (bins, 4) and features.dtype == np.float64 else None
+
+
+def _keep(path: str, features: np.ndarray) -> None:
+    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(temporary, "wb") as f:
+        np.save(f, features, allow_pickle=False)
+    os.replace(temporary, path)
+
+
+def _shard_features(store: ShardStore, shard: ShardInfo) -> np.ndarray:
+    from dataloader.readers import open_shard_reader
+
+    path = store.local_path(shard)  # fetched (remote) or checked (local) like the loader's own reads
+    label = f"shard {shard.path}"
+    if shard.format == "arrow":
+        return _arrow_features(path, label)
+    reader = open_shard_reader(path, shard.format, label=label, index_cache=store.index_cache_path(shard))
+    try:
+        rows = [reader.read(i) for i in range(len(reader))]
+    finally:
+        reader.close()
+    seq = [r["seq_lens"] for r in rows]
+    grids = [np.asarray(r["image_grid_thw"]).reshape(-1, 3) for r in rows]
+    return features_from_offsets(
+        np.concatenate(seq) if seq else np.zeros(0),
+        np.concatenate(([0], np.cumsum([len(x) for x in seq]))),
+        np.concatenate(grids) if grids else np.zeros((0, 3)),
+        np.concatenate(([0], np.cumsum([len(g) for g in grids]))),
+    )
 
 
 def _arrow_features(path: str, label: str) -> np.ndarray:

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataloader import Topology, build_loader, load_manifest
+from dataloader import balance as balance_module
 from dataloader.balance import ComputeBalance, balanced_groups, balanced_layout, load_bin_features
 from dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
 from dataloader.storage import StorageConfig
@@ -178,6 +179,25 @@ def test_bin_features_from_both_formats_match_the_records(dataset: Path, tmp_pat
         url = f"{base}/{dataset.name}"
         remote = load_bin_features(load_manifest(url), StorageConfig(root=url, cache_dir=str(tmp_path)))
     np.testing.assert_array_equal(remote, want)
+
+
+def test_bin_features_are_kept_per_machine(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest = load_manifest(str(dataset))
+    storage = StorageConfig(root=str(dataset), cache_dir=str(tmp_path))
+    first = load_bin_features(manifest, storage)
+    kept = sorted(tmp_path.rglob("*.bin-features.npy"))
+    assert len(kept) == len(manifest.shards)
+    kept[0].write_bytes(b"damaged")  # recomputed, not trusted
+
+    calls: list[str] = []
+    real = balance_module._arrow_features
+    monkeypatch.setattr(
+        balance_module, "_arrow_features", lambda path, label: calls.append(label) or real(path, label)
+    )
+    np.testing.assert_array_equal(load_bin_features(manifest, storage), first)
+    assert len(calls) == 1  # only the damaged shard was read again
 
 
 def _loaders(dataset: Path, dp: int, workers: int = 0) -> list[Any]:
