@@ -246,17 +246,17 @@ def lower_bound_caps(
     image_counts: np.ndarray | None = None,
     max_images: int | None = None,
 ) -> int:
-    """Lower bound on bins under per-bin caps, over the items that fit: the largest of L2, the item-cap bound
-    (`lower_bound_item_cap`) and ceil(images / max_images)."""
+    """Lower bound on bins under per-bin caps, over the items that fit: the largest of L2 and the item-cap bound
+    (`lower_bound_item_cap`); with an image cap, `lower_bound_images` (items over the image cap are rejects,
+    as in `pack_lengths`, and not counted)."""
+    if max_images is not None and image_counts is not None:
+        return lower_bound_images(lengths, image_counts, capacity, max_images, max_items)
     capacity = _positive_int(capacity, "capacity")
     lengths = np.asarray(lengths)
     fits = lengths <= capacity
     bound = lower_bound_l2(lengths[fits], capacity)
     if max_items is not None:
         bound = max(bound, lower_bound_item_cap(lengths[fits], capacity, max_items))
-    if max_images is not None and image_counts is not None:
-        images = int(np.asarray(image_counts)[fits].sum())
-        bound = max(bound, -(-images // _positive_int(max_images, "max_images")))
     return int(bound)
 
 

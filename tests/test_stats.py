@@ -140,8 +140,10 @@ def test_caps_bound_uses_the_item_cap_bound() -> None:
     assert stats.lower_bound_l2(lengths, 10) == 3  # control: the weaker bound
     assert stats.lower_bound_caps(lengths, 10, max_items=2) == 4
     assert stats.lower_bound_caps(lengths, 10) == 3
-    images = np.array([0, 0, 3, 3, 3, 3])
+    images = np.array([0, 0, 2, 2, 2, 2])
     assert stats.lower_bound_caps(lengths, 10, image_counts=images, max_images=2) == 6
+    # items over the image cap are rejects (pack_lengths gives them bin -1): not counted
+    assert stats.lower_bound_caps(lengths, 10, image_counts=images + 1, max_images=2) == 2
     assert (
         stats.lower_bound_caps(np.array([11, 5]), 10, max_items=1) == 1
     )  # items that do not fit are left out
