@@ -142,3 +142,28 @@ def test_image_and_video_bin_loss_equals_transformers(tmp_path: Path) -> None:
     )
     assert step["target_tokens"] == ref["tokens"]
     assert step["loss"] == pytest.approx(ref["loss"], rel=1e-5), (step["loss"], ref["loss"])
+
+
+def test_a_dataset_video_pad_other_than_the_model_is_refused() -> None:
+    from trainer.build import check_data_matches_model
+    from trainer.data import DataInfo
+    from trainer.models.qwen2_5_vl import arch_from_hf_config, tiny_hf_config
+
+    arch = arch_from_hf_config(
+        tiny_hf_config(vocab_size=512, image_token_id=500, vision_start_token_id=501, vision_end_token_id=502)
+    )
+    info = dict(
+        seq_length=64,
+        vocab_size=512,
+        pad_id=0,
+        image_pad_id=500,
+        vision_start_id=501,
+        vision_end_id=502,
+        patch_size=14,
+        merge_size=2,
+    )
+    assert arch.video_token_id == 501  # tiny configs put it right after the image pad, as Qwen's vocabulary
+    check_data_matches_model(arch, DataInfo(**info, video_pad_id=501), "x")  # control: the same id passes
+    check_data_matches_model(arch, DataInfo(**info), "x")  # a dataset without videos has no video id to check
+    with pytest.raises(ValueError, match=r"<\|video_pad\|> is 503 in the dataset, 501 in the model"):
+        check_data_matches_model(arch, DataInfo(**info, video_pad_id=503), "x")

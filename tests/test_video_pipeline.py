@@ -339,3 +339,20 @@ def test_loader_workers_yield_the_video_inputs(demo_dataset: Path) -> None:
         assert isinstance(batch[key], torch.Tensor)
         np.testing.assert_array_equal(batch[key].numpy(), expected[key], err_msg=key)
     assert batch["pixel_values_videos"].shape[0] > 0 and batch["pixel_values"].shape == (0, 1176)
+
+
+def test_demo_data_includes_generated_videos(tmp_path: Path) -> None:
+    from offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
+    from offline_packing.demo.videos import add_synthetic_videos
+
+    raw = add_synthetic_videos(make_synthetic_dataset(tmp_path / "raw", n_samples=12, seed=1), 4, seed=1)
+    assert len(raw.video_paths) == 4 and raw.counts_by_format["video"] == 5  # 4 clips + 1 mixed record
+    tokenizer = train_tiny_bpe(tmp_path / "tok", seed=1, video_pad=True)
+    summary = pack_synthetic(raw, tokenizer, tmp_path / "packed", seq_len=2048, format="both")
+    manifest = read_manifest(str(tmp_path / "packed"))
+    ids = manifest["tokenizer"]["special_ids"]
+    assert ids["video_pad"] == ids["image_pad"] + 1  # as in Qwen's vocabulary (the tiny model assumes it)
+    assert summary.samples_read == summary.samples_packed == 17 and manifest["counts"]["videos"] == 6
+    assert summary.video_tokens == manifest["counts"]["video_tokens"] > 0
+    records = _bins(tmp_path / "packed", "wds")
+    assert sum(len(r["videos"]) for r in records) == 6

@@ -56,6 +56,10 @@ def check_data_matches_model(arch: Any, info: DataInfo, where: str) -> None:
         problems.append(
             f"<|image_pad|> is {info.image_pad_id} in the dataset, {arch.image_token_id} in the model"
         )
+    if info.video_pad_id >= 0 and info.video_pad_id != arch.video_token_id:
+        problems.append(
+            f"<|video_pad|> is {info.video_pad_id} in the dataset, {arch.video_token_id} in the model"
+        )
     if (info.patch_size, info.merge_size) != (arch.vision.patch_size, arch.vision.spatial_merge_size):
         problems.append(
             f"patch/merge size {info.patch_size}/{info.merge_size} in the dataset, "

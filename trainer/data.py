@@ -32,6 +32,7 @@ class DataInfo:
     vision_end_id: int
     patch_size: int
     merge_size: int
+    video_pad_id: int = -1  # the dataset's <|video_pad|> id where it holds videos, else -1
 
 
 class StepBatches:
@@ -98,6 +99,9 @@ def dataset_info(data_path: str | None, seq_length: int) -> DataInfo:
         vision_end_id=manifest.dataset.special_id("vision_end", -1),
         patch_size=manifest.patch_size,
         merge_size=manifest.merge_size,
+        video_pad_id=manifest.video_pad_id
+        if (manifest.dataset.counts and manifest.dataset.counts.videos)
+        else -1,
     )
 
 

@@ -1,7 +1,8 @@
 """`mmpack demo`: the whole path on an embedded default, on CPU.
 
-1. build a small multimodal dataset (synthetic JPEG/PNG images, LLaVA / ShareGPT / caption / text-only records)
-   and a small BPE tokenizer trained on the spot (no model hub needed);
+1. build a small multimodal dataset (synthetic JPEG/PNG images and a few tiny PyAV-encoded videos, LLaVA /
+   ShareGPT / caption / text-only / video records) and a small BPE tokenizer trained on the spot (no model hub
+   needed);
 2. pack it (`mmpack pack`), Arrow and WebDataset shards with a manifest;
 3. print its packing statistics (`mmpack stats`);
 4. stream it into a few training steps of a tiny vision-language model with TP x PP x DP on CPU processes
@@ -27,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `mmpack demo`."""
     parser.add_argument("--out", default="demo_out", help="working folder (default: ./demo_out)")
     parser.add_argument("--samples", type=int, default=400, help="raw samples to generate (default: 400)")
+    parser.add_argument("--videos", type=int, default=4, help="tiny generated videos (default: 4)")
     parser.add_argument("--seq-len", type=int, default=1024, help="packed sequence length (default: 1024)")
     parser.add_argument("--workers", type=int, default=2, help="packer worker processes (default: 2)")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default: 2)")
@@ -49,14 +51,17 @@ def _banner(text: str) -> None:
     print(f"\n=== {text} ===", flush=True)
 
 
-def _make_raw_data(out: Path, samples: int, seed: int) -> tuple[SyntheticData, Path]:
+def _make_raw_data(out: Path, samples: int, seed: int, videos: int = 0) -> tuple[SyntheticData, Path]:
     from offline_packing.demo.synthetic import make_synthetic_dataset, train_tiny_bpe
+    from offline_packing.demo.videos import add_synthetic_videos
 
     raw = make_synthetic_dataset(out / "raw", n_samples=samples, seed=seed, size_range=(56, 448))
-    tokenizer = train_tiny_bpe(out / "tokenizer", vocab_size=2000, seed=seed)
+    raw = add_synthetic_videos(raw, videos, seed=seed)
+    tokenizer = train_tiny_bpe(out / "tokenizer", vocab_size=2000, seed=seed, video_pad=True)
     print(
         f"{raw.n_samples} records ({raw.counts_by_format}), {raw.n_images} images "
-        f"({raw.image_bytes / 2**20:.1f} MiB) in {raw.image_root}; tokenizer {tokenizer}"
+        f"({raw.image_bytes / 2**20:.1f} MiB), {len(raw.video_paths)} videos in {raw.image_root}; "
+        f"tokenizer {tokenizer}"
     )
     return raw, tokenizer
 
@@ -113,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     _banner("1/4 build a small multimodal dataset")
-    raw, tokenizer = _make_raw_data(out, args.samples, args.seed)
+    raw, tokenizer = _make_raw_data(out, args.samples, args.seed, args.videos)
     packed = out / "packed"
     _banner(f"2/4 pack it (seq_len {args.seq_len})")
     _pack(args, raw, tokenizer, packed)

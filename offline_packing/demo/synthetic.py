@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from offline_packing.config import PackSummary
 
 from packing.tokenizer import SPECIAL_TOKENS as CHAT_SPECIAL_TOKENS
+from packing.tokenizer import VIDEO_PAD
 
 SPECIAL_TOKENS = tuple(CHAT_SPECIAL_TOKENS.values())  # the control tokens the packer expects
 RECORD_FORMATS = ("llava", "sharegpt", "caption", "text")
@@ -78,6 +79,7 @@ class SyntheticData:
     image_paths: tuple[Path, ...]
     records: tuple[dict, ...] = field(repr=False)
     counts_by_format: dict[str, int] = field(default_factory=dict)
+    video_paths: tuple[Path, ...] = ()  # clips added by `offline_packing.demo.videos.add_synthetic_videos`
 
     @property
     def n_images(self) -> int:
@@ -214,8 +216,9 @@ def _training_corpus(seed: int, n_lines: int) -> list[str]:
     return lines
 
 
-def train_tiny_bpe(directory: Path, vocab_size: int = 600, seed: int = 0) -> Path:
-    """Train a small byte-level BPE (Qwen special tokens included) and save `directory/tokenizer.json`.
+def train_tiny_bpe(directory: Path, vocab_size: int = 600, seed: int = 0, *, video_pad: bool = False) -> Path:
+    """Train a small byte-level BPE (Qwen special tokens included; `<|video_pad|>` right after `<|image_pad|>`
+    with `video_pad`, as in Qwen's vocabulary) and save `directory/tokenizer.json`.
 
     Deterministic: the same arguments give the same file. Takes well under a second.
     """
@@ -228,7 +231,7 @@ def train_tiny_bpe(directory: Path, vocab_size: int = 600, seed: int = 0) -> Pat
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *((VIDEO_PAD,) if video_pad else ())],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
