@@ -155,7 +155,8 @@ def _generated_inputs(root: Path) -> tuple[Path, dict[str, str | None]]:
     encode_video(media / "vfr.mkv", 5, pts_ms=[0, 10, 400, 410, 990], container_format="matroska")
     encode_video(media / "short.mp4", 3)  # fewer than min_frames: 2 frames sampled
     encode_video(media / "one.mp4", 1)  # a single frame: too short
-    encode_video(media / "big.mp4", 4, width=1920, height=1088)  # large frames, sized down by the rule
+    encode_video(media / "big.mp4", 4, width=1920, height=1088)  # frames over the job's pixel limit below
+    encode_video(media / "wide.mp4", 4, width=1280, height=720)  # large frames, sized down by the rule
     whole = encode_video(media / "whole.mp4", 30, options={"movflags": "+faststart"}).read_bytes()
     (media / "cut.mp4").write_bytes(whole[: len(whole) // 2])
     (media / "text.mp4").write_text("not a video\n" * 10)
@@ -169,7 +170,8 @@ def _generated_inputs(root: Path) -> tuple[Path, dict[str, str | None]]:
         "vfr.mp4": None,
         "vfr.mkv": None,
         "short.mp4": None,
-        "big.mp4": None,
+        "wide.mp4": None,
+        "big.mp4": "video_too_large",
         "one.mp4": "video_too_short",
         "cut.mp4": "corrupt_video",
         "text.mp4": "not_a_video",
@@ -211,6 +213,7 @@ def test_generated_videos_through_the_job(tmp_path: Path, qwen3_tokenizer_path: 
         tokenizer=str(qwen3_tokenizer_path),
         format="both",
         workers=2,
+        max_image_pixels=1920 * 1088 - 1,
         progress=False,
     )
     run_pack(cfg)
@@ -223,7 +226,8 @@ def test_generated_videos_through_the_job(tmp_path: Path, qwen3_tokenizer_path: 
     assert counts["samples_packed"] == sum(r is None for r in expected.values())
     records = _bins(out, "arrow")
     sample_ids = [s for r in records for s in r["sample_ids"]]
-    packed_ids = [f"v{i}" for i, r in enumerate(expected.values()) if r is None and i < 11]
+    singles = [name for name in expected if name not in ("mixed", "escape")]
+    packed_ids = [f"v{i}" for i, name in enumerate(singles) if expected[name] is None]
     assert sorted(sample_ids) == sorted([*packed_ids, "mixed"])
     rule = VideoTokenRule()
     cfg_collate = _collate_config(out)
@@ -243,9 +247,9 @@ def test_generated_videos_through_the_job(tmp_path: Path, qwen3_tokenizer_path: 
         assert int((rec["input_ids"] == VIDEO_PAD).sum()) == sum(p["num_tokens"] for p in rec["video_plans"])
     mixed = next(r for r in records if "mixed" in r["sample_ids"])
     assert len(mixed["images"]) == 1 and len(mixed["videos"]) >= 2
-    # the big video is sized down to the rule's per-frame cap, not rejected
-    big = VideoTokenRule().plan(probe_video(media / "big.mp4").meta)
-    assert big.resized_hw[0] * big.resized_hw[1] <= rule.max_pixels
+    # a 1280 x 720 video is sized down to the rule's per-frame cap
+    wide = VideoTokenRule().plan(probe_video(media / "wide.mp4").meta)
+    assert wide.resized_hw[0] * wide.resized_hw[1] <= rule.max_pixels < 1280 * 720
 
 
 def test_video_flags_reach_the_rule_and_the_manifest(tmp_path: Path, qwen3_tokenizer_path: Path) -> None:
