@@ -360,3 +360,28 @@ def test_demo_data_includes_generated_videos(tmp_path: Path) -> None:
     assert summary.video_tokens == manifest["counts"]["video_tokens"] > 0
     records = _bins(tmp_path / "packed", "wds")
     assert sum(len(r["videos"]) for r in records) == 6
+
+
+def test_videos_under_a_url_input(tmp_path: Path, qwen3_tokenizer_path: Path) -> None:
+    """Records and videos behind an fsspec URL: probed by ranged reads, stored byte for byte."""
+    import fsspec
+
+    video = encode_video(tmp_path / "v.mp4", 11).read_bytes()
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/url_videos/media/v.mp4", video)
+    turns = [{"from": "human", "value": "<video>?"}, {"from": "gpt", "value": "ok"}]
+    lines = [
+        {"video": "media/v.mp4", "conversations": turns},
+        {"video": "media/absent.mp4", "conversations": turns},
+    ]
+    fs.pipe("/url_videos/d.jsonl", "".join(json.dumps(r) + "\n" for r in lines).encode())
+    out = tmp_path / "out"
+    cfg = PackJobConfig(
+        inputs=("memory://url_videos/d.jsonl",), output=str(out), seq_len=4096, tokenizer=str(qwen3_tokenizer_path),
+        progress=False,
+    )  # fmt: skip
+    summary = run_pack(cfg)
+    assert (summary.samples_packed, summary.rejected_by_reason) == (1, {"missing_video": 1})
+    (record,) = _bins(out, "arrow")
+    assert record["videos"] == [video]
+    assert summary.video_tokens == VideoTokenRule().plan(probe_video(video).meta).num_tokens
