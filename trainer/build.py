@@ -16,8 +16,7 @@ from megatron.core.transformer.module import Float16Module
 from trainer.config import MegatronConfigs, RunConfig
 from trainer.convert import HF_CONFIG_NAME
 from trainer.data import DataInfo
-from trainer.models import family, family_of
-from trainer.models.qwen2_5_vl.config import read_hf_config
+from trainer.models import family, family_of, read_hf_config
 
 
 def model_hf_config(cfg: RunConfig, info: DataInfo) -> dict[str, Any]:

@@ -77,7 +77,7 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
 
     from trainer import cpu_backend
     from trainer.checkpoint import TRACKER, iteration_dir
-    from trainer.models.qwen2_5_vl.config import read_hf_config
+    from trainer.models import read_hf_config
 
     cpu_backend.activate()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -156,8 +156,7 @@ def _spawn(fn: Any, nprocs: int, args: tuple) -> None:
 def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int) -> Path:
     """Writes the weights-only dist checkpoint at ``out``; returns its iteration folder."""
     from trainer.checkpoint import iteration_dir
-    from trainer.models import family_of
-    from trainer.models.qwen2_5_vl.config import read_hf_config
+    from trainer.models import family_of, read_hf_config
 
     if tp < 1 or pp < 1:
         raise ValueError("--tp and --pp must be >= 1")

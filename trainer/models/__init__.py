@@ -6,6 +6,8 @@ module plus one line here."""
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -22,3 +24,11 @@ def family(model_type: str) -> ModuleType:
 def family_of(hf_config: dict[str, Any]) -> ModuleType:
     """The family of a ``config.json`` dict."""
     return family(str(hf_config.get("model_type")))
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """``config.json`` of a model folder, with an error naming the folder when it is missing."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir} has no config.json: give a folder written by save_pretrained")
+    return json.loads(path.read_text())

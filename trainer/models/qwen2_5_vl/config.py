@@ -7,9 +7,7 @@ for random models made without a checkpoint (presets and size flags).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch.nn.functional as F
@@ -141,14 +139,6 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> Qwen25VLArch:
         vision=vision,
         source=cfg,
     )
-
-
-def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
-    """``config.json`` of a model folder, with an error naming the folder when it is missing."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{model_dir} has no config.json: give a folder written by save_pretrained")
-    return json.loads(path.read_text())
 
 
 def tiny_hf_config(
