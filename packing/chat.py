@@ -350,6 +350,9 @@ def tokenize_conversation(
             "Qwen2-VL/Qwen2.5-VL/Qwen3-style tokenizer.json"
         )
     messages = (template or ChatTemplate()).with_default_system(conv)
+    for tag, n in ((IMAGE_TAG, len(counts)), (VIDEO_TAG, len(video_counts))):
+        if sum(content.count(tag) for _, content in messages) != n:
+            raise ValueError(f"the messages hold another number of {tag} tags than the {n} given")
     # Encode with one pad per image / video and repeat it afterwards: special tokens are split out before
     # the model's pre-tokenizer runs, so the ids are those of the fully expanded text, at a fraction of the
     # cost for large images (thousands of pads each).

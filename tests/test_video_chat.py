@@ -120,3 +120,11 @@ def test_a_tokenizer_without_video_pad_is_refused_for_videos(tmp_path: Path) -> 
     conv = Conversation(messages=(("user", "<video>"), ("assistant", "x")), videos=("v",))
     with pytest.raises(ValueError, match=r"<\|video_pad\|>"):
         tokenize_conversation(conv, tok, [], ChatTemplate(), [4])
+
+
+def test_tag_counts_must_match_the_media_given() -> None:
+    tagged = Conversation(messages=(("user", "<video>"), ("assistant", "x")))  # not validated: no videos
+    with pytest.raises(ValueError, match="<video> tags"):
+        tokenize_conversation(tagged, ByteTokenizer(), [], ChatTemplate())
+    ok = Conversation(messages=tagged.messages, videos=("v",))  # control
+    assert tokenize_conversation(ok, ByteTokenizer(), [], ChatTemplate(), [3]).num_video_tokens == 3
