@@ -20,7 +20,7 @@ import numpy as np
 
 from dataloader.manifest import Manifest, ShardInfo
 from dataloader.storage import ShardStore, StorageConfig
-from packing.cost import DEFAULT_COST_MODEL, CostModel, features_from_offsets
+from packing.cost import DEFAULT_COST_MODEL, CostModel, add_video_features, features_from_offsets
 
 BALANCE_MODES = ("none", "compute")
 SWAP_PASSES = 256
@@ -147,7 +147,7 @@ class ComputeBalance:
 
 
 def load_bin_features(manifest: Manifest, storage: StorageConfig) -> np.ndarray:
-    """Cost features (float64 [num_bins, 4]) of every bin, from seq_lens and image_grid_thw only.
+    """Cost features (float64 [num_bins, 4]) of every bin, from seq_lens, image_grid_thw and video_grid_thw only.
 
     Arrow shards: just those two columns are read. WebDataset shards: the bin's members are read (image
     bytes included, never decoded). Each shard is fetched and checked like the loader's own reads, once per
@@ -202,11 +202,17 @@ def _shard_features(store: ShardStore, shard: ShardInfo) -> np.ndarray:
         reader.close()
     seq = [r["seq_lens"] for r in rows]
     grids = [np.asarray(r["image_grid_thw"]).reshape(-1, 3) for r in rows]
-    return features_from_offsets(
+    videos = [np.asarray(r["video_grid_thw"]).reshape(-1, 3) for r in rows]
+    features = features_from_offsets(
         np.concatenate(seq) if seq else np.zeros(0),
         np.concatenate(([0], np.cumsum([len(x) for x in seq]))),
         np.concatenate(grids) if grids else np.zeros((0, 3)),
         np.concatenate(([0], np.cumsum([len(g) for g in grids]))),
+    )
+    return add_video_features(
+        features,
+        np.concatenate(videos) if videos else np.zeros((0, 3)),
+        np.concatenate(([0], np.cumsum([len(v) for v in videos]))),
     )
 
 
@@ -230,11 +236,15 @@ def _arrow_features(path: str, label: str) -> np.ndarray:
                 grid_values = grid_values.flatten()  # one list of 3 per image: offsets count images
             else:
                 grid_offsets = grid_offsets // 3  # flat (t, h, w) triples: offsets count numbers
-            parts.append(
-                features_from_offsets(
-                    np.asarray(seq.flatten()), seq_offsets, np.asarray(grid_values), grid_offsets
-                )
+            features = features_from_offsets(
+                np.asarray(seq.flatten()), seq_offsets, np.asarray(grid_values), grid_offsets
             )
+            if "video_grid_thw" in batch.schema.names:  # datasets with videos (format version 3)
+                video = batch.column("video_grid_thw")
+                video_offsets = np.asarray(video.offsets) - video.offsets[0].as_py()
+                values = np.asarray(video.flatten().flatten())
+                features = add_video_features(features, values, video_offsets)
+            parts.append(features)
     return np.concatenate(parts) if parts else np.zeros((0, 4))
 
 

@@ -47,6 +47,20 @@ def features_from_offsets(
     return out
 
 
+def add_video_features(
+    features: np.ndarray, video_grid_thw: np.ndarray, video_offsets: np.ndarray
+) -> np.ndarray:
+    """`features` plus the vision cost of each bin's videos (rows of 3, bin i holds video_grid_thw[video_offsets[i]:
+    video_offsets[i+1]]): a video's t temporal patches attend within themselves, so it counts as t images of
+    h x w patches (t*h*w patches, t*(h*w)^2 attention)."""
+    grids = np.asarray(video_grid_thw, dtype=np.float64).reshape(-1, 3)
+    per_step = grids[:, 1] * grids[:, 2]
+    out = np.array(features, dtype=np.float64, copy=True)
+    out[:, 2] += _segment_sums(grids[:, 0] * per_step, video_offsets)
+    out[:, 3] += _segment_sums(grids[:, 0] * per_step * per_step, video_offsets)
+    return out
+
+
 def _segment_sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     cumulative = np.concatenate(([0.0], np.cumsum(values)))
     offsets = np.asarray(offsets, dtype=np.int64)

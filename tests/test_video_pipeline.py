@@ -385,3 +385,17 @@ def test_videos_under_a_url_input(tmp_path: Path, qwen3_tokenizer_path: Path) ->
     (record,) = _bins(out, "arrow")
     assert record["videos"] == [video]
     assert summary.video_tokens == VideoTokenRule().plan(probe_video(video).meta).num_tokens
+
+
+def test_compute_balance_counts_video_patches(demo_dataset: Path) -> None:
+    """Bin features for balance="compute" hold each video as t images of h x w patches, in both formats."""
+    from dataloader.balance import load_bin_features
+    from dataloader.storage import StorageConfig
+
+    for fmt in ("arrow", "wds"):
+        manifest = load_manifest(str(demo_dataset), shard_format=fmt)
+        features = load_bin_features(manifest, StorageConfig(root=str(demo_dataset)))
+        grids = np.concatenate([r["video_grid_thw"] for r in _bins(demo_dataset, fmt)]).astype(np.float64)
+        per_step = grids[:, 1] * grids[:, 2]
+        assert features[:, 2].sum() == (grids[:, 0] * per_step).sum() > 0  # no images in this dataset
+        assert features[:, 3].sum() == (grids[:, 0] * per_step**2).sum()
