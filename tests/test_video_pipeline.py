@@ -399,3 +399,29 @@ def test_compute_balance_counts_video_patches(demo_dataset: Path) -> None:
         per_step = grids[:, 1] * grids[:, 2]
         assert features[:, 2].sum() == (grids[:, 0] * per_step).sum() > 0  # no images in this dataset
         assert features[:, 3].sum() == (grids[:, 0] * per_step**2).sum()
+
+
+def test_energon_reads_the_video_fields(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.energon")
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    from offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
+    from offline_packing.demo.videos import add_synthetic_videos
+
+    raw = add_synthetic_videos(make_synthetic_dataset(tmp_path / "raw", n_samples=6, seed=2), 3, seed=2)
+    tokenizer = train_tiny_bpe(tmp_path / "tok", seed=2, video_pad=True)
+    out = tmp_path / "packed"
+    pack_synthetic(raw, tokenizer, out, seq_len=2048, format="wds", energon=True, max_bins_per_shard=2)
+    expected = {r["key"]: r for r in _bins(out, "wds")}
+    ds = get_train_dataset(
+        str(out), worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0), batch_size=None,
+        shuffle_buffer_size=None, max_samples_per_sequence=None, repeat=False,
+    )  # fmt: skip
+    seen = 0
+    for sample in get_loader(ds):
+        ref = expected[sample.__key__]
+        assert sample.video_plans == ref["video_plans"] and sample.video_formats == ref["video_formats"]
+        assert np.asarray(sample.video_grid_thw).tolist() == ref["video_grid_thw"].tolist()
+        assert len(sample.videos) == len(ref["videos"])
+        seen += len(sample.videos)
+    assert seen == 5  # 3 clips + 2 in the mixed record

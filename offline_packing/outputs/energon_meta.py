@@ -36,6 +36,18 @@ def sample_loader(raw: dict) -> dict:
         sample_ids=list(meta["sample_ids"]),
         image_formats=list(meta["image_formats"]),
         images=[raw[f"img{i}.{fmt}"] for i, fmt in enumerate(meta["image_formats"])],
+        **_videos(raw, meta),
+    )
+
+
+def _videos(raw: dict, meta: dict) -> dict:
+    if not meta.get("n_videos"):
+        return {}
+    return dict(
+        videos=[raw[f"vid{i}.{fmt}"] for i, fmt in enumerate(meta["video_formats"])],
+        video_formats=list(meta["video_formats"]),
+        video_grid_thw=raw["video_grid_thw.npy"].reshape(-1, 3),
+        video_plans=list(meta["video_plans"]),
     )
 
 

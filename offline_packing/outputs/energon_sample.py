@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,3 +28,8 @@ class PackedBinSample(Sample):
     image_formats: list[str]
     image_grid_thw: np.ndarray  # int32 [n_images, 3]
     images: list[Any]
+    # videos (format version 3): as Energon's decoder yields the stored files, with the mmpack plan of each
+    videos: list[Any] = field(default_factory=list)
+    video_formats: list[str] = field(default_factory=list)
+    video_grid_thw: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int32))
+    video_plans: list[dict] = field(default_factory=list)  # packing.video_tokens.VideoPlan.to_dict()
