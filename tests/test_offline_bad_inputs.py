@@ -9,8 +9,8 @@ import pytest
 
 from offline_packing.config import PackJobConfig
 from offline_packing.errors import PackError
-from offline_packing.pipeline import read_manifest, run_pack
 from offline_packing.inputs.sources import resolve_image_path
+from offline_packing.pipeline import read_manifest, run_pack
 from tests.fixtures_data import make_bad_dataset, read_arrow_bins, write_image
 
 
