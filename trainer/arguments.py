@@ -18,6 +18,7 @@ from trainer.config import (
     RunConfig,
     TrainConfig,
 )
+from trainer.freeze import parse_modules
 from trainer.observability import ObservabilityConfig
 
 if TYPE_CHECKING:
@@ -82,6 +83,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout on hidden states")
     g.add_argument("--attention-dropout", type=float, default=0.0, help="dropout on attention probs")
     g.add_argument("--init-method-std", type=float, default=0.02, help="std of weight init")
+    g.add_argument(
+        "--freeze-vision",
+        action="store_true",
+        help="freeze the vision encoder (patch embedding and blocks; the adapter still trains)",
+    )
+    g.add_argument(
+        "--freeze-llm",
+        action="store_true",
+        help="freeze the language model (embeddings and output layer too)",
+    )
+    g.add_argument(
+        "--trainable-modules",
+        default=None,
+        help="comma list of the modules that train, the rest frozen: adapter (merger/projector), "
+        "vision_model, language_model, embedding, output_layer (default: all)",
+    )
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size")
@@ -223,7 +240,9 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     preset = MODEL_PRESETS.get(args.model_size or "tiny", {})
     size = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in preset.items()}
     return RunConfig(
-        model=_config_from_args(ModelConfig, args, **size),
+        model=_config_from_args(
+            ModelConfig, args, trainable_modules=parse_modules(args.trainable_modules), **size
+        ),
         parallel=_config_from_args(ParallelConfig, args),
         precision=_config_from_args(PrecisionConfig, args),
         optim=_config_from_args(OptimConfig, args),

@@ -16,6 +16,7 @@ from megatron.core.transformer.module import Float16Module
 from trainer.config import MegatronConfigs, RunConfig
 from trainer.convert import HF_CONFIG_NAME
 from trainer.data import DataInfo
+from trainer.freeze import apply_freeze
 from trainer.models import family, family_of, read_hf_config
 
 
@@ -68,6 +69,16 @@ def check_data_matches_model(arch: Any, info: DataInfo, where: str) -> None:
         raise ValueError(f"dataset and model {where} disagree: " + "; ".join(problems) + " (repack the data)")
 
 
+def check_dataset_for_hf_model(data_path: str, model_dir: str) -> None:
+    """The dataset's recorded tokenizer and image rule against the model folder's tokenizer.json,
+    preprocessor_config.json and config.json (trainer.dataset_check); one DatasetModelMismatch (a
+    ValueError) listing every disagreement."""
+    from dataloader import load_manifest
+    from trainer.dataset_check import check_dataset_matches_model
+
+    check_dataset_matches_model(load_manifest(data_path), model_dir, dataset=data_path)
+
+
 def build_stage_model(cfg: RunConfig, mcfg: MegatronConfigs, arch: Any, *, use_te: bool) -> torch.nn.Module:
     """This pipeline stage's (unwrapped) model with its weights."""
     fam = family_of(arch.source)
@@ -94,6 +105,14 @@ def build_stage_model(cfg: RunConfig, mcfg: MegatronConfigs, arch: Any, *, use_t
 def build_model(cfg: RunConfig, mcfg: MegatronConfigs, arch: Any, *, use_te: bool) -> DistributedDataParallel:
     """This stage's model, cast and wrapped in megatron DDP."""
     model = build_stage_model(cfg, mcfg, arch, use_te=use_te)
+    m = cfg.model  # frozen parameters before DDP and the optimizer: no grad buffer, no optimizer state
+    apply_freeze(
+        model,
+        tied=arch.tie_word_embeddings,
+        trainable_modules=m.trainable_modules,
+        freeze_vision=m.freeze_vision,
+        freeze_llm=m.freeze_llm,
+    )
     if torch.cuda.is_available():
         model.cuda()
     if cfg.precision.bf16 or cfg.precision.fp16:

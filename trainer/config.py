@@ -34,8 +34,16 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
+    # which parameters train (trainer.freeze): modules named by --trainable-modules (None = all), minus the
+    # vision encoder under --freeze-vision and the language model under --freeze-llm
+    freeze_vision: bool = False
+    freeze_llm: bool = False
+    trainable_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        from trainer.freeze import parse_modules
+
+        parse_modules(self.trainable_modules)  # ValueError naming unknown modules
         for name in (
             "num_layers",
             "hidden_size",

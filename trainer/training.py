@@ -23,11 +23,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from trainer import cpu_backend
-from trainer.build import build_model, check_data_matches_model, model_hf_config
+from trainer.build import build_model, check_data_matches_model, check_dataset_for_hf_model, model_hf_config
 from trainer.checkpoint import CheckpointWriter, load_checkpoint
 from trainer.config import RunConfig, build_megatron_configs
 from trainer.convert import HF_CONFIG_NAME
 from trainer.data import DataInfo, build_step_batches, dataset_info, model_inputs, pad_flat_batch, thd_length
+from trainer.freeze import count_parameters
 from trainer.models import family_of
 from trainer.observability import Observer
 from trainer.shared_batches import SharedStepBatches, shared_step_batches
@@ -118,12 +119,15 @@ class Trainer:
         self.hf_config = model_hf_config(cfg, info)
         self.arch = family_of(self.hf_config).arch_from_hf_config(self.hf_config)
         check_data_matches_model(self.arch, info, cfg.model.hf_model or "(random, from the size flags)")
+        if cfg.model.hf_model and cfg.data.data_path:  # tokenizer file and the whole image rule too
+            check_dataset_for_hf_model(cfg.data.data_path, cfg.model.hf_model)
         self.use_te = te_available()
         self.pad_id = info.pad_id
         self.thd_multiple = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
         self.mcfg = build_megatron_configs(cfg, self.arch)
         self.num_micro = cfg.train.num_microbatches(self.dp_size)
         self.model = build_model(cfg, self.mcfg, self.arch, use_te=self.use_te)
+        self.trainable_message = self._count_trainable()
         self.optimizer = get_megatron_optimizer(self.mcfg.optimizer, [self.model])
         self.scheduler = build_scheduler(cfg, self.optimizer)
         lang = self.mcfg.language
@@ -167,6 +171,24 @@ class Trainer:
             if loader_state is not None:
                 self.train_data.load_state_dict(loader_state)
             self.log_text(message)
+
+    def _count_trainable(self) -> str:
+        """The log line saying how many parameters train (over all TP x PP ranks); ValueError if none."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL reduces CUDA tensors only
+        counts = torch.tensor(count_parameters(self.model), dtype=torch.float64, device=device)
+        dist.all_reduce(counts, group=ps.get_model_parallel_group())
+        trainable, total = (int(x) for x in counts.tolist())
+        m = self.cfg.model
+        flags = (
+            (["--freeze-vision"] if m.freeze_vision else [])
+            + (["--freeze-llm"] if m.freeze_llm else [])
+            + ([f"--trainable-modules {','.join(m.trainable_modules)}"] if m.trainable_modules else [])
+        )
+        if trainable == 0:
+            raise ValueError(f"no parameter trains with {' '.join(flags)}")
+        return f"trainable parameters: {trainable:,} of {total:,} ({100.0 * trainable / total:.2f}%)" + (
+            f" with {' '.join(flags)}" if flags else ""
+        )
 
     # -- steps --------------------------------------------------------------------------------------------
     def _forward_step(self, poison: bool, data_iterator: Any, model: Any):
@@ -310,6 +332,7 @@ class Trainer:
     def train(self) -> None:
         tr, ck = self.cfg.train, self.cfg.checkpoint
         self.log_text(self.describe())
+        self.log_text(self.trainable_message)
         while self.iteration < tr.train_iters:
             metrics = self.train_step()
             if metrics["skipped"]:

@@ -1,0 +1,100 @@
+"""Which parameters train (``--freeze-vision``, ``--freeze-llm``, ``--trainable-modules``).
+
+A stage model's parameters fall into modules by name: ``adapter`` (the patch merger / projector),
+``vision_model`` (the rest of the vision tower), ``language_model`` (everything of the language model),
+``embedding`` (its word embeddings) and ``output_layer`` (its output projection). With tied embeddings
+``embedding`` and ``output_layer`` are the same weight (on the last pipeline stage a copy of it) and are named
+by either word. Frozen parameters get ``requires_grad=False`` before megatron-core's DDP and optimizer are
+built: DDP then gives them no gradient buffer and the optimizer no state, so they stay bit-identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+MODULES = ("adapter", "vision_model", "language_model", "embedding", "output_layer")
+
+
+def parse_modules(text: str | Iterable[str] | None) -> tuple[str, ...] | None:
+    """``"adapter,language_model"`` -> ("adapter", "language_model"); None stays None (everything trains).
+    ValueError naming the unknown ones."""
+    if text is None:
+        return None
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text)]
+    names = [n for n in names if n]
+    unknown = sorted(set(names) - set(MODULES))
+    if unknown or not names:
+        raise ValueError(
+            f"--trainable-modules: unknown module(s) {', '.join(unknown) or '(none given)'}; "
+            f"choose from {', '.join(MODULES)}"
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def modules_of(name: str, *, tied: bool) -> set[str]:
+    """The modules a stage-model parameter ``name`` belongs to (e.g. "vision.merger.ln_q.weight" ->
+    {"adapter"})."""
+    if name.startswith("vision.merger."):
+        return {"adapter"}
+    if name.startswith("vision."):
+        return {"vision_model"}
+    if name.startswith("language_model."):
+        found = {"language_model"}
+        if name.startswith("language_model.embedding.word_embeddings."):
+            found |= {"embedding", "output_layer"} if tied else {"embedding"}
+        elif name.startswith("language_model.output_layer."):
+            found |= {"embedding", "output_layer"} if tied else {"output_layer"}
+        return found
+    raise ValueError(f"parameter {name!r} belongs to no known module ({', '.join(MODULES)})")
+
+
+def trainable_set(
+    trainable_modules: tuple[str, ...] | None, *, freeze_vision: bool, freeze_llm: bool
+) -> tuple[set[str], set[str]]:
+    """(modules that may train, modules that are frozen) from the flags."""
+    allowed = set(trainable_modules) if trainable_modules is not None else set(MODULES)
+    frozen = set()
+    if freeze_vision:
+        frozen.add("vision_model")
+    if freeze_llm:
+        frozen |= {"language_model", "embedding", "output_layer"}
+    return allowed, frozen
+
+
+def param_trains(name: str, *, tied: bool, allowed: set[str], frozen: set[str]) -> bool:
+    """A parameter trains when one of its modules is allowed and none of them is frozen."""
+    mods = modules_of(name, tied=tied)
+    return bool(mods & allowed) and not (mods & frozen)
+
+
+def apply_freeze(
+    model: torch.nn.Module,
+    *,
+    tied: bool,
+    trainable_modules: tuple[str, ...] | None,
+    freeze_vision: bool,
+    freeze_llm: bool,
+) -> None:
+    """Sets ``requires_grad`` of every parameter of an unwrapped stage model from the flags."""
+    allowed, frozen = trainable_set(trainable_modules, freeze_vision=freeze_vision, freeze_llm=freeze_llm)
+    for name, param in model.named_parameters():
+        param.requires_grad_(param_trains(name, tied=tied, allowed=allowed, frozen=frozen))
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters of this rank's stage, counting each TP-replicated parameter on TP rank
+    0 only and the last stage's copy of tied embeddings not at all, so that a sum over the model-parallel
+    group is the model's count."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    trainable = total = 0
+    for param in model.parameters():
+        if not (param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)):
+            continue
+        total += param.numel()
+        if param.requires_grad:
+            trainable += param.numel()
+    return trainable, total
