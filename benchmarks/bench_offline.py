@@ -3,6 +3,7 @@
     python benchmarks/bench_offline.py                      # 20k samples, workers 1 and 2
     python benchmarks/bench_offline.py --samples 2000 --workers 1   # quick look
     python benchmarks/bench_offline.py --video-only                 # the video scan section alone
+    TOKENIZERS_PARALLELISM=false python benchmarks/bench_offline.py --lengths-only   # lengths vs encode_batch
 
 The dataset (real JPEG/PNG files of varied sizes, LLaVA/ShareGPT/caption/text records) is generated once
 under --data-dir and reused. The tokenizer is the shared Qwen3 one when present, else a tiny trained BPE.
@@ -14,6 +15,10 @@ Video scan section: per video, the scan's cost (container metadata + end check, 
 and bytes read vs file size) and, for scale, the loader's decode of the planned frames next to a decode of
 every frame. Videos: the shared mllm_video_demo ones when present, plus generated mp4/mkv/avi files
 (cached under --data-dir/videos).
+
+Lengths section: the lengths stage's tokenization (in memory) next to a bare `tokenizers` `encode_batch` over
+the same rendered texts, interleaved; TOKENIZERS_PARALLELISM=false compares one core with one core, as in a
+lengths worker process. Results: benchmarks/results/bench_offline_lengths.json with --lengths-only.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -187,10 +194,10 @@ def video_scan_cost(data_dir: Path, repeats: int = 20) -> list[dict]:
     return rows
 
 
-def run_once(jsonl: Path, image_root: Path, tokenizer: str, workers: int, args: argparse.Namespace) -> dict:
-    out = args.data_dir / f"out-w{workers}"
-    shutil.rmtree(out, ignore_errors=True)
-    cfg = PackJobConfig(
+def _job(
+    jsonl: Path, image_root: Path, out: Path, tokenizer: str, workers: int, args: argparse.Namespace
+) -> PackJobConfig:
+    return PackJobConfig(
         inputs=(str(jsonl),),
         image_root=str(image_root),
         output=str(out),
@@ -200,6 +207,105 @@ def run_once(jsonl: Path, image_root: Path, tokenizer: str, workers: int, args: 
         workers=workers,
         progress=False,
     )
+
+
+def lengths_vs_encode_batch(jsonl: Path, image_root: Path, tokenizer: str, args: argparse.Namespace) -> dict:
+    """The lengths stage's tokenization next to a bare `tokenizers` `encode_batch` over the same rendered texts.
+
+    All in this process, scanned samples in memory, contenders interleaved `--lengths-repeats` times (the
+    median time of each is reported, so the shared machine's load affects all alike). Contenders:
+    `ceiling` encode_batch over the fully rendered texts (every image / video pad written out), `ceiling_compact`
+    encode_batch over the texts the stage encodes (one pad per image / video), `stage` the stage's
+    `tokenize_chunk_samples` (render, batch encode, loss mask, expansion, over-length policy, metadata row),
+    `per_sample` the same one sample at a time (`tokenize_scanned`).
+    """
+    from offline_packing.lengths import (
+        get_tokenizer,
+        image_rule,
+        prepare_scanned,
+        tokenize_chunk_samples,
+        tokenize_scanned,
+    )
+    from offline_packing.workdir import WorkDir, read_jsonl
+    from packing.chat import render_conversation
+
+    out = args.data_dir / "lengths-scan"
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = _job(jsonl, image_root, out, tokenizer, 1, args)
+    run_pack(replace(cfg, only_stage=1))
+    wd = WorkDir(str(out / "_work"))
+    samples = [
+        s
+        for c in range(len(wd.read_marker("scan")["chunks"]))
+        for s in read_jsonl(wd.chunk_path("scan", c, "samples.jsonl"))
+    ]
+    lcfg = cfg.stage_config("lengths")
+    tok, rule = get_tokenizer(tokenizer), image_rule(lcfg)
+    full_texts, compact_texts, by_stage = [], [], []
+    for smp, result in tokenize_chunk_samples(samples, lcfg, rule, tok):
+        if isinstance(result, tuple) and result[1]["truncated_from"] is None:  # kept whole
+            prep = prepare_scanned(smp, lcfg, rule, tok).prep
+            full_texts.append(
+                render_conversation(prep.messages, prep.image_token_counts, None, prep.video_token_counts)
+            )
+            compact_texts.append(prep.text)
+            by_stage.append(result[0].input_ids)
+    raw = tok._tok  # the bare tokenizers.Tokenizer
+    n_check = min(200, len(full_texts))
+    assert all(
+        np.array_equal(e.ids, ids)
+        for e, ids in zip(raw.encode_batch(full_texts[:n_check], add_special_tokens=False), by_stage)
+    ), "stage ids differ from a direct encode of the rendered text"
+    contenders = {
+        "ceiling": lambda: raw.encode_batch(full_texts, add_special_tokens=False),
+        "ceiling_compact": lambda: raw.encode_batch(compact_texts, add_special_tokens=False),
+        "stage": lambda: list(tokenize_chunk_samples(samples, lcfg, rule, tok)),
+        "per_sample": lambda: [_try(tokenize_scanned, smp, lcfg, rule, tok) for smp in samples],
+    }
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    for _ in range(args.lengths_repeats):
+        for name, fn in contenders.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    n = len(samples)
+    row: dict[str, Any] = {
+        "samples": n,
+        "kept_untruncated": len(full_texts),
+        "tokens_parallelism": os.environ.get("TOKENIZERS_PARALLELISM"),
+        "samples_per_s": {k: n / v for k, v in med.items()},
+        "seconds": times,
+        "stage_vs_ceiling": med["ceiling"] / med["stage"],
+        "stage_vs_ceiling_compact": med["ceiling_compact"] / med["stage"],
+        "per_sample_vs_ceiling": med["ceiling"] / med["per_sample"],
+        "stage_speedup_vs_per_sample": med["per_sample"] / med["stage"],
+    }
+    print(
+        f"\nlengths stage vs bare encode_batch ({n} samples, median of {args.lengths_repeats} interleaved runs): "
+        + ", ".join(f"{k} {v:.0f}/s" for k, v in row["samples_per_s"].items())
+    )
+    print(
+        f"stage/ceiling {row['stage_vs_ceiling']:.2f}, stage/ceiling_compact {row['stage_vs_ceiling_compact']:.2f}, "
+        f"per_sample/ceiling {row['per_sample_vs_ceiling']:.2f}"
+    )
+    shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+def _try(fn: Any, *args: Any) -> Any:
+    from offline_packing.errors import SampleReject
+
+    try:
+        return fn(*args)
+    except SampleReject as exc:
+        return exc
+
+
+def run_once(jsonl: Path, image_root: Path, tokenizer: str, workers: int, args: argparse.Namespace) -> dict:
+    out = args.data_dir / f"out-w{workers}"
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = _job(jsonl, image_root, out, tokenizer, workers, args)
     # stage by stage, to record CPU seconds (this process + its finished workers) next to wall seconds:
     # on a shared machine wall time depends on the load, CPU time much less
     stages = {}
@@ -248,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the packed outputs")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--video-only", action="store_true", help="run only the video scan section")
+    p.add_argument("--lengths-only", action="store_true", help="run only the lengths-vs-encode_batch section")
+    p.add_argument("--lengths-repeats", type=int, default=5)
     args = p.parse_args(argv)
     args.data_dir.mkdir(parents=True, exist_ok=True)
     if args.video_only:
@@ -271,6 +379,15 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = args.tokenizer or (
         str(QWEN3) if QWEN3.is_file() else str(train_tiny_bpe(args.data_dir / "tok"))
     )
+    if args.lengths_only:
+        row = lengths_vs_encode_batch(jsonl, image_root, tokenizer, args)
+        out = args.out.with_name("bench_offline_lengths.json")
+        command = "python benchmarks/bench_offline.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        record = {"benchmark": "offline_lengths", "command": command, "machine": _machine()}
+        record |= {"load_average_at_end": os.getloadavg(), "tokenizer": tokenizer, "lengths": row}
+        out.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"-> {out}")
+        return 0
     if args.child is not None:  # one measured run in a fresh process, so no warm caches carry over
         print(json.dumps(run_once(jsonl, image_root, tokenizer, args.child, args)))
         return 0
@@ -327,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokenizer": tokenizer,
         "runs": runs,
         "video_scan": video_scan_cost(args.data_dir),
+        "lengths_vs_encode_batch": lengths_vs_encode_batch(jsonl, image_root, tokenizer, args),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -12,7 +12,9 @@ Run alone: `python -m offline_packing.lengths <mmpack pack flags>`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,7 @@ from offline_packing.workdir import (
 
 STAGE = "lengths"
 _TOKENIZERS: dict[str | None, Any] = {}  # one tokenizer per worker process
+ENCODE_BATCH = 256  # samples whose rendered texts are encoded in one tokenizer call
 
 
 @dataclass(frozen=True)
@@ -75,11 +78,22 @@ def plan_videos(sample: dict, vrule: Any) -> list[Any]:
     return plans
 
 
-def tokenize_scanned(
+@dataclass(frozen=True)
+class ScannedPrep:
+    """A scanned sample checked and rendered, waiting for its text to be encoded (`finish_scanned`)."""
+
+    sample: dict
+    grids: list[Any]
+    plans: list[Any]
+    prep: Any  # packing.chat.PreparedConversation
+
+
+def prepare_scanned(
     sample: dict, cfg: LengthsConfig, rule: Any, tokenizer: Any, vrule: Any = None
-) -> tuple[Any, dict]:
-    """Token ids + loss mask of one scanned sample under the over-length policy, and its metadata row."""
-    from packing.chat import ChatTemplate, Conversation, tokenize_conversation, truncate_sample
+) -> ScannedPrep:
+    """Image grids, video plans and the rendered conversation of one scanned sample (SampleReject where a rule
+    refuses an image or video)."""
+    from packing.chat import ChatTemplate, Conversation, prepare_conversation
     from packing.image_tokens import ImageSizeError
 
     grids = []
@@ -102,11 +116,20 @@ def tokenize_scanned(
     )
     template = ChatTemplate(default_system=cfg.default_system)
     try:
-        tok = tokenize_conversation(conv, tokenizer, counts, template, [p.num_tokens for p in plans])
+        prep = prepare_conversation(conv, tokenizer, counts, template, [p.num_tokens for p in plans])
     except ValueError as exc:
         if plans and "video_pad" not in tokenizer.special_ids:
             raise PackError(f"{sample['src']}:{sample['line']}: {exc}") from None
         raise
+    return ScannedPrep(sample, grids, plans, prep)
+
+
+def finish_scanned(pending: ScannedPrep, cfg: LengthsConfig, tok: Any) -> tuple[Any, dict]:
+    """A prepared sample's tokens (`TokenizedSample` of its text) under the over-length policy, and its
+    metadata row."""
+    from packing.chat import truncate_sample
+
+    sample, grids, plans = pending.sample, pending.grids, pending.plans
     full_len = len(tok)
     if full_len > cfg.seq_len:
         message = f"{len(tok)} tokens > seq_len {cfg.seq_len}"
@@ -143,6 +166,58 @@ def tokenize_scanned(
     return tok, meta
 
 
+def tokenize_scanned(
+    sample: dict, cfg: LengthsConfig, rule: Any, tokenizer: Any, vrule: Any = None
+) -> tuple[Any, dict]:
+    """Token ids + loss mask of one scanned sample under the over-length policy, and its metadata row."""
+    from packing.chat import encode_texts, finish_tokenized
+
+    pending = prepare_scanned(sample, cfg, rule, tokenizer, vrule)
+    [tok] = finish_tokenized([pending.prep], tokenizer, encode_texts(tokenizer, [pending.prep.text]))
+    return finish_scanned(pending, cfg, tok)
+
+
+def tokenize_chunk_samples(
+    samples: Iterable[dict], cfg: LengthsConfig, rule: Any, tokenizer: Any, vrule: Any = None
+) -> Iterator[tuple[dict, Any]]:
+    """(sample, (tok, meta) or its SampleReject) per scanned sample, in order, as `tokenize_scanned` gives them,
+    with the texts of each `ENCODE_BATCH` samples encoded in one tokenizer call. Other errors are raised at
+    the sample that causes them, after the samples before it."""
+    from packing.chat import encode_texts, finish_tokenized
+
+    it = iter(samples)
+    while True:
+        batch: list[dict] = []
+        read_error = None
+        try:  # an error reading sample k comes after the results of the samples before it
+            batch.extend(islice(it, ENCODE_BATCH))
+        except Exception as exc:
+            read_error = exc
+        prepared: list[ScannedPrep | Exception] = []
+        for sample in batch:
+            try:
+                prepared.append(prepare_scanned(sample, cfg, rule, tokenizer, vrule))
+            except Exception as exc:  # raised in order below
+                prepared.append(exc)
+        preps = [p.prep for p in prepared if isinstance(p, ScannedPrep)]
+        finished = finish_tokenized(preps, tokenizer, encode_texts(tokenizer, [p.text for p in preps]))
+        for sample, p in zip(batch, prepared):
+            if isinstance(p, SampleReject):
+                yield sample, p
+                continue
+            if isinstance(p, Exception):
+                raise p
+            tok = next(finished)
+            try:
+                yield sample, finish_scanned(p, cfg, tok)
+            except SampleReject as exc:
+                yield sample, exc
+        if read_error is not None:
+            raise read_error
+        if len(batch) < ENCODE_BATCH:
+            return
+
+
 def lengths_chunk(task: LengthsTask) -> dict:
     """Tokenize one scanned chunk and write its arrays; returns its counts. Pure function of the task."""
     wd = WorkDir(task.work_dir)
@@ -152,16 +227,17 @@ def lengths_chunk(task: LengthsTask) -> dict:
     cfg = task.cfg
     rule, vrule, tokenizer = image_rule(cfg), video_rule(cfg), get_tokenizer(cfg.tokenizer)
     ids, masks, metas, rejects = [], [], [], []
-    for sample in read_jsonl(wd.chunk_path("scan", task.chunk, "samples.jsonl")):
-        try:
-            tok, meta = tokenize_scanned(sample, cfg, rule, tokenizer, vrule)
-        except SampleReject as exc:
+    scanned = read_jsonl(wd.chunk_path("scan", task.chunk, "samples.jsonl"))
+    for sample, result in tokenize_chunk_samples(scanned, cfg, rule, tokenizer, vrule):
+        if isinstance(result, SampleReject):
+            exc = result
             if cfg.strict:
                 raise PackError(f"{sample['src']}:{sample['line']}: {exc.reason}: {exc.message}") from None
             rejects.append(
                 reject_row(sample["src"], sample["line"], exc.reason, exc.message, STAGE, sample["id"])
             )
             continue
+        tok, meta = result
         ids.append(tok.input_ids)
         masks.append(tok.loss_mask)
         metas.append(meta)

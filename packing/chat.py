@@ -14,7 +14,7 @@ the token offsets. `truncate_sample` implements the `truncate` over-length polic
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -329,19 +329,26 @@ def _checked_counts(counts: Sequence[int], paths: tuple[str, ...], what: str) ->
     return [int(n) for n in counts]
 
 
-def tokenize_conversation(
+@dataclass(frozen=True)
+class PreparedConversation:
+    """A validated conversation rendered with one pad per image / video: what gets encoded (`text`) and what
+    `finish_tokenized` needs to turn its token ids and offsets into a `TokenizedSample`."""
+
+    text: str
+    rendered: _Rendered
+    messages: tuple[tuple[str, str], ...]
+    image_token_counts: tuple[int, ...]
+    video_token_counts: tuple[int, ...]
+
+
+def prepare_conversation(
     conv: Conversation,
     tokenizer: TextTokenizer,
     image_token_counts: Sequence[int],
     template: ChatTemplate | None = None,
     video_token_counts: Sequence[int] = (),
-) -> TokenizedSample:
-    """Render `conv`, encode it once, and mark as targets the tokens of assistant content + closing <|im_end|>.
-
-    A token is a target when its character span overlaps assistant content (so a token that straddles the
-    header newline and the first content characters is predicted, as the content needs it) or is the
-    <|im_end|> closing an assistant message; image and video tokens are never targets.
-    """
+) -> PreparedConversation:
+    """Check `conv` against the media token counts and render it for encoding (ValueError where they differ)."""
     counts = _checked_counts(image_token_counts, conv.images, "image")
     video_counts = _checked_counts(video_token_counts, conv.videos, "video")
     if video_counts and "video_pad" not in tokenizer.special_ids:
@@ -357,45 +364,155 @@ def tokenize_conversation(
     # the model's pre-tokenizer runs, so the ids are those of the fully expanded text, at a fraction of the
     # cost for large images (thousands of pads each).
     rendered = _render(messages, [1] * len(counts), [1] * len(video_counts), _ALL_SPECIALS)
-    ids, offsets = tokenizer.encode_with_offsets(rendered.text)
-    starts = np.fromiter((a for a, _ in offsets), dtype=np.int64, count=len(offsets))
-    ends = np.fromiter((b for _, b in offsets), dtype=np.int64, count=len(offsets))
-    compact_ids = np.asarray(ids, dtype=np.uint32)
+    return PreparedConversation(rendered.text, rendered, tuple(messages), tuple(counts), tuple(video_counts))
 
-    loss = np.zeros(len(ids), dtype=np.uint8)
-    for a, b in rendered.target_spans:
-        loss[(starts < b) & (ends > a)] = 1
-    repeats = np.ones(len(ids), dtype=np.int64)
+
+def encode_texts(tokenizer: TextTokenizer, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Token ids (uint32 [n]) and character offsets (int64 [n, 2]) of each text, in one batch call where the
+    tokenizer has one (`encode_batch_arrays`), else text by text."""
+    batch = getattr(tokenizer, "encode_batch_arrays", None)
+    if batch is not None:
+        return list(batch(texts))
+    out = []
+    for text in texts:
+        ids, offsets = tokenizer.encode_with_offsets(text)
+        out.append((np.asarray(ids, dtype=np.uint32), np.asarray(offsets, dtype=np.int64).reshape(-1, 2)))
+    return out
+
+
+def finish_tokenized(
+    preps: Sequence[PreparedConversation],
+    tokenizer: TextTokenizer,
+    encoded: Sequence[tuple[np.ndarray, np.ndarray]],
+) -> Iterator[TokenizedSample]:
+    """The `TokenizedSample` of each prepared conversation from the ids and offsets of its encoded `text`
+    (`encode_texts`), in order; an error is raised at the conversation that causes it.
+
+    Offsets of a left-to-right tokenizer never go back, so the tokens overlapping a character span are one
+    contiguous run found by binary search: the loss masks and turn boundaries of the whole batch come from
+    a few array operations over the batch's tokens laid end to end (each text's characters shifted past the
+    previous one's, one character apart, so no span reaches into a neighbour). Offsets that go back (another
+    kind of tokenizer) take the elementwise test, conversation by conversation.
+    """
+    if len(preps) != len(encoded):
+        raise ValueError(f"{len(encoded)} encodings for {len(preps)} conversations")
+    if not preps:
+        return
+    sizes = np.array([len(ids) for ids, _ in encoded], dtype=np.int64)
+    first_token = np.zeros(len(preps) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=first_token[1:])
+    char_base = np.zeros(len(preps), dtype=np.int64)
+    np.cumsum([len(prep.text) + 1 for prep in preps[:-1]], out=char_base[1:])
+    spans = np.concatenate([off for _, off in encoded]).reshape(-1, 2) + np.repeat(char_base, sizes)[:, None]
+    starts, ends = spans.T.copy()
+    n = len(starts)
+    in_order = n < 2 or bool((np.diff(starts) >= 0).all() and (np.diff(ends) >= 0).all())
+    loss_all = boundaries_all = None
+    if in_order:
+        shift = [int(c) for c in char_base]
+        targets = np.array(
+            [(a + c, b + c) for prep, c in zip(preps, shift) for a, b in prep.rendered.target_spans],
+            dtype=np.int64,
+        ).reshape(-1, 2)
+        lo = np.searchsorted(ends, targets[:, 0], "right")  # first token with end > a
+        hi = np.searchsorted(starts, targets[:, 1], "left")  # past the last token with start < b
+        keep = lo < hi
+        depth = np.bincount(lo[keep], minlength=n + 1) - np.bincount(hi[keep], minlength=n + 1)
+        loss_all = (np.cumsum(depth[:n]) > 0).astype(np.uint8)
+        ends_of_messages = np.array(
+            [e + c for prep, c in zip(preps, shift) for e in prep.rendered.message_ends], dtype=np.int64
+        )
+        boundaries_all = np.searchsorted(starts, ends_of_messages, "left")
+    n_messages = 0
+    for k, (prep, (ids, offsets)) in enumerate(zip(preps, encoded)):
+        t0, t1 = int(first_token[k]), int(first_token[k + 1])
+        m = len(prep.rendered.message_ends)
+        if loss_all is not None and boundaries_all is not None:
+            loss = loss_all[t0:t1].copy()
+            boundaries = boundaries_all[n_messages : n_messages + m] - t0
+        else:
+            loss, boundaries = None, None
+        n_messages += m
+        yield _finish_one(prep, tokenizer, ids, offsets[:, 0], offsets[:, 1], in_order, loss, boundaries)
+
+
+def _finish_one(
+    prep: PreparedConversation,
+    tokenizer: TextTokenizer,
+    compact_ids: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    in_order: bool,
+    loss: np.ndarray | None,
+    boundaries: np.ndarray | None,
+) -> TokenizedSample:
+    rendered = prep.rendered
+    n = len(compact_ids)
+    if loss is None:
+        loss = np.zeros(n, dtype=np.uint8)
+        for a, b in rendered.target_spans:
+            loss[(starts < b) & (ends > a)] = 1
+    if boundaries is None:
+        boundaries = np.searchsorted(starts, np.asarray(rendered.message_ends, dtype=np.int64), side="left")
+    new_index = None  # compact token index -> index in the expanded sequence, where media expand
     compact_spans: dict[str, list[tuple[int, int]]] = {IMAGE_TAG: [], VIDEO_TAG: []}
-    n_of = {IMAGE_TAG: iter(counts), VIDEO_TAG: iter(video_counts)}
-    pad_role = {IMAGE_TAG: "image_pad", VIDEO_TAG: "video_pad"}
-    for tag, a, b in rendered.media_char_spans:
-        expected = [tokenizer.special_ids[k] for k in ("vision_start", pad_role[tag], "vision_end")]
-        inside = np.flatnonzero((starts >= a) & (ends <= b))
-        if compact_ids[inside].tolist() != expected:
-            raise ValueError(f"tokenizer {tokenizer.name} does not keep the vision tokens as single tokens")
-        loss[inside] = 0
-        repeats[inside[1]] = next(n_of[tag])
-        compact_spans[tag].append((int(inside[0]), int(inside[-1]) + 1))
+    if rendered.media_char_spans:
+        repeats = np.ones(n, dtype=np.int64)
+        n_of = {IMAGE_TAG: iter(prep.image_token_counts), VIDEO_TAG: iter(prep.video_token_counts)}
+        pad_role = {IMAGE_TAG: "image_pad", VIDEO_TAG: "video_pad"}
+        for tag, a, b in rendered.media_char_spans:
+            expected = [tokenizer.special_ids[k] for k in ("vision_start", pad_role[tag], "vision_end")]
+            if in_order:  # tokens with start >= a and end <= b
+                inside = np.arange(np.searchsorted(starts, a, "left"), np.searchsorted(ends, b, "right"))
+            else:
+                inside = np.flatnonzero((starts >= a) & (ends <= b))
+            if compact_ids[inside].tolist() != expected:
+                raise ValueError(
+                    f"tokenizer {tokenizer.name} does not keep the vision tokens as single tokens"
+                )
+            loss[inside] = 0
+            repeats[inside[1]] = next(n_of[tag])
+            compact_spans[tag].append((int(inside[0]), int(inside[-1]) + 1))
+        new_index = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(repeats, out=new_index[1:])
+        compact_ids, loss = np.repeat(compact_ids, repeats), np.repeat(loss, repeats)
 
-    # compact token index -> index in the expanded sequence
-    new_index = np.zeros(len(ids) + 1, dtype=np.int64)
-    np.cumsum(repeats, out=new_index[1:])
-    boundaries = np.searchsorted(starts, np.asarray(rendered.message_ends, dtype=np.int64), side="left")
-    expand = lambda spans: tuple((int(new_index[a]), int(new_index[b])) for a, b in spans)  # noqa: E731
+    def at(k: int) -> int:
+        return int(k) if new_index is None else int(new_index[k])
+
+    messages = prep.messages
     return TokenizedSample(
-        input_ids=np.repeat(compact_ids, repeats),
-        loss_mask=np.repeat(loss, repeats),
-        num_image_tokens=sum(counts),
-        image_token_counts=tuple(counts),
-        turn_boundaries=tuple(int(new_index[k]) for k in boundaries),
+        input_ids=compact_ids,
+        loss_mask=loss,
+        num_image_tokens=sum(prep.image_token_counts),
+        image_token_counts=prep.image_token_counts,
+        turn_boundaries=tuple(at(k) for k in boundaries),
         turn_roles=tuple(role for role, _ in messages),
         turn_image_counts=tuple(content.count(IMAGE_TAG) for _, content in messages),
-        image_spans=expand(compact_spans[IMAGE_TAG]),
-        video_token_counts=tuple(video_counts),
+        image_spans=tuple((at(a), at(b)) for a, b in compact_spans[IMAGE_TAG]),
+        video_token_counts=prep.video_token_counts,
         turn_video_counts=tuple(content.count(VIDEO_TAG) for _, content in messages),
-        video_spans=expand(compact_spans[VIDEO_TAG]),
+        video_spans=tuple((at(a), at(b)) for a, b in compact_spans[VIDEO_TAG]),
     )
+
+
+def tokenize_conversation(
+    conv: Conversation,
+    tokenizer: TextTokenizer,
+    image_token_counts: Sequence[int],
+    template: ChatTemplate | None = None,
+    video_token_counts: Sequence[int] = (),
+) -> TokenizedSample:
+    """Render `conv`, encode it once, and mark as targets the tokens of assistant content + closing <|im_end|>.
+
+    A token is a target when its character span overlaps assistant content (so a token that straddles the
+    header newline and the first content characters is predicted, as the content needs it) or is the
+    <|im_end|> closing an assistant message; image and video tokens are never targets. Many conversations:
+    `prepare_conversation` each, `encode_texts` their texts in one batch, `finish_tokenized` each.
+    """
+    prep = prepare_conversation(conv, tokenizer, image_token_counts, template, video_token_counts)
+    [sample] = finish_tokenized([prep], tokenizer, encode_texts(tokenizer, [prep.text]))
+    return sample
 
 
 def truncate_sample(tokenized: TokenizedSample, max_len: int) -> TokenizedSample | None:

@@ -10,8 +10,11 @@ rendered chat string can be encoded in one call) and no BOS/EOS is added.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 # Role of each control token in the rendered chat text -> its literal string.
 SPECIAL_TOKENS: dict[str, str] = {
@@ -100,6 +103,14 @@ class HFTokenizer:
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         enc = self._tok.encode(text, add_special_tokens=False)
         return list(enc.ids), [(int(a), int(b)) for a, b in enc.offsets]
+
+    def encode_batch_arrays(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """`encode_with_offsets` of many texts in one call: per text, ids (uint32 [n]) and offsets (int64 [n, 2])."""
+        out = []
+        for enc in self._tok.encode_batch(list(texts), add_special_tokens=False):
+            ids = np.array(enc.ids, dtype=np.uint32)
+            out.append((ids, np.array(enc.offsets, dtype=np.int64).reshape(len(ids), 2)))
+        return out
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"

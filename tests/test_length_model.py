@@ -19,7 +19,10 @@ from packing.chat import (
     ChatTemplate,
     Conversation,
     SampleError,
+    encode_texts,
+    finish_tokenized,
     normalize_record,
+    prepare_conversation,
     tokenize_conversation,
     truncate_sample,
 )
@@ -738,3 +741,67 @@ def test_image_to_patches_resizes_to_rule_or_grid() -> None:
     assert image_to_patches(img, rule, grid_thw=(1, 4, 8)).shape == (32, 1176)
     with pytest.raises(ValueError, match="merge_size"):
         image_to_patches(img, rule, grid_thw=(1, 3, 8))
+
+
+# ---------------------------------------------------------------- batched tokenization
+
+
+def _reference_ids_and_mask(conv: Conversation, counts: list[int], raw: Tokenizer) -> tuple[list, list]:
+    """Ids and loss mask of the fully expanded text straight from its token offsets, without packing.chat:
+    a token is a target when it overlaps assistant content or the <|im_end|> closing an assistant message
+    (the conversations here have no images in assistant messages)."""
+    text = _render_by_hand(list(conv.messages), counts)
+    targets, pos = [], 0
+    for role, content in conv.messages:
+        pos += len(f"<|im_start|>{role}\n")
+        body = _render_by_hand([(role, content)], counts[: content.count("<image>")])
+        counts = counts[content.count("<image>") :]
+        body = body[len(f"<|im_start|>{role}\n") : -len("<|im_end|>\n")]
+        if role == "assistant":
+            targets += [(pos, pos + len(body)), (pos + len(body), pos + len(body) + len("<|im_end|>"))]
+        pos += len(body) + len("<|im_end|>\n")
+    assert pos == len(text)
+    enc = raw.encode(text, add_special_tokens=False)
+    mask = [int(any(s < b and e > a for a, b in targets)) for s, e in enc.offsets]
+    return enc.ids, mask
+
+
+def _same_sample(a: object, b: object) -> bool:
+    return all(
+        np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+        for x, y in zip(vars(a).values(), vars(b).values())
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(conversations(), min_size=1, max_size=6))
+def test_batched_tokenization_equals_reference_and_one_by_one(
+    bpe: HFTokenizer, cases: list[tuple[Conversation, list[int]]]
+) -> None:
+    raw = Tokenizer.from_file(str(bpe.path))
+    for tok in (bpe, ByteTokenizer()):  # batch encode (HF) and text-by-text fallback
+        preps = [prepare_conversation(conv, tok, counts) for conv, counts in cases]
+        batch = list(finish_tokenized(preps, tok, encode_texts(tok, [p.text for p in preps])))
+        for (conv, counts), sample in zip(cases, batch):
+            assert _same_sample(sample, tokenize_conversation(conv, tok, counts))
+            if tok is bpe:
+                ids, mask = _reference_ids_and_mask(conv, counts, raw)
+                assert sample.input_ids.tolist() == ids and sample.loss_mask.tolist() == mask
+
+
+def test_batched_tokenization_control_and_errors(bpe: HFTokenizer) -> None:
+    a = Conversation(messages=(("user", "<image>Hi"), ("assistant", "A cat sits.")), images=("x",))
+    b = Conversation(messages=(("user", "Why?"), ("assistant", "\n\nBecause 😀")))
+    preps = [prepare_conversation(a, bpe, [3]), prepare_conversation(b, bpe, [])]
+    encoded = encode_texts(bpe, [p.text for p in preps])
+    good = list(finish_tokenized(preps, bpe, encoded))
+    assert _same_sample(good[1], tokenize_conversation(b, bpe, []))
+    # control: encodings handed to the wrong conversations give other samples (or fail), so the equality
+    # checks above can fail
+    with pytest.raises(ValueError, match="vision tokens"):
+        list(finish_tokenized(preps[::-1], bpe, encoded))
+    swapped = list(finish_tokenized(preps[1:], bpe, encoded[:1]))
+    assert not _same_sample(swapped[0], good[1])
+    with pytest.raises(ValueError, match="2 encodings for 1"):
+        list(finish_tokenized(preps[:1], bpe, encoded))
+    assert list(finish_tokenized([], bpe, [])) == []
