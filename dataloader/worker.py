@@ -125,6 +125,8 @@ class Producer:
         self.stream = StreamOrder(spec.manifest, spec.seed, shard_window=spec.shard_window)
         self.store = ShardStore(spec.storage)
         self.readers = ReaderPool(spec.manifest, self.store, max_open=spec.shard_window + 1)
+        # bins of micro-batches the prefetcher has looked at, so `produce` does not work them out again
+        self._planned: dict[int, np.ndarray] = {}
         self.prefetcher = Prefetcher(self, k_start, k_end, spec.prefetch_shards)
         if spec.prefetch_shards:
             self.prefetcher.start()
@@ -135,9 +137,19 @@ class Producer:
             self.stream, k // m, k % m, self.spec.topology, self.spec.plan, self.spec.balance
         )
 
+    def planned_bins(self, k: int) -> np.ndarray:
+        """`bins(k)`, kept for `produce(k)` (the prefetcher's thread asks first, a little ahead)."""
+        bins = self._planned[k] = self.bins(k)
+        return bins
+
     def produce(self, k: int) -> dict[str, Any]:
         self.prefetcher.advance(k)
-        bins = self.bins(k)
+        bins = self._planned.pop(k, None)
+        if bins is None:  # no prefetcher, or it has not got this far
+            bins = self.bins(k)
+        if len(self._planned) > 2 * Prefetcher.MAX_LOOKAHEAD_MICRO_BATCHES:  # other workers' micro-batches
+            for old in [j for j in list(self._planned) if j < k]:
+                self._planned.pop(old, None)
         try:
             batch = collate_bins([self.readers.read_bin(int(b)) for b in bins], self.spec.collate)
         except ImageTooLargeError as e:  # name the shard too
@@ -151,7 +163,7 @@ class Producer:
     def new_shards(self, k: int, recent: OrderedDict[int, None]) -> list[int]:
         """Shards of micro-batch k not among the `recent` ones (which it updates, keeping a few)."""
         new = []
-        for s in dict.fromkeys(self.spec.manifest.shard_of_bin(self.bins(k)).tolist()):
+        for s in dict.fromkeys(self.spec.manifest.shard_of_bin(self.planned_bins(k)).tolist()):
             if s not in recent:
                 new.append(s)
             recent[s] = None
