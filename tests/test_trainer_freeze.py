@@ -103,3 +103,20 @@ def test_nothing_to_train_is_one_error(tmp_path: Path) -> None:
         in (run.stderr)
     )
     assert json.dumps(run.metrics) == "[]"
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_with_an_idle_stage_is_refused_without_te(tmp_path: Path) -> None:
+    """megatron-core's distributed optimizer asserts when checkpointing an empty shard on its torch-Adam path
+    (no Transformer Engine / Apex): the adapter-only run at PP2 says so before training."""
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+
+    from tests.test_trainer_support import train
+
+    if HAVE_APEX_OR_TE:
+        pytest.skip("Transformer Engine or Apex present: megatron-core checkpoints empty optimizer shards")
+    run = train(2, ["--mock-data", "--seq-length", "64", "--train-iters", "1", "--pipeline-model-parallel-size",
+                    "2", "--use-distributed-optimizer", "--trainable-modules", "adapter",
+                    "--save", str(tmp_path / "ckpt")], tmp_path)  # fmt: skip
+    assert run.returncode != 0 and run.metrics == []
+    assert "--trainable-modules adapter leaves a TP x PP rank with nothing to train" in run.stderr

@@ -175,9 +175,10 @@ class Trainer:
     def _count_trainable(self) -> str:
         """The log line saying how many parameters train (over all TP x PP ranks); ValueError if none."""
         device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL reduces CUDA tensors only
-        counts = torch.tensor(count_parameters(self.model), dtype=torch.float64, device=device)
+        local = count_parameters(self.model)
+        counts = torch.tensor([*local, float(local[0] == 0)], dtype=torch.float64, device=device)
         dist.all_reduce(counts, group=ps.get_model_parallel_group())
-        trainable, total = (int(x) for x in counts.tolist())
+        trainable, total, idle_ranks = (int(x) for x in counts.tolist())
         m = self.cfg.model
         flags = (
             (["--freeze-vision"] if m.freeze_vision else [])
@@ -186,6 +187,15 @@ class Trainer:
         )
         if trainable == 0:
             raise ValueError(f"no parameter trains with {' '.join(flags)}")
+        if idle_ranks and self.cfg.parallel.use_distributed_optimizer and self.cfg.checkpoint.save:
+            from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+
+            if not HAVE_APEX_OR_TE:  # its torch-Adam path asserts on an optimizer shard without parameters
+                raise ValueError(
+                    f"{' '.join(flags)} leaves a TP x PP rank with nothing to train: megatron-core's distributed "
+                    "optimizer cannot checkpoint it without Transformer Engine or Apex; drop "
+                    "--use-distributed-optimizer (the trainable part is small) or train a module on every stage"
+                )
         return f"trainable parameters: {trainable:,} of {total:,} ({100.0 * trainable / total:.2f}%)" + (
             f" with {' '.join(flags)}" if flags else ""
         )
