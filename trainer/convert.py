@@ -108,29 +108,38 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
         dist.destroy_process_group()
 
 
+def load_tp1_model(ckpt: str) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """(family, arch, whole model at TP1 x PP1, HF config dict) from the latest iteration of ``ckpt``, in a
+    process whose one-rank process group is initialised (megatron-core's parallel state is set up here)."""
+    from megatron.core import dist_checkpointing
+
+    from trainer.checkpoint import iteration_dir, latest_iteration
+
+    iteration = latest_iteration(ckpt)
+    if iteration is None:
+        raise ValueError(f"{ckpt} holds no checkpoint (no latest_checkpointed_iteration.txt)")
+    folder = iteration_dir(ckpt, iteration)
+    hf_config = dist_checkpointing.load_common_state_dict(str(folder)).get("model_config")
+    if not hf_config:
+        raise ValueError(f"{folder} records no model_config (the HF config.json of the model)")
+    fam, arch, model = _build_stage(hf_config, 1, 1)
+    state = dist_checkpointing.load(
+        {"model": model.sharded_state_dict()}, str(folder), strict="raise_unexpected"
+    )
+    model.load_state_dict(state["model"], strict=False)
+    return fam, arch, model, hf_config
+
+
 def _mcore_to_hf_rank(rank: int, port: int, ckpt: str, out: str) -> None:
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
     from trainer import cpu_backend
-    from trainer.checkpoint import iteration_dir, latest_iteration
 
     cpu_backend.activate()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
     try:
-        iteration = latest_iteration(ckpt)
-        if iteration is None:
-            raise ValueError(f"{ckpt} holds no checkpoint (no latest_checkpointed_iteration.txt)")
-        folder = iteration_dir(ckpt, iteration)
-        hf_config = dist_checkpointing.load_common_state_dict(str(folder)).get("model_config")
-        if not hf_config:
-            raise ValueError(f"{folder} records no model_config (the HF config.json of the model)")
-        fam, arch, model = _build_stage(hf_config, 1, 1)
-        state = dist_checkpointing.load(
-            {"model": model.sharded_state_dict()}, str(folder), strict="raise_unexpected"
-        )
-        model.load_state_dict(state["model"], strict=False)
+        fam, arch, model, hf_config = load_tp1_model(ckpt)
         params = {name: p.detach() for name, p in model.named_parameters()}
         tensors = fam.hf_state_dict(arch, {(0, 0): params}, 1, 1)
         root = Path(out)

@@ -6,7 +6,9 @@
 2. pack it (`mmpack pack`), Arrow and WebDataset shards with a manifest;
 3. print its packing statistics (`mmpack stats`);
 4. stream it into a few training steps of a tiny vision-language model with TP x PP x DP on CPU processes
-   (`torchrun -m trainer.pretrain_vlm`, gloo), printing the trainer's log lines.
+   (`torchrun -m trainer.pretrain_vlm`, gloo), printing the trainer's log lines, and save a checkpoint;
+5. export it with `mmpack convert mcore-to-hf`, load the export in transformers and print how far its logits on
+   one packed sample are from the checkpoint's own (loaded at TP1 in megatron-core).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0, help="seed for data, packing and training (default: 0)"
     )
     parser.add_argument("--no-train", action="store_true", help="stop after packing and stats")
+    parser.add_argument(
+        "--no-export", action="store_true", help="skip the HF export and logits comparison after training"
+    )
     parser.add_argument(
         "--keep", action="store_true", help="reuse an existing --out folder instead of wiping it"
     )
@@ -83,7 +88,7 @@ def _pack(args: argparse.Namespace, raw: SyntheticData, tokenizer: Path, packed:
     print(summary.format_table())
 
 
-def _train_command(args: argparse.Namespace, packed: Path) -> list[str]:
+def _train_command(args: argparse.Namespace, packed: Path, ckpt: Path) -> list[str]:
     nproc = args.tp * args.pp * args.dp
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -99,7 +104,48 @@ def _train_command(args: argparse.Namespace, packed: Path) -> list[str]:
         "--log-interval", "1",
         "--num-workers", "1",
         "--seed", str(args.seed),
+        "--save", str(ckpt),
     ]  # fmt: skip
+
+
+def _export_and_compare(ckpt: Path, packed: Path, hf_out: Path) -> int:
+    """`mmpack convert mcore-to-hf`, then the export's logits in transformers vs the checkpoint's at TP1."""
+    import warnings
+
+    from offline_packing.cli import main as mmpack_main
+
+    os.environ["PYTHONWARNINGS"] = "ignore"  # megatron-core's CPU notices in the converter's process
+    warnings.simplefilter("ignore")
+    print(f"$ mmpack convert mcore-to-hf --ckpt {ckpt} --out {hf_out}", flush=True)
+    rc = mmpack_main(["convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(hf_out)])
+    if rc != 0:
+        return rc
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(
+            "transformers is not installed: `pip install -e '.[test]'` to compare the export's logits; skipped"
+        )
+        return 0
+    from transformers.utils import logging as hf_logging
+
+    from trainer.export_check import first_image_sample, hf_logits, mcore_logits
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+    sample = first_image_sample(str(packed))
+    ours = mcore_logits(str(ckpt), sample)
+    theirs = hf_logits(str(hf_out), sample)
+    diff = float((ours - theirs).abs().max())
+    ok = ours.shape == theirs.shape and diff <= 1e-4
+    n_images = 0 if sample.image_grid_thw is None else int(sample.image_grid_thw.shape[0])
+    print(
+        f"logits of one packed sample ({sample.tokens.numel()} tokens, {n_images} "
+        f"image(s)): mmpack checkpoint at TP1 vs transformers on the export: max abs diff {diff:.3e} "
+        f"(logits up to {float(ours.abs().max()):.3f}) -> {'agree' if ok else 'DISAGREE'}"
+    )
+    return 0 if ok else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,22 +163,26 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    _banner("1/4 build a small multimodal dataset")
+    _banner("1/5 build a small multimodal dataset")
     raw, tokenizer = _make_raw_data(out, args.samples, args.seed, args.videos)
     packed = out / "packed"
-    _banner(f"2/4 pack it (seq_len {args.seq_len})")
+    _banner(f"2/5 pack it (seq_len {args.seq_len})")
     _pack(args, raw, tokenizer, packed)
-    _banner("3/4 packing statistics")
+    _banner("3/5 packing statistics")
     rc = mmpack_main(["stats", str(packed)])
     if rc != 0:
         return rc
     if args.no_train:
         return 0
     nproc = args.tp * args.pp * args.dp
-    _banner(f"4/4 train a tiny VLM: TP{args.tp} x PP{args.pp} x DP{args.dp} = {nproc} CPU processes (gloo)")
-    cmd = _train_command(args, packed)
+    _banner(f"4/5 train a tiny VLM: TP{args.tp} x PP{args.pp} x DP{args.dp} = {nproc} CPU processes (gloo)")
+    ckpt = out / "checkpoint"
+    cmd = _train_command(args, packed, ckpt)
     print("$ " + " ".join(cmd), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     rc = subprocess.call(cmd, env=env)
+    if rc == 0 and not args.no_export:
+        _banner("5/5 export to HuggingFace and compare logits with transformers")
+        rc = _export_and_compare(ckpt, packed, out / "hf_export")
     print(f"\nmmpack demo finished in {time.perf_counter() - start:.0f}s (exit code {rc}); outputs in {out}")
     return rc

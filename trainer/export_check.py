@@ -1,0 +1,117 @@
+"""Does an exported HF folder compute what the trainer's checkpoint computes? The logits of one packed sample
+(with its images, as the loader gives them) from the checkpoint loaded at TP1 x PP1 in megatron-core, and from
+the `mmpack convert mcore-to-hf` export loaded in transformers, compared element by element."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sample of a packed bin with the pixel rows and grids of its images."""
+
+    tokens: torch.Tensor  # [L] int64
+    pixel_values: torch.Tensor | None  # [P, C*T*p*p]
+    image_grid_thw: torch.Tensor | None  # [n, 3]
+    image_pad_id: int
+
+
+def first_image_sample(data_path: str) -> Sample:
+    """The first sample of the dataset's first bin that holds images and no videos (the loader's tokens and
+    pixels); ValueError when the first bin has none."""
+    from dataloader import Topology, build_loader, load_manifest
+
+    manifest = load_manifest(data_path)
+    loader = build_loader(
+        data_path, topology=Topology(dp_rank=0, dp_size=1), micro_batch_size=1, global_batch_size=1,
+        num_workers=0, num_epochs=1,
+    )  # fmt: skip
+    try:
+        batch = next(iter(loader))
+    finally:
+        loader.close()
+    if batch is None:  # this rank would get no data (not the case at DP1)
+        raise ValueError(f"{data_path}: the loader gave no batch")
+    tokens, grids = batch["tokens"][0], batch.get("image_grid_thw")
+    image_pad, video_pad = manifest.image_pad_id, manifest.video_pad_id
+    merge = manifest.merge_size**2
+    cu = batch["cu_seqlens"].tolist()
+    image, row = 0, 0  # next image of the bin and its first pixel row
+    for a, b in itertools.pairwise(cu):
+        if b > int(batch["num_real_tokens"]):
+            break
+        seg = tokens[a:b]
+        first_image, first_row = image, row
+        pads = int((seg == image_pad).sum())
+        while pads > 0:
+            assert grids is not None
+            pads -= int(grids[image].prod()) // merge
+            row += int(grids[image].prod())
+            image += 1
+        if image > first_image and (video_pad < 0 or not bool((seg == video_pad).any())):
+            assert grids is not None
+            return Sample(
+                tokens=seg.long(), pixel_values=batch["pixel_values"][first_row:row],
+                image_grid_thw=grids[first_image:image], image_pad_id=image_pad,
+            )  # fmt: skip
+    raise ValueError(f"the first bin of {data_path} has no sample with images (and no videos)")
+
+
+def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
+    """[L, V] logits of ``sample`` from the checkpoint's latest iteration at TP1 x PP1 (one gloo process: this
+    one; the process group and megatron-core's parallel state are set up and torn down here)."""
+    import socket
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from trainer import cpu_backend
+    from trainer.batches import block_causal_mask
+    from trainer.convert import load_tp1_model
+    from trainer.data import mrope_position_ids
+
+    cpu_backend.activate()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        _, arch, model, _ = load_tp1_model(ckpt)
+        model.eval()
+        tokens = sample.tokens[None]
+        n = tokens.shape[1]
+        cu = torch.tensor([0, n], dtype=torch.int32)
+        batch: dict[str, Any] = {"tokens": tokens, "cu_seqlens": cu, "image_grid_thw": sample.image_grid_thw}
+        positions = mrope_position_ids(
+            batch, image_pad_id=arch.image_token_id, merge_size=arch.vision.spatial_merge_size,
+            video_pad_id=arch.video_token_id, tokens_per_second=arch.tokens_per_second,
+        )  # fmt: skip
+        with torch.no_grad():
+            logits = model(
+                tokens, positions, block_causal_mask(cu, 1, n), labels=None,
+                pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw,
+            )  # fmt: skip
+        return logits[0].float()
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def hf_logits(hf_dir: str, sample: Sample) -> torch.Tensor:
+    """[L, V] logits of ``sample`` from the HF folder loaded by transformers."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32)
+    model.eval()
+    ids = sample.tokens[None]
+    with torch.no_grad():
+        out = model(
+            input_ids=ids, mm_token_type_ids=(ids == sample.image_pad_id).int(),
+            pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw,
+        )  # fmt: skip
+    return out.logits[0].float()
