@@ -263,7 +263,7 @@ def run_storage(
     m = load_manifest(root, storage_options=storage_options, shard_format="wds")
     urls = [f"{root}/{s.path}" for s in m.shards]
     total = sum(s.bytes for s in m.shards)
-    cfg = CollateConfig(seq_len=m.seq_len, pad_id=m.pad_id, image_pad_id=m.image_pad_id, rule=m.image_rule)
+    cfg = CollateConfig.from_manifest(m)
     micro = args.micro_batch
     counter = iter(range(10**6))
 
@@ -393,9 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         storages = args.storages.split(",")
         for data_name, dataset in datasets.items():
             m = load_manifest(str(dataset), shard_format="wds")
-            cfg = CollateConfig(
-                seq_len=m.seq_len, pad_id=m.pad_id, image_pad_id=m.image_pad_id, rule=m.image_rule
-            )
+            cfg = CollateConfig.from_manifest(m)
             shards = [(str(dataset / s.path), s.bins) for s in m.shards]  # bin counts from the manifest
             ceiling = decode_ceiling(
                 shards, cfg, args.micro_batch, args.workers, sum(s.bytes for s in m.shards)

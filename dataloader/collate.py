@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
@@ -20,6 +20,9 @@ from packing.format import DEFAULT_MAX_IMAGE_PIXELS
 from packing.image_tokens import ImageTokenRule, image_to_patches
 from packing.layout import IGNORE_INDEX, build_attention_mask_from_cu_seqlens
 from packing.video_tokens import VideoPlan
+
+if TYPE_CHECKING:
+    from dataloader.manifest import Manifest
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -33,6 +36,19 @@ class CollateConfig:
     build_attention_mask: bool = False
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # the manifest's image_rule.max_image_pixels
     video_pad_id: int = -1  # the manifest's <|video_pad|> id (-1: the tokenizer has none)
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest, *, build_attention_mask: bool = False) -> CollateConfig:
+        """The collation of a packed dataset: its length, pad ids, image rule and pixel limit."""
+        return cls(
+            seq_len=manifest.seq_len,
+            pad_id=manifest.pad_id,
+            image_pad_id=manifest.image_pad_id,
+            rule=manifest.image_rule,
+            build_attention_mask=build_attention_mask,
+            max_image_pixels=manifest.max_image_pixels,
+            video_pad_id=manifest.video_pad_id,
+        )
 
 
 class ImageTooLargeError(ValueError):

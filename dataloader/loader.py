@@ -275,14 +275,6 @@ def build_loader(
         max_attempts=max_attempts,
         download_concurrency=download_concurrency,
     )
-    collate = CollateConfig(
-        seq_len=manifest.seq_len,
-        pad_id=manifest.pad_id,
-        image_pad_id=manifest.image_pad_id,
-        rule=manifest.image_rule,
-        build_attention_mask=build_attention_mask,
-        max_image_pixels=manifest.max_image_pixels,
-        video_pad_id=manifest.video_pad_id,
-    )
+    collate = CollateConfig.from_manifest(manifest, build_attention_mask=build_attention_mask)
     costs = compute_balance(manifest, storage, cost_model) if balance == "compute" else None
     return PackedLoader(path, manifest, topology, config, storage, collate, balance=costs)

@@ -45,13 +45,7 @@ def _bins(out: Path, fmt: str) -> list[dict]:
 def _collate_config(out: Path) -> CollateConfig:
     manifest = load_manifest(str(out))
     assert manifest.video_pad_id == VIDEO_PAD
-    return CollateConfig(
-        seq_len=manifest.seq_len,
-        pad_id=manifest.pad_id,
-        image_pad_id=manifest.image_pad_id,
-        rule=manifest.image_rule,
-        video_pad_id=manifest.video_pad_id,
-    )
+    return CollateConfig.from_manifest(manifest)
 
 
 def _reference_patches(path: Path, plan: VideoPlan) -> np.ndarray:
