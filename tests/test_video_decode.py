@@ -193,7 +193,7 @@ def status_kib(field):  # this process's own memory; ru_maxrss would carry the p
         return int(next(line for line in f if line.startswith(field + ":")).split()[1])
 
 path = Path(sys.argv[1])
-plan = VideoTokenRule(fps=0.5).plan(probe_video(path).meta)
+plan = VideoTokenRule(fps=0.5, max_frames=4).plan(probe_video(path).meta)
 before = status_kib("VmRSS")
 if sys.argv[2] == "planned":
     frames = decode_planned_frames(path, plan)
@@ -204,23 +204,31 @@ print(status_kib("VmHWM") - before)
 
 
 def test_decode_memory_is_bounded(tmp_path: Path) -> None:
-    """Frames are resized as they are decoded: memory holds the planned frames, never the whole video."""
+    """Frames are resized as they are decoded: peak memory follows the planned frames, not the video's length."""
     import subprocess
     import sys
 
-    path = encode_video(tmp_path / "v.mp4", 150, width=640, height=480, gop=30)
-    assert len(_plan(path, VideoTokenRule(fps=0.5)).frame_indices) == 4
-    whole_video_kib = 150 * 640 * 480 * 3 // 1024
-    growth = {}
-    for mode in ("planned", "all"):
+    rule = VideoTokenRule(fps=0.5, max_frames=4)
+    frames = {"short": 150, "long": 450}
+    paths = {k: encode_video(tmp_path / f"{k}.mp4", n, width=640, height=480, gop=30) for k, n in frames.items()}
+    assert all(len(_plan(p, rule).frame_indices) == 4 for p in paths.values())
+    whole_kib = {k: n * 640 * 480 * 3 // 1024 for k, n in frames.items()}
+
+    def growth(name: str, mode: str) -> int:
         done = subprocess.run(
-            [sys.executable, "-c", _PEAK_RSS_CHILD, str(path), mode],
+            [sys.executable, "-c", _PEAK_RSS_CHILD, str(paths[name]), mode],
             capture_output=True,
             text=True,
             check=True,
             cwd=Path(__file__).resolve().parents[1],
         )
-        growth[mode] = int(done.stdout.split()[-1])  # KiB of peak RSS over the RSS before decoding
-    assert growth["planned"] < whole_video_kib // 4, growth
+        return int(done.stdout.split()[-1])  # KiB of peak RSS over the RSS before decoding
+
+    seen = {"planned short": growth("short", "planned"), "planned long": growth("long", "planned")}
+    seen["all short"] = growth("short", "all")
+    # the planned decode's peak is a few frames of working memory (decoder, RGB frame, resize buffers)
+    assert seen["planned long"] < whole_kib["long"] // 8, seen
+    # three times the video, same four planned frames: the peak stays put (slack for allocator noise)
+    assert seen["planned long"] < seen["planned short"] + (whole_kib["long"] - whole_kib["short"]) // 10, seen
     # control: decoding every frame and keeping them (the reference route) grows by about the whole video
-    assert growth["all"] > whole_video_kib // 2, growth
+    assert seen["all short"] > whole_kib["short"] // 2, seen
