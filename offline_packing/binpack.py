@@ -75,7 +75,7 @@ def run_binpack(cfg: BinpackConfig, wd: WorkDir, fingerprint: str) -> dict:
     bin_tokens = np.add.reduceat(lengths[order], bin_offsets[:-1]) if bins else np.zeros(0, np.int64)
     bin_ibytes = np.add.reduceat(ibytes[order], bin_offsets[:-1]) if bins else np.zeros(0, np.int64)
     shard_first_bin = plan_shards(bin_tokens, bin_ibytes, cfg)
-    d = wd.stage_dir(STAGE)
+    d = wd.stage_dir(STAGE)  # written whole by this step: nothing to fetch first
     atomic_write_npy(d / "order.npy", order)
     atomic_write_npy(d / "bin_offsets.npy", bin_offsets)
     atomic_write_npy(d / "shard_first_bin.npy", shard_first_bin)
@@ -95,10 +95,8 @@ def run_binpack(cfg: BinpackConfig, wd: WorkDir, fingerprint: str) -> dict:
 
 def load_plan(wd: WorkDir) -> dict[str, np.ndarray]:
     """The arrays written by stage 3."""
-    d = wd.stage_dir(STAGE)
-    return {
-        name: np.load(d / f"{name}.npy") for name in ("order", "bin_offsets", "shard_first_bin", "bin_ids")
-    }
+    names = ("order", "bin_offsets", "shard_first_bin", "bin_ids")
+    return {name: np.load(wd.stage_file(STAGE, f"{name}.npy")) for name in names}
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ class PackJobConfig:
     verify_inputs: str = "stat"  # input identity: "stat" (path, size, mtime_ns) or "sha256" (content)
     energon: bool = False  # also write .nv-meta for Megatron-Energon (needs a wds output)
     shard_prefix: str = "packed"
-    work_dir: str | None = None  # local folder for stage outputs and markers (default <output>/_work)
+    work_dir: str | None = None  # folder or URL for stage outputs and markers (default: `resolve_work_dir`)
     clean_work: bool = False  # delete the work folder after a successful job (a rerun then starts over)
     chunk_size: int = 2048  # samples per scan/lengths chunk (the unit of parallel work)
     start_stage: int | None = None  # -S: rerun from this stage (earlier ones must be complete); None = resume

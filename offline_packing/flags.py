@@ -207,7 +207,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"rerun from stage N ({', '.join(f'{i + 1}={s}' for i, s in enumerate(STAGES))}); "
         "default: resume, skipping completed stages",
     )
-    g.add_argument("--work-dir", default=None, help="local folder for stage outputs (default <output>/_work)")
+    g.add_argument(
+        "--work-dir",
+        default=None,
+        help="folder or URL (s3://...) for stage outputs and markers (default <output>/_work; for a URL output, "
+        "a local temp folder, or <output>/_work under --engine ray)",
+    )
     g.add_argument(
         "--clean-work",
         action="store_true",

@@ -282,7 +282,7 @@ def run_lengths(cfg: LengthsConfig, wd: WorkDir, fingerprint: str, *, workers: i
     """Stage 2 over all scanned chunks; returns the marker info."""
     scan_info = wd.read_marker("scan")
     n_chunks = len(scan_info["chunks"])
-    tasks = [LengthsTask(c, str(wd.root), cfg, fingerprint) for c in range(n_chunks)]
+    tasks = [LengthsTask(c, wd.address, cfg, fingerprint) for c in range(n_chunks)]
     get_tokenizer(cfg.tokenizer)  # loaded once here; forked workers inherit it instead of each parsing it
     results = run_parallel(
         lengths_chunk,

@@ -27,16 +27,19 @@ from packing.format import MANIFEST_NAME, STATS_NAME
 from packing.manifest import Manifest
 
 
-def resolve_work_dir(cfg: PackJobConfig) -> Path:
-    """The local work folder: --work-dir, else `<output>/_work` for a local output, else a temp folder
-    named after the output URL (so a rerun finds it)."""
+def resolve_work_dir(cfg: PackJobConfig) -> str:
+    """The work folder (a local path or a URL): --work-dir; else `<output>/_work` for a local output, and for
+    a URL output under `--engine ray` (every node reaches it); else, a URL output on one machine, a local
+    temp folder named after the output URL (so a rerun finds it)."""
     if cfg.work_dir is not None:
-        return Path(cfg.work_dir)
+        return cfg.work_dir
     store = OutputStore(cfg.output, cfg.storage_options)
     if store.is_local:
-        return store.local_path("_work")
+        return str(store.local_path("_work"))
+    if cfg.engine == "ray":
+        return f"{cfg.output.rstrip('/')}/_work"
     digest = hashlib.sha256(cfg.output.encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"mmpack-work-{digest}"
+    return str(Path(tempfile.gettempdir()) / f"mmpack-work-{digest}")
 
 
 def _fingerprint(cfg: PackJobConfig, stage: str, previous: str, files: list[str]) -> str:
@@ -107,12 +110,8 @@ def _run_write(cfg: PackJobConfig, wd: WorkDir, fingerprint: str) -> None:
 
 
 def _clear_chunk_markers(wd: WorkDir, stage: str) -> None:
-    d = wd.root / stage
-    if d.is_dir():
-        for p in d.glob("*.done.json"):
-            p.unlink()
-        for p in d.glob("shard-*.json"):
-            p.unlink()
+    wd.remove(f"{stage}/*.done.json")
+    wd.remove(f"{stage}/shard-*.json")
 
 
 def run_pack(cfg: PackJobConfig) -> PackSummary:
@@ -137,11 +136,20 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
 
 
 def _run_stages(cfg: PackJobConfig) -> PackSummary:
+    from offline_packing import workdir
     from offline_packing.inputs.sources import expand_inputs
 
     files = expand_inputs(cfg.inputs)
+    workdir.start_run()  # a URL work folder starts from an empty local cache: nothing stale is read
     wd = WorkDir(resolve_work_dir(cfg))
     wd.root.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run_stages_in(cfg, files, wd)
+    finally:
+        wd.close()
+
+
+def _run_stages_in(cfg: PackJobConfig, files: list[str], wd: WorkDir) -> PackSummary:
     first = cfg.only_stage or cfg.start_stage or 1
     last = cfg.only_stage or len(STAGES)
     summary = PackSummary(output=cfg.output)
@@ -154,7 +162,7 @@ def _run_stages(cfg: PackJobConfig) -> PackSummary:
             if completed is None:
                 raise PackError(
                     f"cannot start at stage {first} ({STAGES[first - 1]}): stage {n} ({name}) has not "
-                    f"completed with these options and inputs in {wd.root}; run the earlier stages first (or "
+                    f"completed with these options and inputs in {wd.address}; run the earlier stages first (or "
                     "the whole job without -S)"
                 )
             previous = completed
@@ -164,6 +172,7 @@ def _run_stages(cfg: PackJobConfig) -> PackSummary:
             previous, wrote = completed, name == "write"
             continue
         redo_rest = True  # every later stage depends on this one
+        wd.forget(name)  # a URL work folder: this stage's files are about to change
         wd.clear_marker(name)
         if forced:
             _clear_chunk_markers(wd, name)
@@ -174,9 +183,7 @@ def _run_stages(cfg: PackJobConfig) -> PackSummary:
     if wrote:
         _fill_summary(summary, cfg)
         if cfg.clean_work:
-            import shutil
-
-            shutil.rmtree(wd.root)
+            wd.delete_all()
     return summary
 
 

@@ -303,7 +303,7 @@ def run_scan(
 ) -> dict:
     """Stage 1 over all chunks of `files` (canonical input paths); returns the marker info."""
     chunks = plan_chunks(files, cfg.chunk_size)
-    tasks = [ScanTask(c, str(wd.root), cfg, fingerprint) for c in chunks]
+    tasks = [ScanTask(c, wd.address, cfg, fingerprint) for c in chunks]
     results = run_parallel(
         scan_chunk,
         tasks,

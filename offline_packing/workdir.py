@@ -1,22 +1,102 @@
-"""The job's local work folder: per-chunk stage outputs, completion markers and atomic local writes.
+"""The job's work folder: per-chunk stage outputs, completion markers and atomic writes.
 
 Every file is written to a temporary name and renamed, and a chunk's `.done.json` is written after its
 outputs, so a killed job leaves either complete files or none, never a partial one under a final name.
+
+The work folder is a local path (one machine, or a filesystem every node mounts) or an fsspec URL
+(`s3://bucket/work`), which every node of a Ray cluster reaches without a shared filesystem. A URL work
+folder is mirrored: stage code reads and writes local paths under a cache folder of this process's run
+(`<tmp>/mmpack-work/<url digest>/<run>[-<node>]`); a file is fetched from the URL the first time it is
+asked for (`WorkDir.file`), and every file written through this module is uploaded after its local
+rename, markers last as locally. Files do not change within a stage once written, and each run starts
+with an empty cache (`start_run`), so a cached copy is never stale; the driver drops its copies of a
+stage's files before running that stage (`WorkDir.forget`), which is the one time they change.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import os
+import shutil
+import tempfile
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-# the stage modules take the project's one atomic writer from here
-from packing.fileio import atomic_write_bytes as atomic_write_bytes
-from packing.fileio import atomic_write_json as atomic_write_json
+from packing import fileio
+
+# The run this process works for and the node it is on: a URL work folder's cache is per (run, node).
+_RUN: dict[str, str] = {"run": uuid.uuid4().hex[:12], "node": ""}
+_MIRRORS: dict[str, str] = {}  # local cache root -> the work folder URL it mirrors
+
+
+def start_run(run: str | None = None, node: str = "") -> str:
+    """Begin a run in this process: URL work folders get a fresh cache (`run`: a new id when None; Ray
+    workers take the driver's, with their node's id). Returns the run id."""
+    run = run or uuid.uuid4().hex[:12]
+    if (_RUN["run"], _RUN["node"]) != (run, node):
+        _RUN.update(run=run, node=node)
+        _MIRRORS.clear()
+    return run
+
+
+def current_run() -> str:
+    return _RUN["run"]
+
+
+def _cache_root(url: str) -> Path:
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    tag = _RUN["run"] + (f"-{_RUN['node']}" if _RUN["node"] else "")
+    return Path(tempfile.gettempdir()) / "mmpack-work" / digest / tag
+
+
+def drop_other_caches(url: str) -> None:
+    """Remove this machine's caches of `url` left by earlier runs (a run removes its own when it ends)."""
+    mine = _cache_root(url)
+    if mine.parent.is_dir():
+        for d in mine.parent.iterdir():
+            if d.name.split("-")[0] != _RUN["run"]:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _mirror_of(path: Path) -> tuple[str, str] | None:
+    """(work folder URL, path relative to it) of a file under a URL work folder's cache, else None."""
+    for root, url in _MIRRORS.items():
+        try:
+            rel = path.relative_to(root)
+        except ValueError:
+            continue
+        return url, rel.as_posix()
+    return None
+
+
+def _publish(path: str | os.PathLike[str]) -> None:
+    """Upload a file just written under a URL work folder's cache to the URL."""
+    mirror = _mirror_of(Path(path))
+    if mirror is None:
+        return
+    from offline_packing.inputs import remote
+
+    url, rel = mirror
+    fs, root = remote.filesystem(url)
+    target = f"{root.rstrip('/')}/{rel}"
+    remote.with_retries(f"{url}/{rel}", "upload", lambda: fs.put_file(str(path), target))
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Writes `data` to `path` atomically (`packing.fileio`), then to the work folder URL when mirrored."""
+    fileio.atomic_write_bytes(path, data)
+    _publish(path)
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 1) -> None:
+    """Writes `obj` as deterministic JSON to `path` atomically (see `atomic_write_bytes`)."""
+    atomic_write_bytes(path, fileio.json_bytes(obj, indent=indent))
 
 
 def npy_bytes(arr: np.ndarray) -> bytes:
@@ -60,21 +140,96 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 class WorkDir:
-    """Layout of the work folder: `<root>/<stage>/...` plus `<root>/<stage>.done.json` markers."""
+    """Layout of the work folder: `<root>/<stage>/...` plus `<root>/<stage>.done.json` markers.
 
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
+    `address` is what the job was given (a local path or a URL); tasks carry it, so a Ray worker on another
+    node opens the same work folder. `root` is the local folder the stage code reads and writes: the
+    address itself, or this run's cache of the URL.
+    """
+
+    def __init__(self, address: str | Path):
+        from offline_packing.inputs import remote
+
+        self.address = str(address)
+        self.url: str | None = None
+        if remote.is_url(self.address):
+            self.url = self.address.rstrip("/")
+            self.root = _cache_root(self.url)
+            if str(self.root) not in _MIRRORS:  # first use in this run: earlier runs' caches go
+                _MIRRORS[str(self.root)] = self.url
+                drop_other_caches(self.url)
+        else:
+            self.root = Path(remote.local_path(self.address))
 
     def stage_dir(self, stage: str) -> Path:
+        """The local folder of `stage` (created); its files are fetched one by one with `file`."""
         d = self.root / stage
         d.mkdir(parents=True, exist_ok=True)
         return d
 
+    def file(self, rel: str) -> Path:
+        """The local path of `rel` (under the work folder), fetched from the URL first if not here yet;
+        a file the URL does not have either is simply absent."""
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if self.url is None or path.exists():
+            return path
+        from offline_packing.inputs import remote
+
+        fs, root = remote.filesystem(self.url)
+        tmp = path.with_name(f".{path.name}.fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            remote.with_retries(f"{self.url}/{rel}", "fetch", lambda: fs.get_file(f"{root}/{rel}", str(tmp)))
+            os.replace(tmp, path)
+        except FileNotFoundError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+    def stage_file(self, stage: str, name: str) -> Path:
+        return self.file(f"{stage}/{name}")
+
     def chunk_path(self, stage: str, chunk: int, suffix: str) -> Path:
-        return self.stage_dir(stage) / f"chunk-{chunk:06d}.{suffix}"
+        return self.file(f"{stage}/chunk-{chunk:06d}.{suffix}")
 
     def marker(self, stage: str) -> Path:
-        return self.root / f"{stage}.done.json"
+        return self.file(f"{stage}.done.json")
+
+    def remove(self, rel_glob: str) -> None:
+        """Delete the files matching `rel_glob` ("lengths/*.done.json", "scan.done.json") here and at the URL."""
+        for p in self.root.glob(rel_glob):
+            if p.is_file():
+                p.unlink()
+        if self.url is not None:
+            from offline_packing.inputs import remote
+
+            fs, root = remote.filesystem(self.url)
+            found = remote.with_retries(self.url, "list", lambda: fs.glob(f"{root}/{rel_glob}"))
+            if found:
+                remote.with_retries(self.url, "delete files of", lambda: fs.rm(found))
+
+    def forget(self, stage: str) -> None:
+        """Drop this process's cached copies of `stage`'s files (a URL work folder, before the stage runs:
+        its files will change)."""
+        if self.url is not None:
+            shutil.rmtree(self.root / stage, ignore_errors=True)
+            (self.root / f"{stage}.done.json").unlink(missing_ok=True)
+
+    def delete_all(self) -> None:
+        """Remove the whole work folder (`--clean-work`), at the URL too."""
+        if self.url is not None:
+            from offline_packing.inputs import remote
+
+            fs, root = remote.filesystem(self.url)
+            if remote.with_retries(self.url, "stat", lambda: fs.exists(root)):
+                remote.with_retries(self.url, "delete", lambda: fs.rm(root, recursive=True))
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def close(self) -> None:
+        """End of the job: a URL work folder's local cache is removed (the URL keeps everything)."""
+        if self.url is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def is_done(self, stage: str, fingerprint: str) -> bool:
         """True when `stage` completed with the same options (fingerprint) as now."""
@@ -87,4 +242,4 @@ class WorkDir:
         return read_json(self.marker(stage))
 
     def clear_marker(self, stage: str) -> None:
-        self.marker(stage).unlink(missing_ok=True)
+        self.remove(f"{stage}.done.json")

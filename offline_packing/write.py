@@ -54,9 +54,8 @@ class BinSource:
         self.prefix = prefix
         accepted = wd.read_marker("lengths")["accepted"]
         self.chunk_starts = np.concatenate([[0], np.cumsum(accepted)]).astype(np.int64)
-        plan_dir = wd.stage_dir("binpack")
-        self.order = np.load(plan_dir / "order.npy", mmap_mode="r")
-        self.bin_offsets = np.load(plan_dir / "bin_offsets.npy")
+        self.order = np.load(wd.stage_file("binpack", "order.npy"), mmap_mode="r")
+        self.bin_offsets = np.load(wd.stage_file("binpack", "bin_offsets.npy"))
 
     # bounded: each map holds a file descriptor, and a dataset may have thousands of chunks
     @lru_cache(maxsize=128)  # noqa: B019 - one BinSource per process, lives as long as it
@@ -139,7 +138,7 @@ def write_shard(task: ShardTask) -> list[dict]:
     cfg = task.cfg
     wd = WorkDir(task.work_dir)
     store = OutputStore(cfg.output, task.storage_options, staging_dir=wd.stage_dir(STAGE))
-    done = wd.stage_dir(STAGE) / f"shard-{task.shard:06d}.json"
+    done = wd.stage_file(STAGE, f"shard-{task.shard:06d}.json")
     marker = read_done_marker(done, task.fingerprint)
     if marker is not None and all(store.size(e["path"]) == e["bytes"] for e in marker["shards"]):
         return marker["shards"]
@@ -187,7 +186,7 @@ def run_write_shards(
     firsts = plan["shard_first_bin"].tolist()
     with_videos = int(wd.read_marker("lengths").get("videos", 0)) > 0
     tasks = [
-        ShardTask(s, firsts[s], firsts[s + 1], cfg, storage_options, str(wd.root), fingerprint, with_videos)
+        ShardTask(s, firsts[s], firsts[s + 1], cfg, storage_options, wd.address, fingerprint, with_videos)
         for s in range(len(firsts) - 1)
     ]
     _SOURCES.clear()  # the plan may have changed since this process last wrote shards
@@ -225,7 +224,7 @@ class WriteRecord:
     """`<work>/write/written.json`: the output files this job has written (shards, and `.nv-meta`)."""
 
     def __init__(self, wd: WorkDir):
-        self.path = wd.stage_dir(STAGE) / "written.json"
+        self.path = wd.stage_file(STAGE, "written.json")
 
     def read(self) -> set[str]:
         if not self.path.is_file():

@@ -12,6 +12,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -166,6 +167,26 @@ def read_wds_bins(path: Path) -> list[dict]:
             }
         )
     return rows
+
+
+def small_job_config(raw: tuple[Path, Path], out: str | Path, **kw: Any) -> Any:
+    """A `PackJobConfig` for a small (records, tokenizer) pair: seq_len 1024, both formats, 3 bins per shard,
+    chunks of 8 records (so a few dozen records make several chunks and shards); `kw` overrides."""
+    from offline_packing.config import PackJobConfig
+
+    src, tok = raw
+    base: dict[str, Any] = dict(
+        inputs=(str(src),),
+        output=str(out),
+        seq_len=1024,
+        tokenizer=str(tok),
+        format="both",
+        max_bins_per_shard=3,
+        chunk_size=8,
+        progress=False,
+    )
+    base.update(kw)
+    return PackJobConfig(**base)
 
 
 def dataset_files(out: Path) -> dict[str, bytes]:

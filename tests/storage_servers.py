@@ -65,8 +65,8 @@ class S3Endpoint:
 
         return s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
 
-    def upload_folder(self, local: str | Path, bucket: str, prefix: str) -> str:
-        """Creates `bucket` if needed, copies the folder there; returns the s3:// URL of the copy."""
+    def make_bucket(self, bucket: str) -> Any:
+        """Creates `bucket` if needed; returns a fresh s3fs filesystem of the server."""
         fs = self.filesystem()
         if not fs.exists(bucket):
             # boto3, not fs.mkdir: s3fs sends LocationConstraint=us-east-1, which S3 (and moto) reject
@@ -80,6 +80,11 @@ class S3Endpoint:
                 aws_secret_access_key=self.storage_options["secret"],
             ).create_bucket(Bucket=bucket)
             fs.invalidate_cache()
+        return fs
+
+    def upload_folder(self, local: str | Path, bucket: str, prefix: str) -> str:
+        """Creates `bucket` if needed, copies the folder there; returns the s3:// URL of the copy."""
+        fs = self.make_bucket(bucket)
         local = Path(local)
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
             fs.put_file(str(path), f"{bucket}/{prefix}/{path.relative_to(local).as_posix()}")

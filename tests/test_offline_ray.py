@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from offline_packing.cli import main as mmpack_main
-from offline_packing.config import PackJobConfig
 from offline_packing.engines.ray import KILL_ONCE_ENV, TASKS_PER_NODE
 from offline_packing.pipeline import run_pack
-from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
+from tests.fixtures_data import dataset_files, make_synthetic_dataset, small_job_config, train_tiny_bpe
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # a 2-node cluster takes ~10 s to start; the jobs themselves are small
-
-SEQ_LEN = 1024
 
 
 @pytest.fixture(scope="module")
@@ -48,20 +44,7 @@ def raw(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return data.jsonl_path, train_tiny_bpe(root / "tok")
 
 
-def _cfg(raw: tuple[Path, Path], out: Path, **kw: Any) -> PackJobConfig:
-    src, tok = raw
-    base: dict[str, Any] = dict(
-        inputs=(str(src),),
-        output=str(out),
-        seq_len=SEQ_LEN,
-        tokenizer=str(tok),
-        format="both",
-        max_bins_per_shard=3,
-        chunk_size=8,
-        progress=False,
-    )
-    base.update(kw)
-    return PackJobConfig(**base)
+_cfg = small_job_config
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +121,28 @@ def test_ray_workers_read_s3_inputs(cluster, raw, tmp_path: Path) -> None:
             runs[engine] = dataset_files(out)
     assert url.encode() in runs["ray"]["rejects.jsonl"]
     _assert_same(runs["local"], runs["ray"])
+
+
+def test_work_folder_on_s3_without_a_shared_filesystem(cluster, raw, local_files, tmp_path: Path) -> None:
+    """`-w s3://...`: each node works from its own cache of the URL (per node, so nothing passes through a
+    shared local folder), and the output equals the local engine's with a local work folder."""
+    from offline_packing import workdir
+    from tests.storage_servers import moto_s3
+
+    with moto_s3() as endpoint:
+        fs = endpoint.make_bucket("work")
+        out = tmp_path / "out"
+        cfg = _cfg(raw, out, engine="ray", work_dir="s3://work/ray", storage_options=endpoint.storage_options)
+        run_pack(cfg)
+        assert all(len(TASKS_PER_NODE[stage]) == 2 for stage in ("scan", "lengths", "write")), TASKS_PER_NODE
+        keys = [k.removeprefix("work/ray/") for k in fs.find("work/ray")]
+        assert "write.done.json" in keys and any(k.startswith("write/shard-") for k in keys)
+        assert not (out / "_work").exists()
+        caches = workdir._cache_root("s3://work/ray").parent  # the driver's own went with the run
+        nodes = {d.name.split("-", 1)[1] for d in caches.iterdir() if "-" in d.name}
+        assert len(nodes) == 2, nodes  # each node fetched what it read into a cache of its own
+        _assert_same(local_files, dataset_files(out))
+        assert run_pack(cfg).stages_skipped == ["scan", "lengths", "binpack", "write"]
 
 
 def test_cluster_has_two_nodes(cluster) -> None:

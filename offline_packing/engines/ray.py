@@ -2,8 +2,9 @@
 
 The tasks are the local engine's: the same module-level chunk function over the same chunk, writing the same
 files into the work folder, so shards and manifest are byte-identical to `--engine local`. Binpack stays one
-step on the driver. The work folder (and a local output) must be on a filesystem every node sees; with a
-single node (or a local cluster) that is any folder. A task whose worker process or node dies is retried by
+step on the driver. The work folder is a URL (`-w s3://...`; the default for a URL output is
+`<output>/_work`), which every node reaches, or a path on a filesystem every node mounts; with a single
+node (or a local cluster) that is any folder. A local output, likewise, must be on a shared filesystem. A task whose worker process or node dies is retried by
 Ray (`MAX_RETRIES`); a chunk's outputs are written atomically with its done-marker last, so a retry, like a
 rerun after a crash, redoes only what is missing.
 """
@@ -75,7 +76,13 @@ def run_ray(
 
     ray = connect()
     weights = weights if weights is not None else [1] * len(items)
-    setup = {"run": uuid.uuid4().hex, "storage_options": remote.current_options()}
+    from offline_packing import workdir
+
+    setup = {
+        "run": uuid.uuid4().hex,
+        "storage_options": remote.current_options(),
+        "workdir_run": workdir.current_run(),
+    }
     kill_at = _kill_request(desc, len(items))
     # SPREAD: chunks go round the nodes (their I/O and CPU add up) instead of filling the driver's node first
     task = ray.remote(
@@ -139,19 +146,22 @@ def _run_chunk(fn: Callable[[T], R], item: T, setup: dict, kill_marker: str | No
     returns (the node it ran on, `fn(item)`)."""
     import ray
 
+    from offline_packing import workdir
     from offline_packing.inputs import remote
 
+    node = ray.get_runtime_context().get_node_id()
     if _PROCESS_RUN.get("run") != setup["run"]:
         _reset_process_caches()
         _PROCESS_RUN["run"] = setup["run"]
     remote.configure(setup["storage_options"])
+    workdir.start_run(setup["workdir_run"], node=node[:12])  # a URL work folder: this node's own cache
     if kill_marker is not None and not os.path.exists(kill_marker):
         with open(kill_marker, "w") as f:
             f.write(f"killed worker pid {os.getpid()}\n")
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
-    return ray.get_runtime_context().get_node_id(), fn(item)
+    return node, fn(item)
 
 
 def _reset_process_caches() -> None:
