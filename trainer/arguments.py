@@ -124,6 +124,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--decoder-last-pipeline-num-layers", type=int, default=None, help="language layers on the last stage"
     )
+    g.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="interleaved pipeline: language layers per model chunk; each stage holds several chunks "
+        "(stage 0 the 1st, PP+1st, ...), which shrinks the pipeline bubble. Micro-batches per step must be a "
+        "multiple of PP",
+    )
+    g.add_argument(
+        "--virtual-pipeline-model-parallel-size",
+        type=int,
+        default=None,
+        help="interleaved pipeline: model chunks per stage (instead of --num-layers-per-virtual-pipeline-stage; "
+        "works with --decoder-first/last-pipeline-num-layers when it divides every stage's layers)",
+    )
 
     g = p.add_argument_group("mixed precision")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and compute, fp32 master weights")

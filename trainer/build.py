@@ -79,42 +79,50 @@ def check_dataset_for_hf_model(data_path: str, model_dir: str) -> None:
     check_dataset_matches_model(load_manifest(data_path), model_dir, dataset=data_path)
 
 
-def build_stage_model(cfg: RunConfig, mcfg: MegatronConfigs, arch: Any, *, use_te: bool) -> torch.nn.Module:
-    """This pipeline stage's (unwrapped) model with its weights."""
+def build_stage_model(
+    cfg: RunConfig, mcfg: MegatronConfigs, arch: Any, *, use_te: bool, vp_stage: int | None = None
+) -> torch.nn.Module:
+    """This pipeline stage's (unwrapped) model with its weights; under the interleaved pipeline the model
+    chunk ``vp_stage`` of this stage (the vision tower only in chunk 0 of the first stage, the output layer
+    only in the last chunk of the last stage)."""
     fam = family_of(arch.source)
-    pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
     model = fam.Model(
-        arch, mcfg.model, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-        use_te=use_te,
+        arch, mcfg.model, use_te=use_te, vp_stage=vp_stage,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
     )  # fmt: skip
+    tp = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size())
     if cfg.model.hf_model:
-        fam.load_stage_weights(
-            model, cfg.model.hf_model, arch,
-            tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
-            pp_rank=pp_rank, pp_size=pp_size,
-        )  # fmt: skip
+        fam.load_stage_weights(model, cfg.model.hf_model, arch, **tp)
     else:
-        fam.init_stage_random(
-            model, arch, seed=cfg.train.seed, std=cfg.model.init_method_std,
-            tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
-            pp_rank=pp_rank, pp_size=pp_size,
-        )  # fmt: skip
+        fam.init_stage_random(model, arch, seed=cfg.train.seed, std=cfg.model.init_method_std, **tp)
     return model
 
 
-def build_model(cfg: RunConfig, mcfg: MegatronConfigs, arch: Any, *, use_te: bool) -> DistributedDataParallel:
-    """This stage's model, cast and wrapped in megatron DDP."""
-    model = build_stage_model(cfg, mcfg, arch, use_te=use_te)
-    m = cfg.model  # frozen parameters before DDP and the optimizer: no grad buffer, no optimizer state
-    apply_freeze(
-        model,
-        tied=arch.tie_word_embeddings,
-        trainable_modules=m.trainable_modules,
-        freeze_vision=m.freeze_vision,
-        freeze_llm=m.freeze_llm,
-    )
-    if torch.cuda.is_available():
-        model.cuda()
-    if cfg.precision.bf16 or cfg.precision.fp16:
-        model = Float16Module(mcfg.language, model)
-    return DistributedDataParallel(config=mcfg.language, ddp_config=mcfg.ddp, module=model)
+def build_model(
+    cfg: RunConfig, mcfg: MegatronConfigs, arch: Any, *, use_te: bool
+) -> list[DistributedDataParallel]:
+    """This stage's model chunks (one, or one per virtual stage of the interleaved pipeline), each cast and
+    wrapped in megatron DDP (as Megatron-LM does, only the first chunk's gradients are bucketed)."""
+    vp = mcfg.language.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vp) if vp else [None]:
+        model = build_stage_model(cfg, mcfg, arch, use_te=use_te, vp_stage=vp_stage)
+        m = cfg.model  # frozen parameters before DDP and the optimizer: no grad buffer, no optimizer state
+        apply_freeze(
+            model,
+            tied=arch.tie_word_embeddings,
+            trainable_modules=m.trainable_modules,
+            freeze_vision=m.freeze_vision,
+            freeze_llm=m.freeze_llm,
+        )
+        if torch.cuda.is_available():
+            model.cuda()
+        if cfg.precision.bf16 or cfg.precision.fp16:
+            model = Float16Module(mcfg.language, model)
+        chunks.append(
+            DistributedDataParallel(
+                config=mcfg.language, ddp_config=mcfg.ddp, module=model, disable_bucketing=bool(vp_stage)
+            )
+        )
+    return chunks

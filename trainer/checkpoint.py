@@ -10,7 +10,9 @@ Layout (as Megatron-LM's)::
 What one checkpoint holds:
 
 - ``model``: the sharded state dict of this stage's model, vision tower included (decoder layers by their
-  global number, TP shards by their offset in the full tensor);
+  global number, TP shards by their offset in the full tensor); under the interleaved pipeline one entry per
+  model chunk, ``model0``, ``model1``, ... (Megatron-LM's keys). The shards are named by global layer
+  either way, so a checkpoint saved with chunks loads without them and the other way round;
 - ``optimizer``: megatron-core's sharded optimizer state in model space (the distributed optimizer's
   ``fully_reshardable`` format), so the optimizer reshards like the model;
 - ``scheduler``, ``iteration``, the ``layout`` (TP, PP, DP) and the ``model_config`` (HF config.json);
@@ -79,12 +81,38 @@ def _bare(model: Any) -> Any:
     return unwrap_model(model, (DistributedDataParallel, Float16Module))
 
 
+def _chunks(model: Any) -> list[Any]:
+    """The model chunks of this stage: a list (interleaved pipeline) or one model."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def model_sharded_state_dict(model: Any) -> dict[str, Any]:
+    """``{"model": ...}`` of one chunk, ``{"model0": ..., "model1": ...}`` of the interleaved pipeline's."""
+    chunks = _chunks(model)
+    if len(chunks) == 1:
+        return {"model": _bare(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": _bare(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _load_model_state(model: Any, state: dict[str, Any]) -> None:
+    chunks = _chunks(model)
+    for i, chunk in enumerate(chunks):
+        _bare(chunk).load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=False)
+
+
 def layout() -> dict[str, int]:
+    """TP, PP and DP sizes, and ``vp``, the model chunks per stage (1 without the interleaved pipeline)."""
     return {
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
         "dp": ps.get_data_parallel_world_size(),
+        "vp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
     }
+
+
+def _describe_layout(lay: dict[str, int]) -> str:
+    vp = lay.get("vp", 1)
+    return f"TP {lay['tp']} x PP {lay['pp']}{f' (VP {vp})' if vp > 1 else ''} x DP {lay['dp']}"
 
 
 def _rng_state() -> dict[str, Any]:
@@ -131,13 +159,13 @@ def _state_for_save(
 ) -> dict[str, Any]:
     lay = layout()
     pp_rank, tp_rank, dp_rank = _rank_coords()
-    model_sd = _bare(model).sharded_state_dict()
+    model_sd = model_sharded_state_dict(model)
     return {
         "iteration": iteration,
         "layout": lay,
         "model_config": model_config,
         "scheduler": scheduler.state_dict(),
-        "model": model_sd,
+        **model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=OPTIMIZER_METADATA),
         "rng": _rng_object(lay, (pp_rank, tp_rank, dp_rank), _rng_state()),
         "loader": _loader_object(lay["dp"], dp_rank, loader_state, replica=tp_rank * lay["pp"] + pp_rank),
@@ -304,11 +332,11 @@ def load_checkpoint(
         )
     common = dist_checkpointing.load_common_state_dict(str(folder))
     check_model_config(common.get("model_config") or {}, model_config, folder)
-    saved_layout: dict[str, int] = common["layout"]
+    saved_layout: dict[str, int] = {"vp": 1, **common["layout"]}
     lay = layout()
     pp_rank, tp_rank, dp_rank = _rank_coords()
-    model_sd = _bare(model).sharded_state_dict()
-    request: dict[str, Any] = {"model": model_sd}
+    model_sd = model_sharded_state_dict(model)
+    request: dict[str, Any] = dict(model_sd)
     weights_only = "scheduler" not in common  # written by `mmpack convert hf-to-mcore`
     restore_training = not finetune and not weights_only
     if restore_training and load_optim:
@@ -318,7 +346,8 @@ def load_checkpoint(
         )
     same_layout = saved_layout == lay
     if restore_training:
-        if same_layout:
+        # one RNG state per (PP, TP, DP) rank: it fits whenever those sizes are the same
+        if all(saved_layout[k] == lay[k] for k in ("tp", "pp", "dp")):
             request["rng"] = _rng_object(lay, (pp_rank, tp_rank, dp_rank), None)
         saved_dp = saved_layout["dp"]
         # every rank reads all of them: only rank 0's request counts as the main replica
@@ -329,11 +358,10 @@ def load_checkpoint(
         state = dist_checkpointing.load(request, str(folder))
     except Exception as e:  # dist_checkpointing raises several types for missing/mismatched shards
         raise CheckpointMismatchError(
-            f"checkpoint {folder} (saved at TP {saved_layout['tp']} x PP {saved_layout['pp']} x DP "
-            f"{saved_layout['dp']}) does not load into this run (TP {lay['tp']} x PP {lay['pp']} x DP "
-            f"{lay['dp']}): {' '.join(str(e).split())[:800]}"
+            f"checkpoint {folder} (saved at {_describe_layout(saved_layout)}) does not load into this run "
+            f"({_describe_layout(lay)}): {' '.join(str(e).split())[:800]}"
         ) from e
-    _bare(model).load_state_dict(state["model"], strict=False)
+    _load_model_state(model, state)
     if not restore_training:
         why = "a weights-only checkpoint" if weights_only else "--finetune"
         return (
@@ -349,7 +377,7 @@ def load_checkpoint(
     if "rng" in state:
         _set_rng_state(state["rng"])
     loaders = state["loaders"]
-    if same_layout or saved_layout["dp"] == lay["dp"]:
+    if saved_layout["dp"] == lay["dp"]:
         loader = loaders[dp_rank]
     else:
         if any(s != loaders[0] for s in loaders):
@@ -358,11 +386,7 @@ def load_checkpoint(
                 f"only at DP {saved_layout['dp']}, not {lay['dp']}"
             )
         loader = loaders[0]
-    notes = (
-        []
-        if same_layout
-        else [f"resharded from TP {saved_layout['tp']} x PP {saved_layout['pp']} x DP {saved_layout['dp']}"]
-    )
+    notes = [] if same_layout else [f"resharded from {_describe_layout(saved_layout)}"]
     if not load_optim:
         notes.append("optimizer state not loaded (--no-load-optim)")
     suffix = f" ({'; '.join(notes)})" if notes else ""

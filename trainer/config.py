@@ -80,10 +80,28 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = None
     overlap_grad_reduce: bool = False  # DP gradient reduction by bucket during the backward pass
     overlap_param_gather: bool = False  # distributed optimizer: parameter all-gather during the next forward
+    # interleaved (virtual) pipeline: each stage holds several model chunks of consecutive layers, given as
+    # chunks per stage or as language layers per chunk (see virtual_pipeline_size)
+    virtual_pipeline_model_parallel_size: int | None = None
+    num_layers_per_virtual_pipeline_stage: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
             raise ValueError("parallel sizes must be >= 1")
+        virtual = (self.virtual_pipeline_model_parallel_size, self.num_layers_per_virtual_pipeline_stage)
+        if all(n is not None for n in virtual):
+            raise ValueError(
+                "give --virtual-pipeline-model-parallel-size or --num-layers-per-virtual-pipeline-stage, not both"
+            )
+        if any(n is not None and n < 1 for n in virtual):
+            raise ValueError(
+                "--virtual-pipeline-model-parallel-size and --num-layers-per-virtual-pipeline-stage must be >= 1"
+            )
+        if any(n is not None for n in virtual) and self.pipeline_model_parallel_size < 2:
+            raise ValueError(
+                "the interleaved pipeline (--virtual-pipeline-model-parallel-size, "
+                "--num-layers-per-virtual-pipeline-stage) needs --pipeline-model-parallel-size > 1"
+            )
         uneven = (self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)
         if any(n is not None for n in uneven) and self.pipeline_model_parallel_size < 2:
             raise ValueError(
@@ -97,6 +115,62 @@ class ParallelConfig:
             raise ValueError("--decoder-first/last-pipeline-num-layers must be >= 0")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+
+    def stage_layer_counts(self, num_layers: int) -> list[int]:
+        """Language layers of each pipeline stage (megatron-core's split: the first / last stage as given by
+        the uneven-split flags, the rest evenly); ValueError naming the flags when it does not divide."""
+        pp, first, last = (
+            self.pipeline_model_parallel_size,
+            self.decoder_first_pipeline_num_layers,
+            self.decoder_last_pipeline_num_layers,
+        )
+        fixed = {0: first} if first is not None else {}
+        if last is not None:
+            fixed[pp - 1] = last
+        rest_layers, rest_stages = num_layers - sum(fixed.values()), pp - len(fixed)
+        if (
+            rest_layers < 0
+            or (rest_stages == 0 and rest_layers)
+            or (rest_stages and rest_layers % rest_stages)
+        ):
+            raise ValueError(
+                f"{num_layers} language layers cannot be split over PP {pp}"
+                + (" with --decoder-first/last-pipeline-num-layers " + f"{first}/{last}" if fixed else "")
+            )
+        even = rest_layers // rest_stages if rest_stages else 0
+        return [fixed.get(r, even) for r in range(pp)]
+
+    def virtual_pipeline_size(self, num_layers: int) -> int | None:
+        """Model chunks per pipeline stage of the interleaved schedule (None: not interleaved).
+
+        ``--num-layers-per-virtual-pipeline-stage N`` means chunks of N layers on every stage, so it needs
+        stages of equal size; with an uneven split give the chunks per stage
+        (``--virtual-pipeline-model-parallel-size``), which must divide every stage's layers. One chunk per
+        stage is the plain (non-interleaved) pipeline."""
+        per_chunk, chunks = (
+            self.num_layers_per_virtual_pipeline_stage,
+            self.virtual_pipeline_model_parallel_size,
+        )
+        if per_chunk is None and chunks is None:
+            return None
+        counts = self.stage_layer_counts(num_layers)
+        if per_chunk is not None:
+            if any(c != counts[0] or c % per_chunk for c in counts):
+                raise ValueError(
+                    f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide the language layers "
+                    f"per stage {','.join(map(str, counts))} into the same number of chunks; give "
+                    "--virtual-pipeline-model-parallel-size (chunks per stage) instead"
+                )
+            chunks = counts[0] // per_chunk
+        assert chunks is not None
+        bad = [c for c in counts if c % chunks or c == 0]
+        if bad:
+            raise ValueError(
+                f"--virtual-pipeline-model-parallel-size {chunks}: every pipeline stage needs a positive multiple "
+                f"of {chunks} language layers, and the split is {','.join(map(str, counts))} (megatron-core "
+                "builds the same number of chunks on every stage)"
+            )
+        return chunks if chunks > 1 else None
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP size implied by the world size; raises if TP x PP does not divide it."""
@@ -282,10 +356,18 @@ def build_megatron_configs(cfg: RunConfig, arch: Any) -> MegatronConfigs:
         if tr.recompute_activations
         else {}
     )
+    vp = par.virtual_pipeline_size(arch.num_layers)
+    # The interleaved schedule sends activations and gradients both ways at once: batched into one
+    # batch_isend_irecv, two sends to the same peer (PP 2: next and previous stage are one rank) are matched
+    # in posting order and deliver gradients into activation buffers. Unbatched, megatron-core gives each
+    # direction its own process group (Megatron-LM's defaults under VP: overlapped, not batched).
+    interleaved = {"overlap_p2p_comm": True, "batch_p2p_comm": False} if vp else {}
     language_extra = {
         "sequence_parallel": par.sequence_parallel,
         "num_layers_in_first_pipeline_stage": par.decoder_first_pipeline_num_layers,
         "num_layers_in_last_pipeline_stage": par.decoder_last_pipeline_num_layers,
+        "virtual_pipeline_model_parallel_size": vp,
+        **interleaved,
         **recompute,
     }
     parts = family(m.model_type).build_transformer_configs(arch, common, language_extra)

@@ -87,7 +87,6 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
         fam.load_stage_weights(
             model, hf_dir, arch,
             tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
-            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
         )  # fmt: skip
         folder = iteration_dir(out, 0)
         if rank == 0:

@@ -21,6 +21,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from trainer import cpu_backend
 from trainer.build import build_model, check_data_matches_model, check_dataset_for_hf_model, model_hf_config
@@ -45,8 +46,9 @@ def te_available() -> bool:
     return True
 
 
-def initialize_distributed(cfg: RunConfig) -> bool:
-    """Process group (gloo on CPU, NCCL on CUDA), megatron-core parallel state and seeds. Returns on_cpu."""
+def initialize_distributed(cfg: RunConfig, *, virtual_pipeline_size: int | None = None) -> bool:
+    """Process group (gloo on CPU, NCCL on CUDA), megatron-core parallel state (with the model chunks per
+    stage of an interleaved pipeline) and seeds. Returns on_cpu."""
     on_cpu = cpu_backend.activate()
     if not dist.is_initialized():
         if not on_cpu:
@@ -54,7 +56,11 @@ def initialize_distributed(cfg: RunConfig) -> bool:
         dist.init_process_group("gloo" if on_cpu else "nccl")
     par = cfg.parallel
     par.data_parallel_size(dist.get_world_size())  # validates the layout divides the world
-    ps.initialize_model_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
+    ps.initialize_model_parallel(
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_size,
+    )
     seed = cfg.train.seed
     random.seed(seed)
     np.random.seed(seed)
@@ -112,12 +118,13 @@ class Trainer:
     """Owns model, optimizer, scheduler and data of one rank and runs steps."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        self.on_cpu = initialize_distributed(cfg)
         info = dataset_info(cfg.data.data_path, cfg.train.seq_length)
-        self.dp_size = ps.get_data_parallel_world_size()
-        self.cfg = cfg = resolve_train_config(cfg, info, self.dp_size)
         self.hf_config = model_hf_config(cfg, info)
         self.arch = family_of(self.hf_config).arch_from_hf_config(self.hf_config)
+        self.virtual_pipeline_size = cfg.parallel.virtual_pipeline_size(self.arch.num_layers)
+        self.on_cpu = initialize_distributed(cfg, virtual_pipeline_size=self.virtual_pipeline_size)
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.cfg = cfg = resolve_train_config(cfg, info, self.dp_size)
         check_data_matches_model(self.arch, info, cfg.model.hf_model or "(random, from the size flags)")
         if cfg.model.hf_model and cfg.data.data_path:  # tokenizer file and the whole image rule too
             check_dataset_for_hf_model(cfg.data.data_path, cfg.model.hf_model)
@@ -126,18 +133,25 @@ class Trainer:
         self.thd_multiple = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
         self.mcfg = build_megatron_configs(cfg, self.arch)
         self.num_micro = cfg.train.num_microbatches(self.dp_size)
-        self.model = build_model(cfg, self.mcfg, self.arch, use_te=self.use_te)
+        pp = cfg.parallel.pipeline_model_parallel_size
+        if self.virtual_pipeline_size and self.num_micro % pp:
+            raise ValueError(
+                f"the interleaved pipeline runs micro-batches in groups of PP = {pp}: --global-batch-size "
+                f"{cfg.train.global_batch_size} / (--micro-batch-size {cfg.train.micro_batch_size} x DP "
+                f"{self.dp_size}) = {self.num_micro} micro-batches per step is not a multiple of {pp}"
+            )
+        self.chunks = build_model(cfg, self.mcfg, self.arch, use_te=self.use_te)
         self.trainable_message = self._count_trainable()
-        self.optimizer = get_megatron_optimizer(self.mcfg.optimizer, [self.model])
+        self.optimizer = get_megatron_optimizer(self.mcfg.optimizer, self.chunks)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         lang = self.mcfg.language
         lang.grad_scale_func = self.optimizer.scale_loss
         lang.finalize_model_grads_func = finalize_model_grads
-        lang.no_sync_func = self.model.no_sync
+        lang.no_sync_func = self._per_chunk(lambda c: c.no_sync)
         if cfg.parallel.overlap_grad_reduce:  # the schedule starts each bucket's reduction when it is ready
-            lang.grad_sync_func = self.model.start_grad_sync
+            lang.grad_sync_func = self._per_chunk(lambda c: c.start_grad_sync)
         if cfg.parallel.overlap_param_gather:  # and the next forward waits for its bucket's parameters
-            lang.param_sync_func = self.model.start_param_sync
+            lang.param_sync_func = self._per_chunk(lambda c: c.start_param_sync)
         step_batches = partial(
             build_step_batches,
             info=info,
@@ -158,24 +172,37 @@ class Trainer:
         self.skipped = 0
         self.is_logger = dist.get_rank() == dist.get_world_size() - 1
         self.observer = Observer(
-            cfg.logging, arch=self.arch, pad_id=info.pad_id, model=self.model, optimizer=self.optimizer,
+            cfg.logging, arch=self.arch, pad_id=info.pad_id, model=torch.nn.ModuleList(self.chunks),
+            optimizer=self.optimizer,
             language_config=self.mcfg.language, is_logger=self.is_logger, run_config=dataclasses.asdict(cfg),
         )  # fmt: skip
         ck = cfg.checkpoint
         self.writer = CheckpointWriter(ck.save, async_save=ck.async_save) if ck.save else None
         if ck.load:
             self.iteration, loader_state, message = load_checkpoint(
-                ck.load, self.model, self.optimizer, self.scheduler, self.hf_config,
+                ck.load, self.chunks, self.optimizer, self.scheduler, self.hf_config,
                 load_optim=not ck.no_load_optim, finetune=ck.finetune,
             )  # fmt: skip
             if loader_state is not None:
                 self.train_data.load_state_dict(loader_state)
             self.log_text(message)
 
+    @property
+    def model(self) -> Any:
+        """The DDP-wrapped model of this stage (a run without the interleaved pipeline has one chunk)."""
+        if len(self.chunks) != 1:
+            raise AttributeError(f"this stage holds {len(self.chunks)} model chunks: use Trainer.chunks")
+        return self.chunks[0]
+
+    def _per_chunk(self, get: Any) -> Any:
+        """``get(chunk)`` of the one chunk, or the list over the chunks (megatron-core's schedules take both)."""
+        found = [get(c) for c in self.chunks]
+        return found[0] if len(found) == 1 else found
+
     def _count_trainable(self) -> str:
         """The log line saying how many parameters train (over all TP x PP ranks); ValueError if none."""
         device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL reduces CUDA tensors only
-        local = count_parameters(self.model)
+        local = count_parameters(torch.nn.ModuleList(self.chunks))
         counts = torch.tensor([*local, float(local[0] == 0)], dtype=torch.float64, device=device)
         dist.all_reduce(counts, group=ps.get_model_parallel_group())
         trainable, total, idle_ranks = (int(x) for x in counts.tolist())
@@ -226,8 +253,9 @@ class Trainer:
             b, seq = 1, thd_length(b * seq, self.thd_multiple)
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, poison),
-            data_iterator=iter(batches),
-            model=[self.model],
+            # each model chunk runs every micro-batch (the interleaved schedule takes one iterator per chunk)
+            data_iterator=self._per_chunk(lambda _: iter(batches)),
+            model=self.chunks,
             num_microbatches=len(batches),
             seq_length=seq,
             micro_batch_size=b,
@@ -246,7 +274,8 @@ class Trainer:
         """One optimizer step over a global batch; returns the metrics of the step."""
         batches, wait_s = self.train_data.next_step()
         start = time.perf_counter()
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         poison = (self.iteration + 1) in self.cfg.train.debug_overflow_iterations
         losses = self._run_schedule(batches, forward_only=False, poison=poison)  # timed by the schedule
@@ -284,7 +313,8 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean target-token loss over --eval-iters global batches of the held-out data."""
         assert self.eval_data is not None
-        self.model.eval()
+        for chunk in self.chunks:
+            chunk.eval()
         loss_sum = n_tok = 0.0
         with torch.no_grad():
             for _ in range(self.cfg.train.eval_iters):
@@ -292,7 +322,8 @@ class Trainer:
                 for x in self._run_schedule(batches, forward_only=True):
                     loss_sum += float(x["lm loss"][0])
                     n_tok += float(x["lm loss"][1])
-        self.model.train()
+        for chunk in self.chunks:
+            chunk.train()
         loss_sum, n_tok = self._reduce_over_dp([loss_sum, n_tok])
         return loss_sum / max(n_tok, 1.0)
 
@@ -332,9 +363,10 @@ class Trainer:
                 json.dump(self.hf_config, f, indent=2)
         assert self.writer is not None
         if self.cfg.parallel.overlap_param_gather:  # the updated parameters are otherwise gathered lazily
-            self.model.start_param_sync(force_sync=True)
+            for chunk in self.chunks:
+                chunk.start_param_sync(force_sync=True)
         self.writer.save(
-            self.iteration, self.model, self.optimizer, self.scheduler, self.train_data.state_dict(),
+            self.iteration, self.chunks, self.optimizer, self.scheduler, self.train_data.state_dict(),
             self.hf_config,
         )  # fmt: skip
         self.log_text(f"saved checkpoint at iteration {self.iteration} to {ck.save}")
@@ -384,9 +416,23 @@ class Trainer:
         )
 
     def layers_per_stage(self) -> str:
-        """megatron-core's split of the language layers over the pipeline stages, e.g. "1,3"."""
-        pp = self.cfg.parallel.pipeline_model_parallel_size
-        return ",".join(str(get_num_layers_to_build(self.mcfg.language, pp_rank=r)) for r in range(pp))
+        """megatron-core's split of the language layers over the pipeline stages, e.g. "1,3"; under the
+        interleaved pipeline also each stage's chunks by their global layers, e.g. "2,2 (chunks: 0-0,2-2 |
+        1-1,3-3)"."""
+        config, pp = self.mcfg.language, self.cfg.parallel.pipeline_model_parallel_size
+        vp = self.virtual_pipeline_size
+        if not vp:
+            return ",".join(str(get_num_layers_to_build(config, pp_rank=r)) for r in range(pp))
+        stages = []
+        for r in range(pp):
+            parts = []
+            for v in range(vp):
+                first = get_transformer_layer_offset(config, vp_stage=v, pp_rank=r)
+                parts.append((first, get_num_layers_to_build(config, vp_stage=v, pp_rank=r)))
+            stages.append(parts)
+        counts = ",".join(str(sum(n for _, n in parts)) for parts in stages)
+        chunks = " | ".join(",".join(f"{a}-{a + n - 1}" for a, n in parts) for parts in stages)
+        return f"{counts} (chunks: {chunks})"
 
 
 def shutdown() -> None:

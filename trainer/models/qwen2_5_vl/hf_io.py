@@ -104,19 +104,35 @@ def stage_rules(
 ) -> dict[str, Rule]:
     """megatron-core parameter name (relative to the stage's model) -> :class:`Rule`; ``layers`` (first
     global layer, count) of an uneven split, else the even one."""
-    first_stage, last_stage = pp_rank == 0, pp_rank == pp_size - 1
+    return part_rules(
+        arch,
+        first=pp_rank == 0,
+        last=pp_rank == pp_size - 1,
+        layers=layers or layers_of_stage(arch, pp_rank, pp_size),
+    )
+
+
+def model_rules(arch: Qwen25VLArch, model: torch.nn.Module) -> dict[str, Rule]:
+    """The rules of a built stage or model chunk (interleaved pipeline): its ends and layers as built."""
+    bare = _unwrapped(model)
+    return part_rules(arch, first=bare.pre_process, last=bare.post_process, layers=built_layers(model))
+
+
+def part_rules(arch: Qwen25VLArch, *, first: bool, last: bool, layers: tuple[int, int]) -> dict[str, Rule]:
+    """The rules of a consecutive part of the model: ``first`` (vision tower and embedding), the language
+    ``layers`` (first global layer, count), ``last`` (final norm and output layer)."""
     rules: dict[str, Rule] = {}
-    if first_stage:
+    if first:
         rules |= _vision_rules(arch)
         rules["language_model.embedding.word_embeddings.weight"] = Rule(
             "copy", ("model.embed_tokens.weight",), 0
         )
-    rules |= _decoder_rules(arch, *(layers or layers_of_stage(arch, pp_rank, pp_size)))
-    if last_stage:
+    rules |= _decoder_rules(arch, *layers)
+    if last:
         rules["language_model.decoder.final_layernorm.weight"] = Rule("copy", ("model.norm.weight",), None)
         if not arch.tie_word_embeddings:
             rules["language_model.output_layer.weight"] = Rule("copy", ("lm_head.weight",), 0)
-        elif not first_stage:  # tied, but on another stage than the embedding: a copy of it
+        elif not first:  # tied, but on another stage than the embedding: a copy of it
             rules["language_model.output_layer.weight"] = Rule("copy", ("model.embed_tokens.weight",), 0)
     return rules
 
@@ -250,11 +266,11 @@ def _unwrapped(model: torch.nn.Module) -> Any:
 
 @torch.no_grad()
 def init_stage_random(
-    model: torch.nn.Module, arch: Qwen25VLArch, *, seed: int, std: float, tp_rank: int, tp_size: int,
-    pp_rank: int, pp_size: int,
-) -> None:  # fmt: skip
-    """Random weights of a whole HF-layout model, of which this rank keeps its slices (layout-independent)."""
-    rules = stage_rules(arch, pp_rank, pp_size, built_layers(model))
+    model: torch.nn.Module, arch: Qwen25VLArch, *, seed: int, std: float, tp_rank: int, tp_size: int
+) -> None:
+    """Random weights of a whole HF-layout model, of which this rank's stage (or model chunk) keeps its
+    slices (layout-independent)."""
+    rules = model_rules(arch, model)
     params = {local_param_name(_strip_wrappers(n)): p for n, p in model.named_parameters()}
     shapes: dict[str, tuple[int, ...]] = {}
     for name, param in params.items():
@@ -343,14 +359,14 @@ def _strip_wrappers(name: str) -> str:
 
 @torch.no_grad()
 def load_stage_weights(
-    model: torch.nn.Module, model_dir: str | Path, arch: Qwen25VLArch, *, tp_rank: int, tp_size: int,
-    pp_rank: int, pp_size: int,
-) -> int:  # fmt: skip
-    """Copies this rank's slice of the HF weights into ``model`` (one stage); returns the tensors read.
+    model: torch.nn.Module, model_dir: str | Path, arch: Qwen25VLArch, *, tp_rank: int, tp_size: int
+) -> int:
+    """Copies this rank's slice of the HF weights into ``model`` (one stage, or one model chunk of the
+    interleaved pipeline); returns the tensors read.
 
     Every parameter must have a rule and the shapes must agree, else a ValueError names the tensor.
     """
-    rules = stage_rules(arch, pp_rank, pp_size, built_layers(model))
+    rules = model_rules(arch, model)
     params = {local_param_name(_strip_wrappers(n)): p for n, p in model.named_parameters()}
     unknown = sorted(set(params) - set(rules))
     if unknown:

@@ -19,7 +19,9 @@ from trainer.models.qwen2_5_vl.vision import VisionTower
 
 
 class Qwen25VLModel(MegatronModule):
-    """One pipeline stage. The first stage embeds text and images; the last computes the per-token loss."""
+    """One pipeline stage, or under the interleaved pipeline one model chunk (``vp_stage``) of a stage. The
+    first (chunk of the first) stage embeds text and images; the last (chunk of the last) computes the
+    per-token loss."""
 
     def __init__(
         self,
@@ -29,8 +31,10 @@ class Qwen25VLModel(MegatronModule):
         pre_process: bool,
         post_process: bool,
         use_te: bool = False,
+        vp_stage: int | None = None,
     ) -> None:
         super().__init__(configs.language)
+        self.vp_stage = vp_stage
         self.arch = arch
         self.model_type = ModelType.encoder_or_decoder
         self.share_embeddings_and_output_weights = arch.tie_word_embeddings  # read by finalize_model_grads
@@ -40,7 +44,7 @@ class Qwen25VLModel(MegatronModule):
         self.video_pad_id = arch.video_token_id
         self.vision = VisionTower(configs.vision, configs.projector, arch.vision) if pre_process else None
         block = build_block_spec(
-            get_num_layers_to_build(configs.language), use_te=use_te,
+            get_num_layers_to_build(configs.language, vp_stage=vp_stage), use_te=use_te,
             fp32_residual=configs.language.fp32_residual_connection,
         )  # fmt: skip
         self.language_model = GPTModel(
@@ -55,6 +59,7 @@ class Qwen25VLModel(MegatronModule):
             rotary_base=int(arch.rope_theta),
             # whole-sequence word embeddings: image features go in before embed() scatters for SP
             scatter_embedding_sequence_parallel=False,
+            vp_stage=vp_stage,
         )
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor]) -> None:
