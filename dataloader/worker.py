@@ -8,6 +8,7 @@ the cache's per-shard locks keep two workers from downloading the same shard.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -127,9 +128,13 @@ class Producer:
         self.readers = ReaderPool(spec.manifest, self.store, max_open=spec.shard_window + 1)
         # bins of micro-batches the prefetcher has looked at, so `produce` does not work them out again
         self._planned: dict[int, np.ndarray] = {}
-        self.prefetcher = Prefetcher(self, k_start, k_end, spec.prefetch_shards)
-        if spec.prefetch_shards:
-            self.prefetcher.start()
+        self.prefetcher: Prefetcher | LocalReadAhead
+        if spec.prefetch_shards and spec.storage.is_local:
+            self.prefetcher = LocalReadAhead(self, k_start, k_end, spec.prefetch_shards)
+        else:
+            self.prefetcher = Prefetcher(self, k_start, k_end, spec.prefetch_shards)
+            if spec.prefetch_shards:
+                self.prefetcher.start()
 
     def bins(self, k: int) -> np.ndarray:
         m = self.spec.plan.micro_batches_per_step
@@ -177,6 +182,48 @@ class Producer:
         self.readers.close()
 
 
+class LocalReadAhead:
+    """Local shards: the kernel reads the next `ahead` shards of the coming micro-batches into the page cache
+    (posix_fadvise WILLNEED, asynchronous), asked from the worker's own thread as it reaches each micro-batch.
+
+    No thread: checking and indexing a local shard is CPU work that a thread would only contend for the GIL
+    with (each of its many small system calls hands the GIL to the other thread and back), so it is done on
+    first use; the disk reads are what overlaps with decoding.
+    """
+
+    def __init__(self, producer: Producer, k_start: int, k_end: int | None, ahead: int) -> None:
+        self.producer, self.k_end, self.ahead = producer, k_end, ahead
+        self.k = k_start  # the next micro-batch to look at
+        self._recent: OrderedDict[int, None] = OrderedDict()
+        self._hinted: deque[int] = deque()  # the micro-batch that first needs each shard asked for
+
+    def advance(self, k: int) -> None:
+        """The consumer has reached micro-batch k: ask for shards until `ahead` are asked for past it."""
+        while self._hinted and self._hinted[0] < k:
+            self._hinted.popleft()
+        self.k = max(self.k, k)
+        limit = k + Prefetcher.MAX_LOOKAHEAD_MICRO_BATCHES
+        while (
+            len(self._hinted) < self.ahead and self.k < limit and (self.k_end is None or self.k < self.k_end)
+        ):
+            for s in self.producer.new_shards(self.k, self._recent):
+                self._read_ahead(self.producer.store.verified_path(self.producer.spec.manifest.shards[s]))
+                self._hinted.append(self.k)
+            self.k += 1
+
+    @staticmethod
+    def _read_ahead(path: str) -> None:
+        with contextlib.suppress(OSError):  # a hint; a missing shard is reported on use
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        pass
+
+
 _PREFETCHER_IDS = itertools.count()
 
 
@@ -202,12 +249,16 @@ class Prefetcher(threading.Thread):
         self.stop = threading.Event()
         self._changed = threading.Condition()  # position, running count or stop changed
         self._running = 0
+        # The position at which the waiting thread can go on (none waiting: never): `advance` wakes it only
+        # then, not at every micro-batch (each wake-up is a GIL hand-over with the worker's main thread).
+        self._wake_at: float = float("inf")
 
     def advance(self, k: int) -> None:
         """The consumer has reached micro-batch k."""
         with self._changed:
             self.position = k
-            self._changed.notify_all()
+            if k >= self._wake_at:
+                self._changed.notify_all()
 
     def close(self) -> None:
         self.stop.set()
@@ -227,7 +278,14 @@ class Prefetcher(threading.Thread):
                 if near and self._running < self.threads and len(fetched) < self.ahead:
                     self._running += 1
                     return True
+                # Wait for the position that lets this go on (a finished download wakes it too).
+                self._wake_at = k - self.MAX_LOOKAHEAD_MICRO_BATCHES + 1
+                if near and len(fetched) >= self.ahead:
+                    self._wake_at = fetched[0] + 1
+                elif near:  # only a download thread is missing
+                    self._wake_at = float("inf")
                 self._changed.wait(timeout=1.0)
+                self._wake_at = float("inf")
         return False
 
     def _fetch(self, s: int) -> None:
