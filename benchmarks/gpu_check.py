@@ -99,7 +99,7 @@ def equality_worker(dry_run: bool) -> None:
     trainer = Trainer(parse_args(flags + ([] if dry_run else ["--bf16"])))
     batches, _ = trainer.train_data.next_step()
     batch = batches[0]
-    mask_model = build_model(trainer.cfg, trainer.mcfg, trainer.arch, use_te=False)
+    (mask_model,) = build_model(trainer.cfg, trainer.mcfg, trainer.arch, use_te=False)  # one chunk (no VP)
     ref_loss, ref_grad = _loss_and_grads(trainer, mask_model, batch, use_thd=False)
     if trainer.use_te:
         other = "THD (Transformer Engine)"

@@ -199,7 +199,8 @@ class CheckpointWriter:
         loader_state: dict,
         model_config: dict,
     ) -> None:
-        """Collective. Returns once the shards are written (sync) or handed to the writer (async)."""
+        """Collective. ``model``: this stage's model, or the list of its chunks (interleaved pipeline).
+        Returns once the shards are written (sync) or handed to the writer (async)."""
         self.finalize(blocking=True)  # one checkpoint in flight at a time
         folder = iteration_dir(self.root, iteration)
         if dist.get_rank() == 0:
@@ -316,7 +317,8 @@ def load_checkpoint(
     load_optim: bool = True,
     finetune: bool = False,
 ) -> tuple[int, dict[str, Any] | None, str]:
-    """Restores the latest checkpoint under ``root`` into this run, at any TP x PP x DP.
+    """Restores the latest checkpoint under ``root`` into this run (``model``: one model or this stage's
+    chunks), at any TP x PP x DP, with or without the interleaved pipeline.
 
     Returns (iteration, loader state, message). ``finetune`` loads the weights only (iteration 0, fresh
     optimizer, scheduler and data stream); ``load_optim=False`` keeps a fresh optimizer. A folder without a
