@@ -30,6 +30,7 @@ class LoaderConfig:
     num_workers: int = 2
     prefetch_shards: int = 4
     prefetch_batches: int = 2
+    handover_batches: int = 4  # small micro-batches a worker sends per message (see pool.run_workers)
     shard_window: int = DEFAULT_SHARD_WINDOW
     num_epochs: int | None = None
     start_method: str | None = None
@@ -44,6 +45,8 @@ class LoaderConfig:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.num_workers < 0 or self.prefetch_shards < 0 or self.prefetch_batches < 1:
             raise ValueError("num_workers and prefetch_shards must be >= 0 and prefetch_batches >= 1")
+        if self.handover_batches < 1:
+            raise ValueError(f"handover_batches must be >= 1, got {self.handover_batches}")
         if self.num_epochs is not None and self.num_epochs < 1:
             raise ValueError(f"num_epochs must be >= 1 or None (endless), got {self.num_epochs}")
 
@@ -207,6 +210,7 @@ class PackedLoader:
                 k_end,
                 num_workers=self.config.num_workers,
                 prefetch_batches=self.config.prefetch_batches,
+                handover_batches=self.config.handover_batches,
                 start_method=self.config.start_method,
                 metrics=self._worker_metrics,
             )
@@ -237,6 +241,7 @@ def build_loader(
     shard_format: str | None = None,
     shard_window: int = DEFAULT_SHARD_WINDOW,
     prefetch_batches: int = 2,
+    handover_batches: int = 4,
     start_method: str | None = None,
     max_attempts: int = 6,
     download_concurrency: int = 4,
@@ -251,6 +256,8 @@ def build_loader(
     worker keeps in flight (remote datasets). `balance="compute"` lays out each global batch's bins over DP
     ranks and micro-batches so per-rank cost (`cost_model`, default `packing.cost.DEFAULT_COST_MODEL`) is even;
     the bins of each global batch stay the same, so resume (also with another DP size) stays exact.
+    `handover_batches`: up to this many small micro-batches travel from a worker in one message (fewer
+    wake-ups of the consumer); `prefetch_batches + handover_batches` bound how far each worker runs ahead.
     """
     manifest = load_manifest(
         path, storage_options=storage_options, shard_format=shard_format, max_attempts=max_attempts
@@ -262,6 +269,7 @@ def build_loader(
         num_workers=num_workers,
         prefetch_shards=prefetch_shards,
         prefetch_batches=prefetch_batches,
+        handover_batches=handover_batches,
         shard_window=shard_window,
         num_epochs=num_epochs,
         start_method=start_method,

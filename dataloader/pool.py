@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,24 +66,27 @@ def run_workers(
     prefetch_batches: int,
     start_method: str | None,
     metrics: dict[int, dict[str, int]],
+    handover_batches: int = 1,
 ) -> Batches:
     """Worker w makes micro-batches k_start + w, + num_workers, ...; they are taken here in order.
 
-    Each worker runs up to `prefetch_batches + 1` micro-batches ahead. Taking one is a small message whose
-    arrays are views of the worker's shared memory (no copy), done in the consumer's thread: a receiving
-    thread would add a GIL hand-off per batch for no gain.
+    Each worker runs up to `prefetch_batches + handover_batches` micro-batches ahead and sends small ones up
+    to `handover_batches` per message (see `worker_loop`). Taking one is a small message whose arrays are
+    views of the worker's shared memory (no copy), done in the consumer's thread: a receiving thread would
+    add a GIL hand-off per batch for no gain.
     """
     n = num_workers
     method = start_method or ("fork" if sys.platform == "linux" else "spawn")
     ctx: Any = mp.get_context(method)
     stop_ev = ctx.Event()
     pipes = [ctx.Pipe(duplex=False) for _ in range(n)]  # (receiving end, sending end)
-    ahead = [ctx.Semaphore(prefetch_batches + 1) for _ in range(n)]  # made ahead, plus the one being made
+    # made ahead, plus the ones being gathered into one message
+    ahead = [ctx.Semaphore(prefetch_batches + handover_batches) for _ in range(n)]
     flags = [new_slot_flags(ctx) for _ in range(n)]
     procs = [
         ctx.Process(
             target=worker_loop,
-            args=(spec, w, n, k_start, k_end, pipes[w][1], flags[w], ahead[w], stop_ev),
+            args=(spec, w, n, k_start, k_end, pipes[w][1], flags[w], ahead[w], stop_ev, handover_batches),
             daemon=True,
             name=f"mmpack-loader-{w}",
         )
@@ -94,13 +98,16 @@ def run_workers(
         send_end.close()  # the workers hold theirs: a worker that dies shows as end of file
     conns = [recv_end for recv_end, _ in pipes]
     readers = [SlotReader(flags[w], ahead[w]) for w in range(n)]
+    received: list[deque[Any]] = [deque() for _ in range(n)]  # per worker: batches not yet taken
     k = k_start
     try:
         while k_end is None or k < k_end:
             w = (k - k_start) % n
             t0 = time.perf_counter()
             try:
-                kind, got_k, payload, worker_metrics = _get(conns[w], procs[w])
+                if not received[w]:
+                    received[w].extend(_get(conns[w], procs[w]))
+                kind, got_k, payload, worker_metrics = received[w].popleft()
                 if kind == "ok":
                     payload = readers[w].take(payload)
             except Exception as e:  # a dead worker, or a batch that cannot be received: report, never hang
@@ -135,8 +142,8 @@ def _why_not_received(proc: Any, error: BaseException) -> str:
     return f"cannot receive a batch from loader worker {proc.name}: {type(error).__name__}: {error}"
 
 
-def _get(conn: Any, proc: Any) -> tuple[str, int, Any, dict[str, int]]:
-    """The next message from one worker; an error, never a hang, once the worker is gone."""
+def _get(conn: Any, proc: Any) -> list[tuple[str, int, Any, dict[str, int]]]:
+    """The next message (one or more batches) from one worker; an error, never a hang, once it is gone."""
     while not conn.poll(0.1):
         if not proc.is_alive():
             raise RuntimeError("no message")

@@ -24,6 +24,7 @@ import torch
 
 ALIGN = 64  # array offsets inside a slot, so any dtype view is aligned
 MAX_SLOTS = 1024  # per worker; beyond that (a consumer holding that many batches) batches travel by value
+HANDOVER_MAX_BYTES = 4 << 20  # a message carries several batches only while they are this small together
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class SlotWriter:
             if self.stop.is_set():
                 return False
         return True
+
+    def try_room(self) -> bool:
+        """Takes room for one more batch if there is some now (never blocks)."""
+        return bool(self.ahead.acquire(False))
 
     def put(self, batch: dict[str, Any]) -> SlotMessage:
         """Copies `batch` into a free slot (a new one if none fits) and returns the message announcing it."""

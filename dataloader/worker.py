@@ -34,7 +34,7 @@ from dataloader.readers import (
 )
 from dataloader.storage import ShardError, ShardStore, StorageConfig
 from dataloader.topology import Topology
-from dataloader.transport import SlotWriter
+from dataloader.transport import HANDOVER_MAX_BYTES, SlotWriter
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -338,6 +338,7 @@ def worker_loop(
     slot_flags: Any,
     ahead: Any,
     stop_ev: Any,
+    handover: int = 1,
 ) -> None:
     """Entry point of a worker process: produce micro-batches k_start+worker_id, +num_workers, ... in order.
 
@@ -345,27 +346,45 @@ def worker_loop(
     batches it may still make before the consumer takes one. Messages go straight down the pipe `conn` from
     this thread (no feeder thread waiting for the GIL): each is small and few are ever unread, so sending
     does not block.
+
+    A message is a list of up to `handover` batches (together at most `HANDOVER_MAX_BYTES`): each message
+    wakes the consumer, which then takes the CPU from a worker, so small batches go several at a time.
+    The worker sends what it holds before it waits for room, so the consumer never waits for a batch that
+    is already made while the worker is blocked; the first batch goes alone (time to first batch).
     """
     # one intra-op thread: workers are the parallelism (video frames are resized with torch here)
     torch.set_num_threads(1)
     producer = Producer(spec, k_start, k_end)
     writer = SlotWriter(slot_flags, ahead, stop_ev)
     k = k_start + worker_id
+    pending: list[tuple[str, int, Any, dict[str, int]]] = []
+    pending_bytes = 0
+    first = True
     try:
         while not stop_ev.is_set() and (k_end is None or k < k_end):
-            if not writer.wait_for_room():
-                break
+            if not writer.try_room():
+                if pending:  # the consumer gets what is made before this worker waits
+                    conn.send(pending)
+                    pending, pending_bytes = [], 0
+                if not writer.wait_for_room():
+                    break
             item: tuple[str, int, Any, dict[str, int]]
             try:
-                item = ("ok", k, writer.put(producer.produce(k)), producer.store.metrics.as_dict())
+                msg = writer.put(producer.produce(k))
+                item = ("ok", k, msg, producer.store.metrics.as_dict())
+                pending_bytes += msg.nbytes
             except Exception as e:
                 kind = "shard_error" if isinstance(e, ShardError) else "error"
                 detail = str(e) if kind == "shard_error" else traceback.format_exc()
                 item = (kind, k, detail, producer.store.metrics.as_dict())
-            conn.send(item)
+            pending.append(item)
+            k += num_workers
+            last = item[0] != "ok" or (k_end is not None and k >= k_end)
+            if first or last or len(pending) >= handover or pending_bytes >= HANDOVER_MAX_BYTES:
+                conn.send(pending)
+                pending, pending_bytes, first = [], 0, False
             if item[0] != "ok":
                 break
-            k += num_workers
         # A new slot travels as a shared-memory handle served by this process: stay until the consumer is done.
         stop_ev.wait()
     except (BrokenPipeError, ConnectionResetError):  # the consumer is gone

@@ -9,8 +9,10 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def _flock(path: str, *, blocking: bool = True) -> Iterator[bool]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+def _flock(path: str, *, blocking: bool = True, create: bool = True) -> Iterator[bool]:
+    """Holds an exclusive flock on `path` (created unless `create=False`: an existing file, opened read-only,
+    such as the data file itself, which spares creating a lock file)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644) if create else os.open(path, os.O_RDONLY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))

@@ -14,7 +14,7 @@ process on the machine, so each is worked out once rather than once per loader w
 index of a WebDataset shard (`<sha256>.tar-index.json`, valid for any file with that content), and for local
 shards a record that the file at a path, with its size, mtime and inode, was checked against its sha256
 (`<sha256>.verified.json`; a file rewritten in place with all three unchanged would not be checked again;
-`<sha256>.lock` makes one process check it while the others wait for the record). They are a few KB each
+an flock on the shard file makes one process check it while the others wait for the record). They are a few KB each
 and not counted in `cache_limit_bytes`.
 
 A `ShardStore` may be used by several threads at once (the loader's prefetcher runs
@@ -146,9 +146,11 @@ class ShardStore:
         stamp |= {"inode": st.st_ino, "device": st.st_dev, "sha256": shard.sha256}
         marker = os.path.join(self.meta_dir, f"{shard.sha256}.verified.json") if self.meta_dir else ""
         if not (marker and read_json(marker) == stamp):
-            # One checker per shard at a time; the others wait for its record instead of hashing too.
-            lock = os.path.join(self.meta_dir, f"{shard.sha256}.lock") if marker else ""
-            with _flock(lock, blocking=wait) if lock else contextlib.nullcontext(True) as got:
+            # One checker per shard at a time; the others wait for its record instead of hashing too. The
+            # lock is held on the shard file itself: creating a lock file per shard costs more than the check
+            # of a small shard on some disks.
+            locked = _flock(path, blocking=wait, create=False) if marker else contextlib.nullcontext(True)
+            with locked as got:
                 if not got:
                     return None
                 if not (marker and read_json(marker) == stamp):
