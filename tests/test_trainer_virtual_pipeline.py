@@ -59,6 +59,16 @@ def test_bad_flags_are_refused(flags: list[str], message: str) -> None:
         _parallel(*flags)
 
 
+def test_micro_batches_per_step_must_fill_groups_of_pp() -> None:
+    from trainer.training import microbatches_per_step
+
+    assert microbatches_per_step(parse_args(["--mock-data", *VP2, "--global-batch-size", "4"]), 1, 2) == 4
+    odd = parse_args(["--mock-data", *VP2, "--global-batch-size", "6"])
+    assert microbatches_per_step(odd, 2, None) == 3  # the plain pipeline takes any number
+    with pytest.raises(ValueError, match="= 3 micro-batches per step is not a multiple of 2"):
+        microbatches_per_step(odd, 2, 2)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("vpp")

@@ -77,6 +77,20 @@ def resolve_train_config(cfg: RunConfig, info: DataInfo, dp_size: int) -> RunCon
     return dataclasses.replace(cfg, train=train)
 
 
+def microbatches_per_step(cfg: RunConfig, dp_size: int, virtual_pipeline_size: int | None) -> int:
+    """Micro-batches per step and DP rank; the interleaved schedule runs them in groups of PP, so there it
+    must be a multiple of PP (megatron-core otherwise stops mid-schedule)."""
+    num_micro = cfg.train.num_microbatches(dp_size)
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if virtual_pipeline_size and num_micro % pp:
+        raise ValueError(
+            f"the interleaved pipeline runs micro-batches in groups of PP = {pp}: --global-batch-size "
+            f"{cfg.train.global_batch_size} / (--micro-batch-size {cfg.train.micro_batch_size} x DP "
+            f"{dp_size}) = {num_micro} micro-batches per step is not a multiple of {pp}"
+        )
+    return num_micro
+
+
 def build_scheduler(cfg: RunConfig, optimizer: Any) -> OptimizerParamScheduler:
     """Linear warmup from 0 to --lr, then decay to --min-lr, counted in iterations."""
     o = cfg.optim
@@ -132,14 +146,7 @@ class Trainer:
         self.pad_id = info.pad_id
         self.thd_multiple = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
         self.mcfg = build_megatron_configs(cfg, self.arch)
-        self.num_micro = cfg.train.num_microbatches(self.dp_size)
-        pp = cfg.parallel.pipeline_model_parallel_size
-        if self.virtual_pipeline_size and self.num_micro % pp:
-            raise ValueError(
-                f"the interleaved pipeline runs micro-batches in groups of PP = {pp}: --global-batch-size "
-                f"{cfg.train.global_batch_size} / (--micro-batch-size {cfg.train.micro_batch_size} x DP "
-                f"{self.dp_size}) = {self.num_micro} micro-batches per step is not a multiple of {pp}"
-            )
+        self.num_micro = microbatches_per_step(cfg, self.dp_size, self.virtual_pipeline_size)
         self.chunks = build_model(cfg, self.mcfg, self.arch, use_te=self.use_te)
         self.trainable_message = self._count_trainable()
         self.optimizer = get_megatron_optimizer(self.mcfg.optimizer, self.chunks)
