@@ -128,3 +128,28 @@ def test_thd_inputs_flatten_the_micro_batch() -> None:
     dense = model_inputs(batch, use_thd=False, image_pad_id=-1, merge_size=2)
     assert dense["attention_mask"].shape == (2, 1, 6, 6) and "packed_seq_params" not in dense
     assert (dense["labels"] >= 0).all()  # ignored positions are masked by loss_mask, not by -100
+
+
+def test_fusions_only_with_transformer_engine() -> None:
+    """Fused kernels are switched on for a Transformer Engine (CUDA) model, each can be turned off, and a CPU
+    model never gets them; the vision tower takes the same settings as the language model."""
+    cfg = parse_args(BASE)
+    fused = (
+        "bias_activation_fusion",
+        "bias_dropout_fusion",
+        "masked_softmax_fusion",
+        "gradient_accumulation_fusion",
+    )
+    for part in (
+        build_megatron_configs(cfg, _arch(cfg)).model.language,
+        build_megatron_configs(cfg, _arch(cfg)).model.vision,
+    ):
+        assert not any(getattr(part, f) for f in fused)
+    on_gpu = build_megatron_configs(cfg, _arch(cfg), use_te=True).model
+    for part in (on_gpu.language, on_gpu.vision):
+        assert all(getattr(part, f) for f in fused), part
+        assert not part.apply_rope_fusion  # THD rotary fusion would restart the M-RoPE positions per sample
+    off = parse_args([*BASE, "--no-bias-swiglu-fusion", "--no-gradient-accumulation-fusion"])
+    lang = build_megatron_configs(off, _arch(off), use_te=True).language
+    assert not lang.bias_activation_fusion and not lang.gradient_accumulation_fusion
+    assert lang.bias_dropout_fusion and lang.masked_softmax_fusion

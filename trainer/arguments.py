@@ -153,6 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-loss-scale", type=float, default=1.0, help="dynamic scale floor")
     g.add_argument("--loss-scale-window", type=int, default=1000, help="steps without overflow to grow")
     g.add_argument("--hysteresis", type=int, default=2, help="overflows tolerated before lowering scale")
+    fusions = {
+        "bias_swiglu_fusion": "fused bias + SwiGLU",
+        "bias_dropout_fusion": "fused bias + dropout + residual add",
+        "masked_softmax_fusion": "fused scale + mask + softmax (non-TE attention)",
+        "gradient_accumulation_fusion": "weight gradients accumulated into the fp32 main grads in the GEMM",
+    }
+    for name, what in fusions.items():
+        g.add_argument(
+            f"--no-{name.replace('_', '-')}",
+            dest=name,
+            action="store_false",
+            help=f"turn off {what} (on by default on CUDA with Transformer Engine; never used on CPU)",
+        )
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")

@@ -194,6 +194,13 @@ class PrecisionConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    # Fused kernels (Megatron-LM's defaults, on): used where they run, i.e. on CUDA with Transformer Engine;
+    # on CPU the plain ops run (see `build_megatron_configs`). Rotary fusion stays off: fused THD rotary
+    # restarts positions in every packed sample, which multimodal RoPE positions must not.
+    bias_swiglu_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    masked_softmax_fusion: bool = True
+    gradient_accumulation_fusion: bool = True
 
     def __post_init__(self) -> None:
         if self.bf16 and self.fp16:
@@ -322,8 +329,12 @@ class MegatronConfigs:
     optimizer: OptimizerConfig
 
 
-def build_megatron_configs(cfg: RunConfig, arch: Any) -> MegatronConfigs:
-    """Translate our configs (and the model family's architecture) into megatron-core's."""
+def build_megatron_configs(cfg: RunConfig, arch: Any, *, use_te: bool = False) -> MegatronConfigs:
+    """Translate our configs (and the model family's architecture) into megatron-core's.
+
+    `use_te`: the model is built with Transformer Engine on CUDA; only then are the fusion flags switched on
+    (on CPU megatron-core would compile its fused ops with torch.compile, for no gain).
+    """
     from trainer.models import family
 
     m, par, prec, tr = cfg.model, cfg.parallel, cfg.precision, cfg.train
@@ -342,11 +353,12 @@ def build_megatron_configs(cfg: RunConfig, arch: Any) -> MegatronConfigs:
         fp32_residual_connection=prec.fp32_residual_connection,
         attention_softmax_in_fp32=prec.attention_softmax_in_fp32,
         apply_query_key_layer_scaling=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
+        bias_activation_fusion=use_te and prec.bias_swiglu_fusion,
+        masked_softmax_fusion=use_te and prec.masked_softmax_fusion,
+        persist_layer_norm=False,  # Apex only
+        # TE accumulates weight gradients straight into DDP's fp32 main_grad buffers
+        gradient_accumulation_fusion=use_te and prec.gradient_accumulation_fusion,
+        bias_dropout_fusion=use_te and prec.bias_dropout_fusion,
         apply_rope_fusion=False,
         deallocate_pipeline_outputs=False,
         calculate_per_token_loss=True,  # the loss function returns (sum, tokens); see training._loss_func

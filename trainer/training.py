@@ -145,7 +145,7 @@ class Trainer:
         self.use_te = te_available()
         self.pad_id = info.pad_id
         self.thd_multiple = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
-        self.mcfg = build_megatron_configs(cfg, self.arch)
+        self.mcfg = build_megatron_configs(cfg, self.arch, use_te=self.use_te)
         self.num_micro = microbatches_per_step(cfg, self.dp_size, self.virtual_pipeline_size)
         self.chunks = build_model(cfg, self.mcfg, self.arch, use_te=self.use_te)
         self.trainable_message = self._count_trainable()
