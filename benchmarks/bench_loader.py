@@ -3,7 +3,11 @@
 Contenders (same decoding and batching: npy/json members, Pillow decode + patchify, packing.layout collation):
   raw        sequential read of every shard's bytes (the storage's read bandwidth; no decoding)
   webdataset plain `webdataset` pipeline + WebLoader (shards in order, split by worker)
-  mmpack     `dataloader.build_loader` (global shuffled order, sha256 checks, cache, read-ahead)
+  energon    Megatron-Energon (`get_train_dataset` + `get_loader` over the dataset's `.nv-meta`, local disk
+             only; its own tar reading and array decoding, the same image decoding and collation)
+  mmpack     `dataloader.build_loader` (global shuffled order, sha256 checks, cache, read-ahead), first use on
+             the machine: every shard checked against its sha256 and its tar index worked out
+  mmpack, checked before  the same with the per-machine facts of the first run in place (a restarted job)
   mmpack storage  the loader's storage path alone: `ShardStore` fetching (local: checking) every shard into an
              empty cache with the prefetcher's number of threads, nothing decoded
   decode     the CPU ceiling: `--workers` processes decode and collate every bin (micro-batches dealt out in
@@ -17,7 +21,9 @@ decoding, so that the storage and not the CPU is the bottleneck.
 Local files are evicted from the page cache (posix_fadvise DONTNEED) before each contender, so "local" means
 the disk, not memory; the warm (page cache) raw read is reported beside it. Reported per contender and
 storage: bins/s and MB/s of shard bytes end to end and in steady state (after the first batch), time to first
-batch, and the data-wait fraction when a consumer takes a fixed time per micro-batch. Usage:
+batch, the data-wait fraction when a consumer takes a fixed time per micro-batch, and the peak memory of the
+loader (PSS summed over the consumer's process and the loader's worker processes, sampled from
+/proc/<pid>/smaps_rollup every 50 ms during the full pass). Usage:
 
     python benchmarks/bench_loader.py [--samples 2000] [--workers 2] [--step-ms 400] [--out benchmarks/results]
 """
@@ -25,18 +31,22 @@ batch, and the data-wait fraction when a consumer takes a fixed time per micro-b
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import json
 import multiprocessing as mp
 import os
 import platform
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,11 +101,155 @@ def webdataset_loader(
     return wds.WebLoader(pipe, batch_size=None, num_workers=workers, persistent_workers=False)
 
 
+# -- Megatron-Energon ----------------------------------------------------------------------------------------
+def energon_loader(root: str, cfg: CollateConfig, micro: int, workers: int) -> Iterable[Any]:
+    """Energon's loader over the dataset's `.nv-meta` (PackedBinSample), batching with `collate_bins`.
+
+    Its decoder reads the json member and the arrays (with mmpack's `.npy` decoding, as the other contenders)
+    and leaves images as bytes, which the collation decodes, as for the other contenders.
+    """
+    from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_train_dataset
+
+    from dataloader.readers.npy import decode_npy
+    from dataloader.readers.record import no_videos
+    from packing.format import ARRAY_FIELDS
+
+    class JsonOnlyDecoder:
+        def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+            return {
+                k: json.loads(v) if k == "json" else decode_npy(v) if k.endswith(".npy") else v
+                for k, v in sample.items()
+            }
+
+        def config(self) -> dict[str, Any]:
+            return {"decoder": "json only"}
+
+    class CollateEncoder(DefaultTaskEncoder):  # type: ignore[misc]
+        decoder = JsonOnlyDecoder()
+
+        def encode_sample(self, sample: Any) -> dict[str, Any]:
+            rec: dict[str, Any] = {"key": sample.__key__, "sample_ids": list(sample.sample_ids)}
+            for name, dtype in ARRAY_FIELDS.items():
+                rec[name] = np.asarray(getattr(sample, name), dtype=dtype)
+            rec["image_grid_thw"] = rec["image_grid_thw"].reshape(-1, 3)
+            rec["images"] = [bytes(b) for b in sample.images]
+            rec["image_formats"] = list(sample.image_formats)
+            return rec | no_videos()
+
+        def batch(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+            return collate_bins(samples, cfg)
+
+        def encode_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+            return batch
+
+    ds = get_train_dataset(
+        root,
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=workers),
+        batch_size=micro,
+        batch_drop_last=True,
+        shuffle_buffer_size=None,
+        max_samples_per_sequence=None,
+        repeat=False,
+        task_encoder=CollateEncoder(),
+    )
+    return get_loader(ds)  # type: ignore[no-any-return]
+
+
+def has_energon(root: str) -> bool:
+    """Whether Megatron-Energon is installed and the dataset has its `.nv-meta` folder."""
+    return importlib.util.find_spec("megatron.energon") is not None and os.path.isdir(
+        os.path.join(root, ".nv-meta")
+    )
+
+
+def add_energon_metadata(dataset: Path) -> None:
+    """Writes `.nv-meta` for the dataset's WebDataset shards, as `mmpack pack --energon` does."""
+    from offline_packing.outputs.energon_meta import write_energon_metadata
+
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    write_energon_metadata(dataset, [e for e in manifest["shards"] if e["format"] == "wds"])
+
+
+# -- memory --------------------------------------------------------------------------------------------------
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    todo, seen = _children(pid), []
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        todo += _children(p)
+    return seen
+
+
+def _pss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class PeakPss:
+    """Peak of the PSS summed over this process and the processes it starts while the block runs (servers
+    started before, such as the S3 server, are left out), sampled every `interval_s` by a thread."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s, self.peak_kb = interval_s, 0
+        self._stop = threading.Event()
+        self._before: set[int] = set()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="pss-sampler")
+
+    def sample(self) -> int:
+        me = os.getpid()
+        pids = [me] + [p for p in _descendants(me) if p not in self._before]
+        total = sum(_pss_kb(p) for p in pids)
+        self.peak_kb = max(self.peak_kb, total)
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> PeakPss:
+        self._before = set(_descendants(os.getpid()))
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 # -- measurement ---------------------------------------------------------------------------------------------
 def measure(
     make: Callable[[], Iterable[Any]], total_bytes: int, step_s: float, max_batches: int | None
 ) -> dict:
-    """One pass over `make()`: time to first batch, bins/s, MB/s; with step_s > 0, the data-wait fraction."""
+    """One pass over `make()`: time to first batch, bins/s, MB/s; with step_s > 0, the data-wait fraction;
+    without, also the peak PSS of this process and the ones the loader starts."""
+    if not step_s:
+        with PeakPss() as pss:
+            out = _measure(make, total_bytes, step_s, max_batches)
+        return out | {"peak_pss_MB": pss.peak_kb / 1024}
+    return _measure(make, total_bytes, step_s, max_batches)
+
+
+def _measure(
+    make: Callable[[], Iterable[Any]], total_bytes: int, step_s: float, max_batches: int | None
+) -> dict:
     t0 = time.perf_counter()
     it = iter(make())
     first = None
@@ -125,6 +279,8 @@ def measure(
     close = getattr(it, "close", None)
     if close is not None:
         close()
+    del it
+    gc.collect()  # the loader's workers end here, not during the next contender
     out = {"batches": batches, "bins": bins, "seconds": elapsed, "time_to_first_batch_s": first}
     if step_s:
         out["data_wait_fraction"] = wait / max(time.perf_counter() - t_first, 1e-9) if batches > 1 else 0.0
@@ -266,8 +422,9 @@ def run_storage(
     cfg = CollateConfig.from_manifest(m)
     micro = args.micro_batch
     counter = iter(range(10**6))
+    mmpack_caches: list[str] = []
 
-    def mmpack() -> Iterable[Any]:
+    def mmpack_with(cache_dir: str) -> Iterable[Any]:
         return build_loader(
             root,
             topology=Topology(dp_rank=0, dp_size=1),
@@ -277,11 +434,21 @@ def run_storage(
             shard_format="wds",
             num_epochs=1,
             storage_options=storage_options,
-            cache_dir=str(tmp / f"cache-{name}-{next(counter)}"),
+            cache_dir=cache_dir,
         )
+
+    def mmpack() -> Iterable[Any]:  # an empty cache folder: first use of the dataset on this machine
+        mmpack_caches.append(str(tmp / f"cache-{name}-{next(counter)}"))
+        return mmpack_with(mmpack_caches[-1])
+
+    def checked_before() -> Iterable[Any]:  # the cache folder of mmpack's first pass, facts in place
+        return mmpack_with(mmpack_caches[0])
 
     def plain() -> Iterable[Any]:
         return webdataset_loader(urls, cfg, micro, args.workers, storage_options)
+
+    def energon() -> Iterable[Any]:
+        return energon_loader(root, cfg, micro, args.workers)
 
     local_files = urls if storage_options is None else []
 
@@ -297,7 +464,11 @@ def run_storage(
     results["mmpack storage"] = storage_path(
         root, storage_options, str(tmp / f"cache-{name}-{next(counter)}")
     )
-    for label, make in (("webdataset", plain), ("mmpack", mmpack)):
+    contenders: list[tuple[str, Callable[[], Iterable[Any]]]] = [("webdataset", plain)]
+    if storage_options is None and has_energon(root):
+        contenders.append(("energon", energon))
+    contenders += [("mmpack", mmpack), ("mmpack, checked before", checked_before)]
+    for label, make in contenders:
         cold()
         full = measure(make, total, 0.0, None)
         cold()
@@ -313,8 +484,8 @@ def _fmt(value: float | None, width: int, digits: int = 1) -> str:
 
 def print_table(all_results: dict[str, dict[str, dict]]) -> None:
     head = (
-        f"{'data/storage':13} {'reader':17} {'bins/s':>9} {'MB/s':>8} {'steady bins/s':>13} {'steady MB/s':>11} "
-        f"{'1st batch s':>11} {'data wait':>10}"
+        f"{'data/storage':13} {'reader':22} {'bins/s':>9} {'MB/s':>8} {'steady bins/s':>13} {'steady MB/s':>11} "
+        f"{'1st batch s':>11} {'data wait':>10} {'peak PSS MB':>11}"
     )
     print(head)
     print("-" * len(head))
@@ -324,10 +495,11 @@ def print_table(all_results: dict[str, dict[str, dict]]) -> None:
                 continue
             wait = r.get("data_wait_fraction")
             print(
-                f"{storage:13} {label:17} {_fmt(r.get('bins_per_s'), 9)} {_fmt(r['MB_per_s'], 8)} "
+                f"{storage:13} {label:22} {_fmt(r.get('bins_per_s'), 9)} {_fmt(r['MB_per_s'], 8)} "
                 f"{_fmt(r.get('steady_bins_per_s'), 13)} {_fmt(r.get('steady_MB_per_s'), 11)} "
                 f"{_fmt(r.get('time_to_first_batch_s'), 11, 3)} "
-                f"{_fmt(None if wait is None else 100 * wait, 9, 2)}{'%' if wait is not None else ' '}"
+                f"{_fmt(None if wait is None else 100 * wait, 9, 2)}{'%' if wait is not None else ' '} "
+                f"{_fmt(r.get('peak_pss_MB'), 11, 0)}"
             )
     print()
     print("ratios (steady state; raw = the storage's sequential read, decode = the CPU ceiling):")
@@ -342,7 +514,17 @@ def print_table(all_results: dict[str, dict[str, dict]]) -> None:
         ]
         if ceiling is not None:
             parts.append(f"mmpack/decode {mm['steady_MB_per_s'] / ceiling:.2f}")
+            checked = results.get("mmpack, checked before")
+            if checked is not None:
+                parts.append(f"mmpack checked before/decode {checked['steady_MB_per_s'] / ceiling:.2f}")
             parts.append(f"mmpack/min(raw, decode) {mm['steady_MB_per_s'] / bound:.2f}")
+        if "energon" in results:
+            parts.append(
+                f"mmpack/energon {mm['steady_MB_per_s'] / results['energon']['steady_MB_per_s']:.2f}"
+            )
+        for peer in ("webdataset", "energon"):
+            if peer in results and results[peer].get("peak_pss_MB") and mm.get("peak_pss_MB"):
+                parts.append(f"peak PSS mmpack/{peer} {mm['peak_pss_MB'] / results[peer]['peak_pss_MB']:.2f}")
         print(f"  {storage:13} " + ", ".join(parts))
 
 
@@ -363,9 +545,17 @@ def main(argv: list[str] | None = None) -> int:
         "--link-mb-s", type=float, default=5.0, help="bandwidth of the s3-link storage's link (MB/s, shared)"
     )
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument(
+        "--tmp-dir",
+        default=None,
+        help="where the datasets and cache folders go (default: the system's temporary folder)",
+    )
+    p.add_argument(
+        "--no-energon", action="store_true", help="leave Megatron-Energon out even when it is installed"
+    )
     args = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    with tempfile.TemporaryDirectory(prefix="mmpack-bench-loader-") as tmp_name:
+    with tempfile.TemporaryDirectory(prefix="mmpack-bench-loader-", dir=args.tmp_dir) as tmp_name:
         tmp = Path(tmp_name)
         datasets = {
             # image-text bins: decoding and patchifying images dominates
@@ -391,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         all_results: dict[str, dict[str, dict]] = {}
         storages = args.storages.split(",")
+        if not args.no_energon and importlib.util.find_spec("megatron.energon") is not None:
+            for dataset in datasets.values():
+                add_energon_metadata(dataset)
         for data_name, dataset in datasets.items():
             m = load_manifest(str(dataset), shard_format="wds")
             cfg = CollateConfig.from_manifest(m)

@@ -257,7 +257,9 @@ def build_loader(
     ranks and micro-batches so per-rank cost (`cost_model`, default `packing.cost.DEFAULT_COST_MODEL`) is even;
     the bins of each global batch stay the same, so resume (also with another DP size) stays exact.
     `handover_batches`: up to this many small micro-batches travel from a worker in one message (fewer
-    wake-ups of the consumer); `prefetch_batches + handover_batches` bound how far each worker runs ahead.
+    wake-ups of the consumer); each worker runs up to `prefetch_batches + handover_batches` small
+    micro-batches ahead, or `prefetch_batches` large ones (together over 4 MiB per message), the one being
+    made included.
     """
     manifest = load_manifest(
         path, storage_options=storage_options, shard_format=shard_format, max_attempts=max_attempts

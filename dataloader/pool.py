@@ -70,8 +70,8 @@ def run_workers(
 ) -> Batches:
     """Worker w makes micro-batches k_start + w, + num_workers, ...; they are taken here in order.
 
-    Each worker runs up to `prefetch_batches + handover_batches` micro-batches ahead and sends small ones up
-    to `handover_batches` per message (see `worker_loop`). Taking one is a small message whose arrays are
+    Each worker runs up to `prefetch_batches + handover_batches` small micro-batches ahead, sent up to
+    `handover_batches` per message, or `prefetch_batches` large ones (see `worker_loop`). Taking one is a small message whose arrays are
     views of the worker's shared memory (no copy), done in the consumer's thread: a receiving thread would
     add a GIL hand-off per batch for no gain.
     """

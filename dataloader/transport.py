@@ -10,11 +10,17 @@ batch's arrays all hang off one per-batch array whose finalizer clears the slot'
 array. A consumer that keeps batches simply keeps their slots; the worker allocates new ones (and past
 `MAX_SLOTS` sends batches by value), so holding batches never stalls the workers. How far a worker runs
 ahead is bounded separately, by a semaphore the consumer releases as it takes each batch.
+
+Slots hold in memory what their batch needs, not the largest batch seen: a slot's buffer may be larger (room
+to grow), but the pages past the current batch are given back (madvise MADV_REMOVE on the shared mapping), and
+a free slot too small for a batch is replaced by a larger buffer under the same id rather than kept beside it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +31,30 @@ import torch
 ALIGN = 64  # array offsets inside a slot, so any dtype view is aligned
 MAX_SLOTS = 1024  # per worker; beyond that (a consumer holding that many batches) batches travel by value
 HANDOVER_MAX_BYTES = 4 << 20  # a message carries several batches only while they are this small together
+TRIM_MIN_BYTES = 1 << 20  # pages past a slot's batch are given back once they are at least this many
+_MADV_REMOVE = 9  # linux: free the shared memory behind a range of a shared mapping
+_LIBC: Any = None
+
+
+def _give_back_pages(buffer: torch.Tensor, start: int, end: int) -> bool:
+    """Frees the shared pages of bytes [start, end) of `buffer` (rounded inwards to pages); False if the
+    system refused (the pages then stay, which costs memory, not correctness)."""
+    global _LIBC
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, end // page * page
+    if hi <= lo:
+        return True
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+        except OSError:
+            _LIBC = False
+    if not _LIBC:
+        return False
+    addr = buffer.data_ptr()
+    if addr % page:
+        return False
+    return bool(_LIBC.madvise(ctypes.c_void_p(addr + lo), ctypes.c_size_t(hi - lo), _MADV_REMOVE) == 0)
 
 
 @dataclass(frozen=True)
@@ -32,7 +62,7 @@ class SlotMessage:
     """What travels through the pipe for one batch."""
 
     slot: int  # -1: no slot, the arrays are in `values`
-    buffer: torch.Tensor | None  # the slot's shared buffer, the first time the slot is used
+    buffer: torch.Tensor | None  # the slot's shared buffer, when the slot is new or has a new buffer
     arrays: tuple[tuple[str, str, tuple[int, ...], int], ...]  # (key, dtype str, shape, byte offset)
     nbytes: int  # bytes of the slot the arrays span
     values: dict[str, Any]  # everything not in the slot, sent by value
@@ -62,6 +92,9 @@ class SlotWriter:
     def __init__(self, flags: Any, ahead: Any, stop: Any) -> None:
         self.flags, self.ahead, self.stop = flags, ahead, stop
         self._buffers: list[torch.Tensor] = []  # slot id -> its shared buffer
+        self._resident: list[
+            int
+        ] = []  # slot id -> bytes of it that may be in memory (written, not given back)
 
     def wait_for_room(self) -> bool:
         """Blocks until the consumer has taken enough batches; False if stopped meanwhile."""
@@ -74,6 +107,15 @@ class SlotWriter:
         """Takes room for one more batch if there is some now (never blocks)."""
         return bool(self.ahead.acquire(False))
 
+    def give_room(self, n: int) -> None:
+        """Gives back room for `n` batches taken with `try_room` and not used."""
+        for _ in range(n):
+            self.ahead.release()
+
+    def resident_bytes(self) -> int:
+        """Bytes of this worker's slots that may be in memory."""
+        return sum(self._resident)
+
     def put(self, batch: dict[str, Any]) -> SlotMessage:
         """Copies `batch` into a free slot (a new one if none fits) and returns the message announcing it."""
         placed, need = _layout(batch)
@@ -83,14 +125,24 @@ class SlotWriter:
             return SlotMessage(
                 slot=-1, buffer=None, arrays=(), nbytes=0, values=dict(batch), order=tuple(batch)
             )
-        fresh = slot == len(self._buffers)
+        fresh = slot == len(self._buffers) or self._buffers[slot].numel() < need
         if fresh:
-            # Headroom (batches vary with the images they hold) so later batches fit the slot too.
+            # Room to grow (batches vary with the images they hold), given back until a batch uses it.
             size = max(ALIGN, 1 << math.ceil(math.log2(max(need, 1) * 5 // 4 + 1)))
-            self._buffers.append(torch.empty(size, dtype=torch.uint8).share_memory_())
+            buffer = torch.empty(size, dtype=torch.uint8).share_memory_()
+            if slot == len(self._buffers):
+                self._buffers.append(buffer)
+                self._resident.append(size)
+            else:  # a free slot too small: a larger buffer under its id (the old one is freed once unmapped)
+                self._buffers[slot], self._resident[slot] = buffer, size
         view = self._buffers[slot].numpy()
         for _, arr, offset in placed:
             view[offset : offset + arr.nbytes] = arr.reshape(-1).view(np.uint8)
+        if self._resident[slot] - need >= TRIM_MIN_BYTES:
+            if _give_back_pages(self._buffers[slot], need, self._resident[slot]):
+                self._resident[slot] = need
+        else:
+            self._resident[slot] = max(self._resident[slot], need)
         self.flags[slot] = 1  # held until the consumer drops the batch
         return SlotMessage(
             slot=slot,
@@ -102,17 +154,21 @@ class SlotWriter:
         )
 
     def _free_slot(self, need: int) -> int:
-        """The smallest free slot holding `need` bytes; a new slot id; or -1 when none may be made."""
-        best = -1
+        """The smallest free slot holding `need` bytes; else a free one to grow (`put` replaces its buffer);
+        else a new slot id; or -1 when none may be made."""
+        best = grow = -1
         for slot, buf in enumerate(self._buffers):
-            if (
-                self.flags[slot] == 0
-                and buf.numel() >= need
-                and (best < 0 or buf.numel() < self._buffers[best].numel())
-            ):
-                best = slot
+            if self.flags[slot] != 0:
+                continue
+            if buf.numel() >= need:
+                if best < 0 or buf.numel() < self._buffers[best].numel():
+                    best = slot
+            elif grow < 0 or buf.numel() > self._buffers[grow].numel():
+                grow = slot
         if best >= 0:
             return best
+        if grow >= 0:
+            return grow
         return len(self._buffers) if len(self._buffers) < MAX_SLOTS else -1
 
 

@@ -350,7 +350,10 @@ def worker_loop(
     A message is a list of up to `handover` batches (together at most `HANDOVER_MAX_BYTES`): each message
     wakes the consumer, which then takes the CPU from a worker, so small batches go several at a time.
     The worker sends what it holds before it waits for room, so the consumer never waits for a batch that
-    is already made while the worker is blocked; the first batch goes alone (time to first batch).
+    is already made while the worker is blocked; the first batch goes alone (time to first batch). The
+    `handover` batches of room beyond `prefetch_batches` serve only small batches: while batches are large
+    (a group of them would pass `HANDOVER_MAX_BYTES`), the worker keeps that room to itself, so at most
+    `prefetch_batches` large ones, the one being made included, are held for the consumer (memory).
     """
     # one intra-op thread: workers are the parallelism (video frames are resized with torch here)
     torch.set_num_threads(1)
@@ -360,8 +363,16 @@ def worker_loop(
     pending: list[tuple[str, int, Any, dict[str, int]]] = []
     pending_bytes = 0
     first = True
+    large = False  # the last batch was large: keep `handover` batches of room unused
+    parked = 0  # room taken and kept unused
     try:
         while not stop_ev.is_set() and (k_end is None or k < k_end):
+            if large:
+                while parked < handover and writer.try_room():
+                    parked += 1
+            elif parked:
+                writer.give_room(parked)
+                parked = 0
             if not writer.try_room():
                 if pending:  # the consumer gets what is made before this worker waits
                     conn.send(pending)
@@ -373,6 +384,7 @@ def worker_loop(
                 msg = writer.put(producer.produce(k))
                 item = ("ok", k, msg, producer.store.metrics.as_dict())
                 pending_bytes += msg.nbytes
+                large = msg.nbytes * handover > HANDOVER_MAX_BYTES
             except Exception as e:
                 kind = "shard_error" if isinstance(e, ShardError) else "error"
                 detail = str(e) if kind == "shard_error" else traceback.format_exc()
