@@ -135,3 +135,53 @@ def test_across_processes() -> None:
         stop.set()
         proc.join(timeout=10)
     assert proc.exitcode == 0
+
+
+@pytest.mark.parametrize("trim", [True, False])
+def test_slot_keeps_in_memory_only_what_its_batch_needs(monkeypatch: pytest.MonkeyPatch, trim: bool) -> None:
+    if not trim:  # control: pages past the batch stay, with the old batch's bytes
+        monkeypatch.setattr(transport, "TRIM_MIN_BYTES", 1 << 60)
+    writer, reader = _pair()
+    big = {"x": np.full((3 << 20) // 4, 7.0, dtype=np.float32)}  # 3 MiB: a 4 MiB buffer with room to grow
+    got = reader.take(_send(writer, big))
+    _same(big, got)
+    assert writer.resident_bytes() == (3 << 20 if trim else 4 << 20)  # the room past the batch given back
+    del got
+    gc.collect()
+    small = {"x": np.arange(1000, dtype=np.float32), "y": np.ones((3, 5), dtype=np.int16)}
+    msg = _send(writer, small)
+    assert msg.slot == 0 and msg.buffer is None  # the same slot, reused
+    got = reader.take(msg)
+    _same(small, got)  # nothing of the big batch leaks into the small one
+    buf = writer._buffers[0].numpy()
+    tail = buf[-(-msg.nbytes // 4096) * 4096 : 3 << 20]
+    if trim:
+        assert writer.resident_bytes() == msg.nbytes
+        assert not tail.any()  # those pages were given back: they read as zeros now
+    else:
+        assert writer.resident_bytes() == 4 << 20 and tail.view(np.float32).max() == 7.0
+    del got
+    gc.collect()
+    again = reader.take(_send(writer, big))  # grows back into the same slot, data intact
+    _same(big, again)
+    assert len(writer._buffers) == 1
+
+
+def test_free_slot_too_small_grows_under_its_id() -> None:
+    writer, reader = _pair()
+    rng = np.random.default_rng(3)
+    small = _batch(rng, 1)
+    got = reader.take(_send(writer, small))
+    size = writer._buffers[0].numel()
+    large = _batch(rng, 40000)  # far past the first slot's buffer
+    held = reader.take(_send(writer, large))  # the small batch is still held: a second slot
+    assert len(writer._buffers) == 2
+    _same(small, got)
+    _same(large, held)
+    del got, held
+    gc.collect()
+    larger = _batch(rng, 90000)
+    msg = _send(writer, larger)  # both free, neither big enough: the larger one grows, no third slot
+    assert msg.slot == 1 and msg.buffer is not None and len(writer._buffers) == 2
+    _same(larger, reader.take(msg))
+    assert writer._buffers[0].numel() == size  # the small slot is kept for small batches
