@@ -7,7 +7,7 @@ the frames the offline plan recorded, in the worker that collates.
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,21 +83,40 @@ def decode_image_patches(
         return image_to_patches(img, rule, grid_thw=(t, gh, gw))
 
 
-def collate_bins(records: Sequence[BinRecord], cfg: CollateConfig) -> dict[str, Any]:
+def collate_bins(
+    records: Sequence[BinRecord],
+    cfg: CollateConfig,
+    pixel_out: Callable[[int, int], np.ndarray] | None = None,
+) -> dict[str, Any]:
     """One micro-batch, as numpy: the packed layout of every bin plus the image patches.
 
     Rows are written straight into the batch arrays; the result equals `packing.layout.collate_packed` over
     `build_packed_sequence` of each bin (the reference, checked by the tests), without its per-row copies.
+    Each image's patches go straight into `pixel_values`, sized from the grids before decoding, so a batch
+    never holds its patches twice; `pixel_out(rows, width)` may provide that float32 array (a loader worker
+    hands out shared memory, so the patches need no copy on their way to the consumer).
     """
     if not records:
         raise ValueError("collate_bins needs at least one bin")
     b, length = len(records), cfg.seq_len
+    width = cfg.rule.patch_dim
+    n_rows = sum(
+        int(np.prod(np.asarray(rec["image_grid_thw"], dtype=np.int64).reshape(-1, 3), axis=1).sum())
+        for rec in records
+    )
+    pixels = (
+        np.zeros((0, width), dtype=np.float32)
+        if n_rows == 0
+        else pixel_out(n_rows, width)
+        if pixel_out is not None
+        else np.empty((n_rows, width), dtype=np.float32)
+    )
+    row_at = 0
     tokens = np.full((b, length), cfg.pad_id, dtype=np.int64)
     labels = np.full((b, length), IGNORE_INDEX, dtype=np.int64)
     position_ids = np.empty((b, length), dtype=np.int64)
     cu: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
     max_seqlen = num_real = 0
-    patches: list[np.ndarray] = []
     grids: list[np.ndarray] = []
     videos: list[VideoPixels] = []
     for row, rec in enumerate(records):
@@ -147,11 +166,13 @@ def collate_bins(records: Sequence[BinRecord], cfg: CollateConfig) -> dict[str, 
         for i, (data, g) in enumerate(zip(rec["images"], grid)):
             where = f"bin {rec['key']} image {i}"
             try:
-                patches.append(
-                    decode_image_patches(data, g, cfg.rule, max_pixels=cfg.max_image_pixels, where=where)
+                patches = decode_image_patches(
+                    data, g, cfg.rule, max_pixels=cfg.max_image_pixels, where=where
                 )
             except ImageTooLargeError as e:
                 raise ImageTooLargeError(str(e), row=row) from None
+            pixels[row_at : row_at + len(patches)] = patches
+            row_at += len(patches)
             grids.append(g)
         videos += decode_bin_videos(rec, ids, cfg)
     cu_seqlens = np.concatenate(cu).astype(np.int32)
@@ -171,8 +192,9 @@ def collate_bins(records: Sequence[BinRecord], cfg: CollateConfig) -> dict[str, 
                 for r, c in enumerate(cu[1:])
             ]
         )
-    width = cfg.rule.patch_dim
-    out["pixel_values"] = np.concatenate(patches) if patches else np.zeros((0, width), dtype=np.float32)
+    if row_at != n_rows:  # the grids said how many; decode_image_patches makes that many per image
+        raise ValueError(f"bins {[rec['key'] for rec in records]}: {row_at} patch rows, grids need {n_rows}")
+    out["pixel_values"] = pixels
     out["image_grid_thw"] = np.stack(grids) if grids else np.zeros((0, 3), dtype=np.int64)
     out |= collate_videos(videos)
     if not videos:

@@ -74,11 +74,13 @@ def new_slot_flags(ctx: Any) -> Any:
     return ctx.RawArray("B", MAX_SLOTS)
 
 
-def _layout(batch: dict[str, Any]) -> tuple[list[tuple[str, np.ndarray, int]], int]:
-    """The arrays of `batch` with their byte offsets in a slot, and the bytes they need."""
+def _layout(batch: dict[str, Any], first: str | None = None) -> tuple[list[tuple[str, np.ndarray, int]], int]:
+    """The arrays of `batch` with their byte offsets in a slot (`first` at offset 0), and the bytes they need."""
     placed = []
     end = 0
-    for key, value in batch.items():
+    keys = list(batch) if first is None else [first] + [k for k in batch if k != first]
+    for key in keys:
+        value = batch[key]
         if isinstance(value, np.ndarray):
             arr = value if value.flags.c_contiguous else value.copy(order="C")  # keeps 0-d arrays 0-d
             placed.append((key, arr, end))
@@ -92,9 +94,10 @@ class SlotWriter:
     def __init__(self, flags: Any, ahead: Any, stop: Any) -> None:
         self.flags, self.ahead, self.stop = flags, ahead, stop
         self._buffers: list[torch.Tensor] = []  # slot id -> its shared buffer
-        self._resident: list[
-            int
-        ] = []  # slot id -> bytes of it that may be in memory (written, not given back)
+        # slot id -> bytes of it that may be in memory (written, not given back)
+        self._resident: list[int] = []
+        self._unsent: set[int] = set()  # slots whose (new) buffer the consumer has not been sent yet
+        self._staged = -1  # the slot `stage` handed out for the next batch
 
     def wait_for_room(self) -> bool:
         """Blocks until the consumer has taken enough batches; False if stopped meanwhile."""
@@ -116,42 +119,71 @@ class SlotWriter:
         """Bytes of this worker's slots that may be in memory."""
         return sum(self._resident)
 
+    def stage(self, nbytes: int, room_after: int = 0) -> np.ndarray:
+        """The first `nbytes` of a free slot (uint8), for the next batch's largest array to be written in
+        place: `put` leaves it there (no copy). The slot has room for `room_after` more bytes after it.
+        With every slot held, a private array (which `put` copies or sends as usual)."""
+        slot = self._free_slot(nbytes + room_after)
+        if slot < 0:
+            return np.empty(nbytes, dtype=np.uint8)
+        self._ensure(slot, nbytes + room_after)
+        self._staged = slot
+        return self._buffers[slot].numpy()[:nbytes]
+
     def put(self, batch: dict[str, Any]) -> SlotMessage:
-        """Copies `batch` into a free slot (a new one if none fits) and returns the message announcing it."""
-        placed, need = _layout(batch)
-        slot = self._free_slot(need)
+        """Copies `batch` into a free slot (a new one if none fits) and returns the message announcing it; an
+        array written in place (`stage`) stays where it is."""
+        staged, self._staged = self._staged, -1
+        in_place = None
+        if staged >= 0:
+            start = self._buffers[staged].data_ptr()
+            for key, value in batch.items():
+                if isinstance(value, np.ndarray) and value.size and value.ctypes.data == start:
+                    in_place = key
+                    break
+        placed, need = _layout(batch, first=in_place)
         values = {k: v for k, v in batch.items() if not isinstance(v, np.ndarray)}
+        slot = staged if in_place is not None else self._free_slot(need)
         if slot < 0:  # every slot is held by the consumer: send by value
             return SlotMessage(
                 slot=-1, buffer=None, arrays=(), nbytes=0, values=dict(batch), order=tuple(batch)
             )
-        fresh = slot == len(self._buffers) or self._buffers[slot].numel() < need
-        if fresh:
-            # Room to grow (batches vary with the images they hold), given back until a batch uses it.
-            size = max(ALIGN, 1 << math.ceil(math.log2(max(need, 1) * 5 // 4 + 1)))
-            buffer = torch.empty(size, dtype=torch.uint8).share_memory_()
-            if slot == len(self._buffers):
-                self._buffers.append(buffer)
-                self._resident.append(size)
-            else:  # a free slot too small: a larger buffer under its id (the old one is freed once unmapped)
-                self._buffers[slot], self._resident[slot] = buffer, size
+        self._ensure(slot, need)  # may move an array written in place (then it is copied below)
         view = self._buffers[slot].numpy()
-        for _, arr, offset in placed:
-            view[offset : offset + arr.nbytes] = arr.reshape(-1).view(np.uint8)
+        for key, arr, offset in placed:
+            if not (key == in_place and arr.ctypes.data == self._buffers[slot].data_ptr()):
+                view[offset : offset + arr.nbytes] = arr.reshape(-1).view(np.uint8)
         if self._resident[slot] - need >= TRIM_MIN_BYTES:
             if _give_back_pages(self._buffers[slot], need, self._resident[slot]):
                 self._resident[slot] = need
         else:
             self._resident[slot] = max(self._resident[slot], need)
         self.flags[slot] = 1  # held until the consumer drops the batch
+        new_buffer = slot in self._unsent
+        self._unsent.discard(slot)
         return SlotMessage(
             slot=slot,
-            buffer=self._buffers[slot] if fresh else None,
+            buffer=self._buffers[slot] if new_buffer else None,
             arrays=tuple((key, arr.dtype.str, arr.shape, offset) for key, arr, offset in placed),
             nbytes=need,
             values=values,
             order=tuple(batch),
         )
+
+    def _ensure(self, slot: int, need: int) -> None:
+        """Makes slot `slot` (possibly a new id) hold `need` bytes: a new buffer if it has none or a smaller
+        one (the old one is freed once the consumer unmaps it too), announced with the next batch in it."""
+        if slot < len(self._buffers) and self._buffers[slot].numel() >= need:
+            return
+        # Room to grow (batches vary with the images they hold), given back until a batch uses it.
+        size = max(ALIGN, 1 << math.ceil(math.log2(max(need, 1) * 5 // 4 + 1)))
+        buffer = torch.empty(size, dtype=torch.uint8).share_memory_()
+        if slot == len(self._buffers):
+            self._buffers.append(buffer)
+            self._resident.append(size)
+        else:
+            self._buffers[slot], self._resident[slot] = buffer, size
+        self._unsent.add(slot)
 
     def _free_slot(self, need: int) -> int:
         """The smallest free slot holding `need` bytes; else a free one to grow (`put` replaces its buffer);

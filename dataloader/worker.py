@@ -14,6 +14,7 @@ import os
 import threading
 import traceback
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,7 +148,8 @@ class Producer:
         bins = self._planned[k] = self.bins(k)
         return bins
 
-    def produce(self, k: int) -> dict[str, Any]:
+    def produce(self, k: int, pixel_out: Callable[[int, int], np.ndarray] | None = None) -> dict[str, Any]:
+        """Micro-batch k, as numpy (`pixel_out`: where its image patches go, see `collate_bins`)."""
         self.prefetcher.advance(k)
         bins = self._planned.pop(k, None)
         if bins is None:  # no prefetcher, or it has not got this far
@@ -156,7 +158,9 @@ class Producer:
             for old in [j for j in list(self._planned) if j < k]:
                 self._planned.pop(old, None)
         try:
-            batch = collate_bins([self.readers.read_bin(int(b)) for b in bins], self.spec.collate)
+            batch = collate_bins(
+                [self.readers.read_bin(int(b)) for b in bins], self.spec.collate, pixel_out=pixel_out
+            )
         except ImageTooLargeError as e:  # name the shard too
             shard = self.spec.manifest.shards[
                 int(self.spec.manifest.shard_of_bin(bins[e.row : e.row + 1])[0])
@@ -359,6 +363,13 @@ def worker_loop(
     torch.set_num_threads(1)
     producer = Producer(spec, k_start, k_end)
     writer = SlotWriter(slot_flags, ahead, stop_ev)
+    # Image patches are decoded straight into a slot, with room after them for the batch's other arrays.
+    length = spec.collate.seq_len
+    rest = spec.plan.micro_batch_size * length * (28 + (length if spec.collate.build_attention_mask else 0))
+
+    def pixel_out(rows: int, width: int) -> np.ndarray:
+        return writer.stage(rows * width * 4, rest + (64 << 10)).view(np.float32).reshape(rows, width)
+
     k = k_start + worker_id
     pending: list[tuple[str, int, Any, dict[str, int]]] = []
     pending_bytes = 0
@@ -381,7 +392,7 @@ def worker_loop(
                     break
             item: tuple[str, int, Any, dict[str, int]]
             try:
-                msg = writer.put(producer.produce(k))
+                msg = writer.put(producer.produce(k, pixel_out=pixel_out))
                 item = ("ok", k, msg, producer.store.metrics.as_dict())
                 pending_bytes += msg.nbytes
                 large = msg.nbytes * handover > HANDOVER_MAX_BYTES

@@ -282,10 +282,10 @@ def test_dead_worker_is_an_error_not_a_hang(dataset: Path, monkeypatch: pytest.M
 
     real = worker.Producer.produce
 
-    def produce_or_die(self: worker.Producer, k: int) -> dict[str, Any]:
+    def produce_or_die(self: worker.Producer, k: int, **kw: Any) -> dict[str, Any]:
         if k == 3:
             os._exit(3)  # a worker killed from outside (OOM killer, segfault) sends nothing
-        return real(self, k)
+        return real(self, k, **kw)
 
     monkeypatch.setattr(worker.Producer, "produce", produce_or_die)  # inherited by forked workers
     ld = loader(dataset, Topology(dp_rank=0, dp_size=1), num_workers=2)

@@ -185,3 +185,26 @@ def test_free_slot_too_small_grows_under_its_id() -> None:
     assert msg.slot == 1 and msg.buffer is not None and len(writer._buffers) == 2
     _same(larger, reader.take(msg))
     assert writer._buffers[0].numel() == size  # the small slot is kept for small batches
+
+
+@pytest.mark.parametrize("room_after", [1 << 20, 0])
+def test_array_written_in_place_is_not_copied(room_after: int) -> None:
+    """`stage` hands out a slot's start; `put` leaves the array written there and lays the others after it,
+    also when they do not fit in the slot (room_after=0): then the slot grows and everything is copied."""
+    writer, reader = _pair()
+    rng = np.random.default_rng(4)
+    ref = _batch(rng, 3000) | {"big": rng.random(40000)}  # 320 KB after the pixels' 144 KB
+    pixels = writer.stage(ref["pixel_values"].nbytes, room_after).view(np.float32).reshape(3000, 12)
+    pixels[:] = ref["pixel_values"]
+    staged_ptr = pixels.ctypes.data
+    batch = dict(ref) | {"pixel_values": pixels}  # keys in the original order
+    msg = writer.put(batch)
+    got = reader.take(msg)
+    _same(ref, got)  # every value, in order, intact
+    offsets = {key: offset for key, _, _, offset in msg.arrays}
+    assert offsets["pixel_values"] == 0
+    if room_after:  # the consumer's pixels are the very bytes written in place
+        assert got["pixel_values"].data_ptr() == staged_ptr
+    else:
+        assert got["pixel_values"].data_ptr() != staged_ptr
+    assert len(writer._buffers) == 1
