@@ -23,7 +23,8 @@ the disk, not memory; the warm (page cache) raw read is reported beside it. Repo
 storage: bins/s and MB/s of shard bytes end to end and in steady state (after the first batch), time to first
 batch, the data-wait fraction when a consumer takes a fixed time per micro-batch, and the peak memory of the
 loader (PSS summed over the consumer's process and the loader's worker processes, sampled from
-/proc/<pid>/smaps_rollup every 50 ms during the full pass). Usage:
+/proc/<pid>/smaps_rollup every 50 ms during the full pass; also its anonymous + shared-memory part alone, which
+other processes mapping the same libraries do not move). Usage:
 
     python benchmarks/bench_loader.py [--samples 2000] [--workers 2] [--step-ms 400] [--out benchmarks/results]
 """
@@ -191,15 +192,19 @@ def _descendants(pid: int) -> list[int]:
     return seen
 
 
-def _pss_kb(pid: int) -> int:
+def _pss_kb(pid: int) -> tuple[int, int]:
+    """PSS of a process, and its anonymous and shared-memory part (what is left out, the PSS of mapped files
+    such as libraries, moves with the other processes of the machine that map them too)."""
+    fields = {}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
+                if line.startswith("Pss"):
+                    name, value = line.split(":")
+                    fields[name] = int(value.split()[0])
     except OSError:
         pass
-    return 0
+    return fields.get("Pss", 0), fields.get("Pss_Anon", 0) + fields.get("Pss_Shmem", 0)
 
 
 class PeakPss:
@@ -207,7 +212,7 @@ class PeakPss:
     started before, such as the S3 server, are left out), sampled every `interval_s` by a thread."""
 
     def __init__(self, interval_s: float = 0.05) -> None:
-        self.interval_s, self.peak_kb = interval_s, 0
+        self.interval_s, self.peak_kb, self.peak_anon_shmem_kb = interval_s, 0, 0
         self._stop = threading.Event()
         self._before: set[int] = set()
         self._thread = threading.Thread(target=self._run, daemon=True, name="pss-sampler")
@@ -215,8 +220,10 @@ class PeakPss:
     def sample(self) -> int:
         me = os.getpid()
         pids = [me] + [p for p in _descendants(me) if p not in self._before]
-        total = sum(_pss_kb(p) for p in pids)
+        each = [_pss_kb(p) for p in pids]
+        total = sum(pss for pss, _ in each)
         self.peak_kb = max(self.peak_kb, total)
+        self.peak_anon_shmem_kb = max(self.peak_anon_shmem_kb, sum(part for _, part in each))
         return total
 
     def _run(self) -> None:
@@ -243,7 +250,10 @@ def measure(
     if not step_s:
         with PeakPss() as pss:
             out = _measure(make, total_bytes, step_s, max_batches)
-        return out | {"peak_pss_MB": pss.peak_kb / 1024}
+        return out | {
+            "peak_pss_MB": pss.peak_kb / 1024,
+            "peak_pss_anon_shmem_MB": pss.peak_anon_shmem_kb / 1024,
+        }
     return _measure(make, total_bytes, step_s, max_batches)
 
 
@@ -485,7 +495,7 @@ def _fmt(value: float | None, width: int, digits: int = 1) -> str:
 def print_table(all_results: dict[str, dict[str, dict]]) -> None:
     head = (
         f"{'data/storage':13} {'reader':22} {'bins/s':>9} {'MB/s':>8} {'steady bins/s':>13} {'steady MB/s':>11} "
-        f"{'1st batch s':>11} {'data wait':>10} {'peak PSS MB':>11}"
+        f"{'1st batch s':>11} {'data wait':>10} {'peak PSS MB':>11} {'(anon+shm)':>10}"
     )
     print(head)
     print("-" * len(head))
@@ -499,7 +509,7 @@ def print_table(all_results: dict[str, dict[str, dict]]) -> None:
                 f"{_fmt(r.get('steady_bins_per_s'), 13)} {_fmt(r.get('steady_MB_per_s'), 11)} "
                 f"{_fmt(r.get('time_to_first_batch_s'), 11, 3)} "
                 f"{_fmt(None if wait is None else 100 * wait, 9, 2)}{'%' if wait is not None else ' '} "
-                f"{_fmt(r.get('peak_pss_MB'), 11, 0)}"
+                f"{_fmt(r.get('peak_pss_MB'), 11, 0)} {_fmt(r.get('peak_pss_anon_shmem_MB'), 10, 0)}"
             )
     print()
     print("ratios (steady state; raw = the storage's sequential read, decode = the CPU ceiling):")

@@ -178,11 +178,13 @@ class SlotWriter:
         # Room to grow (batches vary with the images they hold), given back until a batch uses it.
         size = max(ALIGN, 1 << math.ceil(math.log2(max(need, 1) * 5 // 4 + 1)))
         buffer = torch.empty(size, dtype=torch.uint8).share_memory_()
+        # Making it shared wrote every page: give them all back, the batch brings in what it writes.
+        resident = 0 if _give_back_pages(buffer, 0, size) else size
         if slot == len(self._buffers):
             self._buffers.append(buffer)
-            self._resident.append(size)
+            self._resident.append(resident)
         else:
-            self._buffers[slot], self._resident[slot] = buffer, size
+            self._buffers[slot], self._resident[slot] = buffer, resident
         self._unsent.add(slot)
 
     def _free_slot(self, need: int) -> int:
