@@ -210,7 +210,9 @@ def test_decode_memory_is_bounded(tmp_path: Path) -> None:
 
     rule = VideoTokenRule(fps=0.5, max_frames=4)
     frames = {"short": 150, "long": 450}
-    paths = {k: encode_video(tmp_path / f"{k}.mp4", n, width=640, height=480, gop=30) for k, n in frames.items()}
+    paths = {
+        k: encode_video(tmp_path / f"{k}.mp4", n, width=640, height=480, gop=30) for k, n in frames.items()
+    }
     assert all(len(_plan(p, rule).frame_indices) == 4 for p in paths.values())
     whole_kib = {k: n * 640 * 480 * 3 // 1024 for k, n in frames.items()}
 
