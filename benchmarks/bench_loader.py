@@ -23,8 +23,9 @@ the disk, not memory; the warm (page cache) raw read is reported beside it. Repo
 storage: bins/s and MB/s of shard bytes end to end and in steady state (after the first batch), time to first
 batch, the data-wait fraction when a consumer takes a fixed time per micro-batch, and the peak memory of the
 loader (PSS summed over the consumer's process and the loader's worker processes, sampled from
-/proc/<pid>/smaps_rollup every 50 ms during the full pass; also its anonymous + shared-memory part alone, which
-other processes mapping the same libraries do not move). Usage:
+/proc/<pid>/smaps_rollup every 50 ms during a full pass of its own, so that sampling does not slow the timed
+pass; also its anonymous + shared-memory part alone, which other processes mapping the same libraries do not
+move). Usage:
 
     python benchmarks/bench_loader.py [--samples 2000] [--workers 2] [--step-ms 400] [--out benchmarks/results]
 """
@@ -245,16 +246,18 @@ class PeakPss:
 def measure(
     make: Callable[[], Iterable[Any]], total_bytes: int, step_s: float, max_batches: int | None
 ) -> dict:
-    """One pass over `make()`: time to first batch, bins/s, MB/s; with step_s > 0, the data-wait fraction;
-    without, also the peak PSS of this process and the ones the loader starts."""
-    if not step_s:
-        with PeakPss() as pss:
-            out = _measure(make, total_bytes, step_s, max_batches)
-        return out | {
-            "peak_pss_MB": pss.peak_kb / 1024,
-            "peak_pss_anon_shmem_MB": pss.peak_anon_shmem_kb / 1024,
-        }
+    """One pass over `make()`: time to first batch, bins/s, MB/s; with step_s > 0, the data-wait fraction."""
     return _measure(make, total_bytes, step_s, max_batches)
+
+
+def peak_memory(make: Callable[[], Iterable[Any]], total_bytes: int) -> dict:
+    """Another full pass over `make()`, for the peak PSS of this process and the ones the loader starts.
+
+    Its own pass: reading /proc/<pid>/smaps_rollup of every process 20 times a second costs CPU (and, from a
+    thread of the consumer's process, its GIL), which would slow the pass being timed."""
+    with PeakPss() as pss:
+        _measure(make, total_bytes, 0.0, None)
+    return {"peak_pss_MB": pss.peak_kb / 1024, "peak_pss_anon_shmem_MB": pss.peak_anon_shmem_kb / 1024}
 
 
 def _measure(
@@ -483,7 +486,9 @@ def run_storage(
         full = measure(make, total, 0.0, None)
         cold()
         consumer = measure(make, total, args.step_ms / 1000, args.consumer_batches)
-        results[label] = {**full, "data_wait_fraction": consumer["data_wait_fraction"]}
+        cold()
+        memory = peak_memory(make, total)
+        results[label] = {**full, **memory, "data_wait_fraction": consumer["data_wait_fraction"]}
     results["_dataset"] = {"shards": len(m.shards), "bins": m.num_bins, "bytes": total}
     return results
 
@@ -551,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-ms", type=float, default=400.0, help="consumer time per micro-batch")
     p.add_argument("--consumer-batches", type=int, default=20)
     p.add_argument("--storages", default="local,s3,s3-link")
+    p.add_argument("--datasets", default="vlm,text", help="which of the two datasets to run (vlm, text)")
     p.add_argument(
         "--link-mb-s", type=float, default=5.0, help="bandwidth of the s3-link storage's link (MB/s, shared)"
     )
@@ -567,9 +573,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with tempfile.TemporaryDirectory(prefix="mmpack-bench-loader-", dir=args.tmp_dir) as tmp_name:
         tmp = Path(tmp_name)
-        datasets = {
+        builders = {
             # image-text bins: decoding and patchifying images dominates
-            "vlm": build_packed_dataset(
+            "vlm": lambda: build_packed_dataset(
                 tmp / "vlm",
                 n_samples=args.samples,
                 seq_len=args.seq_len,
@@ -579,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_words=120,
             ),
             # text-only bins: shows what the storage and reading path cost without image work
-            "text": build_packed_dataset(
+            "text": lambda: build_packed_dataset(
                 tmp / "text",
                 n_samples=args.text_samples,
                 seq_len=args.seq_len,
@@ -589,6 +595,10 @@ def main(argv: list[str] | None = None) -> int:
                 record_formats=("text",),
             ),
         }
+        wanted = args.datasets.split(",")
+        if unknown := set(wanted) - set(builders):
+            p.error(f"--datasets: unknown {sorted(unknown)}; choose from {sorted(builders)}")
+        datasets = {name: build() for name, build in builders.items() if name in wanted}
         all_results: dict[str, dict[str, dict]] = {}
         storages = args.storages.split(",")
         if not args.no_energon and importlib.util.find_spec("megatron.energon") is not None:
