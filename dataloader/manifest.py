@@ -6,6 +6,7 @@ reads the bytes (fsspec, with retries) and keeps the loader's view of them.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import time
@@ -58,6 +59,14 @@ class Manifest:
     def shard_first_bins(self) -> np.ndarray:
         """First global bin of each shard (computed once: `shard_of_bin` runs for every bin read)."""
         return np.array([s.first_bin for s in self.shards], dtype=np.int64)
+
+    @cached_property
+    def _first_bin_list(self) -> list[int]:
+        return self.shard_first_bins.tolist()
+
+    def shard_index(self, bin_id: int) -> int:
+        """`shard_of_bin` of one bin (no array made: it runs for every bin a worker reads)."""
+        return bisect.bisect_right(self._first_bin_list, bin_id) - 1
 
     def shard_of_bin(self, bins: np.ndarray) -> np.ndarray:
         """Index (into `shards`) of the shard holding each global bin id."""

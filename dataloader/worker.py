@@ -62,7 +62,7 @@ class ReaderPool:
         self.prepared: set[int] = set()  # local shards `prepare` has readied in this process
 
     def read_bin(self, bin_id: int) -> BinRecord:
-        s = int(self.manifest.shard_of_bin(np.array([bin_id]))[0])
+        s = self.manifest.shard_index(bin_id)
         shard = self.manifest.shards[s]
         reader = self._reader(s)
         try:

@@ -400,3 +400,29 @@ def test_non_regular_members_raise_for_shards_and_are_skipped_for_raw_input(tmp_
         index_tar(fh, label="l")
     with open(path, "rb") as fh:
         assert [name for name, _, _ in index_tar(fh, label="l", non_regular="skip")] == ["a.json", "a.jpg"]
+
+
+def test_wds_index_cache_of_another_version_or_with_members_outside_their_bin_is_redone(
+    tmp_path: Path,
+) -> None:
+    """A cache file in the old flat layout (version 1), or one whose member lies outside its bin's span, is
+    ignored: the tar is walked again and the file rewritten; the records read are the same."""
+    shard = write_tar(tmp_path / "s.tar", good_bin("000001") + good_bin("000002", np.arange(6, 12)))
+    cache = tmp_path / "meta" / "digest.tar-index.json"
+    first = WdsShardReader(str(shard), label="s", index_cache=str(cache))
+    want = [first.read(i) for i in range(len(first))]
+    first.close()
+    good = json.loads(cache.read_text())
+    assert good["version"] == 2 and [b[0] for b in good["bins"]] == ["000001", "000002"]
+    with open(shard, "rb") as fh:
+        flat = {"version": 1, "file_size": good["file_size"], "entries": index_tar(fh, label="s")}
+    outside = json.loads(cache.read_text())
+    _key, _start, end, members = outside["bins"][0]
+    suffix = next(iter(members))
+    members[suffix] = [end, 1]  # past the bin's span
+    for damaged in (flat, outside):
+        cache.write_text(json.dumps(damaged))
+        again = WdsShardReader(str(shard), label="s", index_cache=str(cache))
+        _same_records(want, [again.read(i) for i in range(len(again))])
+        again.close()
+        assert json.loads(cache.read_text()) == good

@@ -365,3 +365,31 @@ def test_local_shards_are_hashed_once_per_machine(
     with pytest.raises(ShardError, match=rf"shard {shard.path} .* is corrupted"):
         ShardStore(config).local_path(shard)
     assert len(hashed) == 2
+
+
+def test_local_check_record_follows_the_folder_a_link_points_to(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record names the shard under the dataset folder's resolved path (worked out once per store): a
+    link moved to an identical copy (same size and mtime, another file) gets the copy checked again."""
+    import dataloader.storage.store as storage
+
+    for name in ("a", "b"):
+        shutil.copytree(dataset, tmp_path / name, copy_function=shutil.copy2)  # copy2 keeps mtimes
+    link = tmp_path / "current"
+    link.symlink_to(tmp_path / "a")
+    shard = load_manifest(str(link), shard_format="wds").shards[0]
+    config = StorageConfig(root=str(link), cache_dir=str(tmp_path / "cache"))
+    hashed: list[str] = []
+    real = storage.sha256_file
+    monkeypatch.setattr(storage, "sha256_file", lambda p: hashed.append(p) or real(p))
+    store = ShardStore(config)
+    store.local_path(shard)
+    record = storage.read_json(os.path.join(store.meta_dir, f"{shard.sha256}.verified.json"))
+    assert record["path"] == str((tmp_path / "a").resolve() / shard.path)
+    ShardStore(config).local_path(shard)
+    assert len(hashed) == 1  # trusted while the link points to the same folder
+    link.unlink()
+    link.symlink_to(tmp_path / "b")
+    ShardStore(config).local_path(shard)
+    assert len(hashed) == 2  # control: the same bytes in another file are checked again

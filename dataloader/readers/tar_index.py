@@ -4,7 +4,7 @@ itself is packing.tar_index)."""
 from __future__ import annotations
 
 import os
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from dataloader.storage import read_json, write_json_atomic
 from packing.tar_index import MEMBER_RE, TarEntry, _walk_plain_tar, index_tar
@@ -12,44 +12,79 @@ from packing.tar_index import MEMBER_RE, TarEntry, _walk_plain_tar, index_tar
 __all__ = [
     "INDEX_CACHE_VERSION",
     "MEMBER_RE",
+    "BinMembers",
     "TarEntry",
     "_walk_plain_tar",
     "build_index_cache",
+    "group_members",
     "index_tar",
+    "shard_bins",
 ]
 
-INDEX_CACHE_VERSION = 1
+# 2: the members grouped by bin, as the reader uses them (1 held the flat member list; such files are redone)
+INDEX_CACHE_VERSION = 2
+
+# One bin of a WebDataset shard: key, the byte span [start, end) its members cover, suffix -> (offset, size).
+BinMembers = tuple[str, int, int, dict[str, tuple[int, int]]]
 
 
-def _tar_index(fh: BinaryIO, *, label: str, index_cache: str | None) -> list[TarEntry]:
-    """The index of the tar open in `fh`: from `index_cache` when it holds one for this file, else walked
-    (and kept there, atomically)."""
+def group_members(entries: list[TarEntry], *, label: str) -> list[BinMembers]:
+    """The members of a WebDataset tar grouped by key, keys in archive order (names checked as key.suffix)."""
+    bins: dict[str, list[Any]] = {}
+    for name, offset, size in entries:
+        match = MEMBER_RE.match(name)
+        if match is None:
+            raise ValueError(f"{label}: unexpected tar member {name!r} (not a plain key.suffix file)")
+        key, suffix = match.groups()
+        entry = bins.get(key)
+        if entry is None:
+            bins[key] = [key, offset, offset + size, {suffix: (offset, size)}]
+            continue
+        entry[3][suffix] = (offset, size)
+        entry[1], entry[2] = min(entry[1], offset), max(entry[2], offset + size)
+    return [(key, start, end, members) for key, start, end, members in bins.values()]
+
+
+def shard_bins(fh: BinaryIO, *, label: str, index_cache: str | None) -> list[BinMembers]:
+    """The bins of the tar open in `fh`: from `index_cache` when it holds them for this file, else walked and
+    grouped (and kept there, atomically)."""
     size = os.fstat(fh.fileno()).st_size
-    if index_cache is not None and (entries := _load_index(index_cache, size)) is not None:
-        return entries
-    entries = index_tar(fh, label=label)
+    if index_cache is not None and (bins := _load_index(index_cache, size)) is not None:
+        return bins
+    bins = group_members(index_tar(fh, label=label), label=label)
     if index_cache is not None:
-        write_json_atomic(
-            index_cache, {"version": INDEX_CACHE_VERSION, "file_size": size, "entries": entries}
-        )
-    return entries
+        doc = {
+            "version": INDEX_CACHE_VERSION,
+            "file_size": size,
+            "bins": [
+                [key, start, end, {s: list(m) for s, m in members.items()}]
+                for key, start, end, members in bins
+            ],
+        }
+        write_json_atomic(index_cache, doc)
+    return bins
 
 
-def _load_index(path: str, file_size: int) -> list[TarEntry] | None:
-    """A cached tar index for a file of `file_size` bytes; None when absent, unreadable or not for this file."""
+def _load_index(path: str, file_size: int) -> list[BinMembers] | None:
+    """Cached bins for a file of `file_size` bytes; None when absent, unreadable or not for this file."""
     doc = read_json(path)
     try:
         if doc["version"] != INDEX_CACHE_VERSION or doc["file_size"] != file_size:
             return None
-        entries = [(str(n), int(o), int(s)) for n, o, s in doc["entries"]]
-    except (ValueError, KeyError, TypeError):  # also a missing file (None) or a document of another shape
+        bins = []
+        for key, start, end, raw in doc["bins"]:
+            members = {str(s): (int(o), int(n)) for s, (o, n) in raw.items()}
+            if not (0 <= start <= end <= file_size) or any(
+                o < start or n < 0 or o + n > end for o, n in members.values()
+            ):
+                return None
+            bins.append((str(key), int(start), int(end), members))
+    except (ValueError, KeyError, TypeError, AttributeError):  # also a missing file (None), another shape
         return None
-    if any(o < 0 or s < 0 or o + s > file_size for _, o, s in entries):
-        return None
-    return entries
+    return bins
 
 
 def build_index_cache(path: str, index_cache: str, *, label: str) -> None:
-    """Makes sure `index_cache` holds the tar index of the shard file at `path` (walks it if not)."""
+    """Makes sure `index_cache` holds the bins of the shard file at `path` (walks it if not)."""
     with open(path, "rb") as fh:
-        _tar_index(fh, label=label, index_cache=index_cache)
+        shard_bins(fh, label=label, index_cache=index_cache)

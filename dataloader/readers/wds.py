@@ -11,7 +11,7 @@ import numpy as np
 
 from dataloader.readers.npy import decode_npy
 from dataloader.readers.record import BinRecord, no_videos, video_plan_dicts
-from dataloader.readers.tar_index import MEMBER_RE, _tar_index
+from dataloader.readers.tar_index import shard_bins
 from packing.format import ARRAY_FIELDS, WDS_JSON_MEMBER
 
 _IMG_RE = re.compile(r"^img(\d+)\.([A-Za-z0-9]+)$")
@@ -29,39 +29,19 @@ class WdsShardReader:
     def __init__(self, path: str, *, label: str, index_cache: str | None = None) -> None:
         self.label = label
         self._fh = open(path, "rb")  # noqa: SIM115 - kept open for the reader's lifetime
-        self._keys: list[str] = []
-        self._members: dict[str, dict[str, tuple[int, int]]] = {}
-        self._spans: dict[str, tuple[int, int]] = {}
         try:
-            entries = _tar_index(self._fh, label=label, index_cache=index_cache)
-            for name, offset, size in entries:
-                self._add_member(name, offset, size)
+            self._bins = shard_bins(self._fh, label=label, index_cache=index_cache)
         except BaseException:
             self._fh.close()
             raise
 
-    def _add_member(self, name: str, offset: int, size: int) -> None:
-        match = MEMBER_RE.match(name)
-        if match is None:
-            raise ValueError(f"{self.label}: unexpected tar member {name!r} (not a plain key.suffix file)")
-        key, suffix = match.groups()
-        if key not in self._members:
-            self._members[key] = {}
-            self._keys.append(key)
-            self._spans[key] = (offset, offset + size)
-        self._members[key][suffix] = (offset, size)
-        start, end = self._spans[key]
-        self._spans[key] = (min(start, offset), max(end, offset + size))
-
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._bins)
 
     def read(self, row: int) -> BinRecord:
         if not 0 <= row < len(self):
             raise IndexError(f"{self.label}: row {row} out of range [0, {len(self)})")
-        key = self._keys[row]
-        members = self._members[key]
-        start, end = self._spans[key]
+        key, start, end, members = self._bins[row]
         # A bin's members are adjacent in the tars we write: one read covers them and the headers between them
         # (were they scattered, the read would just cover more of the file).
         data = os.pread(self._fh.fileno(), end - start, start)

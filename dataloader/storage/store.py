@@ -53,6 +53,7 @@ class ShardStore:
         self.metrics = StorageMetrics()
         self._verified: set[str] = set()
         self._fs: Any = None
+        self._real_root: str | None = None
         self._lock = threading.Lock()  # guards metrics, _verified and the lazy filesystem
         import tempfile
 
@@ -142,7 +143,7 @@ class ShardStore:
             st = os.stat(path)
         except FileNotFoundError:
             raise ShardError(f"shard {shard.path} not found at {path}") from None
-        stamp = {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        stamp = {"path": self._real_path(shard), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
         stamp |= {"inode": st.st_ino, "device": st.st_dev, "sha256": shard.sha256}
         marker = os.path.join(self.meta_dir, f"{shard.sha256}.verified.json") if self.meta_dir else ""
         if not (marker and read_json(marker) == stamp):
@@ -167,6 +168,14 @@ class ShardStore:
                 self._verified.add(path)
                 self.metrics.bytes_read += shard.bytes
         return path
+
+    def _real_path(self, shard: ShardInfo) -> str:
+        """The shard's path with the dataset folder's symbolic links resolved (resolved once per store: the
+        shard path below it is relative, without `..`, as the manifest model checks; the file's own identity
+        is in the stamp's inode and device)."""
+        if self._real_root is None:
+            self._real_root = os.path.realpath(local_root(self.config.root))
+        return os.path.join(self._real_root, shard.path)
 
     # -- remote ---------------------------------------------------------------------------------------------
     def _cache_path(self, shard: ShardInfo) -> str:
