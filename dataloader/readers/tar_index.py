@@ -4,7 +4,7 @@ itself is packing.tar_index)."""
 from __future__ import annotations
 
 import os
-from typing import Any, BinaryIO
+from typing import Any
 
 from dataloader.storage import read_json, write_json_atomic
 from packing.tar_index import MEMBER_RE, TarEntry, _walk_plain_tar, index_tar
@@ -45,13 +45,14 @@ def group_members(entries: list[TarEntry], *, label: str) -> list[BinMembers]:
     return [(key, start, end, members) for key, start, end, members in bins.values()]
 
 
-def shard_bins(fh: BinaryIO, *, label: str, index_cache: str | None) -> list[BinMembers]:
-    """The bins of the tar open in `fh`: from `index_cache` when it holds them for this file, else walked and
-    grouped (and kept there, atomically)."""
-    size = os.fstat(fh.fileno()).st_size
+def shard_bins(fd: int, *, label: str, index_cache: str | None) -> list[BinMembers]:
+    """The bins of the tar open as descriptor `fd`: from `index_cache` when it holds them for this file, else
+    walked and grouped (and kept there, atomically)."""
+    size = os.fstat(fd).st_size
     if index_cache is not None and (bins := _load_index(index_cache, size)) is not None:
         return bins
-    bins = group_members(index_tar(fh, label=label), label=label)
+    with os.fdopen(os.dup(fd), "rb") as fh:
+        bins = group_members(index_tar(fh, label=label), label=label)
     if index_cache is not None:
         doc = {
             "version": INDEX_CACHE_VERSION,
@@ -86,5 +87,8 @@ def _load_index(path: str, file_size: int) -> list[BinMembers] | None:
 
 def build_index_cache(path: str, index_cache: str, *, label: str) -> None:
     """Makes sure `index_cache` holds the bins of the shard file at `path` (walks it if not)."""
-    with open(path, "rb") as fh:
-        shard_bins(fh, label=label, index_cache=index_cache)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        shard_bins(fd, label=label, index_cache=index_cache)
+    finally:
+        os.close(fd)

@@ -28,11 +28,13 @@ class WdsShardReader:
 
     def __init__(self, path: str, *, label: str, index_cache: str | None = None) -> None:
         self.label = label
-        self._fh = open(path, "rb")  # noqa: SIM115 - kept open for the reader's lifetime
+        # A plain descriptor, kept for the reader's lifetime: bins are read with pread, and a Python file
+        # object would cost more system calls to open (one per shard per worker).
+        self._fd = os.open(path, os.O_RDONLY)
         try:
-            self._bins = shard_bins(self._fh, label=label, index_cache=index_cache)
+            self._bins = shard_bins(self._fd, label=label, index_cache=index_cache)
         except BaseException:
-            self._fh.close()
+            os.close(self._fd)
             raise
 
     def __len__(self) -> int:
@@ -44,7 +46,7 @@ class WdsShardReader:
         key, start, end, members = self._bins[row]
         # A bin's members are adjacent in the tars we write: one read covers them and the headers between them
         # (were they scattered, the read would just cover more of the file).
-        data = os.pread(self._fh.fileno(), end - start, start)
+        data = os.pread(self._fd, end - start, start)
         if len(data) != end - start:
             raise ValueError(f"{self.label}: truncated tar member")
         view = memoryview(data)
@@ -56,7 +58,9 @@ class WdsShardReader:
         return decode_wds_bin(key, members, member, label=self.label)
 
     def close(self) -> None:
-        self._fh.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def decode_wds_bin(

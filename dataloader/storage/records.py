@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 from typing import Any
 
 from packing.fileio import atomic_write_json
 
 CHUNK_BYTES = 4 << 20
+_RECORD_READ = 64 << 10  # records are a few KB: one read is all but always enough
 
 
 def sha256_file(path: str) -> str:
@@ -21,12 +23,26 @@ def sha256_file(path: str) -> str:
 
 
 def read_json(path: str) -> Any:
-    """The JSON document at `path`; None when it is missing or unreadable."""
+    """The JSON document at `path`; None when it is missing or unreadable.
+
+    Read with plain system calls (open, read until a short read, close): the loader reads a few of these
+    small records per shard in every worker, and a Python file object adds several more calls each."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        parts = []
+        while True:
+            chunk = os.read(fd, _RECORD_READ)
+            parts.append(chunk)
+            if len(chunk) < _RECORD_READ:
+                break
+        return json.loads(b"".join(parts))
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(fd)
 
 
 def write_json_atomic(path: str, doc: Any) -> None:
