@@ -122,7 +122,10 @@ class Producer:
     While it builds micro-batches of k_start..k_end-1, a `Prefetcher` thread fetches their shards ahead.
     """
 
-    def __init__(self, spec: ProducerSpec, k_start: int, k_end: int | None) -> None:
+    def __init__(
+        self, spec: ProducerSpec, k_start: int, k_end: int | None, *, worker: tuple[int, int] = (0, 1)
+    ) -> None:
+        """`worker`: (id, count) of this process among the loader's workers (they share out shard checks)."""
         self.spec = spec
         self.stream = StreamOrder(spec.manifest, spec.seed, shard_window=spec.shard_window)
         self.store = ShardStore(spec.storage)
@@ -131,7 +134,7 @@ class Producer:
         self._planned: dict[int, np.ndarray] = {}
         self.prefetcher: Prefetcher | LocalReadAhead
         if spec.prefetch_shards and spec.storage.is_local:
-            self.prefetcher = LocalReadAhead(self, k_start, k_end, spec.prefetch_shards)
+            self.prefetcher = LocalReadAhead(self, k_start, k_end, spec.prefetch_shards, worker=worker)
         else:
             self.prefetcher = Prefetcher(self, k_start, k_end, spec.prefetch_shards)
             if spec.prefetch_shards:
@@ -191,12 +194,23 @@ class LocalReadAhead:
     (posix_fadvise WILLNEED, asynchronous), asked from the worker's own thread as it reaches each micro-batch.
 
     No thread: checking and indexing a local shard is CPU work that a thread would only contend for the GIL
-    with (each of its many small system calls hands the GIL to the other thread and back), so it is done on
-    first use; the disk reads are what overlaps with decoding.
+    with (each of its many small system calls hands the GIL to the other thread and back). The workers share
+    out that work instead: worker i of n checks and indexes the coming shards s with s % n == i as soon as it
+    asks for them to be read, without waiting for a shard another process is on. Workers reach the same
+    shards at about the same time, and otherwise one checks while the others wait for it, idle.
     """
 
-    def __init__(self, producer: Producer, k_start: int, k_end: int | None, ahead: int) -> None:
+    def __init__(
+        self,
+        producer: Producer,
+        k_start: int,
+        k_end: int | None,
+        ahead: int,
+        *,
+        worker: tuple[int, int] = (0, 1),
+    ) -> None:
         self.producer, self.k_end, self.ahead = producer, k_end, ahead
+        self.worker_id, self.num_workers = worker
         self.k = k_start  # the next micro-batch to look at
         self._recent: OrderedDict[int, None] = OrderedDict()
         self._hinted: deque[int] = deque()  # the micro-batch that first needs each shard asked for
@@ -210,9 +224,15 @@ class LocalReadAhead:
         while (
             len(self._hinted) < self.ahead and self.k < limit and (self.k_end is None or self.k < self.k_end)
         ):
+            mine = []
             for s in self.producer.new_shards(self.k, self._recent):
                 self._read_ahead(self.producer.store.verified_path(self.producer.spec.manifest.shards[s]))
                 self._hinted.append(self.k)
+                if s % self.num_workers == self.worker_id and s not in self.producer.readers.prepared:
+                    mine.append(s)
+            for s in mine:
+                with contextlib.suppress(Exception):  # errors are reported with context on use
+                    self.producer.readers.prepare(s)
             self.k += 1
 
     @staticmethod
@@ -361,7 +381,7 @@ def worker_loop(
     """
     # one intra-op thread: workers are the parallelism (video frames are resized with torch here)
     torch.set_num_threads(1)
-    producer = Producer(spec, k_start, k_end)
+    producer = Producer(spec, k_start, k_end, worker=(worker_id, num_workers))
     writer = SlotWriter(slot_flags, ahead, stop_ev)
     # Image patches are decoded straight into a slot, with room after them for the batch's other arrays.
     length = spec.collate.seq_len

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 
 from dataloader import Topology, build_loader, load_manifest
 from dataloader import worker as worker_mod
+from dataloader.storage import StorageConfig
 from dataloader.transport import MAX_SLOTS, SlotReader
 from dataloader.worker import LocalReadAhead, Producer, ProducerSpec, worker_loop
 from offline_packing.demo.synthetic import build_packed_dataset
@@ -199,5 +201,32 @@ def test_local_shards_are_read_ahead_without_a_thread(dataset: Path, monkeypatch
         for k in range(1, 6):
             producer.produce(k)
         assert hinted == paths[: len(hinted)] and len(hinted) > first
+    finally:
+        producer.close()
+
+
+@pytest.mark.parametrize("worker", [(0, 2), (1, 2)])
+def test_workers_share_out_the_checks_of_the_shards_they_read_ahead(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, worker: tuple[int, int]
+) -> None:
+    """Worker i of n checks and indexes, as it asks for them to be read ahead, exactly the coming shards s with
+    s % n == i (the others are left to the other workers), and records both for the machine."""
+    hinted: list[str] = []
+    monkeypatch.setattr(LocalReadAhead, "_read_ahead", staticmethod(hinted.append))
+    storage = StorageConfig(root=str(dataset), cache_dir=str(tmp_path))
+    spec = dataclasses.replace(_spec(dataset), prefetch_shards=4, storage=storage)
+    m = load_manifest(str(dataset))
+    producer = Producer(spec, 0, None, worker=worker)
+    try:
+        producer.produce(0)
+        ahead = [next(s for s, sh in enumerate(m.shards) if str(dataset / sh.path) == p) for p in hinted]
+        mine = {s for s in ahead if s % 2 == worker[0]}
+        assert len(ahead) >= 4 and mine and mine != set(ahead)
+        assert producer.readers.prepared == mine
+        used = set(m.shard_of_bin(producer.bins(0)).tolist())  # read by micro-batch 0: checked on use
+        for s, shard in enumerate(m.shards):  # recorded for the machine: what this worker checked, no more
+            checked = os.path.exists(os.path.join(producer.store.meta_dir, f"{shard.sha256}.verified.json"))
+            indexed = os.path.exists(producer.store.index_cache_path(shard) or "")
+            assert checked == indexed == (s in mine | used), s
     finally:
         producer.close()
