@@ -1,9 +1,10 @@
 """What runs inside a loader worker: read the bins of a micro-batch, collate them, read shards ahead.
 
 A worker owns every `num_workers`-th micro-batch of this rank (k = start + worker_id, + num_workers, ...),
-so the main process can take results in order without any coordination. Each worker also runs a thread
-that fetches the shards of the upcoming micro-batches of this rank (the order is known in advance);
-the cache's per-shard locks keep two workers from downloading the same shard.
+so the main process can take results in order without any coordination. Shards of the upcoming
+micro-batches of this rank (the order is known in advance) are got ahead: remote ones downloaded by a
+prefetcher thread (the cache's per-shard locks keep two workers from downloading the same shard), local ones
+read ahead by the kernel and checked by the workers in shares, from each worker's own thread.
 """
 
 from __future__ import annotations
