@@ -184,7 +184,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--s3-endpoint", default=None, help="endpoint URL for s3:// inputs and outputs (or AWS_ENDPOINT_URL)"
     )
     g = p.add_argument_group("job")
-    g.add_argument("-w", "--workers", type=int, default=1, help="worker processes for scan, lengths, write")
+    g.add_argument(
+        "-w",
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes for scan, lengths, write (local engine; under --engine ray every chunk is a Ray "
+        "task of one CPU, as many at once as the cluster has CPUs)",
+    )
     g.add_argument(
         "--engine",
         choices=ENGINES,
@@ -196,7 +203,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ray-address",
         default="auto",
         help="--engine ray: the cluster to join (default auto: the one running on this machine, else a new "
-        "local one); the work folder must be on a filesystem every node sees",
+        "local one); the work folder (--work-dir) must be a URL or a filesystem every node sees (default for a URL "
+        "output: <output>/_work)",
     )
     g.add_argument(
         "-S",
