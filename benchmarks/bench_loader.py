@@ -3,8 +3,9 @@
 Contenders (same decoding and batching: npy/json members, Pillow decode + patchify, packing.layout collation):
   raw        sequential read of every shard's bytes (the storage's read bandwidth; no decoding)
   webdataset plain `webdataset` pipeline + WebLoader (shards in order, split by worker)
-  energon    Megatron-Energon (`get_train_dataset` + `get_loader` over the dataset's `.nv-meta`, local disk
-             only; its own tar reading and array decoding, the same image decoding and collation)
+  energon    Megatron-Energon (`get_train_dataset` + `get_loader` over the dataset's `.nv-meta`, from local disk
+             and, through Multi-Storage Client (msc://), from S3; its own tar reading and array decoding, the
+             same image decoding and collation)
   mmpack     `dataloader.build_loader` (global shuffled order, sha256 checks, cache, read-ahead), first use on
              the machine: every shard checked against its sha256 and its tar index worked out
   mmpack, checked before  the same with the per-machine facts of the first run in place (a restarted job)
@@ -155,6 +156,22 @@ def energon_loader(root: str, cfg: CollateConfig, micro: int, workers: int) -> I
         task_encoder=CollateEncoder(),
     )
     return get_loader(ds)  # type: ignore[no-any-return]
+
+
+def energon_msc_url(endpoint_url: str, url: str, tmp: Path) -> str:
+    """The Multi-Storage Client URL under which Energon reads the S3 copy `url` (s3://bucket/prefix) from the
+    server at `endpoint_url`: a profile in an MSC config file written to `tmp`, named by $MSC_CONFIG (read by
+    Energon's processes, forked from this one). No MSC cache is configured: Energon reads every shard from S3."""
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    config = tmp / "msc_config.yaml"
+    config.write_text(
+        "profiles:\n  bench:\n    storage_provider:\n      type: s3\n      options:\n"
+        f"        base_path: {bucket}\n        endpoint_url: {endpoint_url}\n        region_name: us-east-1\n"
+        "    credentials_provider:\n      type: S3Credentials\n      options:\n"
+        "        access_key: testing\n        secret_key: testing\n"
+    )
+    os.environ["MSC_CONFIG"] = str(config)
+    return f"msc://bench/{prefix}"
 
 
 def has_energon(root: str) -> bool:
@@ -443,6 +460,7 @@ def run_storage(
     tmp: Path,
     ceiling: Callable[[], dict] | None = None,
     repeats: int | None = None,
+    energon_root: str | None = None,
 ) -> dict[str, dict]:
     """Every contender on one storage. Full passes are repeated `--repeats` times in turn (contender after
     contender, round after round, with `ceiling`, if given, measured once per round too): the machine's speed
@@ -479,7 +497,7 @@ def run_storage(
         return webdataset_loader(urls, cfg, micro, args.workers, storage_options)
 
     def energon() -> Iterable[Any]:
-        return energon_loader(root, cfg, micro, args.workers)
+        return energon_loader(energon_root or root, cfg, micro, args.workers)
 
     local_files = urls if storage_options is None else []
 
@@ -496,7 +514,7 @@ def run_storage(
         root, storage_options, str(tmp / f"cache-{name}-{next(counter)}")
     )
     contenders: list[tuple[str, Callable[[], Iterable[Any]]]] = [("webdataset", plain)]
-    if storage_options is None and has_energon(root):
+    if (storage_options is None and has_energon(root)) or energon_root is not None:
         contenders.append(("energon", energon))
     contenders += [("mmpack", mmpack), ("mmpack, checked before", checked_before)]
     full: dict[str, list[dict]] = {label: [] for label, _ in contenders}
@@ -662,7 +680,15 @@ def main(argv: list[str] | None = None) -> int:
                     url = s3.upload_folder(dataset, "bench", data_name)
                     if "s3" in storages:
                         all_results[f"{data_name}/s3"] = run_storage(
-                            "s3", url, s3.storage_options, args, tmp, ceiling
+                            "s3",
+                            url,
+                            s3.storage_options,
+                            args,
+                            tmp,
+                            ceiling,
+                            energon_root=energon_msc_url(s3.endpoint_url, url, tmp)
+                            if has_energon(str(dataset))
+                            else None,
                         )
                     if "s3-link" in storages:
                         # The same server behind a link slower than decoding: the storage is the bottleneck
