@@ -34,6 +34,7 @@ move). Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -658,6 +659,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_energon and importlib.util.find_spec("megatron.energon") is not None:
             for dataset in datasets.values():
                 add_energon_metadata(dataset)
+        servers = contextlib.ExitStack()
+        s3: Any = None
         for data_name, dataset in datasets.items():
             m = load_manifest(str(dataset), shard_format="wds")
             cfg = CollateConfig.from_manifest(m)
@@ -676,27 +679,29 @@ def main(argv: list[str] | None = None) -> int:
                     "local", str(dataset), None, args, tmp, ceiling
                 )
             if "s3" in storages or "s3-link" in storages:
-                with moto_s3(own_process=True) as s3:
-                    url = s3.upload_folder(dataset, "bench", data_name)
-                    if "s3" in storages:
-                        all_results[f"{data_name}/s3"] = run_storage(
-                            "s3",
-                            url,
-                            s3.storage_options,
-                            args,
-                            tmp,
-                            ceiling,
-                            energon_root=energon_msc_url(s3.endpoint_url, url, tmp)
-                            if has_energon(str(dataset))
-                            else None,
+                # One server for the run: Energon's MSC reads its config (the endpoint) once per process.
+                s3 = servers.enter_context(moto_s3(own_process=True)) if s3 is None else s3
+                url = s3.upload_folder(dataset, "bench", data_name)
+                if "s3" in storages:
+                    all_results[f"{data_name}/s3"] = run_storage(
+                        "s3",
+                        url,
+                        s3.storage_options,
+                        args,
+                        tmp,
+                        ceiling,
+                        energon_root=energon_msc_url(s3.endpoint_url, url, tmp)
+                        if has_energon(str(dataset))
+                        else None,
+                    )
+                if "s3-link" in storages:
+                    # The same server behind a link slower than decoding: the storage is the bottleneck
+                    # (one pass each: the link, not the machine's drift, sets the pace).
+                    with link_proxy_process(s3.endpoint_url, args.link_mb_s * 1e6) as proxy:
+                        all_results[f"{data_name}/s3-link"] = run_storage(
+                            "s3-link", url, s3_storage_options(proxy), args, tmp, ceiling, repeats=1
                         )
-                    if "s3-link" in storages:
-                        # The same server behind a link slower than decoding: the storage is the bottleneck
-                        # (one pass each: the link, not the machine's drift, sets the pace).
-                        with link_proxy_process(s3.endpoint_url, args.link_mb_s * 1e6) as proxy:
-                            all_results[f"{data_name}/s3-link"] = run_storage(
-                                "s3-link", url, s3_storage_options(proxy), args, tmp, ceiling, repeats=1
-                            )
+        servers.close()
     print_table(all_results)
     record = {
         "benchmark": "bench_loader",
