@@ -120,7 +120,8 @@ class ReaderPool:
 class Producer:
     """Builds micro-batch k (absolute index on this rank: step * micro_batches_per_step + micro_batch).
 
-    While it builds micro-batches of k_start..k_end-1, a `Prefetcher` thread fetches their shards ahead.
+    While it builds micro-batches of k_start..k_end-1, their shards are got ahead: remote ones by a `Prefetcher`
+    thread, local ones by `LocalReadAhead` from this thread.
     """
 
     def __init__(
@@ -253,7 +254,8 @@ _PREFETCHER_IDS = itertools.count()
 
 
 class Prefetcher(threading.Thread):
-    """Fetches the shards of the coming micro-batches in stream order of first need.
+    """Fetches the remote shards of the coming micro-batches in stream order of first need (local ones:
+    `LocalReadAhead`).
 
     At most `ahead` distinct shards past the consumer are fetched ahead, `threads` of them (default: the
     storage's `download_concurrency`) at once, each in a short-lived thread (nothing idles once the work is
@@ -333,15 +335,10 @@ class Prefetcher(threading.Thread):
                 if not self._wait_for_room(k, fetched, download=False):
                     return
                 for s in self.producer.new_shards(k, recent):
-                    if s in self.producer.readers.prepared:
-                        continue  # nothing left to do for it
                     if not self._wait_for_room(k, fetched, download=True):
                         return
-                    if self.producer.spec.storage.is_local:  # CPU work (hashing, indexing): no thread needed
-                        self._fetch(s)
-                    else:
-                        name = f"{self.thread_prefix}_{s}"
-                        threading.Thread(target=self._fetch, args=(s,), daemon=True, name=name).start()
+                    name = f"{self.thread_prefix}_{s}"
+                    threading.Thread(target=self._fetch, args=(s,), daemon=True, name=name).start()
                     fetched.append(k)
                 k += 1
         except Exception:  # as in _fetch: the consumer reports errors

@@ -88,21 +88,13 @@ class ShardStore:
         return path
 
     def fetch(self, shard: ShardInfo, *, wait: bool = True, cancel: threading.Event | None = None) -> bool:
-        """Makes sure the shard is cached (local shards: checked, and read ahead into the page cache).
+        """Makes sure the shard is cached (local shards: checked; the loader's workers ask the kernel to read
+        them ahead, `dataloader.worker.LocalReadAhead`).
 
         With wait=False, returns False at once if another process or thread holds it. Setting `cancel`
         makes a download in progress give up (ShardError) at its next chunk, retry or wait."""
         if self.config.is_local:
-            local = self._local_in_place(shard, wait=wait)
-            if local is None:
-                return False
-            with contextlib.suppress(OSError):  # a hint: read the file ahead, asynchronously
-                fd = os.open(local, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                finally:
-                    os.close(fd)
-            return True
+            return self._local_in_place(shard, wait=wait) is not None
         path = self._cache_path(shard)
         with _flock(self._lock_path(os.path.basename(path)), blocking=wait) as got:
             if not got:
