@@ -261,26 +261,20 @@ class PeakPss:
 
 
 # -- measurement ---------------------------------------------------------------------------------------------
-def measure(
-    make: Callable[[], Iterable[Any]], total_bytes: int, step_s: float, max_batches: int | None
-) -> dict:
-    """One pass over `make()`: time to first batch, bins/s, MB/s; with step_s > 0, the data-wait fraction."""
-    return _measure(make, total_bytes, step_s, max_batches)
-
-
 def peak_memory(make: Callable[[], Iterable[Any]], total_bytes: int) -> dict:
     """Another full pass over `make()`, for the peak PSS of this process and the ones the loader starts.
 
     Its own pass: reading /proc/<pid>/smaps_rollup of every process 20 times a second costs CPU (and, from a
     thread of the consumer's process, its GIL), which would slow the pass being timed."""
     with PeakPss() as pss:
-        _measure(make, total_bytes, 0.0, None)
+        measure(make, total_bytes, 0.0, None)
     return {"peak_pss_MB": pss.peak_kb / 1024, "peak_pss_anon_shmem_MB": pss.peak_anon_shmem_kb / 1024}
 
 
-def _measure(
+def measure(
     make: Callable[[], Iterable[Any]], total_bytes: int, step_s: float, max_batches: int | None
 ) -> dict:
+    """One pass over `make()`: time to first batch, bins/s, MB/s; with step_s > 0, the data-wait fraction."""
     t0 = time.perf_counter()
     it = iter(make())
     first = None
@@ -659,49 +653,48 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_energon and importlib.util.find_spec("megatron.energon") is not None:
             for dataset in datasets.values():
                 add_energon_metadata(dataset)
-        servers = contextlib.ExitStack()
-        s3: Any = None
-        for data_name, dataset in datasets.items():
-            m = load_manifest(str(dataset), shard_format="wds")
-            cfg = CollateConfig.from_manifest(m)
-            shards = [(str(dataset / s.path), s.bins) for s in m.shards]  # bin counts from the manifest
-            total_bytes = sum(s.bytes for s in m.shards)
+        with contextlib.ExitStack() as servers:  # the S3 server, started at its first use
+            s3: Any = None
+            for data_name, dataset in datasets.items():
+                m = load_manifest(str(dataset), shard_format="wds")
+                cfg = CollateConfig.from_manifest(m)
+                shards = [(str(dataset / s.path), s.bins) for s in m.shards]  # bin counts from the manifest
+                total_bytes = sum(s.bytes for s in m.shards)
 
-            def ceiling(
-                shards: list[tuple[str, int]] = shards,
-                cfg: CollateConfig = cfg,
-                total_bytes: int = total_bytes,
-            ) -> dict:
-                return decode_ceiling(shards, cfg, args.micro_batch, args.workers, total_bytes)
+                def ceiling(
+                    shards: list[tuple[str, int]] = shards,
+                    cfg: CollateConfig = cfg,
+                    total_bytes: int = total_bytes,
+                ) -> dict:
+                    return decode_ceiling(shards, cfg, args.micro_batch, args.workers, total_bytes)
 
-            if "local" in storages:  # the ceiling is measured in turns with the passes of each storage
-                all_results[f"{data_name}/local"] = run_storage(
-                    "local", str(dataset), None, args, tmp, ceiling
-                )
-            if "s3" in storages or "s3-link" in storages:
-                # One server for the run: Energon's MSC reads its config (the endpoint) once per process.
-                s3 = servers.enter_context(moto_s3(own_process=True)) if s3 is None else s3
-                url = s3.upload_folder(dataset, "bench", data_name)
-                if "s3" in storages:
-                    all_results[f"{data_name}/s3"] = run_storage(
-                        "s3",
-                        url,
-                        s3.storage_options,
-                        args,
-                        tmp,
-                        ceiling,
-                        energon_root=energon_msc_url(s3.endpoint_url, url, tmp)
-                        if has_energon(str(dataset))
-                        else None,
+                if "local" in storages:  # the ceiling is measured in turns with the passes of each storage
+                    all_results[f"{data_name}/local"] = run_storage(
+                        "local", str(dataset), None, args, tmp, ceiling
                     )
-                if "s3-link" in storages:
-                    # The same server behind a link slower than decoding: the storage is the bottleneck
-                    # (one pass each: the link, not the machine's drift, sets the pace).
-                    with link_proxy_process(s3.endpoint_url, args.link_mb_s * 1e6) as proxy:
-                        all_results[f"{data_name}/s3-link"] = run_storage(
-                            "s3-link", url, s3_storage_options(proxy), args, tmp, ceiling, repeats=1
+                if "s3" in storages or "s3-link" in storages:
+                    # One server for the run: Energon's MSC reads its config (the endpoint) once per process.
+                    s3 = servers.enter_context(moto_s3(own_process=True)) if s3 is None else s3
+                    url = s3.upload_folder(dataset, "bench", data_name)
+                    if "s3" in storages:
+                        all_results[f"{data_name}/s3"] = run_storage(
+                            "s3",
+                            url,
+                            s3.storage_options,
+                            args,
+                            tmp,
+                            ceiling,
+                            energon_root=energon_msc_url(s3.endpoint_url, url, tmp)
+                            if has_energon(str(dataset))
+                            else None,
                         )
-        servers.close()
+                    if "s3-link" in storages:
+                        # The same server behind a link slower than decoding: the storage is the bottleneck
+                        # (one pass each: the link, not the machine's drift, sets the pace).
+                        with link_proxy_process(s3.endpoint_url, args.link_mb_s * 1e6) as proxy:
+                            all_results[f"{data_name}/s3-link"] = run_storage(
+                                "s3-link", url, s3_storage_options(proxy), args, tmp, ceiling, repeats=1
+                            )
     print_table(all_results)
     record = {
         "benchmark": "bench_loader",
