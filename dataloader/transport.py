@@ -33,7 +33,7 @@ ALIGN = 64  # array offsets inside a slot, so any dtype view is aligned
 MAX_SLOTS = 1024  # per worker; beyond that (a consumer holding that many batches) batches travel by value
 HANDOVER_MAX_BYTES = 4 << 20  # a message carries several batches only while they are this small together
 TRIM_MIN_BYTES = 1 << 20  # pages past a slot's batch are given back once they are at least this many
-IN_PLACE_MIN_BYTES = 4096  # arrays smaller than this are copied into the slot even when made in place
+IN_PLACE_MIN_BYTES = 4096  # an array smaller than this is copied into the slot even when made in place
 _MADV_REMOVE = 9  # linux: free the shared memory behind a range of a shared mapping
 _LIBC: Any = None
 
@@ -76,19 +76,14 @@ def new_slot_flags(ctx: Any) -> Any:
     return ctx.RawArray("B", MAX_SLOTS)
 
 
-def _layout(
-    batch: dict[str, Any], in_place: dict[str, int] | None = None
-) -> tuple[list[tuple[str, np.ndarray, int]], int]:
-    """The arrays of `batch` with their byte offsets in a slot, and the bytes they need: arrays written in
-    place keep their offsets (`in_place`: key -> offset), the others follow them, aligned."""
-    in_place = in_place or {}
+def _layout(batch: dict[str, Any], first: str | None = None) -> tuple[list[tuple[str, np.ndarray, int]], int]:
+    """The arrays of `batch` with their byte offsets in a slot (`first` at offset 0), and the bytes they need."""
     placed = []
-    end = max((off + batch[k].nbytes for k, off in in_place.items()), default=0)
-    end = -(-end // ALIGN) * ALIGN
-    for key, value in batch.items():
-        if key in in_place:
-            placed.append((key, value, in_place[key]))
-        elif isinstance(value, np.ndarray):
+    end = 0
+    keys = list(batch) if first is None else [first] + [k for k in batch if k != first]
+    for key in keys:
+        value = batch[key]
+        if isinstance(value, np.ndarray):
             arr = value if value.flags.c_contiguous else value.copy(order="C")  # keeps 0-d arrays 0-d
             placed.append((key, arr, end))
             end += -(-arr.nbytes // ALIGN) * ALIGN
@@ -138,31 +133,31 @@ class SlotWriter:
         return self._buffers[slot].numpy()[:nbytes]
 
     def put(self, batch: dict[str, Any]) -> SlotMessage:
-        """Copies `batch` into a free slot (a new one if none fits) and returns the message announcing it;
-        arrays written in place (`stage`) stay where they are, the others are laid out after them."""
+        """Copies `batch` into a free slot (a new one if none fits) and returns the message announcing it; an
+        array written in place (`stage`) stays where it is."""
         staged, self._staged = self._staged, -1
-        in_place: dict[str, int] = {}  # key -> byte offset in the staged slot
+        in_place = None
         if staged >= 0:
-            base, size = self._buffers[staged].data_ptr(), self._buffers[staged].numel()
+            start = self._buffers[staged].data_ptr()
             for key, value in batch.items():
-                # Small arrays are copied whatever their place (looking up an address costs about as much).
-                if isinstance(value, np.ndarray) and value.nbytes >= IN_PLACE_MIN_BYTES:
-                    offset = value.ctypes.data - base
-                    if offset >= 0 and offset + value.nbytes <= size and value.flags.c_contiguous:
-                        in_place[key] = offset
-        placed, need = _layout(batch, in_place)
+                # Small arrays are not looked at (looking up an address costs about as much as copying them).
+                big = isinstance(value, np.ndarray) and value.nbytes >= IN_PLACE_MIN_BYTES
+                if big and value.ctypes.data == start:
+                    in_place = key
+                    break
+        placed, need = _layout(batch, first=in_place)
         values = {k: v for k, v in batch.items() if not isinstance(v, np.ndarray)}
-        slot = staged if in_place else self._free_slot(need)
+        slot = staged if in_place is not None else self._free_slot(need)
         if slot < 0:  # every slot is held by the consumer: send by value
             return SlotMessage(
                 slot=-1, buffer=None, arrays=(), nbytes=0, values=dict(batch), order=tuple(batch)
             )
         before = self._buffers[slot] if slot < len(self._buffers) else None
-        self._ensure(slot, need)  # may give the slot a new buffer: then arrays made in place are copied too
+        self._ensure(slot, need)  # may give the slot a new buffer: then the array made in place is copied too
         moved = self._buffers[slot] is not before
         view = self._buffers[slot].numpy()
         for key, arr, offset in placed:
-            if moved or key not in in_place:
+            if moved or key != in_place:
                 view[offset : offset + arr.nbytes] = arr.reshape(-1).view(np.uint8)
         if self._resident[slot] - need >= TRIM_MIN_BYTES:
             if _give_back_pages(self._buffers[slot], need, self._resident[slot]):
