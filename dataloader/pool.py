@@ -7,6 +7,7 @@ and record each worker's storage counters in `metrics`.
 from __future__ import annotations
 
 import multiprocessing as mp
+import select
 import sys
 import time
 from collections import deque
@@ -97,6 +98,10 @@ def run_workers(
     for _, send_end in pipes:
         send_end.close()  # the workers hold theirs: a worker that dies shows as end of file
     conns = [recv_end for recv_end, _ in pipes]
+    pollers = []  # one poll object per pipe, kept: `Connection.poll` builds a selector at every call
+    for conn in conns:
+        pollers.append(select.poll())
+        pollers[-1].register(conn.fileno(), select.POLLIN)
     readers = [SlotReader(flags[w], ahead[w]) for w in range(n)]
     received: list[deque[Any]] = [deque() for _ in range(n)]  # per worker: batches not yet taken
     k = k_start
@@ -106,14 +111,15 @@ def run_workers(
             t0 = time.perf_counter()
             try:
                 if not received[w]:
-                    received[w].extend(_get(conns[w], procs[w]))
+                    received[w].extend(_get(conns[w], procs[w], pollers[w]))
                 kind, got_k, payload, worker_metrics = received[w].popleft()
                 if kind == "ok":
                     payload = readers[w].take(payload)
             except Exception as e:  # a dead worker, or a batch that cannot be received: report, never hang
                 raise RuntimeError(_why_not_received(procs[w], e)) from None
             wait_s = time.perf_counter() - t0
-            metrics[w] = worker_metrics
+            if worker_metrics is not None:  # a message's last batch carries its worker's counters
+                metrics[w] = worker_metrics
             if kind == "shard_error":
                 raise ShardError(payload)
             if kind != "ok":
@@ -142,9 +148,11 @@ def _why_not_received(proc: Any, error: BaseException) -> str:
     return f"cannot receive a batch from loader worker {proc.name}: {type(error).__name__}: {error}"
 
 
-def _get(conn: Any, proc: Any) -> list[tuple[str, int, Any, dict[str, int]]]:
-    """The next message (one or more batches) from one worker; an error, never a hang, once it is gone."""
-    while not conn.poll(0.1):
+def _get(conn: Any, proc: Any, poller: Any) -> list[tuple[str, int, Any, dict[str, int] | None]]:
+    """The next message (one or more batches) from one worker; an error, never a hang, once it is gone.
+
+    `poller`: a `select.poll` with the pipe's descriptor registered (readable, or closed by a dead worker)."""
+    while not poller.poll(100):
         if not proc.is_alive():
             raise RuntimeError("no message")
     return conn.recv()  # type: ignore[no-any-return]

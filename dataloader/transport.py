@@ -157,7 +157,7 @@ class SlotWriter:
         moved = self._buffers[slot] is not before
         view = self._buffers[slot].numpy()
         for key, arr, offset in placed:
-            if moved or key != in_place:
+            if arr.nbytes and (moved or key != in_place):
                 view[offset : offset + arr.nbytes] = arr.reshape(-1).view(np.uint8)
         if self._resident[slot] - need >= TRIM_MIN_BYTES:
             if _give_back_pages(self._buffers[slot], need, self._resident[slot]):

@@ -197,8 +197,8 @@ class LocalReadAhead:
 
     No thread: checking and indexing a local shard is CPU work that a thread would only contend for the GIL
     with (each of its many small system calls hands the GIL to the other thread and back). The workers share
-    out that work instead: worker i of n checks and indexes the coming shards s with s % n == i as soon as it
-    asks for them to be read, without waiting for a shard another process is on. Workers reach the same
+    out that work instead: worker i of n asks for the coming shards s with s % n == i to be read, and checks
+    and indexes them as soon as it has asked, without waiting for a shard another process is on. Workers reach the same
     shards at about the same time, and otherwise one checks while the others wait for it, idle.
     """
 
@@ -228,10 +228,11 @@ class LocalReadAhead:
         ):
             mine = []
             for s in self.producer.new_shards(self.k, self._recent):
-                self._read_ahead(self.producer.store.verified_path(self.producer.spec.manifest.shards[s]))
                 self._hinted.append(self.k)
-                if s % self.num_workers == self.worker_id and s not in self.producer.readers.prepared:
-                    mine.append(s)
+                if s % self.num_workers == self.worker_id:  # one hint per shard is enough for the machine
+                    self._read_ahead(self.producer.store.verified_path(self.producer.spec.manifest.shards[s]))
+                    if s not in self.producer.readers.prepared:
+                        mine.append(s)
             for s in mine:
                 with contextlib.suppress(Exception):  # errors are reported with context on use
                     self.producer.readers.prepare(s)
@@ -388,8 +389,13 @@ def worker_loop(
     def pixel_out(rows: int, width: int) -> np.ndarray:
         return writer.stage(rows * width * 4, rest + (64 << 10)).view(np.float32).reshape(rows, width)
 
+    def send(items: list[tuple[str, int, Any, dict[str, int] | None]]) -> None:
+        """One message; its last batch carries the storage counters (the consumer keeps the latest)."""
+        items[-1] = (*items[-1][:3], producer.store.metrics.as_dict())
+        conn.send(items)
+
     k = k_start + worker_id
-    pending: list[tuple[str, int, Any, dict[str, int]]] = []
+    pending: list[tuple[str, int, Any, dict[str, int] | None]] = []
     pending_bytes = 0
     first = True
     large = False  # the last batch was large: keep `handover` batches of room unused
@@ -404,25 +410,25 @@ def worker_loop(
                 parked = 0
             if not writer.try_room():
                 if pending:  # the consumer gets what is made before this worker waits
-                    conn.send(pending)
+                    send(pending)
                     pending, pending_bytes = [], 0
                 if not writer.wait_for_room():
                     break
-            item: tuple[str, int, Any, dict[str, int]]
+            item: tuple[str, int, Any, dict[str, int] | None]
             try:
                 msg = writer.put(producer.produce(k, pixel_out=pixel_out))
-                item = ("ok", k, msg, producer.store.metrics.as_dict())
+                item = ("ok", k, msg, None)
                 pending_bytes += msg.nbytes
                 large = msg.nbytes * handover > HANDOVER_MAX_BYTES
             except Exception as e:
                 kind = "shard_error" if isinstance(e, ShardError) else "error"
                 detail = str(e) if kind == "shard_error" else traceback.format_exc()
-                item = (kind, k, detail, producer.store.metrics.as_dict())
+                item = (kind, k, detail, None)
             pending.append(item)
             k += num_workers
             last = item[0] != "ok" or (k_end is not None and k >= k_end)
             if first or last or len(pending) >= handover or pending_bytes >= HANDOVER_MAX_BYTES:
-                conn.send(pending)
+                send(pending)
                 pending, pending_bytes, first = [], 0, False
             if item[0] != "ok":
                 break

@@ -209,8 +209,8 @@ def test_local_shards_are_read_ahead_without_a_thread(dataset: Path, monkeypatch
 def test_workers_share_out_the_checks_of_the_shards_they_read_ahead(
     dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, worker: tuple[int, int]
 ) -> None:
-    """Worker i of n checks and indexes, as it asks for them to be read ahead, exactly the coming shards s with
-    s % n == i (the others are left to the other workers), and records both for the machine."""
+    """Worker i of n asks for exactly the coming shards s with s % n == i to be read ahead, checks and indexes
+    them (the others are left to the other workers), and records both for the machine."""
     hinted: list[str] = []
     monkeypatch.setattr(LocalReadAhead, "_read_ahead", staticmethod(hinted.append))
     storage = StorageConfig(root=str(dataset), cache_dir=str(tmp_path))
@@ -218,10 +218,18 @@ def test_workers_share_out_the_checks_of_the_shards_they_read_ahead(
     m = load_manifest(str(dataset))
     producer = Producer(spec, 0, None, worker=worker)
     try:
+        order: list[int] = []  # shards in order of first need
+        for k in range(60):
+            for s in m.shard_of_bin(producer.bins(k)).tolist():
+                if s not in order:
+                    order.append(s)
         producer.produce(0)
+        assert isinstance(producer.prefetcher, LocalReadAhead)
+        coming = order[: len(producer.prefetcher._hinted)]  # the shards it looked at, mine or not
         ahead = [next(s for s, sh in enumerate(m.shards) if str(dataset / sh.path) == p) for p in hinted]
-        mine = {s for s in ahead if s % 2 == worker[0]}
-        assert len(ahead) >= 4 and mine and mine != set(ahead)
+        mine = {s for s in coming if s % 2 == worker[0]}
+        assert len(coming) >= 4 and mine and mine != set(coming)
+        assert ahead == [s for s in coming if s % 2 == worker[0]]  # one hint per shard for the machine
         assert producer.readers.prepared == mine
         used = set(m.shard_of_bin(producer.bins(0)).tolist())  # read by micro-batch 0: checked on use
         for s, shard in enumerate(m.shards):  # recorded for the machine: what this worker checked, no more

@@ -405,8 +405,9 @@ def test_non_regular_members_raise_for_shards_and_are_skipped_for_raw_input(tmp_
 def test_wds_index_cache_of_another_version_or_with_members_outside_their_bin_is_redone(
     tmp_path: Path,
 ) -> None:
-    """A cache file in the old flat layout (version 1), or one whose member lies outside its bin's span, is
-    ignored: the tar is walked again and the file rewritten; the records read are the same."""
+    """A cache file in the old flat layout (version 1), one whose member lies outside its bin's span, or one
+    whose numbers or members have another shape, is ignored: the tar is walked again and the file rewritten;
+    the records read are the same."""
     shard = write_tar(tmp_path / "s.tar", good_bin("000001") + good_bin("000002", np.arange(6, 12)))
     cache = tmp_path / "meta" / "digest.tar-index.json"
     first = WdsShardReader(str(shard), label="s", index_cache=str(cache))
@@ -420,7 +421,13 @@ def test_wds_index_cache_of_another_version_or_with_members_outside_their_bin_is
     _key, _start, end, members = outside["bins"][0]
     suffix = next(iter(members))
     members[suffix] = [end, 1]  # past the bin's span
-    for damaged in (flat, outside):
+    # numbers that are not ints, members not as [offset, size]: the cache is used as JSON gives it, so
+    # each shape is checked on load
+    not_int, three, listed = (json.loads(cache.read_text()) for _ in range(3))
+    not_int["bins"][1][3][suffix][1] = float(not_int["bins"][1][3][suffix][1])  # e.g. 128.0
+    three["bins"][0][3][suffix].append(0)
+    listed["bins"][1][3] = list(listed["bins"][1][3].items())
+    for damaged in (flat, outside, not_int, three, listed):
         cache.write_text(json.dumps(damaged))
         again = WdsShardReader(str(shard), label="s", index_cache=str(cache))
         _same_records(want, [again.read(i) for i in range(len(again))])

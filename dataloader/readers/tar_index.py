@@ -67,22 +67,27 @@ def shard_bins(fd: int, *, label: str, index_cache: str | None) -> list[BinMembe
 
 
 def _load_index(path: str, file_size: int) -> list[BinMembers] | None:
-    """Cached bins for a file of `file_size` bytes; None when absent, unreadable or not for this file."""
+    """Cached bins for a file of `file_size` bytes; None when absent, unreadable or not for this file.
+
+    The bins are used as JSON gives them (a list per bin, a [offset, size] list per member: the reader only
+    unpacks them), after checking every number is an int inside the file and every member inside its bin's
+    span: rebuilding them as tuples cost as much as reading the file, once per shard in every worker."""
     doc = read_json(path)
     try:
         if doc["version"] != INDEX_CACHE_VERSION or doc["file_size"] != file_size:
             return None
-        bins = []
-        for key, start, end, raw in doc["bins"]:
-            members = {str(s): (int(o), int(n)) for s, (o, n) in raw.items()}
-            if not (0 <= start <= end <= file_size) or any(
-                o < start or n < 0 or o + n > end for o, n in members.values()
-            ):
+        bins = doc["bins"]
+        for key, start, end, members in bins:
+            ints = type(start) is int and type(end) is int
+            if not (ints and type(key) is str and 0 <= start <= end <= file_size):
                 return None
-            bins.append((str(key), int(start), int(end), members))
+            for offset, size in members.values():
+                ints = type(offset) is int and type(size) is int
+                if not (ints and size >= 0 and start <= offset <= end - size):
+                    return None
     except (ValueError, KeyError, TypeError, AttributeError):  # also a missing file (None), another shape
         return None
-    return bins
+    return bins  # type: ignore[no-any-return]
 
 
 def build_index_cache(path: str, index_cache: str, *, label: str) -> None:
