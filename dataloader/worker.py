@@ -10,6 +10,7 @@ read ahead by the kernel and checked by the workers in shares, from each worker'
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import os
 import threading
@@ -265,6 +266,7 @@ class Prefetcher(threading.Thread):
     """
 
     MAX_LOOKAHEAD_MICRO_BATCHES = 256
+    LOOKAHEAD_WAKE_STEP = 16
 
     def __init__(
         self, producer: Producer, k_start: int, k_end: int | None, ahead: int, threads: int | None = None
@@ -306,8 +308,9 @@ class Prefetcher(threading.Thread):
                 if near and self._running < self.threads and len(fetched) < self.ahead:
                     self._running += 1
                     return True
-                # Wait for the position that lets this go on (a finished download wakes it too).
-                self._wake_at = k - self.MAX_LOOKAHEAD_MICRO_BATCHES + 1
+                # Wait for the position that lets this go on (a finished download wakes it too); for room in
+                # the look-ahead, a few micro-batches more, so the thread runs once per few, not per one.
+                self._wake_at = k - self.MAX_LOOKAHEAD_MICRO_BATCHES + self.LOOKAHEAD_WAKE_STEP
                 if near and len(fetched) >= self.ahead:
                     self._wake_at = fetched[0] + 1
                 elif near:  # only a download thread is missing
@@ -336,6 +339,8 @@ class Prefetcher(threading.Thread):
                 if not self._wait_for_room(k, fetched, download=False):
                     return
                 for s in self.producer.new_shards(k, recent):
+                    if self.producer.store.is_cached(self.producer.spec.manifest.shards[s]):
+                        continue  # nothing to fetch: the reader finds it (and marks it used) when it opens it
                     if not self._wait_for_room(k, fetched, download=True):
                         return
                     name = f"{self.thread_prefix}_{s}"
@@ -378,6 +383,11 @@ def worker_loop(
     (a group of them would pass `HANDOVER_MAX_BYTES`), the worker keeps that room to itself, so at most
     `prefetch_batches` large ones, the one being made included, are held for the consumer (memory).
     """
+    # Objects inherited from the consumer's process (forked) are never collected here: garbage among them
+    # would run its finalizers in this process, where they do not belong (an fsspec filesystem's finalizer
+    # closes its HTTP session on the consumer's event loop, which has no thread here, and waits a second
+    # for it), and scanning them would copy their pages.
+    gc.freeze()
     # one intra-op thread: workers are the parallelism (video frames are resized with torch here)
     torch.set_num_threads(1)
     producer = Producer(spec, k_start, k_end, worker=(worker_id, num_workers))

@@ -238,3 +238,49 @@ def test_workers_share_out_the_checks_of_the_shards_they_read_ahead(
             assert checked == indexed == (s in mine | used), s
     finally:
         producer.close()
+
+
+class _WritesPidWhenCollected:
+    """Garbage in a reference cycle whose finalizer records the process that ran it."""
+
+    def __init__(self, record: Path) -> None:
+        self.record, self.me = record, self
+
+    def __del__(self) -> None:
+        with open(self.record, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_garbage_inherited_by_workers_is_not_collected_there(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, frozen: bool
+) -> None:
+    """Objects a worker inherits from the consumer (fork) are never collected in the worker, so their
+    finalizers run once, in the consumer (an fsspec filesystem's finalizer in a worker waits a second for
+    the consumer's event loop). Control (frozen=False: `gc.freeze` made a no-op): the worker runs it."""
+    import gc
+
+    def collect_first(self: Any, k: int, **kw: Any) -> Any:  # a collection in the worker, before its batch
+        gc.collect()
+        return real_produce(self, k, **kw)
+
+    real_produce = worker_mod.Producer.produce
+    monkeypatch.setattr(worker_mod.Producer, "produce", collect_first)
+    if not frozen:
+        monkeypatch.setattr(gc, "freeze", lambda: None)
+    record = tmp_path / "collected-by.txt"
+    loader = build_loader(
+        str(dataset), topology=Topology(dp_rank=0, dp_size=1), micro_batch_size=1, global_batch_size=1,
+        num_workers=2, num_epochs=1, cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    gc.disable()  # the consumer keeps the garbage until after the workers are forked
+    try:
+        _WritesPidWhenCollected(record)
+        assert sum(1 for _ in loader) == load_manifest(str(dataset)).num_bins
+    finally:
+        gc.enable()
+    gc.collect()
+    pids = record.read_text().split()
+    assert str(os.getpid()) in pids
+    workers = [p for p in pids if p != str(os.getpid())]
+    assert (workers == []) if frozen else (len(workers) >= 1)

@@ -257,3 +257,41 @@ def test_stop_while_downloads_are_in_flight(
     assert not [f for f in left if f.endswith(".part")]
     if streaming:
         assert not [f for f in left if not f.endswith(".lock")]  # given up, nothing cached
+
+
+def test_prefetcher_leaves_cached_shards_to_the_reader(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards already in the cache start no download thread (the reader finds them when it opens them); with
+    an empty cache (the control) every coming shard gets one."""
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        started.append(self.name)
+        real_start(self)
+
+    m = load_manifest(str(dataset))
+    with CountingServer(dataset.parent) as server:
+        url = f"{server.url}/{dataset.name}"
+        n = m.num_bins // 2
+        for round_ in ("empty cache", "cached"):
+            spec = producer_spec(url, tmp_path, threads=2, ahead=len(m.shards))
+            monkeypatch.setattr(threading.Thread, "start", start)
+            started.clear()
+            producer = Producer(spec, 0, n)
+            try:
+                assert wait_until(lambda p=producer: not p.prefetcher.is_alive())
+                assert wait_until(lambda p=producer: not download_threads(p))
+                for k in range(n):
+                    producer.prefetcher.advance(k)
+                    producer.produce(k)
+            finally:
+                producer.close()
+                monkeypatch.undo()
+            downloads = [t for t in started if t.startswith(producer.prefetcher.thread_prefix + "_")]
+            if round_ == "empty cache":
+                assert len(downloads) == len(m.shards)
+            else:
+                assert downloads == [] and producer.store.metrics.cache_hits > 0
+        assert server.shard_gets() == {u: 1 for u in shard_urls(m, f"/{dataset.name}")}

@@ -106,6 +106,10 @@ class ShardStore:
                 self._download_verified(shard, path, cancel)
         return True
 
+    def is_cached(self, shard: ShardInfo) -> bool:
+        """A remote shard's checked bytes are in the cache now (one `stat`; it may be evicted later)."""
+        return not self.config.is_local and os.path.exists(self._cache_path(shard))
+
     def verified_path(self, shard: ShardInfo) -> str:
         """Where the shard's checked bytes are once `fetch` returned True (nothing is counted or fetched)."""
         return (
