@@ -2,6 +2,7 @@
 
     python benchmarks/bench_balance.py                  # simulated: mixtures x seq_len 8k/32k x DP 8/64
     python benchmarks/bench_balance.py --measure        # + measured per-rank compute on this CPU (DP 2)
+    python benchmarks/bench_balance.py --trainer        # + a real TP1 x DP2 trainer run, with / without
 
 Simulated: samples of several length mixtures are packed into bins of seq_len (`pack_lengths`, auto), the
 bins are shuffled into a stream, and each global batch (DP x 4 micro-batches of 1 bin) is split over the
@@ -16,7 +17,14 @@ cu_seqlens) runs forward + backward over every bin of a few global batches on th
 sum over its bins, the step time the larger of the two ranks. Balancing uses the FLOP model of that small
 model's shape (`CostModel.dense`); the model fitted to the measured bin times (`CostModel.fit`) is reported
 beside it.
-Results go to benchmarks/results/bench_balance.json.
+
+Trainer (--trainer): the real trainer (`torchrun -m trainer.pretrain_vlm`, 2 ranks, TP1 x DP2, gloo, one
+thread each) trains a random tiny Qwen2.5-VL on packed image-text bins twice, with `--balance none` and
+`--balance compute` (its cost model: the trained model's FLOP counts, `trainer.training.balance_cost_model`).
+Each step logs the DP ranks' forward + backward time (slowest and mean); the step's compute time is the
+slowest rank's. Both runs see the same global batches.
+Results go to benchmarks/results/bench_balance.json; parts not run keep their last results there
+(`--no-simulated --trainer` updates the trainer part only).
 """
 
 from __future__ import annotations
@@ -217,6 +225,77 @@ def run_measured(args: argparse.Namespace) -> dict:
     return report
 
 
+def run_trainer(args: argparse.Namespace) -> dict:
+    """A real TP1 x DP2 training run, with and without `--balance compute`: each rank's forward + backward
+    time per step as the trainer logs it (`compute_ms_max` / `compute_ms_mean` over the DP group)."""
+    import subprocess
+    import tempfile
+
+    from offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
+
+    repo = Path(__file__).resolve().parents[1]
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-balance-") as tmp:
+        work = Path(tmp)
+        # image-text samples with 0-2 images of 28..448 px: a bin's vision work varies far more than its tokens
+        raw = make_synthetic_dataset(
+            work / "raw", n_samples=args.trainer_samples, seed=0, size_range=(28, 448), max_words=80
+        )
+        tokenizer = train_tiny_bpe(work / "tokenizer")
+        data = work / "packed"
+        pack_synthetic(raw, tokenizer, data, seq_len=args.trainer_seq_len)
+        for balance in ("none", "compute"):
+            metrics = work / f"{balance}.jsonl"
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(args.trainer_port), "-m", "trainer.pretrain_vlm",
+                "--data-path", str(data), "--num-layers", "2", "--hidden-size", "128",
+                "--num-attention-heads", "4", "--num-query-groups", "2", "--vision-num-layers", "2",
+                "--vision-hidden-size", "128", "--vision-num-attention-heads", "4",
+                "--micro-batch-size", "1", "--global-batch-size", str(2 * MICRO_BATCHES),
+                "--train-iters", str(args.trainer_steps + args.trainer_warmup), "--lr", "1e-4",
+                "--num-workers", "0", "--balance", balance, "--metrics-file", str(metrics),
+            ]  # fmt: skip
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+            proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
+            if proc.returncode:
+                raise RuntimeError(f"training with --balance {balance} failed:\n{proc.stderr[-4000:]}")
+            lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+            runs[balance] = [m for m in lines if "compute_ms_max" in m][args.trainer_warmup :]
+    plain, balanced = runs["none"], runs["compute"]
+    if [m["data_digest"] for m in plain] != [m["data_digest"] for m in balanced]:
+        raise RuntimeError("the two runs trained on different global batches: their times do not compare")
+    summed = {
+        name: {
+            "step_compute_s": sum(m["compute_ms_max"] for m in steps) / 1e3,
+            "mean_rank_compute_s": sum(m["compute_ms_mean"] for m in steps) / 1e3,
+            "mean_max_over_mean": float(np.mean([m["dp_imbalance"] for m in steps])),
+            "step_s": sum(m["step_ms"] for m in steps) / 1e3,
+        }
+        for name, steps in (("plain", plain), ("balanced", balanced))
+    }
+    report = {
+        "what": "torchrun -m trainer.pretrain_vlm, TP1 x DP2 on CPU (gloo, 1 thread per rank), random tiny "
+        "Qwen2.5-VL (2 x 128 language layers, dense block mask; 2 x 128 vision layers), seq_len "
+        f"{args.trainer_seq_len}, {MICRO_BATCHES} micro-batches of 1 bin per rank and step, "
+        f"{args.trainer_steps} steps after {args.trainer_warmup} warm-up",
+        "samples": args.trainer_samples,
+        **summed,
+        "speedup_step_compute": summed["plain"]["step_compute_s"] / summed["balanced"]["step_compute_s"],
+        "speedup_step": summed["plain"]["step_s"] / summed["balanced"]["step_s"],
+    }
+    p, b = summed["plain"], summed["balanced"]
+    print(
+        f"trainer (TP1 x DP2, {args.trainer_steps} steps): slowest rank's compute {p['step_compute_s']:.2f}s "
+        f"plain vs {b['step_compute_s']:.2f}s balanced ({report['speedup_step_compute']:.3f}x; mean rank "
+        f"{p['mean_rank_compute_s']:.2f}s / {b['mean_rank_compute_s']:.2f}s); max/mean per step "
+        f"{p['mean_max_over_mean']:.3f} vs {b['mean_max_over_mean']:.3f}; whole steps "
+        f"{report['speedup_step']:.3f}x",
+        flush=True,
+    )
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -230,6 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--measure-seq-len", type=int, default=2048)
     parser.add_argument("--measure-steps", type=int, default=12)
+    parser.add_argument(
+        "--trainer",
+        action="store_true",
+        help="also time a real TP1 x DP2 trainer run with and without balancing (a few minutes)",
+    )
+    parser.add_argument("--trainer-samples", type=int, default=600)
+    parser.add_argument("--trainer-seq-len", type=int, default=1024)
+    parser.add_argument("--trainer-steps", type=int, default=20)
+    parser.add_argument("--trainer-warmup", type=int, default=2)
+    parser.add_argument("--trainer-port", type=int, default=29741)
+    parser.add_argument("--simulated", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     print(
@@ -238,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{'':<12} {'':>7} {'':>5} {'':>4} {'max/mean':>10} {'max/mean':>10}")
     rows: list[dict] = []
-    run_simulated(args, rows)
+    if args.simulated:
+        run_simulated(args, rows)
     measured = run_measured(args) if args.measure else None
+    trainer = run_trainer(args) if args.trainer else None
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": {
@@ -254,7 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         "micro_batches_per_rank": MICRO_BATCHES,
         "rows": rows,
         "measured": measured,
+        "trainer": trainer,
     }
+    if args.out.exists():  # parts not run this time keep their last results
+        previous = json.loads(args.out.read_text())
+        for key, ran in (("rows", args.simulated), ("measured", args.measure), ("trainer", args.trainer)):
+            if not ran and previous.get(key):
+                report[key] = previous[key]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -10,8 +10,12 @@ Default coefficients (`CostModel.dense`) count training FLOPs (forward + backwar
 one text token's dense-layer work, 72 * h^2 * L for a language model of hidden size h and L layers:
 a = 1; b = 6 * h * L / (72 * h^2 * L) = 1 / (12 h) (causal attention scores and values, 2 * s^2 * h
 forward per layer); for a ViT of hidden size hv and Lv layers with full attention per image,
-c = hv^2 * Lv / (h^2 * L) and d = 12 * hv * Lv / (72 * h^2 * L). `DEFAULT_COST_MODEL` is Qwen2.5-VL-7B's
-shape (h 3584, L 28, hv 1280, Lv 32). Measured step times give better coefficients: `CostModel.fit`.
+c = hv^2 * Lv / (h^2 * L) and d = 12 * hv * Lv / (72 * h^2 * L). A ViT that attends within windows of W
+patches in all but Lf layers (Qwen2.5-VL) moves the windowed layers' attention into c (12 * hv * W per patch
+and layer) and keeps Lf in d. `DEFAULT_COST_MODEL` is Qwen2.5-VL-7B's shape (h 3584, L 28, hv 1280, Lv 32)
+counted with full attention in every ViT layer, an upper bound on the image attention (the real tower
+attends over whole images in 4 of the 32 layers); the trainer builds the model of the run it trains
+(`trainer.training.balance_cost_model`). Measured step times give better coefficients: `CostModel.fit`.
 """
 
 from __future__ import annotations
@@ -97,17 +101,44 @@ class CostModel:
 
     @classmethod
     def dense(
-        cls, *, hidden_size: int, num_layers: int, vision_hidden_size: int = 0, vision_layers: int = 0
+        cls,
+        *,
+        hidden_size: int,
+        num_layers: int,
+        vision_hidden_size: int = 0,
+        vision_layers: int = 0,
+        vision_full_attention_layers: int | None = None,
+        vision_window_patches: int = 0,
+        language_attention_by_sample: bool = True,
     ) -> CostModel:
-        """FLOP-count coefficients of a dense-attention language model (and ViT), per text-token unit."""
+        """FLOP-count coefficients of a dense-attention language model (and ViT), per text-token unit.
+
+        `vision_full_attention_layers`: how many ViT layers attend over each whole image (default: all); the
+        other layers attend within windows of `vision_window_patches` patches (Qwen2.5-VL: 4 of 32 layers
+        full, windows of 8 x 8 patches), which costs per patch, not per squared image size.
+        `language_attention_by_sample=False`: the language model's attention spans the whole sequence
+        whatever the samples (a dense [seq, seq] block mask, as megatron-core's local attention does), so
+        its cost is the same for every bin and `sum_sq_seq_len` is 0.
+        """
+        full = vision_layers if vision_full_attention_layers is None else vision_full_attention_layers
         if hidden_size < 1 or num_layers < 1 or vision_hidden_size < 0 or vision_layers < 0:
             raise ValueError("hidden sizes and layer counts must be positive (vision ones >= 0)")
+        if not 0 <= full <= vision_layers or vision_window_patches < 0:
+            raise ValueError(
+                f"vision_full_attention_layers must be in [0, vision_layers={vision_layers}] and "
+                f"vision_window_patches >= 0, got {full} and {vision_window_patches}"
+            )
         unit = 72.0 * hidden_size**2 * num_layers
+        windowed = vision_layers - full
         return cls(
             tokens=1.0,
-            sum_sq_seq_len=6.0 * hidden_size * num_layers / unit,
-            image_patches=72.0 * vision_hidden_size**2 * vision_layers / unit,
-            sum_sq_image_patches=12.0 * vision_hidden_size * vision_layers / unit,
+            sum_sq_seq_len=6.0 * hidden_size * num_layers / unit if language_attention_by_sample else 0.0,
+            image_patches=(
+                72.0 * vision_hidden_size**2 * vision_layers
+                + 12.0 * vision_hidden_size * vision_window_patches * windowed
+            )
+            / unit,
+            sum_sq_image_patches=12.0 * vision_hidden_size * full / unit,
         )
 
     @classmethod

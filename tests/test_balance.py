@@ -255,3 +255,86 @@ def test_trainer_flag_reaches_the_data_config() -> None:
     assert parse_args(["--mock-data"]).data.balance == "none"
     with pytest.raises(SystemExit):
         parse_args(["--mock-data", "--balance", "tokens"])
+
+
+def test_trainer_cost_flag_is_four_coefficients_for_compute_balancing() -> None:
+    from trainer.arguments import parse_args
+
+    cfg = parse_args(["--mock-data", "--balance", "compute", "--balance-cost", "1,0,0.5,1e-4"])
+    assert cfg.data.balance_cost == (1.0, 0.0, 0.5, 1e-4)
+    for bad in ("1,0,0", "1,0,0,-1", "1,x,0,0", "0,0,0,0"):
+        with pytest.raises(SystemExit):
+            parse_args(["--mock-data", "--balance", "compute", "--balance-cost", bad])
+    with pytest.raises(ValueError, match="add --balance compute"):
+        parse_args(["--mock-data", "--balance-cost", "1,0,0,0"])
+
+
+def test_dense_cost_model_counts_windowed_vision_layers_per_patch() -> None:
+    full = CostModel.dense(hidden_size=64, num_layers=2, vision_hidden_size=32, vision_layers=4)
+    windowed = CostModel.dense(
+        hidden_size=64,
+        num_layers=2,
+        vision_hidden_size=32,
+        vision_layers=4,
+        vision_full_attention_layers=1,
+        vision_window_patches=16,
+    )
+    unit = 72.0 * 64**2 * 2
+    assert windowed.sum_sq_image_patches == pytest.approx(12.0 * 32 * 1 / unit)
+    assert full.sum_sq_image_patches == pytest.approx(4 * windowed.sum_sq_image_patches)
+    assert windowed.image_patches == pytest.approx(full.image_patches + 12.0 * 32 * 16 * 3 / unit)
+    # an image of 16 patches (one window) costs the same either way; a larger one costs less with windows
+    one_window, large = np.array([0, 0, 16, 256.0]), np.array([0, 0, 1024, 1024.0**2])
+    assert windowed.cost(one_window) == pytest.approx(full.cost(one_window))
+    assert windowed.cost(large) < full.cost(large)
+    dense_mask = CostModel.dense(hidden_size=64, num_layers=2, language_attention_by_sample=False)
+    assert dense_mask.sum_sq_seq_len == 0 and full.sum_sq_seq_len > 0
+    with pytest.raises(ValueError, match="vision_full_attention_layers"):
+        CostModel.dense(hidden_size=64, num_layers=2, vision_layers=2, vision_full_attention_layers=3)
+
+
+def test_trainer_cost_model_follows_the_model_and_its_attention() -> None:
+    from trainer.models.qwen2_5_vl.config import arch_from_hf_config, tiny_hf_config
+    from trainer.training import balance_cost_model
+
+    arch = arch_from_hf_config(
+        tiny_hf_config(vocab_size=512, image_token_id=500, vision_start_token_id=501, vision_end_token_id=502)
+    )
+    v = arch.vision
+    side = v.window_size // v.spatial_merge_size // v.patch_size * v.spatial_merge_size
+    want = CostModel.dense(
+        hidden_size=arch.hidden_size,
+        num_layers=arch.num_layers,
+        vision_hidden_size=v.hidden_size,
+        vision_layers=v.depth,
+        vision_full_attention_layers=len(v.fullatt_block_indexes),
+        vision_window_patches=side * side,
+    )
+    assert balance_cost_model(arch, use_te=True) == want
+    # without Transformer Engine the packed mask is dense: sample lengths do not change a bin's cost
+    assert balance_cost_model(arch, use_te=False) == CostModel(
+        tokens=1.0,
+        sum_sq_seq_len=0.0,
+        image_patches=want.image_patches,
+        sum_sq_image_patches=want.sum_sq_image_patches,
+    )
+    assert balance_cost_model(arch, use_te=False, given=(1.0, 2.0, 3.0, 4.0)) == CostModel(
+        tokens=1.0, sum_sq_seq_len=2.0, image_patches=3.0, sum_sq_image_patches=4.0
+    )
+
+
+@pytest.mark.slow
+def test_trainer_logs_each_steps_dp_compute_spread(tmp_path: Path) -> None:
+    """A real DP 2 run with balancing: every step logs the slowest and the mean rank's forward + backward
+    time (gathered over the DP group) and their ratio."""
+    from tests.test_trainer_support import make_packed_dataset, ok, train
+
+    data = make_packed_dataset(tmp_path / "data", n_samples=40, seed=5)
+    args = ["--data-path", str(data), "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3",
+            "--balance", "compute"]  # fmt: skip
+    run = ok(train(2, args, tmp_path / "run"))
+    assert "DP compute max/mean:" in run.stdout
+    assert len(run.train) == 3
+    for m in run.train:
+        assert 0 < m["compute_ms_mean"] <= m["compute_ms_max"] <= m["step_ms"]
+        assert m["dp_imbalance"] == pytest.approx(m["compute_ms_max"] / m["compute_ms_mean"])

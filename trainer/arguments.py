@@ -220,6 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="compute: spread each global batch's bins over DP ranks by compute cost (dataloader.balance)",
     )
+    g.add_argument(
+        "--balance-cost",
+        type=_balance_cost,
+        default=None,
+        metavar="A,B,C,D",
+        help="coefficients of the bin cost A*tokens + B*sum(sample_len^2) + C*image_patches + "
+        "D*sum(image_patches^2) for --balance compute (e.g. from packing.cost.CostModel.fit on measured "
+        "step times); default: the FLOP counts of the model being trained",
+    )
 
     g = p.add_argument_group("logging")
     g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard event files here (last rank)")
@@ -254,6 +263,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
     return p
+
+
+def _balance_cost(text: str) -> tuple[float, float, float, float]:
+    """`A,B,C,D`: four finite coefficients >= 0."""
+    from packing.cost import CostModel
+
+    try:
+        values = tuple(float(v) for v in text.split(","))
+        if len(values) != 4:
+            raise ValueError(f"{len(values)} values")
+        CostModel(
+            tokens=values[0],
+            sum_sq_seq_len=values[1],
+            image_patches=values[2],
+            sum_sq_image_patches=values[3],
+        )
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"--balance-cost takes four coefficients >= 0 as A,B,C,D, got {text!r} ({e})"
+        ) from None
+    return values  # type: ignore[return-value]
 
 
 def _config_from_args(cls: type[C], args: argparse.Namespace, **given: Any) -> C:

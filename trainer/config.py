@@ -279,12 +279,16 @@ class DataConfig:
     cache_dir: str | None = None
     mock_data: bool = False  # synthetic packed batches, no dataset needed
     balance: str = "none"  # "compute": bins of each global batch laid out over DP ranks by cost
+    # the cost model's coefficients (packing.cost.COST_FEATURES order); None: the trained model's FLOP counts
+    balance_cost: tuple[float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
         if not self.data_path and not self.mock_data:
             raise ValueError("give --data-path (a packed dataset) or --mock-data")
         if self.balance not in ("none", "compute"):
             raise ValueError(f"--balance must be none or compute, got {self.balance!r}")
+        if self.balance_cost is not None and self.balance != "compute":
+            raise ValueError("--balance-cost sets the cost model of --balance compute; add --balance compute")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -115,9 +115,10 @@ def build_step_batches(
     num_workers: int = 2,
     cache_dir: str | None = None,
     balance: str = "none",
+    cost_model: Any = None,
 ) -> StepBatches:
-    """The loader of this rank (megatron-core parallel_state must be initialised); `balance` as in
-    `dataloader.build_loader` (synthetic batches ignore it)."""
+    """The loader of this rank (megatron-core parallel_state must be initialised); `balance` and
+    `cost_model` as in `dataloader.build_loader` (synthetic batches ignore them)."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -156,6 +157,7 @@ def build_step_batches(
         num_workers=num_workers,
         cache_dir=cache_dir,
         balance=balance,
+        cost_model=cost_model,
     )
     return StepBatches(loader)
 

@@ -23,6 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from packing.cost import COST_FEATURES, CostModel
 from trainer import cpu_backend
 from trainer.build import build_model, check_data_matches_model, check_dataset_for_hf_model, model_hf_config
 from trainer.checkpoint import CheckpointWriter, load_checkpoint
@@ -33,6 +34,28 @@ from trainer.freeze import count_parameters
 from trainer.models import family_of
 from trainer.observability import Observer
 from trainer.shared_batches import SharedStepBatches, shared_step_batches
+
+
+def balance_cost_model(arch: Any, *, use_te: bool, given: tuple[float, ...] | None = None) -> CostModel:
+    """The bin cost `--balance compute` evens out over DP ranks: `given` coefficients (`--balance-cost`), else
+    the FLOP counts of the model being trained (`packing.cost.CostModel.dense`).
+
+    Without Transformer Engine the language model attends through a dense [seq, seq] block mask, whose work
+    is the same for every bin, so only with TE (attention per sample, THD) does the sum of squared sample
+    lengths count. The vision tower attends within windows except in its full-attention layers."""
+    if given is not None:
+        return CostModel(**dict(zip(COST_FEATURES, given, strict=True)))
+    vision = arch.vision
+    side = vision.window_size // vision.spatial_merge_size // vision.patch_size * vision.spatial_merge_size
+    return CostModel.dense(
+        hidden_size=arch.hidden_size,
+        num_layers=arch.num_layers,
+        vision_hidden_size=vision.hidden_size,
+        vision_layers=vision.depth,
+        vision_full_attention_layers=len(vision.fullatt_block_indexes),
+        vision_window_patches=side * side,
+        language_attention_by_sample=use_te,
+    )
 
 
 def te_available() -> bool:
@@ -153,7 +176,8 @@ class Trainer:
         self.scheduler = build_scheduler(cfg, self.optimizer)
         lang = self.mcfg.language
         lang.grad_scale_func = self.optimizer.scale_loss
-        lang.finalize_model_grads_func = finalize_model_grads
+        lang.finalize_model_grads_func = self._finalize_grads
+        self._grads_ready_at: float | None = None
         lang.no_sync_func = self._per_chunk(lambda c: c.no_sync)
         if cfg.parallel.overlap_grad_reduce:  # the schedule starts each bucket's reduction when it is ready
             lang.grad_sync_func = self._per_chunk(lambda c: c.start_grad_sync)
@@ -167,6 +191,9 @@ class Trainer:
             num_workers=cfg.data.num_workers,
             cache_dir=cfg.data.cache_dir,
             balance=cfg.data.balance,
+            cost_model=balance_cost_model(self.arch, use_te=self.use_te, given=cfg.data.balance_cost)
+            if cfg.data.balance == "compute"
+            else None,
         )
         self.train_data = shared_step_batches(partial(step_batches, cfg.data.data_path, seed=cfg.train.seed))
         self.eval_data: SharedStepBatches | None = None
@@ -270,6 +297,19 @@ class Trainer:
             forward_only=forward_only,
         )
 
+    def _finalize_grads(self, *args: Any, **kwargs: Any) -> Any:
+        """megatron-core's `finalize_model_grads`, noting when this rank's forward and backward passes ended
+        (the gradient reduction then waits for the slowest DP rank)."""
+        self._grads_ready_at = time.perf_counter()
+        return finalize_model_grads(*args, **kwargs)
+
+    def _max_over_dp(self, values: list[float]) -> list[float]:
+        """Element-wise maximum of ``values`` over this stage's DP group."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        return t.tolist()
+
     def _reduce_over_dp(self, values: list[float]) -> list[float]:
         """Sums ``values`` over this stage's DP group (meaningful on the last pipeline stage)."""
         device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL reduces CUDA tensors only
@@ -285,7 +325,10 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         poison = (self.iteration + 1) in self.cfg.train.debug_overflow_iterations
+        self._grads_ready_at = None
         losses = self._run_schedule(batches, forward_only=False, poison=poison)  # timed by the schedule
+        # this rank's compute: its forward and backward passes, up to the gradient reduction over DP ranks
+        compute_s = (self._grads_ready_at or time.perf_counter()) - start
         lr = self.optimizer.param_groups[0]["lr"]
         with self.observer.timed("optimizer"):
             ok, grad_norm, num_zeros = self.optimizer.step()
@@ -298,7 +341,11 @@ class Trainer:
         loss_sum = sum(float(x["lm loss"][0]) for x in losses) if losses else 0.0
         n_tok = sum(float(x["lm loss"][1]) for x in losses) if losses else 0.0
         digest = float(sum(_tokens_digest(b["tokens"]) for b in batches))
-        loss_sum, n_tok, real, digest = self._reduce_over_dp([loss_sum, n_tok, real, digest])
+        loss_sum, n_tok, real, digest, compute_sum = self._reduce_over_dp(
+            [loss_sum, n_tok, real, digest, compute_s]
+        )
+        (compute_max,) = self._max_over_dp([compute_s])
+        compute_mean = compute_sum / self.dp_size
         elapsed = time.perf_counter() - start + wait_s
         total = float(self.cfg.train.global_batch_size * self.cfg.train.seq_length)
         extra = self.observer.step_metrics(batches, wait_s=wait_s, elapsed_s=elapsed, num_zeros=num_zeros)
@@ -314,6 +361,10 @@ class Trainer:
             "tokens_per_s": real / elapsed,
             "real_token_fraction": real / total,
             "data_digest": int(digest),
+            # the DP ranks' forward + backward time: the slowest, the mean, and their ratio (1.0 = even)
+            "compute_ms_max": compute_max * 1e3,
+            "compute_ms_mean": compute_mean * 1e3,
+            "dp_imbalance": compute_max / max(compute_mean, 1e-12),
             "bins_consumed": int(self.train_data.state_dict().get("bins_consumed", -1)),
         }
 
@@ -349,6 +400,7 @@ class Trainer:
             f" learning rate: {m['lr']:.3E} | grad norm: {gn} | loss scale: {m['loss_scale']:.1f} |"
             f" tokens/s: {m['tokens_per_s']:.1f} | real-token fraction: {m['real_token_fraction']:.3f} |"
             f" data-wait ms (max over ranks): {m['data_wait_ms']:.1f} | step ms: {m['step_ms']:.1f} |"
+            f" DP compute max/mean: {m['dp_imbalance']:.3f} |"
             f" TFLOPs/GPU: {m['tflops_per_gpu']:.3f} |{mfu}"
             f" skipped iterations: {m['skipped_total']} |"
         )
