@@ -294,29 +294,25 @@ def test_dense_cost_model_counts_windowed_vision_layers_per_patch() -> None:
 
 
 def test_trainer_cost_model_follows_the_model_and_its_attention() -> None:
-    from trainer.models.qwen2_5_vl.config import arch_from_hf_config, tiny_hf_config
+    from tests.test_trainer_observability import _arch
     from trainer.training import balance_cost_model
 
-    arch = arch_from_hf_config(
-        tiny_hf_config(vocab_size=512, image_token_id=500, vision_start_token_id=501, vision_end_token_id=502)
-    )
-    v = arch.vision
-    side = v.window_size // v.spatial_merge_size // v.patch_size * v.spatial_merge_size
-    want = CostModel.dense(
-        hidden_size=arch.hidden_size,
-        num_layers=arch.num_layers,
-        vision_hidden_size=v.hidden_size,
-        vision_layers=v.depth,
-        vision_full_attention_layers=len(v.fullatt_block_indexes),
-        vision_window_patches=side * side,
-    )
-    assert balance_cost_model(arch, use_te=True) == want
+    arch = _arch()
+    h, n, hv, lv = arch.hidden_size, arch.num_layers, arch.vision.hidden_size, arch.vision.depth
+    # the tiny tower: windows of 2 x 2 merged units of 2 x 2 patches (16 patches), its last layer full
+    assert (arch.vision.window_size, arch.vision.fullatt_block_indexes) == (56, (lv - 1,))
+    unit = 72.0 * h * h * n
+    with_te = balance_cost_model(arch, use_te=True)
+    assert with_te.tokens == 1.0
+    assert with_te.sum_sq_seq_len == pytest.approx(1 / (12 * h))
+    assert with_te.image_patches == pytest.approx((72.0 * hv * hv * lv + 12.0 * hv * 16 * (lv - 1)) / unit)
+    assert with_te.sum_sq_image_patches == pytest.approx(12.0 * hv / unit)
     # without Transformer Engine the packed mask is dense: sample lengths do not change a bin's cost
-    assert balance_cost_model(arch, use_te=False) == CostModel(
-        tokens=1.0,
-        sum_sq_seq_len=0.0,
-        image_patches=want.image_patches,
-        sum_sq_image_patches=want.sum_sq_image_patches,
+    without = balance_cost_model(arch, use_te=False)
+    assert without.sum_sq_seq_len == 0
+    assert (without.image_patches, without.sum_sq_image_patches) == (
+        with_te.image_patches,
+        with_te.sum_sq_image_patches,
     )
     assert balance_cost_model(arch, use_te=False, given=(1.0, 2.0, 3.0, 4.0)) == CostModel(
         tokens=1.0, sum_sq_seq_len=2.0, image_patches=3.0, sum_sq_image_patches=4.0
