@@ -244,8 +244,12 @@ def run_trainer(args: argparse.Namespace) -> dict:
         tokenizer = train_tiny_bpe(work / "tokenizer")
         data = work / "packed"
         pack_synthetic(raw, tokenizer, data, seq_len=args.trainer_seq_len)
-        for balance in ("none", "compute"):
-            metrics = work / f"{balance}.jsonl"
+        # rounds in ABBA order, so a drift of this machine's speed weighs on both alike
+        order = [
+            ("none", "compute") if r % 2 == 0 else ("compute", "none") for r in range(args.trainer_rounds)
+        ]
+        for r, balance in ((r, b) for r, pair in enumerate(order) for b in pair):
+            metrics = work / f"{balance}-{r}.jsonl"
             cmd = [
                 sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                 "--master_port", str(args.trainer_port), "-m", "trainer.pretrain_vlm",
@@ -261,7 +265,12 @@ def run_trainer(args: argparse.Namespace) -> dict:
             if proc.returncode:
                 raise RuntimeError(f"training with --balance {balance} failed:\n{proc.stderr[-4000:]}")
             lines = [json.loads(line) for line in metrics.read_text().splitlines()]
-            runs[balance] = [m for m in lines if "compute_ms_max" in m][args.trainer_warmup :]
+            steps = [m for m in lines if "compute_ms_max" in m][args.trainer_warmup :]
+            if balance in runs and [m["data_digest"] for m in steps] != [
+                m["data_digest"] for m in runs[balance][-len(steps) :]
+            ]:
+                raise RuntimeError("two rounds trained on different global batches")
+            runs.setdefault(balance, []).extend(steps)
     plain, balanced = runs["none"], runs["compute"]
     if [m["data_digest"] for m in plain] != [m["data_digest"] for m in balanced]:
         raise RuntimeError("the two runs trained on different global batches: their times do not compare")
@@ -278,19 +287,27 @@ def run_trainer(args: argparse.Namespace) -> dict:
         "what": "torchrun -m trainer.pretrain_vlm, TP1 x DP2 on CPU (gloo, 1 thread per rank), random tiny "
         "Qwen2.5-VL (2 x 128 language layers, dense block mask; 2 x 128 vision layers), seq_len "
         f"{args.trainer_seq_len}, {MICRO_BATCHES} micro-batches of 1 bin per rank and step, "
-        f"{args.trainer_steps} steps after {args.trainer_warmup} warm-up",
+        f"{args.trainer_steps} steps after {args.trainer_warmup} warm-up, {args.trainer_rounds} runs of each in "
+        "ABBA order",
         "samples": args.trainer_samples,
         **summed,
         "speedup_step_compute": summed["plain"]["step_compute_s"] / summed["balanced"]["step_compute_s"],
         "speedup_step": summed["plain"]["step_s"] / summed["balanced"]["step_s"],
+        # the slowest rank over the mean rank, summed over steps, per run; their ratio is the gain at equal
+        # machine speed (a drift of the machine's speed between the runs moves both ranks alike)
+        "speedup_at_equal_rank_speed": (
+            summed["plain"]["step_compute_s"] / summed["plain"]["mean_rank_compute_s"]
+        )
+        / (summed["balanced"]["step_compute_s"] / summed["balanced"]["mean_rank_compute_s"]),
+        "rounds": args.trainer_rounds,
     }
     p, b = summed["plain"], summed["balanced"]
     print(
-        f"trainer (TP1 x DP2, {args.trainer_steps} steps): slowest rank's compute {p['step_compute_s']:.2f}s "
+        f"trainer (TP1 x DP2, {args.trainer_rounds} x {args.trainer_steps} steps): slowest rank's compute {p['step_compute_s']:.2f}s "
         f"plain vs {b['step_compute_s']:.2f}s balanced ({report['speedup_step_compute']:.3f}x; mean rank "
         f"{p['mean_rank_compute_s']:.2f}s / {b['mean_rank_compute_s']:.2f}s); max/mean per step "
-        f"{p['mean_max_over_mean']:.3f} vs {b['mean_max_over_mean']:.3f}; whole steps "
-        f"{report['speedup_step']:.3f}x",
+        f"{p['mean_max_over_mean']:.3f} vs {b['mean_max_over_mean']:.3f}; at equal rank speed "
+        f"{report['speedup_at_equal_rank_speed']:.3f}x; whole steps {report['speedup_step']:.3f}x",
         flush=True,
     )
     return report
@@ -318,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainer-seq-len", type=int, default=1024)
     parser.add_argument("--trainer-steps", type=int, default=20)
     parser.add_argument("--trainer-warmup", type=int, default=2)
+    parser.add_argument("--trainer-rounds", type=int, default=2, help="runs of each, in ABBA order")
     parser.add_argument("--trainer-port", type=int, default=29741)
     parser.add_argument("--simulated", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", type=Path, default=RESULTS)
