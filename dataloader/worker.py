@@ -199,8 +199,8 @@ class LocalReadAhead:
     No thread: checking and indexing a local shard is CPU work that a thread would only contend for the GIL
     with (each of its many small system calls hands the GIL to the other thread and back). The workers share
     out that work instead: worker i of n asks for the coming shards s with s % n == i to be read, and checks
-    and indexes them as soon as it has asked, without waiting for a shard another process is on. Workers reach the same
-    shards at about the same time, and otherwise one checks while the others wait for it, idle.
+    and indexes them as soon as it has asked, without waiting for a shard another process is on. Workers reach
+    the same shards at about the same time, and otherwise one checks while the others wait for it, idle.
     """
 
     def __init__(

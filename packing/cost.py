@@ -21,6 +21,7 @@ attends over whole images in 4 of the 32 layers); the trainer builds the model o
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,6 +101,11 @@ class CostModel:
         return features @ self.coefficients
 
     @classmethod
+    def from_coefficients(cls, values: Sequence[float]) -> CostModel:
+        """The model with these four coefficients, in `COST_FEATURES` order (a, b, c, d)."""
+        return cls(**dict(zip(COST_FEATURES, (float(v) for v in values), strict=True)))
+
+    @classmethod
     def dense(
         cls,
         *,
@@ -173,7 +179,7 @@ class CostModel:
                     best = (residual, coefficients)
         if best is None:
             raise ValueError("no non-negative cost model fits these measurements (are the times positive?)")
-        return cls(**dict(zip(COST_FEATURES, best[1].tolist(), strict=True)))
+        return cls.from_coefficients(best[1].tolist())
 
 
 DEFAULT_COST_MODEL = CostModel.dense(

@@ -273,12 +273,7 @@ def _balance_cost(text: str) -> tuple[float, float, float, float]:
         values = tuple(float(v) for v in text.split(","))
         if len(values) != 4:
             raise ValueError(f"{len(values)} values")
-        CostModel(
-            tokens=values[0],
-            sum_sq_seq_len=values[1],
-            image_patches=values[2],
-            sum_sq_image_patches=values[3],
-        )
+        CostModel.from_coefficients(values)  # the model's own checks: finite, >= 0, one of them > 0
     except ValueError as e:
         raise argparse.ArgumentTypeError(
             f"--balance-cost takes four coefficients >= 0 as A,B,C,D, got {text!r} ({e})"

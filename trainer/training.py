@@ -23,7 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from packing.cost import COST_FEATURES, CostModel
+from packing.cost import CostModel
 from trainer import cpu_backend
 from trainer.build import build_model, check_data_matches_model, check_dataset_for_hf_model, model_hf_config
 from trainer.checkpoint import CheckpointWriter, load_checkpoint
@@ -44,7 +44,7 @@ def balance_cost_model(arch: Any, *, use_te: bool, given: tuple[float, ...] | No
     is the same for every bin, so only with TE (attention per sample, THD) does the sum of squared sample
     lengths count. The vision tower attends within windows except in its full-attention layers."""
     if given is not None:
-        return CostModel(**dict(zip(COST_FEATURES, given, strict=True)))
+        return CostModel.from_coefficients(given)
     vision = arch.vision
     side = vision.window_size // vision.spatial_merge_size // vision.patch_size * vision.spatial_merge_size
     return CostModel.dense(
@@ -303,18 +303,12 @@ class Trainer:
         self._grads_ready_at = time.perf_counter()
         return finalize_model_grads(*args, **kwargs)
 
-    def _max_over_dp(self, values: list[float]) -> list[float]:
-        """Element-wise maximum of ``values`` over this stage's DP group."""
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
-        return t.tolist()
-
-    def _reduce_over_dp(self, values: list[float]) -> list[float]:
-        """Sums ``values`` over this stage's DP group (meaningful on the last pipeline stage)."""
+    def _reduce_over_dp(self, values: list[float], op: Any = dist.ReduceOp.SUM) -> list[float]:
+        """Sums ``values`` (or reduces them by ``op``) over this stage's DP group (meaningful on the last
+        pipeline stage)."""
         device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL reduces CUDA tensors only
         t = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        dist.all_reduce(t, op=op, group=ps.get_data_parallel_group())
         return t.tolist()
 
     def train_step(self) -> dict[str, Any]:
@@ -344,7 +338,7 @@ class Trainer:
         loss_sum, n_tok, real, digest, compute_sum = self._reduce_over_dp(
             [loss_sum, n_tok, real, digest, compute_s]
         )
-        (compute_max,) = self._max_over_dp([compute_s])
+        (compute_max,) = self._reduce_over_dp([compute_s], op=dist.ReduceOp.MAX)
         compute_mean = compute_sum / self.dp_size
         elapsed = time.perf_counter() - start + wait_s
         total = float(self.cfg.train.global_batch_size * self.cfg.train.seq_length)
