@@ -6,8 +6,8 @@
 
 Simulated: samples of several length mixtures are packed into bins of seq_len (`pack_lengths`, auto), the
 bins are shuffled into a stream, and each global batch (DP x 4 micro-batches of 1 bin) is split over the
-ranks as the loader does: in stream order (today) or by `dataloader.balance.balanced_layout`. The step
-time of a step is the largest per-rank sum of `packing.cost.DEFAULT_COST_MODEL` (a Qwen2.5-VL-7B-shaped
+ranks as the loader does: in stream order (today) or by `mmpack.dataloader.balance.balanced_layout`. The step
+time of a step is the largest per-rank sum of `mmpack.packing.cost.DEFAULT_COST_MODEL` (a Qwen2.5-VL-7B-shaped
 dense transformer + ViT, in units of one text token's dense-layer work); the table gives mean over steps
 of max/mean per rank, and the ratio of summed step times (the speedup balancing gives a synchronous step).
 
@@ -18,9 +18,9 @@ sum over its bins, the step time the larger of the two ranks. Balancing uses the
 model's shape (`CostModel.dense`); the model fitted to the measured bin times (`CostModel.fit`) is reported
 beside it.
 
-Trainer (--trainer): the real trainer (`torchrun -m trainer.pretrain_vlm`, 2 ranks, TP1 x DP2, gloo, one
+Trainer (--trainer): the real trainer (`torchrun -m mmpack.trainer.pretrain_vlm`, 2 ranks, TP1 x DP2, gloo, one
 thread each) trains a random tiny Qwen2.5-VL on packed image-text bins twice, with `--balance none` and
-`--balance compute` (its cost model: the trained model's FLOP counts, `trainer.training.balance_cost_model`).
+`--balance compute` (its cost model: the trained model's FLOP counts, `mmpack.trainer.training.balance_cost_model`).
 Each step logs the DP ranks' forward + backward time (slowest and mean); the step's compute time is the
 slowest rank's. Both runs see the same global batches.
 Results go to benchmarks/results/bench_balance.json; parts not run keep their last results there
@@ -39,9 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dataloader.balance import balanced_layout
-from packing.binpack import pack_lengths
-from packing.cost import DEFAULT_COST_MODEL, CostModel, features_from_offsets
+from mmpack.dataloader.balance import balanced_layout
+from mmpack.packing.binpack import pack_lengths
+from mmpack.packing.cost import DEFAULT_COST_MODEL, CostModel, features_from_offsets
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_balance.json"
 MICRO_BATCHES = 4
@@ -231,7 +231,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
     import subprocess
     import tempfile
 
-    from offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
+    from mmpack.offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
 
     repo = Path(__file__).resolve().parents[1]
     runs: dict[str, list[dict]] = {}
@@ -252,7 +252,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
             metrics = work / f"{balance}-{r}.jsonl"
             cmd = [
                 sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                "--master_port", str(args.trainer_port), "-m", "trainer.pretrain_vlm",
+                "--master_port", str(args.trainer_port), "-m", "mmpack.trainer.pretrain_vlm",
                 "--data-path", str(data), "--num-layers", "2", "--hidden-size", "128",
                 "--num-attention-heads", "4", "--num-query-groups", "2", "--vision-num-layers", "2",
                 "--vision-hidden-size", "128", "--vision-num-attention-heads", "4",
@@ -284,7 +284,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
         for name, steps in (("plain", plain), ("balanced", balanced))
     }
     report = {
-        "what": "torchrun -m trainer.pretrain_vlm, TP1 x DP2 on CPU (gloo, 1 thread per rank), random tiny "
+        "what": "torchrun -m mmpack.trainer.pretrain_vlm, TP1 x DP2 on CPU (gloo, 1 thread per rank), random tiny "
         "Qwen2.5-VL (2 x 128 language layers, dense block mask; 2 x 128 vision layers), seq_len "
         f"{args.trainer_seq_len}, {MICRO_BATCHES} micro-batches of 1 bin per rank and step, "
         f"{args.trainer_steps} steps after {args.trainer_warmup} warm-up, {args.trainer_rounds} runs of each in "

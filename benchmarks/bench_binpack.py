@@ -7,7 +7,7 @@ Section 1 packs lognormal(6.5, 0.9) lengths clipped to [1, 4096] into bins of 40
 Section 3 (image caps) packs the same lognormal lengths with Poisson(0.7) images per sample, and with
 image counts resampled from the held-in real data (../shared/data/mllm_demo, when present), under caps of
 2, 4 and 8 images per bin (and cap 4 with at most 6 samples per bin), against the two-dimensional lower
-bound `packing.stats.lower_bound_images`.
+bound `mmpack.packing.stats.lower_bound_images`.
 Section 2 packs length histograms with many items and few distinct lengths (capacity 512), including
 the Wikipedia (BERT pretraining, max length 512) histogram published by Krell et al. 2021,
 "Efficient Sequence Packing without Cross-contamination" (arXiv:2107.02027).
@@ -37,8 +37,8 @@ from typing import Any
 import numba
 import numpy as np
 
-from packing.binpack import PackResult, pack_lengths
-from packing.stats import lower_bound_images, lower_bound_item_cap, lower_bound_l2
+from mmpack.packing.binpack import PackResult, pack_lengths
+from mmpack.packing.stats import lower_bound_images, lower_bound_item_cap, lower_bound_l2
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_binpack.json"
 REAL_RECORDS = (
@@ -287,7 +287,7 @@ def image_cap_lp_columns(
     at most --lp-rounds rounds."""
     if not args.lp:
         return {}
-    from packing.stats import image_cap_lp, lower_bound_images_lp
+    from mmpack.packing.stats import image_cap_lp, lower_bound_images_lp
 
     units, rounds = args.lp_units, args.lp_rounds
     farley, master = image_cap_lp(
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         "notes": (
             "mmpack kernels are single-threaded; peers get a ready Python list; binpacking runs on a subsample; "
             "lower_bound is Martello-Toth L2, and max(L2, item-cap bound) under an item cap; under an image cap "
-            "packing.stats.lower_bound_images (rejects: samples over the image cap, not counted in n)"
+            "mmpack.packing.stats.lower_bound_images (rejects: samples over the image cap, not counted in n)"
         ),
         "rows": rows,
     }

@@ -1,12 +1,12 @@
 """Loader throughput, side by side on the same packed WebDataset shards, from local disk and from moto S3.
 
-Contenders (same decoding and batching: npy/json members, Pillow decode + patchify, packing.layout collation):
+Contenders (same decoding and batching: npy/json members, Pillow decode + patchify, mmpack.packing.layout collation):
   raw        sequential read of every shard's bytes (the storage's read bandwidth; no decoding)
   webdataset plain `webdataset` pipeline + WebLoader (shards in order, split by worker)
   energon    Megatron-Energon (`get_train_dataset` + `get_loader` over the dataset's `.nv-meta`, from local disk
              and, through Multi-Storage Client (msc://), from S3; its own tar reading and array decoding, the
              same image decoding and collation)
-  mmpack     `dataloader.build_loader` (global shuffled order, sha256 checks, cache, read-ahead), first use on
+  mmpack     `mmpack.dataloader.build_loader` (global shuffled order, sha256 checks, cache, read-ahead), first use on
              the machine: every shard checked against its sha256 and its tar index worked out
   mmpack, checked before  the same with the per-machine facts of the first run in place (a restarted job)
   mmpack storage  the loader's storage path alone: `ShardStore` fetching (local: checking) every shard into an
@@ -57,12 +57,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from dataloader import Topology, build_loader, load_manifest  # noqa: E402
-from dataloader.collate import CollateConfig, collate_bins  # noqa: E402
-from dataloader.readers import WdsShardReader, decode_wds_bin  # noqa: E402
-from dataloader.storage import ShardStore, StorageConfig  # noqa: E402
-from dataloader.worker import to_torch  # noqa: E402
-from offline_packing.demo.synthetic import build_packed_dataset  # noqa: E402
+from mmpack.dataloader import Topology, build_loader, load_manifest  # noqa: E402
+from mmpack.dataloader.collate import CollateConfig, collate_bins  # noqa: E402
+from mmpack.dataloader.readers import WdsShardReader, decode_wds_bin  # noqa: E402
+from mmpack.dataloader.storage import ShardStore, StorageConfig  # noqa: E402
+from mmpack.dataloader.worker import to_torch  # noqa: E402
+from mmpack.offline_packing.demo.synthetic import build_packed_dataset  # noqa: E402
 from tests.storage_servers import link_proxy_process, moto_s3, s3_storage_options  # noqa: E402
 
 
@@ -114,9 +114,9 @@ def energon_loader(root: str, cfg: CollateConfig, micro: int, workers: int) -> I
     """
     from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_train_dataset
 
-    from dataloader.readers.npy import decode_npy
-    from dataloader.readers.record import no_videos
-    from packing.format import ARRAY_FIELDS
+    from mmpack.dataloader.readers.npy import decode_npy
+    from mmpack.dataloader.readers.record import no_videos
+    from mmpack.packing.format import ARRAY_FIELDS
 
     class JsonOnlyDecoder:
         def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
@@ -184,7 +184,7 @@ def has_energon(root: str) -> bool:
 
 def add_energon_metadata(dataset: Path) -> None:
     """Writes `.nv-meta` for the dataset's WebDataset shards, as `mmpack pack --energon` does."""
-    from offline_packing.outputs.energon_meta import write_energon_metadata
+    from mmpack.offline_packing.outputs.energon_meta import write_energon_metadata
 
     manifest = json.loads((dataset / "manifest.json").read_text())
     write_energon_metadata(dataset, [e for e in manifest["shards"] if e["format"] == "wds"])

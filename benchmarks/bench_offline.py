@@ -41,8 +41,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from offline_packing.config import PackJobConfig  # noqa: E402
-from offline_packing.pipeline import read_manifest, run_pack  # noqa: E402
+from mmpack.offline_packing.config import PackJobConfig  # noqa: E402
+from mmpack.offline_packing.pipeline import read_manifest, run_pack  # noqa: E402
 from tests.fixtures_data import make_synthetic_dataset, train_tiny_bpe  # noqa: E402
 
 QWEN3 = REPO.parent / "shared" / "data" / "tokenizer_qwen3" / "tokenizer.json"
@@ -141,9 +141,9 @@ def video_scan_cost(data_dir: Path, repeats: int = 20) -> list[dict]:
     import av
     import torch
 
-    from dataloader.video import decode_planned_frames
-    from offline_packing.inputs.video_probe import probe_video
-    from packing.video_tokens import VideoTokenRule
+    from mmpack.dataloader.video import decode_planned_frames
+    from mmpack.offline_packing.inputs.video_probe import probe_video
+    from mmpack.packing.video_tokens import VideoTokenRule
 
     torch.set_num_threads(1)  # one thread per loader worker: intra-op threads only contend with the workers
     rule = VideoTokenRule()
@@ -219,15 +219,15 @@ def lengths_vs_encode_batch(jsonl: Path, image_root: Path, tokenizer: str, args:
     `tokenize_chunk_samples` (render, batch encode, loss mask, expansion, over-length policy, metadata row),
     `per_sample` the same one sample at a time (`tokenize_scanned`).
     """
-    from offline_packing.lengths import (
+    from mmpack.offline_packing.lengths import (
         get_tokenizer,
         image_rule,
         prepare_scanned,
         tokenize_chunk_samples,
         tokenize_scanned,
     )
-    from offline_packing.workdir import WorkDir, read_jsonl
-    from packing.chat import render_conversation
+    from mmpack.offline_packing.workdir import WorkDir, read_jsonl
+    from mmpack.packing.chat import render_conversation
 
     out = args.data_dir / "lengths-scan"
     shutil.rmtree(out, ignore_errors=True)
@@ -294,7 +294,7 @@ def lengths_vs_encode_batch(jsonl: Path, image_root: Path, tokenizer: str, args:
 
 
 def _try(fn: Any, *args: Any) -> Any:
-    from offline_packing.errors import SampleReject
+    from mmpack.offline_packing.errors import SampleReject
 
     try:
         return fn(*args)

@@ -7,7 +7,7 @@
 Part 1 runs the same job (image-text records, one image each; JPEG/PNG files on local disk) three ways:
 `--engine local -w 1`, `--engine local -w 2` and `--engine ray` on `ray.cluster_utils.Cluster` with two nodes
 of one CPU each on this machine; it reports samples/s per stage and checks that the three outputs are
-byte-identical. Each is run `--repeats` times and the best time per stage counts. Part 2 measures the binpack step (`offline_packing.binpack.pack_bins`: `pack_lengths` plus the
+byte-identical. Each is run `--repeats` times and the best time per stage counts. Part 2 measures the binpack step (`mmpack.offline_packing.binpack.pack_bins`: `pack_lengths` plus the
 bin lists and their shuffle) on synthetic lengths (one image per sample, seq_len 8192), each size in a fresh
 process: wall time and peak RSS (ru_maxrss). Part 3 is the model: time per stage for 100M samples x 1 image on
 N nodes of C cores, from the measured single-worker cost per sample, the measured 2-node efficiency of the Ray
@@ -30,8 +30,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from offline_packing.config import PackJobConfig  # noqa: E402
-from offline_packing.pipeline import run_pack  # noqa: E402
+from mmpack.offline_packing.config import PackJobConfig  # noqa: E402
+from mmpack.offline_packing.pipeline import run_pack  # noqa: E402
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe  # noqa: E402
 
 QWEN3 = REPO.parent / "shared" / "data" / "tokenizer_qwen3" / "tokenizer.json"
@@ -118,10 +118,10 @@ def _binpack_probe(n: int) -> dict[str, float]:
     code = f"""
 import json, resource, time
 import numpy as np
-import packing.binpack
-from offline_packing.binpack import pack_bins
-from offline_packing.config import BinpackConfig
-packing.binpack.pack_lengths(np.array([3, 5, 2]), 8)  # numba kernels loaded (cached) before the baseline
+import mmpack.packing.binpack
+from mmpack.offline_packing.binpack import pack_bins
+from mmpack.offline_packing.config import BinpackConfig
+mmpack.packing.binpack.pack_lengths(np.array([3, 5, 2]), 8)  # numba kernels loaded (cached) before the baseline
 imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 rng = np.random.default_rng(0)
 n = {n}

@@ -5,7 +5,7 @@
 
 One raw dataset (synthetic LLaVA/ShareGPT/caption records with real JPEG/PNG images, tiny BPE) is packed
 twice by the offline job at the same --seq-len: (a) bin-packed, (b) one sample per sequence (``-M 1``), i.e.
-the padded baseline. The same trainer (``torchrun -m trainer.pretrain_vlm``, same model and flags: a random
+the padded baseline. The same trainer (``torchrun -m mmpack.trainer.pretrain_vlm``, same model and flags: a random
 Qwen2.5-VL of --layers x --hidden with a 1-layer vision tower, MRoPE, window attention) runs on each; reported per run: real tokens/s, all tokens/s, real-token fraction, step time, the fraction of the step
 spent waiting for data, and the loss. The first --warmup iterations are excluded from the averages.
 CPU processes with gloo when there is no GPU. Results: benchmarks/results/bench_train.json.
@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe  # noqa: E402
+from mmpack.offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe  # noqa: E402
 
 
 def _pack(raw, tokenizer: Path, out: Path, seq_len: int, max_per_bin: int | None) -> dict:
@@ -44,7 +44,7 @@ def _train(args: argparse.Namespace, data: Path, work: Path) -> list[dict]:
         "--master_port",
         str(args.port),
         "-m",
-        "trainer.pretrain_vlm",
+        "mmpack.trainer.pretrain_vlm",
         "--data-path",
         str(data),
         "--num-layers",

@@ -55,7 +55,9 @@ def _torchrun(args: list[str], *, timeout_s: int) -> subprocess.CompletedProcess
 
 def _train(flags: list[str], work: Path, name: str, *, timeout_s: int) -> list[dict[str, Any]]:
     metrics = work / f"{name}.jsonl"
-    _torchrun(["-m", "trainer.pretrain_vlm", *flags, "--metrics-file", str(metrics)], timeout_s=timeout_s)
+    _torchrun(
+        ["-m", "mmpack.trainer.pretrain_vlm", *flags, "--metrics-file", str(metrics)], timeout_s=timeout_s
+    )
     return [m for m in map(json.loads, metrics.read_text().splitlines()) if "loss" in m]
 
 
@@ -65,8 +67,8 @@ def _train(flags: list[str], work: Path, name: str, *, timeout_s: int) -> list[d
 def _loss_and_grads(trainer: Any, model: Any, batch: dict[str, Any], use_thd: bool) -> tuple[float, Any]:
     import torch
 
-    from trainer.checkpoint import _bare
-    from trainer.data import model_inputs
+    from mmpack.trainer.checkpoint import _bare
+    from mmpack.trainer.data import model_inputs
 
     bare = _bare(model)
     bare.zero_grad(set_to_none=True)
@@ -91,9 +93,9 @@ def equality_worker(dry_run: bool) -> None:
     """THD (TE) vs block mask (local attention) on the same weights; prints one JSON line."""
     import torch
 
-    from trainer.arguments import parse_args
-    from trainer.build import build_model
-    from trainer.training import Trainer, shutdown
+    from mmpack.trainer.arguments import parse_args
+    from mmpack.trainer.build import build_model
+    from mmpack.trainer.training import Trainer, shutdown
 
     flags = ["--mock-data", "--seq-length", "512", "--num-workers", "0", "--seed", "7", *MODEL_TINY]
     trainer = Trainer(parse_args(flags + ([] if dry_run else ["--bf16"])))

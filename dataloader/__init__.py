@@ -14,11 +14,11 @@ global order and the rank assignment are decided. Typical use on one rank::
         log(loader.metrics())                         # data_wait_s, bytes_read, cache_hits, ...
 """
 
-from dataloader.loader import LoaderConfig, PackedLoader, build_loader
-from dataloader.manifest import Manifest, ShardInfo, load_manifest
-from dataloader.order import BatchPlan, StreamOrder, bin_order, bins_for, micro_batch_bins
-from dataloader.storage import ShardError, ShardStore, StorageConfig
-from dataloader.topology import Topology
+from mmpack.dataloader.loader import LoaderConfig, PackedLoader, build_loader
+from mmpack.dataloader.manifest import Manifest, ShardInfo, load_manifest
+from mmpack.dataloader.order import BatchPlan, StreamOrder, bin_order, bins_for, micro_batch_bins
+from mmpack.dataloader.storage import ShardError, ShardStore, StorageConfig
+from mmpack.dataloader.topology import Topology
 
 __all__ = [
     "BatchPlan",

@@ -1,12 +1,12 @@
 """Compute-balanced assignment of a global batch's bins to DP ranks and micro-batches (`balance="compute"`).
 
-The set of bins in global batch s is what `dataloader.order` gives (stream positions [s*G, (s+1)*G)); only
+The set of bins in global batch s is what `mmpack.dataloader.order` gives (stream positions [s*G, (s+1)*G)); only
 who gets which bin changes. Each rank gets exactly G/D bins (so every rank yields the same number of
 micro-batches), chosen so that the largest per-rank cost is close to the mean: balanced largest differencing
 (Karmarkar-Karp with one bin per rank from each group of D, so counts stay equal), then pairwise swaps
 between the costliest rank and the others. Inside a rank the same split makes its micro-batches even.
 Everything is a pure function of the bins' costs and (D, B), i.e. of (manifest, seed, epoch, step, D).
-Costs come from the cost model (`packing.cost`) over each bin's seq_lens and image grid, read from the
+Costs come from the cost model (`mmpack.packing.cost`) over each bin's seq_lens and image grid, read from the
 shards' metadata (`load_bin_features`): no image is decoded.
 """
 
@@ -18,9 +18,9 @@ import threading
 
 import numpy as np
 
-from dataloader.manifest import Manifest, ShardInfo
-from dataloader.storage import ShardStore, StorageConfig
-from packing.cost import DEFAULT_COST_MODEL, CostModel, add_video_features, features_from_offsets
+from mmpack.dataloader.manifest import Manifest, ShardInfo
+from mmpack.dataloader.storage import ShardStore, StorageConfig
+from mmpack.packing.cost import DEFAULT_COST_MODEL, CostModel, add_video_features, features_from_offsets
 
 BALANCE_MODES = ("none", "compute")
 SWAP_PASSES = 256
@@ -189,7 +189,7 @@ def _keep(path: str, features: np.ndarray) -> None:
 
 
 def _shard_features(store: ShardStore, shard: ShardInfo) -> np.ndarray:
-    from dataloader.readers import open_shard_reader
+    from mmpack.dataloader.readers import open_shard_reader
 
     path = store.local_path(shard)  # fetched (remote) or checked (local) like the loader's own reads
     label = f"shard {shard.path}"
@@ -251,6 +251,6 @@ def _arrow_features(path: str, label: str) -> np.ndarray:
 def compute_balance(
     manifest: Manifest, storage: StorageConfig, cost_model: CostModel | None = None
 ) -> ComputeBalance:
-    """The `ComputeBalance` of a dataset under `cost_model` (default: `packing.cost.DEFAULT_COST_MODEL`)."""
+    """The `ComputeBalance` of a dataset under `cost_model` (default: `mmpack.packing.cost.DEFAULT_COST_MODEL`)."""
     model = cost_model or DEFAULT_COST_MODEL
     return ComputeBalance(model.cost(load_bin_features(manifest, storage)))

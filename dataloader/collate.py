@@ -1,6 +1,6 @@
 """Turns the bin records of one micro-batch into the loader's output arrays (numpy; torch only in loader.py).
 
-Images are decoded with Pillow; videos (format version 3 datasets) by `dataloader.video`, which decodes only
+Images are decoded with Pillow; videos (format version 3 datasets) by `mmpack.dataloader.video`, which decodes only
 the frames the offline plan recorded, in the worker that collates.
 """
 
@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
-from dataloader.readers import BinRecord
-from dataloader.video import VideoPixels, collate_videos, load_video
-from packing.format import DEFAULT_MAX_IMAGE_PIXELS
-from packing.image_tokens import ImageTokenRule, image_to_patches
-from packing.layout import IGNORE_INDEX, build_attention_mask_from_cu_seqlens
-from packing.video_tokens import VideoPlan
+from mmpack.dataloader.readers import BinRecord
+from mmpack.dataloader.video import VideoPixels, collate_videos, load_video
+from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS
+from mmpack.packing.image_tokens import ImageTokenRule, image_to_patches
+from mmpack.packing.layout import IGNORE_INDEX, build_attention_mask_from_cu_seqlens
+from mmpack.packing.video_tokens import VideoPlan
 
 if TYPE_CHECKING:
-    from dataloader.manifest import Manifest
+    from mmpack.dataloader.manifest import Manifest
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -90,7 +90,7 @@ def collate_bins(
 ) -> dict[str, Any]:
     """One micro-batch, as numpy: the packed layout of every bin plus the image patches.
 
-    Rows are written straight into the batch arrays; the result equals `packing.layout.collate_packed` over
+    Rows are written straight into the batch arrays; the result equals `mmpack.packing.layout.collate_packed` over
     `build_packed_sequence` of each bin (the reference, checked by the tests), without its per-row copies.
     Each image's patches go straight into `pixel_values`, sized from the grids before decoding, so a batch
     never holds its patches twice; `pixel_out(rows, width)` may provide that float32 array (a loader worker

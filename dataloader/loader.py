@@ -7,15 +7,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dataloader.balance import BALANCE_MODES, ComputeBalance, compute_balance
-from dataloader.collate import CollateConfig
-from dataloader.manifest import Manifest, load_manifest
-from dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan
-from dataloader.pool import no_data, run_in_process, run_workers, take_batch
-from dataloader.storage import StorageConfig
-from dataloader.topology import Topology
-from dataloader.worker import ProducerSpec
-from packing.cost import CostModel
+from mmpack.dataloader.balance import BALANCE_MODES, ComputeBalance, compute_balance
+from mmpack.dataloader.collate import CollateConfig
+from mmpack.dataloader.manifest import Manifest, load_manifest
+from mmpack.dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan
+from mmpack.dataloader.pool import no_data, run_in_process, run_workers, take_batch
+from mmpack.dataloader.storage import StorageConfig
+from mmpack.dataloader.topology import Topology
+from mmpack.dataloader.worker import ProducerSpec
+from mmpack.packing.cost import CostModel
 
 STATE_VERSION = 1
 
@@ -35,7 +35,7 @@ class LoaderConfig:
     num_epochs: int | None = None
     start_method: str | None = None
     balance: str = (
-        "none"  # "compute": bins of each global batch laid out over ranks by cost (dataloader.balance)
+        "none"  # "compute": bins of each global batch laid out over ranks by cost (mmpack.dataloader.balance)
     )
 
     def __post_init__(self) -> None:
@@ -254,7 +254,7 @@ def build_loader(
     loader stops after the last whole global batch of `num_epochs` epochs. `shard_format` picks "arrow" or
     "wds" shards when the dataset has both (default: arrow). `download_concurrency`: shard downloads each
     worker keeps in flight (remote datasets). `balance="compute"` lays out each global batch's bins over DP
-    ranks and micro-batches so per-rank cost (`cost_model`, default `packing.cost.DEFAULT_COST_MODEL`) is even;
+    ranks and micro-batches so per-rank cost (`cost_model`, default `mmpack.packing.cost.DEFAULT_COST_MODEL`) is even;
     the bins of each global batch stay the same, so resume (also with another DP size) stays exact.
     `handover_batches`: up to this many small micro-batches travel from a worker in one message (fewer
     wake-ups of the consumer); each worker runs up to `prefetch_batches + handover_batches` small

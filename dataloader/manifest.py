@@ -1,6 +1,6 @@
 """The manifest of a packed dataset, as the loader needs it: the shards of one format, in bin order.
 
-The file's model (records, version rule, shard-path checks) is `packing.manifest.Manifest`; this module only
+The file's model (records, version rule, shard-path checks) is `mmpack.packing.manifest.Manifest`; this module only
 reads the bytes (fsspec, with retries) and keeps the loader's view of them.
 """
 
@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from packing.fileio import resolve_storage_options
-from packing.format import MANIFEST_NAME
-from packing.image_tokens import ImageTokenRule
-from packing.manifest import Manifest as DatasetManifest
-from packing.manifest import ManifestError, ShardEntry
+from mmpack.packing.fileio import resolve_storage_options
+from mmpack.packing.format import MANIFEST_NAME
+from mmpack.packing.image_tokens import ImageTokenRule
+from mmpack.packing.manifest import Manifest as DatasetManifest
+from mmpack.packing.manifest import ManifestError, ShardEntry
 
 ShardInfo = ShardEntry  # one shard file: its path relative to the dataset root and the global bins it holds
 

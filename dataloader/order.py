@@ -3,7 +3,7 @@
 The stream of bins is epoch 0's order, then epoch 1's, ... (each a permutation of all bins). Global batch
 `s` is stream positions [s*G, (s+1)*G). DP rank r of D takes the contiguous slice
 [r*G/D, (r+1)*G/D) of it, cut into micro-batches of B bins; or, with compute balancing, the bins that
-`dataloader.balance` lays out for it (same global batch, other split). Nothing here depends on timing, worker
+`mmpack.dataloader.balance` lays out for it (same global batch, other split). Nothing here depends on timing, worker
 count or anything but the arguments.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from dataloader.balance import ComputeBalance
-from dataloader.manifest import Manifest
-from dataloader.topology import Topology
+from mmpack.dataloader.balance import ComputeBalance
+from mmpack.dataloader.manifest import Manifest
+from mmpack.dataloader.topology import Topology
 
 DEFAULT_SHARD_WINDOW = 4
 
@@ -112,7 +112,7 @@ def micro_batch_bins(
 
     Empty for pipeline stages that take no data. `step` counts global batches from the stream start.
     With `balance`, the same global batch is laid out over ranks and micro-batches by cost
-    (`dataloader.balance`) instead of in stream order.
+    (`mmpack.dataloader.balance`) instead of in stream order.
     """
     if plan.dp_size != topology.dp_size:
         raise ValueError(f"plan is for dp_size={plan.dp_size}, topology has dp_size={topology.dp_size}")

@@ -14,9 +14,9 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from dataloader.storage import ShardError
-from dataloader.transport import SlotReader, new_slot_flags
-from dataloader.worker import Producer, ProducerSpec, to_torch, worker_loop
+from mmpack.dataloader.storage import ShardError
+from mmpack.dataloader.transport import SlotReader, new_slot_flags
+from mmpack.dataloader.worker import Producer, ProducerSpec, to_torch, worker_loop
 
 Batches = Iterator[list[Any]]  # [micro-batch or None, seconds waited]
 

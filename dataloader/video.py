@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from packing.errors import MmpackError
-from packing.image_tokens import ImageTokenRule, _normalise_table
-from packing.video_tokens import VideoPlan
+from mmpack.packing.errors import MmpackError
+from mmpack.packing.image_tokens import ImageTokenRule, _normalise_table
+from mmpack.packing.video_tokens import VideoPlan
 
 
 class VideoDecodeError(MmpackError, ValueError):

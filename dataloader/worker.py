@@ -24,20 +24,20 @@ import numpy as np
 import torch
 import torch.multiprocessing
 
-from dataloader.balance import ComputeBalance
-from dataloader.collate import CollateConfig, ImageTooLargeError, collate_bins
-from dataloader.manifest import Manifest
-from dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
-from dataloader.readers import (
+from mmpack.dataloader.balance import ComputeBalance
+from mmpack.dataloader.collate import CollateConfig, ImageTooLargeError, collate_bins
+from mmpack.dataloader.manifest import Manifest
+from mmpack.dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
+from mmpack.dataloader.readers import (
     ArrowShardReader,
     BinRecord,
     WdsShardReader,
     build_index_cache,
     open_shard_reader,
 )
-from dataloader.storage import ShardError, ShardStore, StorageConfig
-from dataloader.topology import Topology
-from dataloader.transport import HANDOVER_MAX_BYTES, SlotWriter
+from mmpack.dataloader.storage import ShardError, ShardStore, StorageConfig
+from mmpack.dataloader.topology import Topology
+from mmpack.dataloader.transport import HANDOVER_MAX_BYTES, SlotWriter
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -370,7 +370,7 @@ def worker_loop(
 ) -> None:
     """Entry point of a worker process: produce micro-batches k_start+worker_id, +num_workers, ... in order.
 
-    Batches travel through this worker's shared-memory slots (dataloader.transport); `ahead` counts the
+    Batches travel through this worker's shared-memory slots (mmpack.dataloader.transport); `ahead` counts the
     batches it may still make before the consumer takes one. Messages go straight down the pipe `conn` from
     this thread (no feeder thread waiting for the GIL): each is small and few are ever unread, so sending
     does not block.

@@ -1,5 +1,5 @@
 import sys
 
-from offline_packing.cli import main
+from mmpack.offline_packing.cli import main
 
 sys.exit(main())

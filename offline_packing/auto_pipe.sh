@@ -73,5 +73,5 @@ shift $((OPTIND - 1))
 
 PYTHON="${PYTHON:-python}"
 start=$(date +%s)
-"$PYTHON" -m offline_packing.cli pack "${args[@]}"
+"$PYTHON" -m mmpack.offline_packing.cli pack "${args[@]}"
 echo "auto_pipe.sh: done in $(( $(date +%s) - start )) s" >&2

@@ -4,16 +4,16 @@ Reads:  `<work>/lengths/chunk-N.{offsets,nimg,ibytes}.npy` (lengths, image count
 Writes: `<work>/binpack/{order,bin_offsets,shard_first_bin}.npy` then `<work>/binpack.done.json`.
         Bin b holds the samples `order[bin_offsets[b]:bin_offsets[b+1]]` (global sample indices, ascending);
         shard s holds bins `shard_first_bin[s]:shard_first_bin[s+1]`.
-Run alone: `python -m offline_packing.binpack <mmpack pack flags>`.
+Run alone: `python -m mmpack.offline_packing.binpack <mmpack pack flags>`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from offline_packing.config import BinpackConfig
-from offline_packing.lengths import load_lengths
-from offline_packing.workdir import WorkDir, atomic_write_npy
+from mmpack.offline_packing.config import BinpackConfig
+from mmpack.offline_packing.lengths import load_lengths
+from mmpack.offline_packing.workdir import WorkDir, atomic_write_npy
 
 STAGE = "binpack"
 # Shard-size estimate per bin: token ids (4 B) + loss mask (1 B) per token, the image bytes, and a
@@ -30,7 +30,7 @@ def pack_bins(
     Bin order is shuffled with `cfg.seed` so that every shard mixes long and short samples (packing
     algorithms emit bins grouped by the length of their largest item).
     """
-    from packing.binpack import pack_lengths
+    from mmpack.packing.binpack import pack_lengths
 
     if len(lengths) == 0:
         return [], cfg.algorithm
@@ -100,6 +100,6 @@ def load_plan(wd: WorkDir) -> dict[str, np.ndarray]:
 
 
 if __name__ == "__main__":
-    from offline_packing.pipeline import stage_main
+    from mmpack.offline_packing.pipeline import stage_main
 
     raise SystemExit(stage_main(STAGE))

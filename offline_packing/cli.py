@@ -12,10 +12,16 @@ import sys
 from types import ModuleType
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "pack": ("offline_packing.pack_cli", "pack raw multimodal samples into a sharded packed dataset"),
-    "stats": ("offline_packing.stats.cli", "packing efficiency of a packed dataset or a length file"),
-    "demo": ("offline_packing.demo.cli", "build a small dataset, pack it, print stats, train a tiny model"),
-    "convert": ("trainer.convert", "convert model checkpoints: HuggingFace <-> megatron-core (TP x PP)"),
+    "pack": ("mmpack.offline_packing.pack_cli", "pack raw multimodal samples into a sharded packed dataset"),
+    "stats": ("mmpack.offline_packing.stats.cli", "packing efficiency of a packed dataset or a length file"),
+    "demo": (
+        "mmpack.offline_packing.demo.cli",
+        "build a small dataset, pack it, print stats, train a tiny model",
+    ),
+    "convert": (
+        "mmpack.trainer.convert",
+        "convert model checkpoints: HuggingFace <-> megatron-core (TP x PP)",
+    ),
 }
 
 

@@ -2,7 +2,7 @@
 
 `PackJobConfig` mirrors the flags. Each stage reads only its own frozen config (`ScanConfig`,
 `LengthsConfig`, `BinpackConfig`, `WriteConfig`), cut from the job's by field name; a stage's fingerprint
-hashes that whole config (see `offline_packing.fingerprint`), so an option cannot be read by a stage without
+hashes that whole config (see `mmpack.offline_packing.fingerprint`), so an option cannot be read by a stage without
 being part of its fingerprint. Every job field belongs to a stage config, to `INPUT_FIELDS` or to
 `RUN_CONTROL_FIELDS` (options that cannot change any output byte); a test holds them together.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal, overload
 
-from packing.format import DEFAULT_MAX_IMAGE_PIXELS
-from packing.image_tokens import CLIP_MEAN, CLIP_STD
-from packing.video_tokens import VideoTokenRule
+from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS
+from mmpack.packing.image_tokens import CLIP_MEAN, CLIP_STD
+from mmpack.packing.video_tokens import VideoTokenRule
 
 _VIDEO_DEFAULTS = VideoTokenRule()
 
@@ -138,7 +138,7 @@ class PackJobConfig:
             bad(f"only_stage must be in 1..{len(STAGES)}, got {self.only_stage}")
         if self.energon and self.format == "arrow":
             bad("--energon needs WebDataset shards: use --format wds or both")
-        from packing.format import bin_key
+        from mmpack.packing.format import bin_key
 
         bin_key(self.shard_prefix, 0)  # raises ValueError on a bad prefix
 

@@ -1,6 +1,6 @@
 """Errors of the packing job, the rows of rejects.jsonl, and the one line a failed `mmpack` command prints.
 
-Every error mmpack raises on purpose is a `packing.errors.MmpackError` with a `reason`; per-sample ones become
+Every error mmpack raises on purpose is a `mmpack.packing.errors.MmpackError` with a `reason`; per-sample ones become
 reject rows, job-level ones end the command with `mmpack <cmd>: error: ...` (see `describe_failure`).
 """
 
@@ -10,7 +10,7 @@ import errno
 import os
 import re
 
-from packing.errors import MmpackError
+from mmpack.packing.errors import MmpackError
 
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-[0-9-]+$")  # atomic writes go through ".<name>.tmp-<pid>..."
 

@@ -11,12 +11,12 @@ from importlib import metadata
 
 import numpy as np
 
-from offline_packing.config import PackJobConfig
-from offline_packing.storage import OutputStore
-from offline_packing.workdir import WorkDir, read_jsonl
-from packing.fileio import json_bytes
-from packing.format import MANIFEST_NAME, REJECTS_NAME, STATS_NAME
-from packing.manifest import Manifest, ManifestCounts, ManifestImageRule, ShardEntry
+from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.storage import OutputStore
+from mmpack.offline_packing.workdir import WorkDir, read_jsonl
+from mmpack.packing.fileio import json_bytes
+from mmpack.packing.format import MANIFEST_NAME, REJECTS_NAME, STATS_NAME
+from mmpack.packing.manifest import Manifest, ManifestCounts, ManifestImageRule, ShardEntry
 
 
 def collect_rejects(wd: WorkDir) -> list[dict]:
@@ -56,11 +56,11 @@ def compute_counts(wd: WorkDir, rejects: list[dict]) -> ManifestCounts:
 def compute_stats(wd: WorkDir, cfg: PackJobConfig, counts: ManifestCounts) -> dict:
     """stats.json: what `mmpack stats --json` reports for the dataset (packing_stats, source, length
     distribution), computed from the job's own lengths and bins, plus the manifest counts."""
-    from offline_packing.binpack import load_plan
-    from offline_packing.lengths import load_lengths
-    from offline_packing.stats.compare import caps_bound_field
-    from offline_packing.stats.report import length_distribution
-    from packing.stats import packing_stats
+    from mmpack.offline_packing.binpack import load_plan
+    from mmpack.offline_packing.lengths import load_lengths
+    from mmpack.offline_packing.stats.compare import caps_bound_field
+    from mmpack.offline_packing.stats.report import length_distribution
+    from mmpack.packing.stats import packing_stats
 
     lengths, nimg, _ = load_lengths(wd, len(wd.read_marker("scan")["chunks"]))
     bin_ids = load_plan(wd)["bin_ids"]
@@ -90,10 +90,10 @@ def fill_efficiency(stats: dict) -> float:
 
 
 def build_manifest(cfg: PackJobConfig, wd: WorkDir, counts: ManifestCounts, shards: list[dict]) -> Manifest:
-    from offline_packing.config import video_rule
-    from offline_packing.lengths import get_tokenizer, image_rule
-    from packing.chat import ChatTemplate
-    from packing.tokenizer import tokenizer_info
+    from mmpack.offline_packing.config import video_rule
+    from mmpack.offline_packing.lengths import get_tokenizer, image_rule
+    from mmpack.packing.chat import ChatTemplate
+    from mmpack.packing.tokenizer import tokenizer_info
 
     rule = image_rule(cfg)
     return Manifest(
@@ -133,7 +133,7 @@ def finalize(cfg: PackJobConfig, wd: WorkDir, shards: list[dict]) -> Manifest:
     store.write_bytes(REJECTS_NAME, rows.encode())
     store.write_bytes(STATS_NAME, json_bytes(compute_stats(wd, cfg, counts)))
     if cfg.energon:
-        from offline_packing.outputs.energon_meta import write_energon_metadata
+        from mmpack.offline_packing.outputs.energon_meta import write_energon_metadata
 
         if not store.is_local:
             raise ValueError("--energon needs a local output folder (energon prepare indexes local tars)")

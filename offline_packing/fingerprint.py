@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
-from offline_packing.config import StageConfig
+from mmpack.offline_packing.config import StageConfig
 
 FileIdentity = list  # [canonical path, size, mtime_ns or sha256]
 
@@ -33,7 +33,7 @@ def file_identity(path: str, verify: str) -> FileIdentity:
     A missing file has identity (path, None, None): it differs from any existing file's. A remote input
     (URL) has identity (URL, size, ETag or mtime from the object store), see `inputs.remote.identity`.
     """
-    from offline_packing.inputs import remote
+    from mmpack.offline_packing.inputs import remote
 
     if remote.is_url(path):
         return remote.identity(path, verify)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from offline_packing.config import (
+from mmpack.offline_packing.config import (
     ENGINES,
     IMAGE_CHECKS,
     OUTPUT_FORMATS,
@@ -14,9 +14,9 @@ from offline_packing.config import (
     VERIFY_INPUTS,
     PackJobConfig,
 )
-from offline_packing.model_folder import RULE_FLAG_FIELDS, resolve_job_image_options
-from packing.format import DEFAULT_MAX_IMAGE_PIXELS
-from packing.video_tokens import VideoTokenRule
+from mmpack.offline_packing.model_folder import RULE_FLAG_FIELDS, resolve_job_image_options
+from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS
+from mmpack.packing.video_tokens import VideoTokenRule
 
 
 def _size(text: str) -> int:
@@ -156,7 +156,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="at most N images per bin; samples with more are rejected",
     )
-    g.add_argument("--algorithm", default="auto", help="packing.pack_lengths algorithm (default auto)")
+    g.add_argument("--algorithm", default="auto", help="mmpack.packing.pack_lengths algorithm (default auto)")
     g.add_argument("--seed", type=int, default=0, help="seed of the order of bins in the shards (default 0)")
     g = p.add_argument_group("output")
     g.add_argument("-o", "--output", required=True, help="output folder or fsspec URL (s3://bucket/prefix)")

@@ -7,7 +7,7 @@ Writes: `<work>/lengths/chunk-N.{ids,mask,offsets,nimg}.npy` (token ids and loss
         `chunk-N.meta_offsets.npy`, `chunk-N.rejects.jsonl`
         (over-length, bad image sizes, videos the rule refuses), `chunk-N.done.json`, then
         `<work>/lengths.done.json`.
-Run alone: `python -m offline_packing.lengths <mmpack pack flags>`.
+Run alone: `python -m mmpack.offline_packing.lengths <mmpack pack flags>`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from offline_packing.config import LengthsConfig, video_rule
-from offline_packing.engines import run_parallel
-from offline_packing.errors import PackError, SampleReject, reject_row
-from offline_packing.workdir import (
+from mmpack.offline_packing.config import LengthsConfig, video_rule
+from mmpack.offline_packing.engines import run_parallel
+from mmpack.offline_packing.errors import PackError, SampleReject, reject_row
+from mmpack.offline_packing.workdir import (
     WorkDir,
     atomic_write_bytes,
     atomic_write_json,
@@ -50,7 +50,7 @@ class LengthsTask:
 
 def get_tokenizer(path: str | None) -> Any:
     """The tokenizer at `path`, loaded once per process."""
-    from packing.tokenizer import load_tokenizer
+    from mmpack.packing.tokenizer import load_tokenizer
 
     if path not in _TOKENIZERS:
         _TOKENIZERS[path] = load_tokenizer(path)
@@ -58,16 +58,16 @@ def get_tokenizer(path: str | None) -> Any:
 
 
 def image_rule(cfg: Any) -> Any:
-    """The image rule of a config carrying the fields of `offline_packing.model_folder.RULE_JOB_FIELDS`."""
-    from offline_packing.model_folder import RULE_JOB_FIELDS
-    from packing.image_tokens import ImageTokenRule
+    """The image rule of a config carrying the fields of `mmpack.offline_packing.model_folder.RULE_JOB_FIELDS`."""
+    from mmpack.offline_packing.model_folder import RULE_JOB_FIELDS
+    from mmpack.packing.image_tokens import ImageTokenRule
 
     return ImageTokenRule(**{name: getattr(cfg, name) for name in RULE_JOB_FIELDS})
 
 
 def plan_videos(sample: dict, vrule: Any) -> list[Any]:
     """The `VideoPlan` of each video of a scanned sample; SampleReject where the rule refuses one."""
-    from packing.video_tokens import VideoMeta, VideoRuleError
+    from mmpack.packing.video_tokens import VideoMeta, VideoRuleError
 
     plans = []
     for path, info in zip(sample.get("videos", ()), sample.get("video_info", ())):
@@ -85,7 +85,7 @@ class ScannedPrep:
     sample: dict
     grids: list[Any]
     plans: list[Any]
-    prep: Any  # packing.chat.PreparedConversation
+    prep: Any  # mmpack.packing.chat.PreparedConversation
 
 
 def prepare_scanned(
@@ -93,8 +93,8 @@ def prepare_scanned(
 ) -> ScannedPrep:
     """Image grids, video plans and the rendered conversation of one scanned sample (SampleReject where a rule
     refuses an image or video)."""
-    from packing.chat import ChatTemplate, Conversation, prepare_conversation
-    from packing.image_tokens import ImageSizeError
+    from mmpack.packing.chat import ChatTemplate, Conversation, prepare_conversation
+    from mmpack.packing.image_tokens import ImageSizeError
 
     grids = []
     for w, h in sample["wh"]:
@@ -127,7 +127,7 @@ def prepare_scanned(
 def finish_scanned(pending: ScannedPrep, cfg: LengthsConfig, tok: Any) -> tuple[Any, dict]:
     """A prepared sample's tokens (`TokenizedSample` of its text) under the over-length policy, and its
     metadata row."""
-    from packing.chat import truncate_sample
+    from mmpack.packing.chat import truncate_sample
 
     sample, grids, plans = pending.sample, pending.grids, pending.plans
     full_len = len(tok)
@@ -170,7 +170,7 @@ def tokenize_scanned(
     sample: dict, cfg: LengthsConfig, rule: Any, tokenizer: Any, vrule: Any = None
 ) -> tuple[Any, dict]:
     """Token ids + loss mask of one scanned sample under the over-length policy, and its metadata row."""
-    from packing.chat import encode_texts, finish_tokenized
+    from mmpack.packing.chat import encode_texts, finish_tokenized
 
     pending = prepare_scanned(sample, cfg, rule, tokenizer, vrule)
     [tok] = finish_tokenized([pending.prep], tokenizer, encode_texts(tokenizer, [pending.prep.text]))
@@ -183,7 +183,7 @@ def tokenize_chunk_samples(
     """(sample, (tok, meta) or its SampleReject) per scanned sample, in order, as `tokenize_scanned` gives them,
     with the texts of each `ENCODE_BATCH` samples encoded in one tokenizer call. Other errors are raised at
     the sample that causes them, after the samples before it."""
-    from packing.chat import encode_texts, finish_tokenized
+    from mmpack.packing.chat import encode_texts, finish_tokenized
 
     it = iter(samples)
     while True:
@@ -305,6 +305,6 @@ def run_lengths(cfg: LengthsConfig, wd: WorkDir, fingerprint: str, *, workers: i
 
 
 if __name__ == "__main__":
-    from offline_packing.pipeline import stage_main
+    from mmpack.offline_packing.pipeline import stage_main
 
     raise SystemExit(stage_main(STAGE))

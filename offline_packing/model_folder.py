@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from packing.image_tokens import PREPROCESSOR_CONFIG, ImageTokenRule, load_model_image_rule
-from packing.tokenizer import TOKENIZER_FILE
+from mmpack.packing.image_tokens import PREPROCESSOR_CONFIG, ImageTokenRule, load_model_image_rule
+from mmpack.packing.tokenizer import TOKENIZER_FILE
 
 # Image-rule fields that also have a flag (--patch-size, ...): a flag that contradicts the model folder is an
 # error, since the trainer refuses a dataset whose rule differs from its model's.

@@ -1,17 +1,17 @@
-"""`mmpack pack`: flags (offline_packing.flags) -> PackJobConfig -> run_pack, failures as one line."""
+"""`mmpack pack`: flags (mmpack.offline_packing.flags) -> PackJobConfig -> run_pack, failures as one line."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from offline_packing.flags import add_arguments as add_arguments
-from offline_packing.flags import config_from_args
+from mmpack.offline_packing.flags import add_arguments as add_arguments
+from mmpack.offline_packing.flags import config_from_args
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the job; prints the summary to stderr. Exit code 0 on success, 1 on a job error, 2 on bad flags."""
-    from offline_packing.pipeline import run_pack_reporting
+    from mmpack.offline_packing.pipeline import run_pack_reporting
 
     try:
         cfg = config_from_args(args)

@@ -3,7 +3,7 @@
 `run_pack(PackJobConfig(...)) -> PackSummary` is the Python API; `mmpack pack`, `auto_pipe.sh` and
 `python -m offline_packing.<stage>` all end here. A stage is skipped when it completed with the fingerprint
 it has now (its own config, the stages before it, the identity of every file it reads; see
-`offline_packing.fingerprint`); otherwise it and every stage after it are redone. `-S N` reruns from stage
+`mmpack.offline_packing.fingerprint`); otherwise it and every stage after it are redone. `-S N` reruns from stage
 N, which needs stages 1..N-1 complete and current.
 """
 
@@ -18,13 +18,13 @@ import time
 import traceback
 from pathlib import Path
 
-from offline_packing.config import STAGES, PackJobConfig, PackSummary
-from offline_packing.errors import PackError, describe_failure
-from offline_packing.fingerprint import identities, stage_fingerprint
-from offline_packing.storage import OutputStore
-from offline_packing.workdir import WorkDir
-from packing.format import MANIFEST_NAME, STATS_NAME
-from packing.manifest import Manifest
+from mmpack.offline_packing.config import STAGES, PackJobConfig, PackSummary
+from mmpack.offline_packing.errors import PackError, describe_failure
+from mmpack.offline_packing.fingerprint import identities, stage_fingerprint
+from mmpack.offline_packing.storage import OutputStore
+from mmpack.offline_packing.workdir import WorkDir
+from mmpack.packing.format import MANIFEST_NAME, STATS_NAME
+from mmpack.packing.manifest import Manifest
 
 
 def resolve_work_dir(cfg: PackJobConfig) -> str:
@@ -48,7 +48,7 @@ def _fingerprint(cfg: PackJobConfig, stage: str, previous: str, files: list[str]
     if stage == "scan":
         inputs = files
     elif stage == "lengths" and cfg.tokenizer is not None:
-        from packing.tokenizer import resolve_tokenizer_file
+        from mmpack.packing.tokenizer import resolve_tokenizer_file
 
         inputs = [str(resolve_tokenizer_file(cfg.tokenizer))]
     return stage_fingerprint(stage, cfg.stage_config(stage), previous, identities(inputs, cfg.verify_inputs))
@@ -57,7 +57,7 @@ def _fingerprint(cfg: PackJobConfig, stage: str, previous: str, files: list[str]
 def _completed(cfg: PackJobConfig, wd: WorkDir, stage: str, fingerprint: str) -> str | None:
     """The output fingerprint of `stage` if it completed with `fingerprint` and is still current, else None."""
     if stage == "scan":
-        from offline_packing.scan import scan_output_fingerprint
+        from mmpack.offline_packing.scan import scan_output_fingerprint
 
         return scan_output_fingerprint(wd, fingerprint, cfg.verify_inputs)
     if not wd.is_done(stage, fingerprint) or not _outputs_present(cfg, stage):
@@ -68,19 +68,19 @@ def _completed(cfg: PackJobConfig, wd: WorkDir, stage: str, fingerprint: str) ->
 def _run_stage(cfg: PackJobConfig, wd: WorkDir, stage: str, fingerprint: str, files: list[str]) -> str:
     """Run `stage`; returns its output fingerprint (what the next stage builds on)."""
     if stage == "scan":
-        from offline_packing.scan import run_scan
+        from mmpack.offline_packing.scan import run_scan
 
         info = run_scan(
             cfg.stage_config("scan"), files, wd, fingerprint, workers=cfg.workers, progress=cfg.progress
         )
         return str(info["output_fingerprint"])
     if stage == "lengths":
-        from offline_packing.lengths import get_tokenizer, run_lengths
+        from mmpack.offline_packing.lengths import get_tokenizer, run_lengths
 
         get_tokenizer(cfg.tokenizer)  # loaded once here; forked workers inherit it
         run_lengths(cfg.stage_config("lengths"), wd, fingerprint, workers=cfg.workers, progress=cfg.progress)
     elif stage == "binpack":
-        from offline_packing.binpack import run_binpack
+        from mmpack.offline_packing.binpack import run_binpack
 
         run_binpack(cfg.stage_config("binpack"), wd, fingerprint)
     else:
@@ -89,8 +89,12 @@ def _run_stage(cfg: PackJobConfig, wd: WorkDir, stage: str, fingerprint: str, fi
 
 
 def _run_write(cfg: PackJobConfig, wd: WorkDir, fingerprint: str) -> None:
-    from offline_packing.finalize import finalize
-    from offline_packing.write import record_previous_dataset, remove_unlisted_outputs, run_write_shards
+    from mmpack.offline_packing.finalize import finalize
+    from mmpack.offline_packing.write import (
+        record_previous_dataset,
+        remove_unlisted_outputs,
+        run_write_shards,
+    )
 
     write_cfg = cfg.stage_config("write")
     store = OutputStore(cfg.output, cfg.storage_options, staging_dir=wd.stage_dir("write"))
@@ -122,12 +126,12 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
         FileNotFoundError: an input (-i) or the tokenizer does not exist.
         OSError: the output or work folder cannot be written.
     """
-    from offline_packing.engines import use_engine
-    from offline_packing.inputs import remote
+    from mmpack.offline_packing.engines import use_engine
+    from mmpack.offline_packing.inputs import remote
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if cfg.tokenizer is not None:  # fail before the first stage, not after it
-        from packing.tokenizer import resolve_tokenizer_file
+        from mmpack.packing.tokenizer import resolve_tokenizer_file
 
         resolve_tokenizer_file(cfg.tokenizer)
     remote.configure(cfg.storage_options)  # inputs (s3://...) are read with the output's storage options
@@ -136,8 +140,8 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
 
 
 def _run_stages(cfg: PackJobConfig) -> PackSummary:
-    from offline_packing import workdir
-    from offline_packing.inputs.sources import expand_inputs
+    from mmpack.offline_packing import workdir
+    from mmpack.offline_packing.inputs.sources import expand_inputs
 
     files = expand_inputs(cfg.inputs)
     workdir.start_run()  # a URL work folder starts from an empty local cache: nothing stale is read
@@ -207,7 +211,7 @@ def run_pack_reporting(cfg: PackJobConfig, command: str = "mmpack pack") -> int:
 
 def stage_main(stage: str, argv: list[str] | None = None) -> int:
     """`python -m offline_packing.<stage> <mmpack pack flags>`: run that stage only."""
-    from offline_packing.flags import parse_job_args
+    from mmpack.offline_packing.flags import parse_job_args
 
     n = STAGES.index(stage) + 1
     prog = f"python -m offline_packing.{stage}"
@@ -223,7 +227,7 @@ def _outputs_present(cfg: PackJobConfig, stage: str) -> bool:
 
 
 def _fill_summary(summary: PackSummary, cfg: PackJobConfig) -> None:
-    from offline_packing.finalize import fill_efficiency
+    from mmpack.offline_packing.finalize import fill_efficiency
 
     store = OutputStore(cfg.output, cfg.storage_options)
     manifest = _read_output_manifest(store)
@@ -245,7 +249,7 @@ def _fill_summary(summary: PackSummary, cfg: PackJobConfig) -> None:
 
 
 def read_manifest(output: str, storage_options: dict | None = None) -> dict:
-    """The manifest of a packed dataset as plain JSON values, checked by `packing.manifest.Manifest`."""
+    """The manifest of a packed dataset as plain JSON values, checked by `mmpack.packing.manifest.Manifest`."""
     return _read_output_manifest(OutputStore(output, storage_options)).to_dict()
 
 

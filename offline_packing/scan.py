@@ -6,7 +6,7 @@ Writes: `<work>/scan/chunk-N.samples.jsonl` (normalised conversation, image path
         video paths, container metadata, formats, bytes),
         `<work>/scan/chunk-N.rejects.jsonl`, `<work>/scan/chunk-N.images.json` (identity of every image file
         read), `<work>/scan/chunk-N.done.json`, then `<work>/scan.done.json`.
-Run alone: `python -m offline_packing.scan <mmpack pack flags>`.
+Run alone: `python -m mmpack.offline_packing.scan <mmpack pack flags>`.
 """
 
 from __future__ import annotations
@@ -15,20 +15,26 @@ import os
 from dataclasses import dataclass
 from typing import IO, cast
 
-from offline_packing.config import ScanConfig
-from offline_packing.engines import run_parallel
-from offline_packing.errors import PackError, SampleReject, reject_row
-from offline_packing.fingerprint import FileIdentity, digest, file_identity, identities
-from offline_packing.inputs.json_records import RawRecord
-from offline_packing.inputs.sources import (
+from mmpack.offline_packing.config import ScanConfig
+from mmpack.offline_packing.engines import run_parallel
+from mmpack.offline_packing.errors import PackError, SampleReject, reject_row
+from mmpack.offline_packing.fingerprint import FileIdentity, digest, file_identity, identities
+from mmpack.offline_packing.inputs.json_records import RawRecord
+from mmpack.offline_packing.inputs.sources import (
     Chunk,
     input_folder,
     plan_chunks,
     read_chunk,
     resolve_image_path,
 )
-from offline_packing.workdir import WorkDir, atomic_write_json, read_done_marker, read_json, write_jsonl
-from packing.errors import MmpackError
+from mmpack.offline_packing.workdir import (
+    WorkDir,
+    atomic_write_json,
+    read_done_marker,
+    read_json,
+    write_jsonl,
+)
+from mmpack.packing.errors import MmpackError
 
 STAGE = "scan"
 
@@ -54,9 +60,9 @@ class ImageCheck:
 
 def _read_image(path: str, check: ImageCheck) -> tuple[int, int, str, int]:
     """(width, height, format, size_bytes) of an image file; SampleReject if missing, unreadable or too large."""
-    from offline_packing.inputs import remote
-    from offline_packing.tar_source import is_member_ref, read_image_bytes
-    from packing.image_tokens import read_image_size
+    from mmpack.offline_packing.inputs import remote
+    from mmpack.offline_packing.tar_source import is_member_ref, read_image_bytes
+    from mmpack.packing.image_tokens import read_image_size
 
     full_decode = check.full_decode
     if remote.is_url(path):
@@ -82,8 +88,8 @@ def _read_image(path: str, check: ImageCheck) -> tuple[int, int, str, int]:
 def _read_remote_image(url: str, check: ImageCheck) -> tuple[int, int, str, int]:
     """`_read_image` of an image URL: ranged reads of the blocks the header check touches, not the image
     (the whole image only with `--image-check decode`). Network errors past the retries end the job."""
-    from offline_packing.inputs import remote
-    from packing.image_tokens import read_image_size
+    from mmpack.offline_packing.inputs import remote
+    from mmpack.packing.image_tokens import read_image_size
 
     try:
         f = remote.open_ranged(url)
@@ -107,7 +113,7 @@ def _decode_fully(data: bytes, name: str) -> None:
 
     from PIL import Image
 
-    from packing.image_tokens import decode_or_raise
+    from mmpack.packing.image_tokens import decode_or_raise
 
     with Image.open(io.BytesIO(data)) as im:
         decode_or_raise(im, name)
@@ -116,9 +122,9 @@ def _decode_fully(data: bytes, name: str) -> None:
 def _read_video(path: str, check: ImageCheck) -> dict:
     """Container metadata of a video file, URL or tar member (no frame decoded); SampleReject with the probe's
     reason (missing, unreadable, empty, not a video, corrupt or truncated, too long, frames too large)."""
-    from offline_packing.inputs import remote
-    from offline_packing.inputs.video_probe import VideoProbeConfig, probe_video
-    from offline_packing.tar_source import is_member_ref, read_image_bytes
+    from mmpack.offline_packing.inputs import remote
+    from mmpack.offline_packing.inputs.video_probe import VideoProbeConfig, probe_video
+    from mmpack.offline_packing.tar_source import is_member_ref, read_image_bytes
 
     config = VideoProbeConfig(max_duration_s=check.max_video_seconds, max_frame_pixels=check.max_image_pixels)
     try:
@@ -159,7 +165,7 @@ def video_format(name: str) -> str:
 
 def _locate_image(image: str, rec: RawRecord, source: str, image_root: str, kind: str = "image") -> str:
     """A file path under the image root, or a member reference for records read from a tar."""
-    from offline_packing.tar_source import TarSample, resolve_member
+    from mmpack.offline_packing.tar_source import TarSample, resolve_member
 
     if isinstance(rec.tar_sample, TarSample):
         try:
@@ -184,7 +190,7 @@ def scan_record(
 
     The identity of every image file it reads is added to `read_files` (for the stage fingerprint).
     """
-    from packing.chat import normalize_record
+    from mmpack.packing.chat import normalize_record
 
     if rec.error is not None:
         raise SampleReject(rec.error_reason, rec.error)
@@ -325,6 +331,6 @@ def run_scan(
 
 
 if __name__ == "__main__":
-    from offline_packing.pipeline import stage_main
+    from mmpack.offline_packing.pipeline import stage_main
 
     raise SystemExit(stage_main(STAGE))

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from packing.fileio import atomic_open, resolve_storage_options
+from mmpack.packing.fileio import atomic_open, resolve_storage_options
 
 
 class OutputStore:

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
-from packing.tar_index import index_tar as walk_tar
+from mmpack.packing.tar_index import index_tar as walk_tar
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 _REF_PREFIX = "tar::"
@@ -39,7 +39,7 @@ def _split_name(name: str) -> tuple[str, str]:
 
 def index_tar(path: str) -> tuple[TarSample, ...]:
     """The samples of a tar, in member order (headers only; data is skipped by seeking). `path` may be a URL."""
-    from offline_packing.inputs import remote
+    from mmpack.offline_packing.inputs import remote
 
     if remote.is_url(path):
         _, size, version = remote.identity(path, "stat")
@@ -50,7 +50,7 @@ def index_tar(path: str) -> tuple[TarSample, ...]:
 
 @lru_cache(maxsize=2)
 def _index_tar(path: str, size: int, version: int | str | None) -> tuple[TarSample, ...]:
-    from offline_packing.inputs import remote
+    from mmpack.offline_packing.inputs import remote
 
     samples: list[TarSample] = []
     with remote.open_binary(path) as f:
@@ -76,7 +76,7 @@ def is_member_ref(path: str) -> bool:
 
 def read_image_bytes(path: str) -> bytes:
     """Bytes of an image file or of a tar member reference (remote ones by ranged reads with retries)."""
-    from offline_packing.inputs import remote
+    from mmpack.offline_packing.inputs import remote
 
     if is_member_ref(path):
         tar_path, offset, size = path[len(_REF_PREFIX) :].rsplit("::", 2)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from packing import fileio
+from mmpack.packing import fileio
 
 # The run this process works for and the node it is on: a URL work folder's cache is per (run, node).
 _RUN: dict[str, str] = {"run": uuid.uuid4().hex[:12], "node": ""}
@@ -80,7 +80,7 @@ def _publish(path: str | os.PathLike[str]) -> None:
     mirror = _mirror_of(Path(path))
     if mirror is None:
         return
-    from offline_packing.inputs import remote
+    from mmpack.offline_packing.inputs import remote
 
     url, rel = mirror
     fs, root = remote.filesystem(url)
@@ -89,7 +89,7 @@ def _publish(path: str | os.PathLike[str]) -> None:
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Writes `data` to `path` atomically (`packing.fileio`), then to the work folder URL when mirrored."""
+    """Writes `data` to `path` atomically (`mmpack.packing.fileio`), then to the work folder URL when mirrored."""
     fileio.atomic_write_bytes(path, data)
     _publish(path)
 
@@ -148,7 +148,7 @@ class WorkDir:
     """
 
     def __init__(self, address: str | Path):
-        from offline_packing.inputs import remote
+        from mmpack.offline_packing.inputs import remote
 
         self.address = str(address)
         self.url: str | None = None
@@ -174,7 +174,7 @@ class WorkDir:
         path.parent.mkdir(parents=True, exist_ok=True)
         if self.url is None or path.exists():
             return path
-        from offline_packing.inputs import remote
+        from mmpack.offline_packing.inputs import remote
 
         fs, root = remote.filesystem(self.url)
         tmp = path.with_name(f".{path.name}.fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -202,7 +202,7 @@ class WorkDir:
             if p.is_file():
                 p.unlink()
         if self.url is not None:
-            from offline_packing.inputs import remote
+            from mmpack.offline_packing.inputs import remote
 
             fs, root = remote.filesystem(self.url)
             found = remote.with_retries(self.url, "list", lambda: fs.glob(f"{root}/{rel_glob}"))
@@ -219,7 +219,7 @@ class WorkDir:
     def delete_all(self) -> None:
         """Remove the whole work folder (`--clean-work`), at the URL too."""
         if self.url is not None:
-            from offline_packing.inputs import remote
+            from mmpack.offline_packing.inputs import remote
 
             fs, root = remote.filesystem(self.url)
             if remote.with_retries(self.url, "stat", lambda: fs.exists(root)):

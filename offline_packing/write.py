@@ -8,7 +8,7 @@ Writes: `<out>/shards/<prefix>-NNNNNN.{arrow,tar}` (temporary name, then rename)
         `<out>/.nv-meta/` (with --energon), `<out>/manifest.json`; then removes the shards an earlier run
         wrote that the new manifest does not list (`<work>/write/written.json` and the previous manifest
         say which files this job wrote; no other file of the output folder is touched).
-Run alone: `python -m offline_packing.write <mmpack pack flags>`.
+Run alone: `python -m mmpack.offline_packing.write <mmpack pack flags>`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from offline_packing.config import WriteConfig
-from offline_packing.engines import run_parallel
-from offline_packing.outputs.shard_writers import HashingWriter, PackedBin, open_shard_writer
-from offline_packing.storage import OutputStore
-from offline_packing.workdir import WorkDir, atomic_write_json, read_done_marker
-from packing.format import MANIFEST_NAME, SHARDS_DIR, bin_key, shard_name
+from mmpack.offline_packing.config import WriteConfig
+from mmpack.offline_packing.engines import run_parallel
+from mmpack.offline_packing.outputs.shard_writers import HashingWriter, PackedBin, open_shard_writer
+from mmpack.offline_packing.storage import OutputStore
+from mmpack.offline_packing.workdir import WorkDir, atomic_write_json, read_done_marker
+from mmpack.packing.format import MANIFEST_NAME, SHARDS_DIR, bin_key, shard_name
 
 STAGE = "write"
 
@@ -118,7 +118,7 @@ class BinSource:
 
 
 def _read_file(path: str) -> bytes:
-    from offline_packing.tar_source import read_image_bytes
+    from mmpack.offline_packing.tar_source import read_image_bytes
 
     return read_image_bytes(path)
 
@@ -180,7 +180,7 @@ def run_write_shards(
     cfg: WriteConfig, storage_options: dict, wd: WorkDir, fingerprint: str, *, workers: int, progress: bool
 ) -> list[dict]:
     """All shards of the plan, in parallel over shards; returns manifest shard entries (format-major)."""
-    from offline_packing.binpack import load_plan
+    from mmpack.offline_packing.binpack import load_plan
 
     plan = load_plan(wd)
     firsts = plan["shard_first_bin"].tolist()
@@ -280,6 +280,6 @@ def remove_unlisted_outputs(
 
 
 if __name__ == "__main__":
-    from offline_packing.pipeline import stage_main
+    from mmpack.offline_packing.pipeline import stage_main
 
     raise SystemExit(stage_main(STAGE))

@@ -3,8 +3,8 @@
 This package imports no torch.
 """
 
-from packing.binpack import ALGORITHMS, PackResult, pack_lengths
-from packing.chat import (
+from mmpack.packing.binpack import ALGORITHMS, PackResult, pack_lengths
+from mmpack.packing.chat import (
     ChatTemplate,
     Conversation,
     SampleError,
@@ -14,7 +14,7 @@ from packing.chat import (
     tokenize_conversation,
     truncate_sample,
 )
-from packing.image_tokens import (
+from mmpack.packing.image_tokens import (
     ImageHeaderError,
     ImageSizeError,
     ImageTokenRule,
@@ -22,9 +22,9 @@ from packing.image_tokens import (
     patches_to_image,
     read_image_size,
 )
-from packing.layout import IGNORE_INDEX, PackedSequence, build_packed_sequence, collate_packed
-from packing.stats import lower_bound_images, lower_bound_l1, lower_bound_l2, packing_stats
-from packing.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, load_tokenizer, tokenizer_info
+from mmpack.packing.layout import IGNORE_INDEX, PackedSequence, build_packed_sequence, collate_packed
+from mmpack.packing.stats import lower_bound_images, lower_bound_l1, lower_bound_l2, packing_stats
+from mmpack.packing.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, load_tokenizer, tokenizer_info
 
 __all__ = [
     "ALGORITHMS",

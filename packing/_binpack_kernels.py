@@ -1,6 +1,6 @@
 """Numba kernels for bin packing over plain numpy arrays (item level and length histogram).
 
-Private module: the validating wrappers live in `packing.binpack`. Every kernel here has a slow
+Private module: the validating wrappers live in `mmpack.packing.binpack`. Every kernel here has a slow
 pure-Python counterpart in `tests/reference.py`.
 
 Conventions shared by all kernels: `lengths` is int64, `capacity` is a positive int; items that can

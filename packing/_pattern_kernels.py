@@ -1,4 +1,4 @@
-"""Numba kernels for histogram pattern packing (private; see `packing.binpack`).
+"""Numba kernels for histogram pattern packing (private; see `mmpack.packing.binpack`).
 
 A pattern is a multiset of lengths that fits one bin; the greedy emits each pattern as many times as
 the remaining counts allow, so the work depends on the number of distinct lengths, not of items.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from packing._binpack_kernels import bucket_starts_kernel
+from mmpack.packing._binpack_kernels import bucket_starts_kernel
 
 
 @njit(cache=True)

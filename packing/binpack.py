@@ -1,6 +1,6 @@
 """Bin packing of sample lengths into fixed-capacity bins.
 
-`pack_lengths` validates its inputs and dispatches to numba kernels in `packing._binpack_kernels`.
+`pack_lengths` validates its inputs and dispatches to numba kernels in `mmpack.packing._binpack_kernels`.
 Algorithms:
 
 - ``"nf"``: next fit in input order (baseline).
@@ -21,7 +21,7 @@ Algorithms:
 - ``"auto"`` (default): ``"patterns"``, kept if it meets the lower bound, otherwise compared with
   ``"obfd"``; the one with fewer bins wins (``"obfd"`` on ties), so it is never worse than ``"obfd"``.
   With an image cap it is ``"imagefit"``, kept if it meets the two-dimensional lower bound
-  (`packing.stats.lower_bound_images`), otherwise compared with ``"obfd"`` (``"imagefit"`` on ties).
+  (`mmpack.packing.stats.lower_bound_images`), otherwise compared with ``"obfd"`` (``"imagefit"`` on ties).
 
 All algorithms are deterministic. Items longer than the capacity, or with more images than
 ``max_images_per_bin``, get bin -1.
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from packing import _binpack_kernels as kernels
-from packing import _pattern_kernels as pattern_kernels
-from packing.stats import lower_bound_images, lower_bound_item_cap, lower_bound_l2_from_counts
+from mmpack.packing import _binpack_kernels as kernels
+from mmpack.packing import _pattern_kernels as pattern_kernels
+from mmpack.packing.stats import lower_bound_images, lower_bound_item_cap, lower_bound_l2_from_counts
 
 ALGORITHMS: tuple[str, ...] = ("auto", "obfd", "ffd", "nf", "patterns", "imagefit")
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from packing.errors import MmpackError
-from packing.tokenizer import RESERVED_TOKENS, SPECIAL_TOKENS, VIDEO_PAD, TextTokenizer
+from mmpack.packing.errors import MmpackError
+from mmpack.packing.tokenizer import RESERVED_TOKENS, SPECIAL_TOKENS, VIDEO_PAD, TextTokenizer
 
 IMAGE_TAG = "<image>"
 VIDEO_TAG = "<video>"

@@ -15,7 +15,7 @@ patches in all but Lf layers (Qwen2.5-VL) moves the windowed layers' attention i
 and layer) and keeps Lf in d. `DEFAULT_COST_MODEL` is Qwen2.5-VL-7B's shape (h 3584, L 28, hv 1280, Lv 32)
 counted with full attention in every ViT layer, an upper bound on the image attention (the real tower
 attends over whole images in 4 of the 32 layers); the trainer builds the model of the run it trains
-(`trainer.training.balance_cost_model`). Measured step times give better coefficients: `CostModel.fit`.
+(`mmpack.trainer.training.balance_cost_model`). Measured step times give better coefficients: `CostModel.fit`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The on-disk contract of a packed dataset, shared by the writer (offline_packing) and the reader (dataloader).
 
 Pure constants and small helpers; no pyarrow, no torch. See DESIGN.md "Packed dataset". The manifest's
-model (records, version rule, path checks) is `packing.manifest`.
+model (records, version rule, path checks) is `mmpack.packing.manifest`.
 
 Layout of a dataset folder (local path or fsspec URL)::
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 
 FORMAT_NAME = "mmpack-packed"
-# The manifest's version rule lives in packing.manifest: versions 1..FORMAT_VERSION load, newer ones are refused.
+# The manifest's version rule lives in mmpack.packing.manifest: versions 1..FORMAT_VERSION load, newer ones are refused.
 FORMAT_VERSION = 3
 MANIFEST_NAME = "manifest.json"
 REJECTS_NAME = "rejects.jsonl"
@@ -45,7 +45,7 @@ ARRAY_FIELDS: dict[str, str] = {
 # Video fields (format version 3), only in datasets with videos (Arrow: columns of every shard of such a
 # dataset; WebDataset: members of the bins that hold videos), so image-only datasets keep their bytes:
 # "videos" (list[bytes], the files as read, never re-encoded), "video_formats" (list[str], e.g. "mp4"),
-# "video_plans" (list[str]: JSON of `packing.video_tokens.VideoPlan.to_dict`, with the frame indices,
+# "video_plans" (list[str]: JSON of `mmpack.packing.video_tokens.VideoPlan.to_dict`, with the frame indices,
 # grid, seconds per temporal patch, frame-count exactness and frame rate), and:
 VIDEO_ARRAY_FIELDS: dict[str, str] = {
     "video_grid_thw": "int32",  # [n_videos, 3] (t, h, w) in patches, t = sampled frames / temporal patch

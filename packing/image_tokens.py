@@ -31,7 +31,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from packing.errors import MmpackError
+from mmpack.packing.errors import MmpackError
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

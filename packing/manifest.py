@@ -1,13 +1,13 @@
 """The one model of `manifest.json`: typed records, one version rule, shard paths kept inside the dataset.
 
-The writer (offline_packing.finalize), the loader (dataloader.manifest), `mmpack stats` and the tests all
+The writer (mmpack.offline_packing.finalize), the loader (mmpack.dataloader.manifest), `mmpack stats` and the tests all
 read and write the manifest through `Manifest.from_dict` / `Manifest.to_dict` (`from_json` / `to_json` for
 the bytes). Version rule: manifests of version 1..FORMAT_VERSION load; a newer one is refused with a message
 to upgrade mmpack. A loaded manifest writes back the same bytes (unknown keys of a known version are kept).
 
 Versions: 1 (first), 2 (adds `counts.truncated` and `image_rule.max_image_pixels`; both optional when
 reading, so version 1 manifests load with truncated unknown (None) and the default image limit), 3 (adds
-`video_rule` (the `packing.video_tokens.VideoTokenRule` the videos were planned with), `counts.videos` and
+`video_rule` (the `mmpack.packing.video_tokens.VideoTokenRule` the videos were planned with), `counts.videos` and
 `counts.video_tokens`, and the optional video fields of the shards (packing/format.py); a version 1 or 2
 dataset has no videos, and loads as before).
 """
@@ -20,11 +20,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from packing.errors import MmpackError
-from packing.fileio import json_bytes
-from packing.format import DEFAULT_MAX_IMAGE_PIXELS, FORMAT_NAME, FORMAT_VERSION, SHARD_FORMATS
-from packing.image_tokens import ImageTokenRule
-from packing.video_tokens import VideoTokenRule
+from mmpack.packing.errors import MmpackError
+from mmpack.packing.fileio import json_bytes
+from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS, FORMAT_NAME, FORMAT_VERSION, SHARD_FORMATS
+from mmpack.packing.image_tokens import ImageTokenRule
+from mmpack.packing.video_tokens import VideoTokenRule
 
 _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")

@@ -9,7 +9,7 @@ alone, so they restart at 0 for each sample. Within a sample, text tokens count 
 in row-major order, and the text after it continues at ``start + max(h, w) / m`` (transformers 5's rule;
 for still images it equals the largest image position + 1). The ``<|video_pad|>`` tokens of a video take the
 same height and width positions; its temporal positions are ``start + trunc(i_t * tokens_per_second *
-second_per_grid_t)`` (Qwen2.5-VL, `packing.video_tokens.video_temporal_positions`), and the text after it
+second_per_grid_t)`` (Qwen2.5-VL, `mmpack.packing.video_tokens.video_temporal_positions`), and the text after it
 continues at ``start + max(h, w) / m`` as after an image.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from packing.video_tokens import video_temporal_positions
+from mmpack.packing.video_tokens import video_temporal_positions
 
 _TEXT, _IMAGE, _VIDEO = 0, 1, 2
 

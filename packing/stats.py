@@ -185,7 +185,7 @@ def image_cap_lp(
     """
     from scipy.optimize import linprog
 
-    from packing._bound_kernels import best_pattern_kernel
+    from mmpack.packing._bound_kernels import best_pattern_kernel
 
     capacity = _positive_int(capacity, "capacity")
     lengths = np.asarray(lengths, dtype=np.int64)

@@ -1,7 +1,7 @@
 """The project's one tar walker: (member name, data offset, size) of every member, from the headers.
 
-Used by the loader (WebDataset shards, dataloader.readers), the offline job (raw WebDataset input,
-offline_packing.tar_source) and `mmpack stats` (bin metadata of tar shards). Stdlib only.
+Used by the loader (WebDataset shards, mmpack.dataloader.readers), the offline job (raw WebDataset input,
+mmpack.offline_packing.tar_source) and `mmpack stats` (bin metadata of tar shards). Stdlib only.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Video-token rule (qwen-vl-utils 0.0.14 `vision_process.py`): frames sampled, frame size, grid and tokens.
 
 The offline packer plans each video from its container metadata (`VideoMeta`, read by
-`offline_packing.inputs.video_probe`) with `VideoTokenRule.plan`; the loader decodes exactly the frames of that
-plan (`dataloader.video`). No frame is decoded to count tokens. The rule, as qwen-vl-utils applies it with
+`mmpack.offline_packing.inputs.video_probe`) with `VideoTokenRule.plan`; the loader decodes exactly the frames of that
+plan (`mmpack.dataloader.video`). No frame is decoded to count tokens. The rule, as qwen-vl-utils applies it with
 the `fps` sampling mode and the Qwen2.5-VL patch size 14::
 
     nframes  = total / video_fps * fps, clamped to [ceil2(min_frames), floor2(min(max_frames, total))],
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from packing.errors import MmpackError
+from mmpack.packing.errors import MmpackError
 
 
 class VideoRuleError(MmpackError, ValueError):

@@ -1,4 +1,4 @@
-"""Test fixtures over `offline_packing.demo.synthetic`: bad-input datasets and plain readers of packed shards.
+"""Test fixtures over `mmpack.offline_packing.demo.synthetic`: bad-input datasets and plain readers of packed shards.
 
 Re-exports the synthetic generator (`make_synthetic_dataset`, `train_tiny_bpe`, `write_image`, ...) so tests
 and benchmarks import everything from here; `make_bad_dataset` writes one record per kind of bad input with
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from offline_packing.demo.synthetic import (
+from mmpack.offline_packing.demo.synthetic import (
     RECORD_FORMATS,
     SPECIAL_TOKENS,
     SyntheticData,
@@ -172,7 +172,7 @@ def read_wds_bins(path: Path) -> list[dict]:
 def small_job_config(raw: tuple[Path, Path], out: str | Path, **kw: Any) -> Any:
     """A `PackJobConfig` for a small (records, tokenizer) pair: seq_len 1024, both formats, 3 bins per shard,
     chunks of 8 records (so a few dozen records make several chunks and shards); `kw` overrides."""
-    from offline_packing.config import PackJobConfig
+    from mmpack.offline_packing.config import PackJobConfig
 
     src, tok = raw
     base: dict[str, Any] = dict(

@@ -1,6 +1,6 @@
 """Slow, obviously-correct pure-Python references for the bin-packing kernels and lower bounds.
 
-Each function mirrors one kernel in `packing._binpack_kernels` (or a bound in `packing.stats`),
+Each function mirrors one kernel in `mmpack.packing._binpack_kernels` (or a bound in `mmpack.packing.stats`),
 including its tie-breaking, so tests can compare outputs exactly.
 """
 

@@ -1,4 +1,4 @@
-"""Slow, obviously-correct pure-Python reference of packing.layout (lists and loops only)."""
+"""Slow, obviously-correct pure-Python reference of mmpack.packing.layout (lists and loops only)."""
 
 from __future__ import annotations
 

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataloader import Topology, build_loader, load_manifest
-from dataloader import balance as balance_module
-from dataloader.balance import ComputeBalance, balanced_groups, balanced_layout, load_bin_features
-from dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
-from dataloader.storage import StorageConfig
-from offline_packing.demo.synthetic import build_packed_dataset
-from packing.cost import COST_FEATURES, DEFAULT_COST_MODEL, CostModel, bin_cost_features
+from mmpack.dataloader import Topology, build_loader, load_manifest
+from mmpack.dataloader import balance as balance_module
+from mmpack.dataloader.balance import ComputeBalance, balanced_groups, balanced_layout, load_bin_features
+from mmpack.dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
+from mmpack.dataloader.storage import StorageConfig
+from mmpack.offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.packing.cost import COST_FEATURES, DEFAULT_COST_MODEL, CostModel, bin_cost_features
 from tests.storage_servers import http_server
 from tests.test_loader import all_records, global_batches
 
@@ -95,7 +95,7 @@ def test_layout_splits_each_rank_into_even_micro_batches():
 
 # -- the layout of the stream ---------------------------------------------------------------------------------
 def _dataset_like(num_bins: int, seed: int = 0) -> tuple[Any, ComputeBalance]:
-    from dataloader.manifest import Manifest
+    from mmpack.dataloader.manifest import Manifest
 
     shards = [
         {
@@ -249,7 +249,7 @@ def test_loader_with_balancing_resumes_exactly_across_dp_sizes(dataset: Path) ->
 
 
 def test_trainer_flag_reaches_the_data_config() -> None:
-    from trainer.arguments import parse_args
+    from mmpack.trainer.arguments import parse_args
 
     assert parse_args(["--mock-data", "--balance", "compute"]).data.balance == "compute"
     assert parse_args(["--mock-data"]).data.balance == "none"
@@ -258,7 +258,7 @@ def test_trainer_flag_reaches_the_data_config() -> None:
 
 
 def test_trainer_cost_flag_is_four_coefficients_for_compute_balancing() -> None:
-    from trainer.arguments import parse_args
+    from mmpack.trainer.arguments import parse_args
 
     cfg = parse_args(["--mock-data", "--balance", "compute", "--balance-cost", "1,0,0.5,1e-4"])
     assert cfg.data.balance_cost == (1.0, 0.0, 0.5, 1e-4)
@@ -294,8 +294,8 @@ def test_dense_cost_model_counts_windowed_vision_layers_per_patch() -> None:
 
 
 def test_trainer_cost_model_follows_the_model_and_its_attention() -> None:
+    from mmpack.trainer.training import balance_cost_model
     from tests.test_trainer_observability import _arch
-    from trainer.training import balance_cost_model
 
     arch = _arch()
     h, n, hv, lv = arch.hidden_size, arch.num_layers, arch.vision.hidden_size, arch.vision.depth

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing import binpack
-from packing.binpack import ALGORITHMS, PackResult, pack_lengths
-from packing.stats import lower_bound_l2
+from mmpack.packing import binpack
+from mmpack.packing.binpack import ALGORITHMS, PackResult, pack_lengths
+from mmpack.packing.stats import lower_bound_l2
 from tests import reference
 
 FAST = settings(max_examples=60, deadline=None)

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing.binpack import pack_lengths
-from packing.stats import lower_bound_images, lower_bound_l2
+from mmpack.packing.binpack import pack_lengths
+from mmpack.packing.stats import lower_bound_images, lower_bound_l2
 from tests import reference
 from tests.test_binpack import _pack, assert_valid
 
@@ -123,7 +123,7 @@ def test_auto_reaches_the_two_dimensional_bound_where_length_order_does_not(max_
     st.integers(0, 4),
 )
 def test_best_pattern_kernel_matches_enumeration(classes, capacity_units, max_images, max_items):
-    from packing._bound_kernels import best_pattern_kernel
+    from mmpack.packing._bound_kernels import best_pattern_kernel
 
     units, images, values, counts = (np.array([c[i] for c in classes]) for i in range(4))
     value, pattern = best_pattern_kernel(
@@ -156,7 +156,7 @@ def test_best_pattern_kernel_matches_enumeration(classes, capacity_units, max_im
 @given(capped_inputs(max_n=7))
 def test_lp_bound_never_exceeds_the_optimum(inputs):
     pytest.importorskip("scipy")
-    from packing.stats import lower_bound_images_lp
+    from mmpack.packing.stats import lower_bound_images_lp
 
     lengths, capacity, max_items, images, max_images = inputs
     optimum = reference.optimal_bins(
@@ -180,7 +180,7 @@ def test_lp_bound_reaches_the_optimum_where_the_simple_bound_does_not(lengths, i
     """Found by search over small instances (capacity 10): the two dimensions interact; the control is
     `lower_bound_images`, one bin short."""
     pytest.importorskip("scipy")
-    from packing.stats import image_cap_lp, lower_bound_images_lp
+    from mmpack.packing.stats import image_cap_lp, lower_bound_images_lp
 
     assert reference.optimal_bins(lengths, 10, images, max_images) == optimum
     assert lower_bound_images(np.array(lengths), np.array(images), 10, max_images) == optimum - 1

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing import _pattern_kernels as kernels
+from mmpack.packing import _pattern_kernels as kernels
 from tests import reference
 
 FAST = settings(max_examples=80, deadline=None)

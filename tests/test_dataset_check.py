@@ -1,4 +1,4 @@
-"""`trainer.dataset_check`: a dataset whose image rule or tokenizer disagrees with the model folder is refused."""
+"""`mmpack.trainer.dataset_check`: a dataset whose image rule or tokenizer disagrees with the model folder is refused."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from packing.image_tokens import ImageTokenRule
-from packing.manifest import ManifestImageRule
-from packing.tokenizer import load_tokenizer, tokenizer_info
+from mmpack.packing.image_tokens import ImageTokenRule
+from mmpack.packing.manifest import ManifestImageRule
+from mmpack.packing.tokenizer import load_tokenizer, tokenizer_info
+from mmpack.trainer.dataset_check import DatasetModelMismatch, check_dataset_matches_model
 from tests.fixtures_data import train_tiny_bpe
-from trainer.dataset_check import DatasetModelMismatch, check_dataset_matches_model
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402

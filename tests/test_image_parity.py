@@ -2,7 +2,7 @@
 
 The reference is the processor applied to `Image.open(BytesIO(data))` (its Pillow backend, no torchvision);
 mmpack's side is the packer's header read (`read_image_size` -> `rule.grid_thw`) followed by the loader's
-decode (`dataloader.collate.decode_image_patches`), so token counts offline and pixels in the loader are both
+decode (`mmpack.dataloader.collate.decode_image_patches`), so token counts offline and pixels in the loader are both
 checked. Controls (channel order, resampling filter, dropped alpha, EXIF applied) show the comparison fails
 when the pipeline differs.
 """
@@ -19,8 +19,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dataloader.collate import decode_image_patches
-from packing.image_tokens import ImageTokenRule, image_to_patches, load_model_image_rule, read_image_size
+from mmpack.dataloader.collate import decode_image_patches
+from mmpack.packing.image_tokens import (
+    ImageTokenRule,
+    image_to_patches,
+    load_model_image_rule,
+    read_image_size,
+)
 
 pil_processor = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
 

@@ -9,15 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing.chat import ChatTemplate, Conversation, tokenize_conversation
-from packing.layout import (
+from mmpack.packing.chat import ChatTemplate, Conversation, tokenize_conversation
+from mmpack.packing.layout import (
     IGNORE_INDEX,
     PackedSequence,
     build_attention_mask_from_cu_seqlens,
     build_packed_sequence,
     collate_packed,
 )
-from packing.tokenizer import ByteTokenizer
+from mmpack.packing.tokenizer import ByteTokenizer
 from tests.reference_layout import reference_packed_sequence
 
 PAD = 9999

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from packing.chat import (
+from mmpack.packing.chat import (
     ChatTemplate,
     Conversation,
     SampleError,
@@ -26,7 +26,7 @@ from packing.chat import (
     tokenize_conversation,
     truncate_sample,
 )
-from packing.image_tokens import (
+from mmpack.packing.image_tokens import (
     CLIP_MEAN,
     CLIP_STD,
     ImageHeaderError,
@@ -36,7 +36,7 @@ from packing.image_tokens import (
     patches_to_image,
     read_image_size,
 )
-from packing.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from mmpack.packing.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from tests.conftest import QWEN3_TOKENIZER
 from tests.fixtures_data import SPECIAL_TOKENS
 
@@ -85,7 +85,7 @@ def qwen3() -> tuple[HFTokenizer, Tokenizer]:
 
 
 def _render_by_hand(messages: list[tuple[str, str]], counts: list[int]) -> str:
-    """Rendering written out independently of packing.chat."""
+    """Rendering written out independently of mmpack.packing.chat."""
     it = iter(counts)
     text = ""
     for role, content in messages:
@@ -747,7 +747,7 @@ def test_image_to_patches_resizes_to_rule_or_grid() -> None:
 
 
 def _reference_ids_and_mask(conv: Conversation, counts: list[int], raw: Tokenizer) -> tuple[list, list]:
-    """Ids and loss mask of the fully expanded text straight from its token offsets, without packing.chat:
+    """Ids and loss mask of the fully expanded text straight from its token offsets, without mmpack.packing.chat:
     a token is a target when it overlaps assistant content or the <|im_end|> closing an assistant message
     (the conversations here have no images in assistant messages)."""
     text = _render_by_hand(list(conv.messages), counts)

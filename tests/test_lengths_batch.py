@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from offline_packing import lengths
-from offline_packing.config import LengthsConfig, PackJobConfig
-from offline_packing.errors import PackError, SampleReject
-from packing.tokenizer import ByteTokenizer
+from mmpack.offline_packing import lengths
+from mmpack.offline_packing.config import LengthsConfig, PackJobConfig
+from mmpack.offline_packing.errors import PackError, SampleReject
+from mmpack.packing.tokenizer import ByteTokenizer
 
 
 def _cfg(tmp_path: Path, overlength: str) -> LengthsConfig:

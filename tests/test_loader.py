@@ -13,11 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-from dataloader import PackedLoader, Topology, bin_order, build_loader, load_manifest
-from dataloader.readers import open_shard_reader
-from offline_packing.demo.synthetic import build_packed_dataset
-from packing.image_tokens import ImageTokenRule, image_to_patches
-from packing.layout import build_packed_sequence
+from mmpack.dataloader import PackedLoader, Topology, bin_order, build_loader, load_manifest
+from mmpack.dataloader.readers import open_shard_reader
+from mmpack.offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.packing.image_tokens import ImageTokenRule, image_to_patches
+from mmpack.packing.layout import build_packed_sequence
 from tests.test_loader_storage import assert_same
 
 IGNORE = -100
@@ -278,7 +278,7 @@ def test_bad_arguments_are_explained(dataset: Path, tmp_path: Path) -> None:
 def test_dead_worker_is_an_error_not_a_hang(dataset: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from dataloader import worker
+    from mmpack.dataloader import worker
 
     real = worker.Producer.produce
 
@@ -298,8 +298,8 @@ def test_dead_worker_is_an_error_not_a_hang(dataset: Path, monkeypatch: pytest.M
 def test_shard_with_other_bin_count_than_manifest_fails_naming_it(dataset: Path) -> None:
     from dataclasses import replace
 
-    from dataloader import ShardError, ShardStore, StorageConfig
-    from dataloader.worker import ReaderPool
+    from mmpack.dataloader import ShardError, ShardStore, StorageConfig
+    from mmpack.dataloader.worker import ReaderPool
 
     m = load_manifest(str(dataset))
     wrong = replace(m.shards[0], bins=m.shards[0].bins + 1)

@@ -1,4 +1,4 @@
-"""The loader's collation equals packing.layout's reference layout, bin for bin and key for key."""
+"""The loader's collation equals mmpack.packing.layout's reference layout, bin for bin and key for key."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataloader.collate import CollateConfig, collate_bins
-from packing.image_tokens import ImageTokenRule
-from packing.layout import build_packed_sequence, collate_packed
+from mmpack.dataloader.collate import CollateConfig, collate_bins
+from mmpack.packing.image_tokens import ImageTokenRule
+from mmpack.packing.layout import build_packed_sequence, collate_packed
 
 PAD, IMAGE_PAD = 0, 7
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dataloader import bin_order, load_manifest
-from offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.dataloader import bin_order, load_manifest
+from mmpack.offline_packing.demo.synthetic import build_packed_dataset
 
 TP, PP, DP = 2, 2, 2
 GLOBAL_BATCH, MICRO = 4, 1
@@ -27,7 +27,7 @@ def rank_main(rank: int, world: int, port: int, dataset: str, out_dir: str) -> N
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from dataloader import Topology, build_loader
+    from mmpack.dataloader import Topology, build_loader
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -1,5 +1,5 @@
 """How loader workers hand batches over: several small micro-batches per message, room kept back while batches
-are large, and local shards read ahead without a thread (dataloader.worker, dataloader.pool)."""
+are large, and local shards read ahead without a thread (mmpack.dataloader.worker, mmpack.dataloader.pool)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dataloader import Topology, build_loader, load_manifest
-from dataloader import worker as worker_mod
-from dataloader.storage import StorageConfig
-from dataloader.transport import MAX_SLOTS, SlotReader
-from dataloader.worker import LocalReadAhead, Producer, ProducerSpec, worker_loop
-from offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.dataloader import Topology, build_loader, load_manifest
+from mmpack.dataloader import worker as worker_mod
+from mmpack.dataloader.storage import StorageConfig
+from mmpack.dataloader.transport import MAX_SLOTS, SlotReader
+from mmpack.dataloader.worker import LocalReadAhead, Producer, ProducerSpec, worker_loop
+from mmpack.offline_packing.demo.synthetic import build_packed_dataset
 from tests.test_loader_storage import assert_same
 
 

@@ -9,8 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataloader import BatchPlan, Manifest, StreamOrder, Topology, bin_order, bins_for, micro_batch_bins
-from packing.format import FORMAT_NAME, FORMAT_VERSION
+from mmpack.dataloader import (
+    BatchPlan,
+    Manifest,
+    StreamOrder,
+    Topology,
+    bin_order,
+    bins_for,
+    micro_batch_bins,
+)
+from mmpack.packing.format import FORMAT_NAME, FORMAT_VERSION
 
 
 def fake_manifest(shard_bins: list[int], fmt: str = "arrow") -> Manifest:

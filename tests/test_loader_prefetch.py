@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dataloader import Topology, build_loader, load_manifest
-from dataloader.manifest import Manifest
-from dataloader.storage import ShardStore, StorageConfig, _flock
-from dataloader.storage import store as storage_mod
-from dataloader.worker import Producer, ProducerSpec
-from offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.dataloader import Topology, build_loader, load_manifest
+from mmpack.dataloader.manifest import Manifest
+from mmpack.dataloader.storage import ShardStore, StorageConfig, _flock
+from mmpack.dataloader.storage import store as storage_mod
+from mmpack.dataloader.worker import Producer, ProducerSpec
+from mmpack.offline_packing.demo.synthetic import build_packed_dataset
 from tests.test_loader_storage import assert_same
 
 

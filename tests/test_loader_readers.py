@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dataloader.readers import (
+from mmpack.dataloader.readers import (
     WdsShardReader,
     _walk_plain_tar,
     decode_npy,
@@ -345,7 +345,7 @@ def _same_records(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
 
 
 def test_wds_index_is_shared_through_its_cache_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dataloader.readers.tar_index as readers
+    import mmpack.dataloader.readers.tar_index as readers
 
     shard = write_tar(tmp_path / "s.tar", good_bin("000001") + good_bin("000002", np.arange(6, 12)))
     cache = tmp_path / "meta" / "digest.tar-index.json"

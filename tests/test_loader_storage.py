@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from dataloader import ShardError, Topology, build_loader, load_manifest
-from dataloader.storage import ShardStore, StorageConfig
-from offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.dataloader import ShardError, Topology, build_loader, load_manifest
+from mmpack.dataloader.storage import ShardStore, StorageConfig
+from mmpack.offline_packing.demo.synthetic import build_packed_dataset
 from tests.storage_servers import (
     FaultPlan,
     FaultProxy,
@@ -308,7 +308,7 @@ def test_shard_reads_through_faults_give_exact_bytes(
     server: str,
     whole_read_max_bytes: int,
 ) -> None:
-    import dataloader.storage.store as store
+    import mmpack.dataloader.storage.store as store
 
     monkeypatch.setattr(store, "WHOLE_READ_MAX_BYTES", whole_read_max_bytes)
     monkeypatch.setattr(store, "CHUNK_BYTES", 4096)  # several chunks per shard when streamed
@@ -339,7 +339,7 @@ def test_local_shards_are_hashed_once_per_machine(
     dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another process (a new ShardStore) trusts the recorded check; a rewritten shard is checked again."""
-    import dataloader.storage.store as storage
+    import mmpack.dataloader.storage.store as storage
 
     copy = tmp_path / "packed"
     shutil.copytree(dataset, copy)
@@ -372,7 +372,7 @@ def test_local_check_record_follows_the_folder_a_link_points_to(
 ) -> None:
     """The record names the shard under the dataset folder's resolved path (worked out once per store): a
     link moved to an identical copy (same size and mtime, another file) gets the copy checked again."""
-    import dataloader.storage.store as storage
+    import mmpack.dataloader.storage.store as storage
 
     for name in ("a", "b"):
         shutil.copytree(dataset, tmp_path / name, copy_function=shutil.copy2)  # copy2 keeps mtimes

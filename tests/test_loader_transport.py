@@ -1,4 +1,4 @@
-"""Shared-memory slots between loader workers and the consumer (dataloader.transport)."""
+"""Shared-memory slots between loader workers and the consumer (mmpack.dataloader.transport)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataloader import transport
-from dataloader.transport import SlotMessage, SlotReader, SlotWriter
+from mmpack.dataloader import transport
+from mmpack.dataloader.transport import SlotMessage, SlotReader, SlotWriter
 
 
 def _batch(rng: np.random.Generator, n_patches: int) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The one manifest model (packing.manifest): bytes, version rule, shard paths, and what the loader enforces.
+"""The one manifest model (mmpack.packing.manifest): bytes, version rule, shard paths, and what the loader enforces.
 
 `MANIFEST_V1` is the manifest.json that mmpack wrote for the fixed job below before the model existed
 (format version 1). Version 2 adds `counts.truncated` and `image_rule.max_image_pixels`; version 3 adds
@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dataloader import load_manifest
-from dataloader.collate import CollateConfig, ImageTooLargeError, collate_bins
-from offline_packing.config import PackJobConfig
-from offline_packing.finalize import _version
-from offline_packing.pipeline import read_manifest, run_pack
-from packing.format import DEFAULT_MAX_IMAGE_PIXELS, FORMAT_VERSION
-from packing.image_tokens import ImageTokenRule
-from packing.manifest import Manifest, ManifestError, ManifestImageRule, check_shard_path
+from mmpack.dataloader import load_manifest
+from mmpack.dataloader.collate import CollateConfig, ImageTooLargeError, collate_bins
+from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.finalize import _version
+from mmpack.offline_packing.pipeline import read_manifest, run_pack
+from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS, FORMAT_VERSION
+from mmpack.packing.image_tokens import ImageTokenRule
+from mmpack.packing.manifest import Manifest, ManifestError, ManifestImageRule, check_shard_path
 
 RED_56 = "iVBORw0KGgoAAAANSUhEUgAAADgAAAA4CAIAAAAn5KxJAAAAWUlEQVR4nO3OUQkAIQBAMTWI/aMYywr38UAOtgSbZ+/xB+t14CvRmmhNtCZaE62J1kRrojXRmmhNtCZaE62J1kRrojXRmmhNtCZaE62J1kRrojXRmmhNtHYByF0BdOurBQ4AAAAASUVORK5CYII="
 GREEN_84x56 = "iVBORw0KGgoAAAANSUhEUgAAAFQAAAA4CAIAAADsP0i3AAAAXElEQVR4nO3PQQEAEADAQGSQTjpRxfC4XYJt7nuGav0O+Kl5VfOq5lXNq5pXNa9qXtW8qnlV86rmVc2rmlc1r2pe1byqeVXzquZVzauaVzWval7VvKp5VfOq5lUPsyABfl6UA8QAAAAASUVORK5CYII="
@@ -147,7 +147,7 @@ def test_a_version_2_manifest_loads_without_videos(fixed_dataset: Path) -> None:
     (v2 / "manifest.json").write_text(json.dumps(raw))
     loaded = load_manifest(str(v2))
     assert loaded.video_pad_id == 262 and loaded.num_bins == 3
-    from dataloader.readers import ArrowShardReader, WdsShardReader
+    from mmpack.dataloader.readers import ArrowShardReader, WdsShardReader
 
     for entry in raw["shards"]:
         path = str(v2 / entry["path"])
@@ -315,7 +315,7 @@ def test_image_rule_keeps_the_pixel_options_of_the_rule() -> None:
 def test_loader_names_shard_bin_and_image_of_a_too_large_image(fixed_dataset: Path, tmp_path: Path) -> None:
     import shutil
 
-    from dataloader import Topology, build_loader
+    from mmpack.dataloader import Topology, build_loader
 
     def first_batches(root: Path) -> list:
         loader = build_loader(

@@ -1,4 +1,4 @@
-"""packing.mrope: the packed 3-D positions equal transformers' `get_rope_index` on every sample alone."""
+"""mmpack.packing.mrope: the packed 3-D positions equal transformers' `get_rope_index` on every sample alone."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from packing.mrope import build_mrope_position_ids
+from mmpack.packing.mrope import build_mrope_position_ids
 
 IMAGE_PAD, VISION_START, VISION_END = 500, 501, 502
 
@@ -15,7 +15,7 @@ IMAGE_PAD, VISION_START, VISION_END = 500, 501, 502
 def hf_model():
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
 
-    from trainer.models.qwen2_5_vl import tiny_hf_config
+    from mmpack.trainer.models.qwen2_5_vl import tiny_hf_config
 
     cfg = tiny_hf_config(
         vocab_size=512, image_token_id=IMAGE_PAD, vision_start_token_id=VISION_START,
@@ -73,7 +73,7 @@ VIDEO_PAD = 503
 def _mixed_sample(rng: np.random.Generator) -> tuple[np.ndarray, list[tuple[str, list[int], float]]]:
     """Text with a video, then 0..3 images and videos in random order; a video's grid t (>= 2 here) is its
     temporal patches."""
-    from packing.video_tokens import VideoMeta, VideoTokenRule
+    from mmpack.packing.video_tokens import VideoMeta, VideoTokenRule
 
     ids: list[int] = list(rng.integers(1, 400, size=int(rng.integers(1, 8))))
     media: list[tuple[str, list[int], float]] = []

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from offline_packing.config import PackJobConfig
-from offline_packing.errors import PackError
-from offline_packing.inputs.sources import resolve_image_path
-from offline_packing.pipeline import read_manifest, run_pack
+from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.errors import PackError
+from mmpack.offline_packing.inputs.sources import resolve_image_path
+from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from tests.fixtures_data import make_bad_dataset, read_arrow_bins, write_image
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from offline_packing.cli import main as mmpack_main
-from offline_packing.errors import PackError, SampleReject
-from packing.chat import SampleError
-from packing.errors import MmpackError
-from packing.image_tokens import ImageHeaderError, ImageSizeError
+from mmpack.offline_packing.cli import main as mmpack_main
+from mmpack.offline_packing.errors import PackError, SampleReject
+from mmpack.packing.chat import SampleError
+from mmpack.packing.errors import MmpackError
+from mmpack.packing.image_tokens import ImageHeaderError, ImageSizeError
 
 
 @pytest.fixture

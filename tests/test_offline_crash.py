@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from offline_packing.config import PackJobConfig
-from offline_packing.pipeline import run_pack
+from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.pipeline import run_pack
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ def _kill_during_write(argv: list[str], shard_dir: Path, timeout_s: float = 60) 
 
     Returns False if the process finished before it could be killed.
     """
-    proc = subprocess.Popen([sys.executable, "-m", "offline_packing.write", *argv], cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "mmpack.offline_packing.write", *argv], cwd=REPO)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline and proc.poll() is None:
@@ -78,7 +78,7 @@ def test_sigkill_during_write_then_rerun_is_byte_identical(tmp_path: Path) -> No
         [
             sys.executable,
             "-m",
-            "offline_packing.cli",
+            "mmpack.offline_packing.cli",
             "pack",
             *_flags(data, tok, out),
             "--max-bins-per-shard",

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from offline_packing.config import PackJobConfig
-from offline_packing.pipeline import read_manifest, run_pack
+from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.pipeline import read_manifest, run_pack
 
 
 def _llava(i: int, img: str | None = None) -> dict:
@@ -212,14 +212,14 @@ def test_truncated_samples_are_counted(tmp_path: Path) -> None:
     ids=["object", "broken_object", "jsonl_bad_first", "blank_lines", "empty_array", "empty_file"],
 )
 def test_json_document_forms(text: str, expected: list) -> None:
-    from offline_packing.inputs.json_records import parse_json_document
+    from mmpack.offline_packing.inputs.json_records import parse_json_document
 
     records = parse_json_document(text.encode())
     assert [(r.line, r.error_reason if r.error else None) for r in records] == expected
 
 
 def test_nesting_limit_is_exact() -> None:
-    from offline_packing.inputs.json_records import MAX_NESTING_DEPTH, parse_json_line
+    from mmpack.offline_packing.inputs.json_records import MAX_NESTING_DEPTH, parse_json_line
 
     at_limit = "[" * MAX_NESTING_DEPTH + "]" * MAX_NESTING_DEPTH
     over = "[" * (MAX_NESTING_DEPTH + 1) + "]" * (MAX_NESTING_DEPTH + 1)

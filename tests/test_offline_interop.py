@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from offline_packing.config import PackJobConfig
-from offline_packing.pipeline import read_manifest, run_pack
+from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from tests.fixtures_data import make_synthetic_dataset, read_wds_bins, train_tiny_bpe
 
 
@@ -44,7 +44,7 @@ def test_energon_lists_and_reads_packed_bins(raw, tmp_path: Path) -> None:
     from megatron.energon.epathlib import EPath
     from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
 
-    from offline_packing.outputs.energon_sample import PackedBinSample
+    from mmpack.offline_packing.outputs.energon_sample import PackedBinSample
 
     out = tmp_path / "ds"
     run_pack(_cfg(raw, str(out), format="both", energon=True))

@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from offline_packing.cli import main as mmpack_main
-from offline_packing.config import PackJobConfig
-from offline_packing.errors import PackError
-from offline_packing.pipeline import read_manifest, run_pack
-from packing.chat import ChatTemplate, normalize_record, render_conversation, tokenize_conversation
-from packing.image_tokens import ImageTokenRule, read_image_size
-from packing.tokenizer import load_tokenizer
+from mmpack.offline_packing.cli import main as mmpack_main
+from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.errors import PackError
+from mmpack.offline_packing.pipeline import read_manifest, run_pack
+from mmpack.packing.chat import ChatTemplate, normalize_record, render_conversation, tokenize_conversation
+from mmpack.packing.image_tokens import ImageTokenRule, read_image_size
+from mmpack.packing.tokenizer import load_tokenizer
 from tests.fixtures_data import (
     dataset_files,
     make_synthetic_dataset,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from offline_packing.cli import main as mmpack_main
-from offline_packing.engines.ray import KILL_ONCE_ENV, TASKS_PER_NODE
-from offline_packing.pipeline import run_pack
+from mmpack.offline_packing.cli import main as mmpack_main
+from mmpack.offline_packing.engines.ray import KILL_ONCE_ENV, TASKS_PER_NODE
+from mmpack.offline_packing.pipeline import run_pack
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, small_job_config, train_tiny_bpe
 
 ray = pytest.importorskip("ray")
@@ -126,7 +126,7 @@ def test_ray_workers_read_s3_inputs(cluster, raw, tmp_path: Path) -> None:
 def test_work_folder_on_s3_without_a_shared_filesystem(cluster, raw, local_files, tmp_path: Path) -> None:
     """`-w s3://...`: each node works from its own cache of the URL (per node, so nothing passes through a
     shared local folder), and the output equals the local engine's with a local work folder."""
-    from offline_packing import workdir
+    from mmpack.offline_packing import workdir
     from tests.storage_servers import moto_s3
 
     with moto_s3() as endpoint:

@@ -1,6 +1,6 @@
 """The packer on real data: LLaMA-Factory's mllm_demo records + JPEGs with the real Qwen3 tokenizer.
 
-Checked independently of packing.chat: the rendered text is rebuilt here, encoded with plain `tokenizers`,
+Checked independently of mmpack.packing.chat: the rendered text is rebuilt here, encoded with plain `tokenizers`,
 image-token counts follow a local copy of Qwen2-VL's smart_resize, and loss-mask runs are decoded back.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from offline_packing.config import PackJobConfig
-from offline_packing.pipeline import read_manifest, run_pack
+from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from tests.fixtures_data import read_arrow_bins, read_wds_bins
 
 pytestmark = pytest.mark.shared

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from offline_packing.config import (
+from mmpack.offline_packing.config import (
     INPUT_FIELDS,
     RUN_CONTROL_FIELDS,
     STAGE_CONFIGS,
     PackJobConfig,
 )
-from offline_packing.pipeline import run_pack
+from mmpack.offline_packing.pipeline import run_pack
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
 
 
@@ -155,7 +155,7 @@ def test_foreign_files_are_never_removed(tmp_path: Path, tok: Path) -> None:
 
 def test_killed_write_then_changed_prefix_leaves_no_orphan(tmp_path: Path, tok: Path, monkeypatch) -> None:
     """Shards of a write stage killed before its manifest are recorded, so the next run still removes them."""
-    import offline_packing.finalize as finalize_module
+    import mmpack.offline_packing.finalize as finalize_module
 
     data = _data(tmp_path / "raw")
     out = tmp_path / "out"
@@ -204,4 +204,4 @@ def test_stage_modules_do_not_import_the_cli() -> None:
     root = Path(__file__).resolve().parents[1] / "offline_packing"
     for stage in ("scan", "lengths", "binpack", "write", "pipeline", "finalize"):
         text = (root / f"{stage}.py").read_text()
-        assert "pack_cli" not in text and "offline_packing.cli" not in text, stage
+        assert "pack_cli" not in text and "mmpack.offline_packing.cli" not in text, stage

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from offline_packing.config import PackJobConfig
-from offline_packing.inputs import remote
-from offline_packing.pipeline import run_pack
+from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.inputs import remote
+from mmpack.offline_packing.pipeline import run_pack
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
 from tests.storage_servers import FaultPlan, FaultProxy, http_server, moto_s3, s3_storage_options
 

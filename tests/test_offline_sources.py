@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from offline_packing.config import PackJobConfig
-from offline_packing.pipeline import read_manifest, run_pack
+from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from tests.fixtures_data import make_synthetic_dataset, read_arrow_bins, write_image
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from offline_packing.config import PackJobConfig
-from offline_packing.pipeline import resolve_work_dir, run_pack
+from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.pipeline import resolve_work_dir, run_pack
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, small_job_config, train_tiny_bpe
 from tests.storage_servers import moto_s3
 

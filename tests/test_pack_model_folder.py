@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dataloader import Topology, build_loader, load_manifest
-from offline_packing.cli import main as mmpack
-from offline_packing.config import PackJobConfig
-from offline_packing.flags import config_from_args
-from offline_packing.model_folder import resolve_job_image_options
-from packing.image_tokens import CLIP_MEAN, ImageTokenRule
-from packing.tokenizer import load_tokenizer
+from mmpack.dataloader import Topology, build_loader, load_manifest
+from mmpack.offline_packing.cli import main as mmpack
+from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.flags import config_from_args
+from mmpack.offline_packing.model_folder import resolve_job_image_options
+from mmpack.packing.image_tokens import CLIP_MEAN, ImageTokenRule
+from mmpack.packing.tokenizer import load_tokenizer
+from mmpack.trainer.dataset_check import DatasetModelMismatch, check_dataset_matches_model
 from tests.fixtures_data import train_tiny_bpe
 from tests.test_loader import all_records
-from trainer.dataset_check import DatasetModelMismatch, check_dataset_matches_model
 
 pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
 
@@ -50,7 +50,7 @@ def model_folder(folder: Path, tokenizer_file: Path | None, **processor: object)
 def parse(argv: list[str]) -> PackJobConfig:
     import argparse
 
-    from offline_packing.flags import add_arguments
+    from mmpack.offline_packing.flags import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)

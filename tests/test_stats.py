@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import packing.stats as stats
-from packing.binpack import pack_lengths
-from packing.stats import (
+import mmpack.packing.stats as stats
+from mmpack.packing.binpack import pack_lengths
+from mmpack.packing.stats import (
     lower_bound_item_cap,
     lower_bound_l1,
     lower_bound_l2,

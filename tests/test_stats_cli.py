@@ -15,13 +15,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from offline_packing.cli import main
-from offline_packing.stats.inputs import StatsInputError, read_length_file
-from packing.format import FORMAT_NAME, FORMAT_VERSION, bin_key, shard_name
+from mmpack.offline_packing.cli import main
+from mmpack.offline_packing.stats.inputs import StatsInputError, read_length_file
+from mmpack.packing.format import FORMAT_NAME, FORMAT_VERSION, bin_key, shard_name
 from tests import reference
 
 # ---------------------------------------------------------------------------------------------------------
-# independent computations (written from the definitions, not from packing.stats)
+# independent computations (written from the definitions, not from mmpack.packing.stats)
 
 
 def l2_bound(lengths: np.ndarray, capacity: int) -> int:
@@ -124,7 +124,7 @@ CAPACITY = 1024
 
 
 def pack(lengths: np.ndarray, capacity: int, **kw: Any) -> np.ndarray:
-    from packing.binpack import pack_lengths
+    from mmpack.packing.binpack import pack_lengths
 
     return pack_lengths(lengths, capacity, **kw).bin_ids
 
@@ -197,7 +197,7 @@ def test_cli_length_file_numbers(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_json_is_packing_stats_plus_extra_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from packing.stats import packing_stats
+    from mmpack.packing.stats import packing_stats
 
     path = write_forms(tmp_path, LENGTHS)["json"]
     report = run_json(capsys, str(path), "--capacity", str(CAPACITY), "--max-samples-per-bin", "2")
@@ -297,7 +297,7 @@ def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 
 def test_compare_lists_every_algorithm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from packing import binpack
+    from mmpack.packing import binpack
 
     rng = np.random.default_rng(1)
     lengths = rng.integers(1, 512, 400)
@@ -755,8 +755,8 @@ def test_dataset_over_http(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 @pytest.fixture(scope="module")
 def packed_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from offline_packing.config import PackJobConfig
-    from offline_packing.pipeline import run_pack
+    from mmpack.offline_packing.config import PackJobConfig
+    from mmpack.offline_packing.pipeline import run_pack
     from tests.fixtures_data import make_synthetic_dataset, train_tiny_bpe
 
     root = tmp_path_factory.mktemp("stats_raw")
@@ -866,7 +866,7 @@ def test_unreachable_storage_is_a_clear_error(capsys: pytest.CaptureFixture[str]
 def test_random_small_cases_match_independent_numbers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], seed: int
 ) -> None:
-    from packing.binpack import ALGORITHMS
+    from mmpack.packing.binpack import ALGORITHMS
 
     rng = np.random.default_rng(seed)
     capacity = int(rng.integers(8, 200))
@@ -933,7 +933,7 @@ def test_text_length_file_is_streamed_with_bounded_memory(tmp_path: Path) -> Non
 
 
 def test_big_json_length_file_is_refused_with_advice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import offline_packing.stats.inputs as inputs
+    import mmpack.offline_packing.stats.inputs as inputs
 
     path = tmp_path / "lengths.json"
     path.write_text(json.dumps(list(range(1, 2000))))
@@ -945,7 +945,7 @@ def test_big_json_length_file_is_refused_with_advice(tmp_path: Path, monkeypatch
 
 
 def test_bad_line_is_named_across_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import offline_packing.stats.inputs as inputs
+    import mmpack.offline_packing.stats.inputs as inputs
 
     monkeypatch.setattr(inputs, "CHUNK_BYTES", 64)
     path = tmp_path / "l.txt"

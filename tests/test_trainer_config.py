@@ -6,18 +6,24 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.arguments import build_parser, parse_args
-from trainer.batches import block_causal_mask
-from trainer.config import ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig, build_megatron_configs
+from mmpack.trainer.arguments import build_parser, parse_args
+from mmpack.trainer.batches import block_causal_mask
+from mmpack.trainer.config import (
+    ModelConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainConfig,
+    build_megatron_configs,
+)
 
 BASE = ["--mock-data", "--seq-length", "64"]
 
 
 def _arch(cfg):
     """The random model's architecture for the mock data's vocabulary and ids."""
-    from trainer.build import model_hf_config
-    from trainer.data import dataset_info
-    from trainer.models.qwen2_5_vl import arch_from_hf_config
+    from mmpack.trainer.build import model_hf_config
+    from mmpack.trainer.data import dataset_info
+    from mmpack.trainer.models.qwen2_5_vl import arch_from_hf_config
 
     return arch_from_hf_config(model_hf_config(cfg, dataset_info(None, 64)))
 
@@ -105,8 +111,8 @@ def test_block_causal_mask_from_cu_seqlens() -> None:
 
 
 def test_thd_inputs_flatten_the_micro_batch() -> None:
-    from trainer.batches import Sample, make_micro_batch
-    from trainer.data import model_inputs
+    from mmpack.trainer.batches import Sample, make_micro_batch
+    from mmpack.trainer.data import model_inputs
 
     def sample(n: int) -> Sample:
         return Sample(

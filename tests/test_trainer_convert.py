@@ -15,7 +15,7 @@ def _hf_model_for(packed: Path, out: Path, *, tied: bool) -> Path:
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from trainer.models.qwen2_5_vl import tiny_hf_config
+    from mmpack.trainer.models.qwen2_5_vl import tiny_hf_config
 
     tok = json.loads((packed / "manifest.json").read_text())["tokenizer"]
     ids = tok["special_ids"]
@@ -51,9 +51,9 @@ def test_round_trip_bit_exact_and_export_loads(tmp_path: Path, tp: int, pp: int,
     """HF -> megatron-core rank files -> HF gives the same bytes; the export loads in transformers and gives
     the original model's loss on the packed samples (whose equality with the trainer's logged loss is
     tests/test_trainer_hf_parity.py)."""
+    from mmpack.trainer.convert import hf_to_mcore, mcore_to_hf
     from tests.test_trainer_hf_parity import _reference
     from tests.test_trainer_support import make_packed_dataset
-    from trainer.convert import hf_to_mcore, mcore_to_hf
 
     packed = make_packed_dataset(tmp_path / "data", n_samples=5, seed=7, seq_len=1024)
     assert json.loads((packed / "manifest.json").read_text())["counts"]["bins"] == 1
@@ -72,9 +72,9 @@ def test_round_trip_bit_exact_and_export_loads(tmp_path: Path, tp: int, pp: int,
 def test_converted_checkpoint_trains_like_hf_model_and_trained_one_exports(tmp_path: Path) -> None:
     """Converted at TP2 x PP2, loaded at TP2 x PP1 (dist_checkpointing reshards): the same logged loss as
     `--hf-model`; the trainer's own checkpoint (optimizer and all, lr 0) exports to the original weights."""
+    from mmpack.trainer.convert import hf_to_mcore, mcore_to_hf
     from tests.test_trainer_hf_parity import _torchrun
     from tests.test_trainer_support import make_packed_dataset
-    from trainer.convert import hf_to_mcore, mcore_to_hf
 
     packed = make_packed_dataset(tmp_path / "data", n_samples=40, seed=8, seq_len=256)
     hf_dir = _hf_model_for(packed, tmp_path / "hf", tied=False)
@@ -90,7 +90,9 @@ def test_converted_checkpoint_trains_like_hf_model_and_trained_one_exports(tmp_p
     }.items():
         metrics = tmp_path / f"{name}.jsonl"
         _torchrun(
-            2, ["-m", "trainer.pretrain_vlm", *common, *extra, "--metrics-file", str(metrics)], tmp_path
+            2,
+            ["-m", "mmpack.trainer.pretrain_vlm", *common, *extra, "--metrics-file", str(metrics)],
+            tmp_path,
         )
         losses[name] = json.loads(metrics.read_text().splitlines()[0])["loss"]
     assert losses["converted"] == losses["hf"]
@@ -99,7 +101,7 @@ def test_converted_checkpoint_trains_like_hf_model_and_trained_one_exports(tmp_p
 
 
 def test_bad_inputs_fail_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from offline_packing.cli import main as mmpack
+    from mmpack.offline_packing.cli import main as mmpack
 
     assert mmpack(["convert", "hf-to-mcore", "--hf", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "has no config.json" in capsys.readouterr().err

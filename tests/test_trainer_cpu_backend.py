@@ -26,7 +26,7 @@ def test_inactive_when_cuda_present() -> None:
         import torch
         torch.cuda.is_available = lambda: True
         original = torch.cuda.current_device
-        from trainer import cpu_backend
+        from mmpack.trainer import cpu_backend
         assert cpu_backend.activate() is False
         assert not cpu_backend.is_active()
         assert torch.cuda.current_device is original
@@ -45,7 +45,7 @@ def test_active_without_cuda_maps_cuda_to_cpu() -> None:
     out = _run(
         """
         import torch
-        from trainer import cpu_backend
+        from mmpack.trainer import cpu_backend
         assert cpu_backend.activate() is True and cpu_backend.activate() is True  # idempotent
         assert torch.empty(3, device="cuda").device.type == "cpu"
         assert torch.zeros(2, device=torch.cuda.current_device()).device.type == "cpu"
@@ -68,7 +68,7 @@ def test_model_parallel_rng_tracker_uses_cpu_generator() -> None:
     out = _run(
         """
         import torch
-        from trainer import cpu_backend
+        from mmpack.trainer import cpu_backend
         cpu_backend.activate()
         from megatron.core import tensor_parallel
         tracker = tensor_parallel.get_cuda_rng_tracker()

@@ -1,5 +1,5 @@
 """The trainer refuses, with one error, a dataset packed with another image rule or tokenizer than
---hf-model's folder (trainer.dataset_check wired into the Trainer); the same folder with the dataset's own
+--hf-model's folder (mmpack.trainer.dataset_check wired into the Trainer); the same folder with the dataset's own
 preprocessor config and tokenizer trains (control)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def _preprocessor_config(manifest: dict, **override: object) -> dict:
-    from packing.manifest import ManifestImageRule
+    from mmpack.packing.manifest import ManifestImageRule
 
     rule = ManifestImageRule.from_dict(manifest["image_rule"], "manifest.json image_rule").token_rule()
     return {"image_processor_type": "Qwen2VLImageProcessor", **rule.to_dict(), **override}

@@ -23,9 +23,9 @@ def _worker(data: str, out: Path, tp: int, pp: int) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    import dataloader.collate as collate
-    from trainer.arguments import parse_args
-    from trainer.training import Trainer, shutdown
+    import mmpack.dataloader.collate as collate
+    from mmpack.trainer.arguments import parse_args
+    from mmpack.trainer.training import Trainer, shutdown
 
     decodes = [0]
     decode = collate.decode_image_patches

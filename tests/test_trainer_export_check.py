@@ -1,4 +1,4 @@
-"""trainer.export_check: a checkpoint's logits at TP1 (megatron-core) equal transformers' on the HF folder it
+"""mmpack.trainer.export_check: a checkpoint's logits at TP1 (megatron-core) equal transformers' on the HF folder it
 came from, on a packed sample with images; a folder with one adapter weight changed is the control."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ def test_checkpoint_logits_equal_transformers(tmp_path: Path) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
+    from mmpack.trainer.convert import hf_to_mcore
+    from mmpack.trainer.export_check import first_image_sample, hf_logits, mcore_logits
     from tests.test_trainer_convert import _hf_model_for
     from tests.test_trainer_support import make_packed_dataset
-    from trainer.convert import hf_to_mcore
-    from trainer.export_check import first_image_sample, hf_logits, mcore_logits
 
     packed = make_packed_dataset(tmp_path / "data", n_samples=12, seed=5, seq_len=256)
     hf_dir = _hf_model_for(packed, tmp_path / "hf", tied=False)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer.freeze import MODULES, modules_of, param_trains, parse_modules, trainable_set
+from mmpack.trainer.freeze import MODULES, modules_of, param_trains, parse_modules, trainable_set
 
 
 def test_module_names_and_flags() -> None:
-    from trainer.arguments import parse_args
+    from mmpack.trainer.arguments import parse_args
 
     assert modules_of("vision.merger.projector.encoder.linear_fc1.weight", tied=False) == {"adapter"}
     assert modules_of("vision.layers.0.self_attention.linear_qkv.weight", tied=False) == {"vision_model"}
@@ -54,16 +54,16 @@ def _hf_part(name: str) -> str:
 def test_frozen_weights_stay_bit_identical(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
+    from mmpack.trainer.convert import mcore_to_hf
     from tests.test_trainer_convert import _hf_model_for
     from tests.test_trainer_hf_parity import _torchrun
     from tests.test_trainer_support import make_packed_dataset
-    from trainer.convert import mcore_to_hf
 
     packed = make_packed_dataset(tmp_path / "data", n_samples=40, seed=8, seq_len=256)
     hf_dir = _hf_model_for(packed, tmp_path / "hf", tied=False)
     before = load_file(str(hf_dir / "model.safetensors"))
     common = [
-        "-m", "trainer.pretrain_vlm", "--hf-model", str(hf_dir), "--data-path", str(packed),
+        "-m", "mmpack.trainer.pretrain_vlm", "--hf-model", str(hf_dir), "--data-path", str(packed),
         "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-2",
         "--num-workers", "0",
     ]  # fmt: skip

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from packing.layout import IGNORE_INDEX
+from mmpack.packing.layout import IGNORE_INDEX
+from mmpack.trainer.batches import Sample, make_micro_batch
 from tests.test_trainer_support import train
-from trainer.batches import Sample, make_micro_batch
 
 
 def _batch() -> dict:
@@ -30,7 +30,7 @@ def _batch() -> dict:
 
 
 def test_thd_padding_adds_a_dummy_trailing_segment() -> None:
-    from trainer.data import model_inputs, pad_flat_batch
+    from mmpack.trainer.data import model_inputs, pad_flat_batch
 
     batch = _batch()
     assert batch["cu_seqlens"].tolist() == [0, 4, 7, 10]  # the row's padding is its own segment
@@ -49,8 +49,13 @@ def test_thd_padding_adds_a_dummy_trailing_segment() -> None:
 
 
 def test_te_fused_norm_weights_are_norms() -> None:
-    from trainer.models.qwen2_5_vl.config import arch_from_hf_config, tiny_hf_config
-    from trainer.models.qwen2_5_vl.hf_io import RandomHFWeights, local_param_name, read_shard, stage_rules
+    from mmpack.trainer.models.qwen2_5_vl.config import arch_from_hf_config, tiny_hf_config
+    from mmpack.trainer.models.qwen2_5_vl.hf_io import (
+        RandomHFWeights,
+        local_param_name,
+        read_shard,
+        stage_rules,
+    )
 
     arch = arch_from_hf_config(
         tiny_hf_config(vocab_size=256, image_token_id=250, vision_start_token_id=251, vision_end_token_id=252)
@@ -96,7 +101,7 @@ def test_bf16_with_fp32_residual_under_transformer_engine(tmp_path: Path) -> Non
 def test_segment_attention_equals_a_block_mask() -> None:
     """The vision tower's attention over cu_seqlens segments equals softmax attention under the dense
     block-diagonal mask it replaces; a control without the segments differs."""
-    from trainer.models.segment_attention import segment_attention
+    from mmpack.trainer.models.segment_attention import segment_attention
 
     gen = torch.Generator().manual_seed(0)
     lengths = [5, 16, 1, 9]

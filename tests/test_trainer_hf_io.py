@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from trainer.models.qwen2_5_vl import arch_from_hf_config, stage_rules, tiny_hf_config
-from trainer.models.qwen2_5_vl.hf_io import (
+from mmpack.trainer.models.qwen2_5_vl import arch_from_hf_config, stage_rules, tiny_hf_config
+from mmpack.trainer.models.qwen2_5_vl.hf_io import (
     RandomHFWeights,
     hf_shapes,
     merge_tp_shards,

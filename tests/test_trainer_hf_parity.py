@@ -35,8 +35,8 @@ def _worker(out_dir: str, argv: list[str]) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from trainer.arguments import parse_args
-    from trainer.training import Trainer, shutdown
+    from mmpack.trainer.arguments import parse_args
+    from mmpack.trainer.training import Trainer, shutdown
 
     trainer = Trainer(parse_args(argv))
     batches, _ = trainer.train_data.next_step()
@@ -70,7 +70,7 @@ def _tiny_hf_model(path: Path, special: dict[str, int]) -> Path:
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from trainer.models.qwen2_5_vl import tiny_hf_config
+    from mmpack.trainer.models.qwen2_5_vl import tiny_hf_config
 
     config = tiny_hf_config(
         vocab_size=VOCAB,
@@ -98,7 +98,7 @@ def _tiny_hf_model(path: Path, special: dict[str, int]) -> Path:
 
 
 def _pack(records: Path, tokenizer: Path, out: Path, seq_len: int) -> Path:
-    from offline_packing.cli import main as mmpack
+    from mmpack.offline_packing.cli import main as mmpack
 
     args = ["pack", "-i", str(records), "-o", str(out), "-L", str(seq_len), "-t", str(tokenizer)]
     assert mmpack([*args, "--max-pixels", str(MAX_PIXELS), "--no-progress"]) == 0
@@ -110,7 +110,7 @@ def _samples_of_bin(packed: Path):
     import pyarrow as pa
     import torch
 
-    from dataloader import Topology, build_loader
+    from mmpack.dataloader import Topology, build_loader
 
     loader = build_loader(
         str(packed), topology=Topology(dp_rank=0, dp_size=1), micro_batch_size=1, global_batch_size=1,
@@ -225,7 +225,7 @@ def test_logged_loss_equals_transformers(setup, tmp_path: Path, tp: int, pp: int
     _, hf_dir, packed, ref = setup
     metrics = tmp_path / "metrics.jsonl"
     args = [*_train_args(hf_dir, packed, tp, pp), "--metrics-file", str(metrics)]
-    proc = _torchrun(tp * pp, ["-m", "trainer.pretrain_vlm", *args], tmp_path)
+    proc = _torchrun(tp * pp, ["-m", "mmpack.trainer.pretrain_vlm", *args], tmp_path)
     assert " iteration      1/     1 | lm loss:" in proc.stdout
     step = json.loads(metrics.read_text().splitlines()[0])
     print(f"TP{tp}xPP{pp}: logged lm loss {step['loss']!r}, transformers {ref['loss']!r}")
@@ -238,8 +238,8 @@ def test_gradients_match_and_zeroed_images_control(setup, tmp_path: Path) -> Non
     """TP2 x PP2: word-embedding and vision gradients of the packed step equal transformers'."""
     import torch
 
-    from trainer.models.qwen2_5_vl import arch_from_hf_config, stage_rules
-    from trainer.models.qwen2_5_vl.hf_io import merge_tp_shards
+    from mmpack.trainer.models.qwen2_5_vl import arch_from_hf_config, stage_rules
+    from mmpack.trainer.models.qwen2_5_vl.hf_io import merge_tp_shards
 
     _, hf_dir, packed, ref = setup
     _torchrun(4, [str(Path(__file__).resolve()), str(tmp_path), *_train_args(hf_dir, packed, 2, 2)], tmp_path)

@@ -26,10 +26,10 @@ def _worker(out: Path) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from trainer.arguments import parse_args
-    from trainer.checkpoint import _bare
-    from trainer.data import model_inputs
-    from trainer.training import Trainer, shutdown
+    from mmpack.trainer.arguments import parse_args
+    from mmpack.trainer.checkpoint import _bare
+    from mmpack.trainer.data import model_inputs
+    from mmpack.trainer.training import Trainer, shutdown
 
     cfg = parse_args(
         ["--mock-data", "--seq-length", "96", "--global-batch-size", "4", "--num-workers", "0",

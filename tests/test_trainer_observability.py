@@ -41,7 +41,7 @@ def test_tensorboard_events_hold_the_logged_metrics(tmp_path: Path) -> None:
 
 
 def _arch():  # type: ignore[no-untyped-def]
-    from trainer.models.qwen2_5_vl.config import arch_from_hf_config, tiny_hf_config
+    from mmpack.trainer.models.qwen2_5_vl.config import arch_from_hf_config, tiny_hf_config
 
     return arch_from_hf_config(
         tiny_hf_config(vocab_size=512, image_token_id=500, vision_start_token_id=501, vision_end_token_id=502)
@@ -49,7 +49,7 @@ def _arch():  # type: ignore[no-untyped-def]
 
 
 def test_packed_attention_flops_are_counted_per_sample() -> None:
-    from trainer.observability import language_flops, vision_flops
+    from mmpack.trainer.observability import language_flops, vision_flops
 
     arch = _arch()
     packed = language_flops(arch, np.array([100, 300]))
@@ -76,7 +76,7 @@ def test_packed_attention_flops_are_counted_per_sample() -> None:
 def test_wandb_without_the_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from trainer.observability import MetricsSink, ObservabilityConfig
+    from mmpack.trainer.observability import MetricsSink, ObservabilityConfig
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     with pytest.raises(ValueError, match=r"--wandb-project needs the wandb package \(pip install wandb\)"):

@@ -22,8 +22,8 @@ def _synthetic_bin_and_samples():
     """A bin of three synthetic samples (with images) and each sample as its own micro-batch."""
     import numpy as np
 
-    from trainer.batches import SyntheticSpec, make_micro_batch, synthetic_sample
-    from trainer.data import MOCK_VOCAB
+    from mmpack.trainer.batches import SyntheticSpec, make_micro_batch, synthetic_sample
+    from mmpack.trainer.data import MOCK_VOCAB
 
     spec = SyntheticSpec(
         vocab_size=MOCK_VOCAB["vocab_size"],
@@ -50,7 +50,7 @@ def _loader_bin_and_samples(data_path: str, seq: int, image_pad_id: int, merge: 
     cut out of it as a micro-batch of its own (tokens, labels, positions, its images' patches)."""
     import torch
 
-    from dataloader import Topology, build_loader
+    from mmpack.dataloader import Topology, build_loader
 
     loader = build_loader(
         data_path,
@@ -102,12 +102,18 @@ def _loader_bin_and_samples(data_path: str, seq: int, image_pad_id: int, merge: 
 def _worker(out_path: str, tp: int, source: str) -> None:
     import torch
 
-    from trainer.batches import block_causal_mask
-    from trainer.build import build_stage_model, model_hf_config
-    from trainer.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig, build_megatron_configs
-    from trainer.data import dataset_info, model_inputs
-    from trainer.models.qwen2_5_vl import arch_from_hf_config
-    from trainer.training import initialize_distributed
+    from mmpack.trainer.batches import block_causal_mask
+    from mmpack.trainer.build import build_stage_model, model_hf_config
+    from mmpack.trainer.config import (
+        ModelConfig,
+        ParallelConfig,
+        RunConfig,
+        TrainConfig,
+        build_megatron_configs,
+    )
+    from mmpack.trainer.data import dataset_info, model_inputs
+    from mmpack.trainer.models.qwen2_5_vl import arch_from_hf_config
+    from mmpack.trainer.training import initialize_distributed
 
     info = dataset_info(None if source == "synthetic" else source, SEQ if source == "synthetic" else 0)
     seq = info.seq_length

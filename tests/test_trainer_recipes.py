@@ -18,7 +18,7 @@ EXAMPLES = REPO / "trainer" / "examples"
 
 
 def _recipe_argv(script: str, args: list[str], tmp_path: Path) -> list[str]:
-    """The trainer arguments ``script`` would launch (after ``-m trainer.pretrain_vlm``)."""
+    """The trainer arguments ``script`` would launch (after ``-m mmpack.trainer.pretrain_vlm``)."""
     record = tmp_path / "argv.json"
     launcher = tmp_path / "launcher.py"
     launcher.write_text(f"import json, sys\nopen({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
@@ -26,7 +26,7 @@ def _recipe_argv(script: str, args: list[str], tmp_path: Path) -> list[str]:
     proc = subprocess.run(["bash", str(EXAMPLES / script), *args], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     argv = json.loads(record.read_text())
-    assert argv[:4] == ["--nproc_per_node", "8", "-m", "trainer.pretrain_vlm"], argv
+    assert argv[:4] == ["--nproc_per_node", "8", "-m", "mmpack.trainer.pretrain_vlm"], argv
     return argv[4:]
 
 
@@ -36,8 +36,8 @@ def _recipe_argv(script: str, args: list[str], tmp_path: Path) -> list[str]:
      ("qwen2_5_vl_sft.sh", "ckpt/mid")],
 )  # fmt: skip
 def test_recipe_flags_parse(tmp_path: Path, script: str, first: str) -> None:
-    from trainer.arguments import parse_args
-    from trainer.freeze import trainable_set
+    from mmpack.trainer.arguments import parse_args
+    from mmpack.trainer.freeze import trainable_set
 
     cfg = parse_args(_recipe_argv(script, [first, "packed/", "ckpt/out", "--train-iters", "7"], tmp_path))
     assert cfg.data.data_path == "packed/" and cfg.checkpoint.save == "ckpt/out"

@@ -1,5 +1,5 @@
 """Helpers for trainer tests (no tests here): a small real packed dataset and torchrun launches of
-trainer.pretrain_vlm."""
+mmpack.trainer.pretrain_vlm."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.offline_packing.demo.synthetic import build_packed_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,7 @@ TINY = [
 def train(
     nproc: int, args: list[str], workdir: Path, *, timeout_s: int = 420, env: dict[str, str] | None = None
 ) -> Run:
-    """Runs ``torchrun --nproc_per_node nproc -m trainer.pretrain_vlm`` with a tiny model."""
+    """Runs ``torchrun --nproc_per_node nproc -m mmpack.trainer.pretrain_vlm`` with a tiny model."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics_file = workdir / "metrics.jsonl"
     metrics_file.unlink(missing_ok=True)
@@ -98,7 +98,7 @@ def train(
         "--master_port",
         str(free_port()),
         "-m",
-        "trainer.pretrain_vlm",
+        "mmpack.trainer.pretrain_vlm",
         *TINY,
         *args,
         "--metrics-file",

@@ -42,7 +42,7 @@ def _samples(packed: Path) -> list[dict]:
     """Each sample of bin 0 as the loader gives it, with its slices of the image and video inputs."""
     import torch
 
-    from dataloader import Topology, build_loader
+    from mmpack.dataloader import Topology, build_loader
 
     loader = build_loader(
         str(packed), topology=Topology(dp_rank=0, dp_size=1), micro_batch_size=1, global_batch_size=1,
@@ -114,7 +114,7 @@ def _reference(hf_dir: Path, packed: Path, zero_videos: bool = False) -> dict:
 
 @pytest.mark.slow
 def test_image_and_video_bin_loss_equals_transformers(tmp_path: Path) -> None:
-    from offline_packing.cli import main as mmpack
+    from mmpack.offline_packing.cli import main as mmpack
 
     if not (QWEN3_TOKENIZER.is_file() and MLLM_DEMO_JSON.is_file() and VIDEO_DEMO.is_dir()):
         pytest.skip("needs ../shared (Qwen3 tokenizer, mllm_demo and mllm_video_demo)")
@@ -135,7 +135,7 @@ def test_image_and_video_bin_loss_equals_transformers(tmp_path: Path) -> None:
     assert gap > 1e-3, f"control: zeroed video pixels change transformers' loss by only {gap:.2e}"
     metrics = tmp_path / "metrics.jsonl"
     train = [*_train_args(hf_dir, packed, 2, 2), "--metrics-file", str(metrics)]
-    _torchrun(4, ["-m", "trainer.pretrain_vlm", *train], tmp_path)
+    _torchrun(4, ["-m", "mmpack.trainer.pretrain_vlm", *train], tmp_path)
     step = json.loads(metrics.read_text().splitlines()[0])
     print(
         f"TP2xPP2 image+video bin: logged lm loss {step['loss']!r}, transformers {ref['loss']!r}, zeroed {control['loss']!r}"
@@ -145,9 +145,9 @@ def test_image_and_video_bin_loss_equals_transformers(tmp_path: Path) -> None:
 
 
 def test_a_dataset_video_pad_other_than_the_model_is_refused() -> None:
-    from trainer.build import check_data_matches_model
-    from trainer.data import DataInfo
-    from trainer.models.qwen2_5_vl import arch_from_hf_config, tiny_hf_config
+    from mmpack.trainer.build import check_data_matches_model
+    from mmpack.trainer.data import DataInfo
+    from mmpack.trainer.models.qwen2_5_vl import arch_from_hf_config, tiny_hf_config
 
     arch = arch_from_hf_config(
         tiny_hf_config(vocab_size=512, image_token_id=500, vision_start_token_id=501, vision_end_token_id=502)

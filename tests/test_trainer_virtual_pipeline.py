@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from mmpack.trainer.arguments import parse_args
+from mmpack.trainer.config import ParallelConfig
 from tests.test_trainer_support import Run, checkpoint_view, make_packed_dataset, ok, train
-from trainer.arguments import parse_args
-from trainer.config import ParallelConfig
 
 SAVE_AT, TOTAL = 2, 4
 COMMON = [
@@ -60,7 +60,7 @@ def test_bad_flags_are_refused(flags: list[str], message: str) -> None:
 
 
 def test_micro_batches_per_step_must_fill_groups_of_pp() -> None:
-    from trainer.training import microbatches_per_step
+    from mmpack.trainer.training import microbatches_per_step
 
     assert microbatches_per_step(parse_args(["--mock-data", *VP2, "--global-batch-size", "4"]), 1, 2) == 4
     odd = parse_args(["--mock-data", *VP2, "--global-batch-size", "6"])

@@ -1,4 +1,4 @@
-"""Records with videos in the chat layer (packing.chat): tags and media per kind, in order, and their tokens."""
+"""Records with videos in the chat layer (mmpack.packing.chat): tags and media per kind, in order, and their tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from packing.chat import (
+from mmpack.packing.chat import (
     ChatTemplate,
     Conversation,
     SampleError,
@@ -16,7 +16,7 @@ from packing.chat import (
     tokenize_conversation,
     truncate_sample,
 )
-from packing.tokenizer import ByteTokenizer, load_tokenizer
+from mmpack.packing.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def _reason(record: dict) -> str:

@@ -1,4 +1,4 @@
-"""The loader's video path (dataloader.video): exactly the planned frames, in the layout the model takes."""
+"""The loader's video path (mmpack.dataloader.video): exactly the planned frames, in the layout the model takes."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from dataloader.video import (
+from mmpack.dataloader.video import (
     VideoDecodeError,
     decode_planned_frames,
     load_video,
     resize_frame,
     video_to_patches,
 )
-from offline_packing.inputs.video_probe import probe_video
-from packing.image_tokens import CLIP_MEAN, CLIP_STD
-from packing.video_tokens import VideoPlan, VideoTokenRule
+from mmpack.offline_packing.inputs.video_probe import probe_video
+from mmpack.packing.image_tokens import CLIP_MEAN, CLIP_STD
+from mmpack.packing.video_tokens import VideoPlan, VideoTokenRule
 from tests.conftest import SHARED_DIR
 from tests.video_fixtures import encode_video, reference_frames
 
@@ -164,7 +164,7 @@ def test_resize_is_antialiased_bicubic() -> None:
 
 
 def test_collate_videos(tmp_path: Path) -> None:
-    from dataloader.video import collate_videos
+    from mmpack.dataloader.video import collate_videos
 
     a = encode_video(tmp_path / "a.mp4", 11)
     b = encode_video(tmp_path / "b.avi", 7, codec="mpeg4", width=96, height=64)
@@ -183,9 +183,9 @@ _PEAK_RSS_CHILD = """
 import sys
 from pathlib import Path
 import torch  # loaded up front in both modes (the resize uses it)
-from dataloader.video import decode_planned_frames
-from offline_packing.inputs.video_probe import probe_video
-from packing.video_tokens import VideoTokenRule
+from mmpack.dataloader.video import decode_planned_frames
+from mmpack.offline_packing.inputs.video_probe import probe_video
+from mmpack.packing.video_tokens import VideoTokenRule
 from tests.video_fixtures import reference_frames
 
 def status_kib(field):  # this process's own memory; ru_maxrss would carry the parent's peak over exec

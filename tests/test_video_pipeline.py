@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataloader.collate import CollateConfig, collate_bins
-from dataloader.manifest import load_manifest
-from dataloader.readers import ArrowShardReader, WdsShardReader
-from dataloader.video import resize_frame, video_to_patches
-from offline_packing.config import PackJobConfig
-from offline_packing.inputs.video_probe import probe_video
-from offline_packing.pipeline import read_manifest, run_pack
-from packing.image_tokens import ImageTokenRule
-from packing.video_tokens import VideoPlan, VideoTokenRule
+from mmpack.dataloader.collate import CollateConfig, collate_bins
+from mmpack.dataloader.manifest import load_manifest
+from mmpack.dataloader.readers import ArrowShardReader, WdsShardReader
+from mmpack.dataloader.video import resize_frame, video_to_patches
+from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.inputs.video_probe import probe_video
+from mmpack.offline_packing.pipeline import read_manifest, run_pack
+from mmpack.packing.image_tokens import ImageTokenRule
+from mmpack.packing.video_tokens import VideoPlan, VideoTokenRule
 from tests.conftest import QWEN3_TOKENIZER, SHARED_DIR
 from tests.reference import qwen_vl_video_plan
 from tests.video_fixtures import encode_video, reference_frames
@@ -247,7 +247,7 @@ def test_generated_videos_through_the_job(tmp_path: Path, qwen3_tokenizer_path: 
 
 
 def test_video_flags_reach_the_rule_and_the_manifest(tmp_path: Path, qwen3_tokenizer_path: Path) -> None:
-    from offline_packing.flags import parse_job_args
+    from mmpack.offline_packing.flags import parse_job_args
 
     media = tmp_path / "media"
     media.mkdir()
@@ -303,7 +303,7 @@ def test_video_flags_reach_the_rule_and_the_manifest(tmp_path: Path, qwen3_token
 def test_stats_report_videos_frames_and_video_tokens(
     demo_dataset: Path, fmt: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from offline_packing.cli import main as mmpack
+    from mmpack.offline_packing.cli import main as mmpack
 
     assert mmpack(["stats", str(demo_dataset), "--json", "--format", fmt]) == 0
     dataset = json.loads(capsys.readouterr().out)["dataset"]
@@ -323,7 +323,7 @@ def test_loader_workers_yield_the_video_inputs(demo_dataset: Path) -> None:
     """Through worker processes (decode there): the same tensors as collating in this process."""
     import torch
 
-    from dataloader import Topology, build_loader
+    from mmpack.dataloader import Topology, build_loader
 
     loader = build_loader(
         str(demo_dataset), topology=Topology(dp_rank=0, dp_size=1), micro_batch_size=1, global_batch_size=1,
@@ -340,8 +340,8 @@ def test_loader_workers_yield_the_video_inputs(demo_dataset: Path) -> None:
 
 
 def test_demo_data_includes_generated_videos(tmp_path: Path) -> None:
-    from offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
-    from offline_packing.demo.videos import add_synthetic_videos
+    from mmpack.offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
+    from mmpack.offline_packing.demo.videos import add_synthetic_videos
 
     raw = add_synthetic_videos(make_synthetic_dataset(tmp_path / "raw", n_samples=12, seed=1), 4, seed=1)
     assert len(raw.video_paths) == 4 and raw.counts_by_format["video"] == 5  # 4 clips + 1 mixed record
@@ -383,8 +383,8 @@ def test_videos_under_a_url_input(tmp_path: Path, qwen3_tokenizer_path: Path) ->
 
 def test_compute_balance_counts_video_patches(demo_dataset: Path) -> None:
     """Bin features for balance="compute" hold each video as t images of h x w patches, in both formats."""
-    from dataloader.balance import load_bin_features
-    from dataloader.storage import StorageConfig
+    from mmpack.dataloader.balance import load_bin_features
+    from mmpack.dataloader.storage import StorageConfig
 
     for fmt in ("arrow", "wds"):
         manifest = load_manifest(str(demo_dataset), shard_format=fmt)
@@ -399,8 +399,8 @@ def test_energon_reads_the_video_fields(tmp_path: Path) -> None:
     pytest.importorskip("megatron.energon")
     from megatron.energon import WorkerConfig, get_loader, get_train_dataset
 
-    from offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
-    from offline_packing.demo.videos import add_synthetic_videos
+    from mmpack.offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
+    from mmpack.offline_packing.demo.videos import add_synthetic_videos
 
     raw = add_synthetic_videos(make_synthetic_dataset(tmp_path / "raw", n_samples=6, seed=2), 3, seed=2)
     tokenizer = train_tiny_bpe(tmp_path / "tok", seed=2, video_pad=True)

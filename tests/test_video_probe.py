@@ -1,4 +1,4 @@
-"""Container metadata of videos (offline_packing.inputs.video_probe): counted from headers or rejected with a reason."""
+"""Container metadata of videos (mmpack.offline_packing.inputs.video_probe): counted from headers or rejected with a reason."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from offline_packing.inputs.video_probe import VideoProbeConfig, VideoProbeError, probe_video
-from packing.video_tokens import VideoRuleError, VideoTokenRule
+from mmpack.offline_packing.inputs.video_probe import VideoProbeConfig, VideoProbeError, probe_video
+from mmpack.packing.video_tokens import VideoRuleError, VideoTokenRule
 from tests.conftest import SHARED_DIR
 from tests.video_fixtures import encode_video
 
@@ -136,7 +136,7 @@ def test_huge_resolution_is_rejected_from_the_header(tmp_path: Path) -> None:
 def test_rejects_cross_processes_with_their_reason(tmp_path: Path) -> None:
     import pickle
 
-    from packing.errors import MmpackError
+    from mmpack.packing.errors import MmpackError
 
     text = tmp_path / "notes.avi"
     text.write_text("no video here")

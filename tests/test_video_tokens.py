@@ -1,4 +1,4 @@
-"""The video-token rule (packing.video_tokens) against the plain qwen-vl-utils 0.0.14 reference."""
+"""The video-token rule (mmpack.packing.video_tokens) against the plain qwen-vl-utils 0.0.14 reference."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing.video_tokens import (
+from mmpack.packing.video_tokens import (
     VideoMeta,
     VideoPlan,
     VideoRuleError,
@@ -32,7 +32,7 @@ def _assert_plan_matches(plan: VideoPlan, ref: dict) -> None:
 
 
 def test_demo_videos_tokens_equal_reference_rule() -> None:
-    from offline_packing.inputs.video_probe import probe_video
+    from mmpack.offline_packing.inputs.video_probe import probe_video
 
     records = DEMO_DIR / "mllm_video_demo.json"
     if not records.is_file():
@@ -160,7 +160,7 @@ def test_rule_and_plan_round_trip() -> None:
 def test_temporal_positions_equal_transformers() -> None:
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
-    from packing.video_tokens import video_temporal_positions
+    from mmpack.packing.video_tokens import video_temporal_positions
 
     rule = VideoTokenRule()
     rng = np.random.default_rng(3)
@@ -191,7 +191,7 @@ def test_demo_records_video_pads_with_the_qwen3_tokenizer(qwen3_tokenizer_path) 
     """Each demo video's <video> tag expanded to its planned <|video_pad|> run stays one token per pad."""
     from tokenizers import Tokenizer
 
-    from offline_packing.inputs.video_probe import probe_video
+    from mmpack.offline_packing.inputs.video_probe import probe_video
 
     records = DEMO_DIR / "mllm_video_demo.json"
     if not records.is_file():

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from packing.video_tokens import VideoPlan
+from mmpack.packing.video_tokens import VideoPlan
 
 DEMO_VIDEO_DIR_PARTS = ("data", "mllm_video_demo")
 

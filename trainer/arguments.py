@@ -1,4 +1,4 @@
-"""Megatron-style command-line flags of ``trainer.pretrain_vlm``, parsed in one place into :class:`RunConfig`."""
+"""Megatron-style command-line flags of ``mmpack.trainer.pretrain_vlm``, parsed in one place into :class:`RunConfig`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from trainer.config import (
+from mmpack.trainer.config import (
     LR_DECAY_STYLES,
     CheckpointConfig,
     DataConfig,
@@ -18,8 +18,8 @@ from trainer.config import (
     RunConfig,
     TrainConfig,
 )
-from trainer.freeze import parse_modules
-from trainer.observability import ObservabilityConfig
+from mmpack.trainer.freeze import parse_modules
+from mmpack.trainer.observability import ObservabilityConfig
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -52,7 +52,7 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 def build_parser() -> argparse.ArgumentParser:
     """All flags, grouped like Megatron-LM's."""
     p = argparse.ArgumentParser(
-        prog="torchrun --nproc_per_node N -m trainer.pretrain_vlm",
+        prog="torchrun --nproc_per_node N -m mmpack.trainer.pretrain_vlm",
         description="Train a vision-language model (Qwen2.5-VL architecture on megatron-core) on a packed "
         "dataset with TP x PP x DP, from a HuggingFace checkpoint (--hf-model) or a small random model (size "
         "flags). Without CUDA it runs on CPU processes with gloo.",
@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--balance",
         choices=("none", "compute"),
         default="none",
-        help="compute: spread each global batch's bins over DP ranks by compute cost (dataloader.balance)",
+        help="compute: spread each global batch's bins over DP ranks by compute cost (mmpack.dataloader.balance)",
     )
     g.add_argument(
         "--balance-cost",
@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="A,B,C,D",
         help="coefficients of the bin cost A*tokens + B*sum(sample_len^2) + C*image_patches + "
-        "D*sum(image_patches^2) for --balance compute (e.g. from packing.cost.CostModel.fit on measured "
+        "D*sum(image_patches^2) for --balance compute (e.g. from mmpack.packing.cost.CostModel.fit on measured "
         "step times); default: the FLOP counts of the model being trained",
     )
 
@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _balance_cost(text: str) -> tuple[float, float, float, float]:
     """`A,B,C,D`: four finite coefficients >= 0."""
-    from packing.cost import CostModel
+    from mmpack.packing.cost import CostModel
 
     try:
         values = tuple(float(v) for v in text.split(","))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from packing.layout import PackedSequence, build_packed_sequence, collate_packed
+from mmpack.packing.layout import PackedSequence, build_packed_sequence, collate_packed
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -25,7 +25,7 @@ class Sample:
 def block_causal_mask(cu_seqlens: torch.Tensor, batch: int, seq_length: int) -> torch.Tensor:
     """[B, 1, L, L] bool, True = masked: a token sees the earlier tokens of its own segment only.
 
-    Built on ``cu_seqlens``' device (the torch twin of ``packing.layout.build_attention_mask_from_cu_seqlens``,
+    Built on ``cu_seqlens``' device (the torch twin of ``mmpack.packing.layout.build_attention_mask_from_cu_seqlens``,
     for batches already on the accelerator)."""
     device = cu_seqlens.device
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
@@ -39,7 +39,7 @@ def block_causal_mask(cu_seqlens: torch.Tensor, batch: int, seq_length: int) -> 
 def _pack_row(
     samples: Sequence[Sample], seq_length: int, pad_id: int, *, attention_mask: bool
 ) -> PackedSequence:
-    """One row of samples laid out by packing.layout, as the loader lays out a bin."""
+    """One row of samples laid out by mmpack.packing.layout, as the loader lays out a bin."""
     ids = [s.input_ids for s in samples]
     return build_packed_sequence(
         np.concatenate(ids) if ids else [],

@@ -13,11 +13,11 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.module import Float16Module
 
-from trainer.config import MegatronConfigs, RunConfig
-from trainer.convert import HF_CONFIG_NAME
-from trainer.data import DataInfo
-from trainer.freeze import apply_freeze
-from trainer.models import family, family_of, read_hf_config
+from mmpack.trainer.config import MegatronConfigs, RunConfig
+from mmpack.trainer.convert import HF_CONFIG_NAME
+from mmpack.trainer.data import DataInfo
+from mmpack.trainer.freeze import apply_freeze
+from mmpack.trainer.models import family, family_of, read_hf_config
 
 
 def model_hf_config(cfg: RunConfig, info: DataInfo) -> dict[str, Any]:
@@ -71,10 +71,10 @@ def check_data_matches_model(arch: Any, info: DataInfo, where: str) -> None:
 
 def check_dataset_for_hf_model(data_path: str, model_dir: str) -> None:
     """The dataset's recorded tokenizer and image rule against the model folder's tokenizer.json,
-    preprocessor_config.json and config.json (trainer.dataset_check); one DatasetModelMismatch (a
+    preprocessor_config.json and config.json (mmpack.trainer.dataset_check); one DatasetModelMismatch (a
     ValueError) listing every disagreement."""
-    from dataloader import load_manifest
-    from trainer.dataset_check import check_dataset_matches_model
+    from mmpack.dataloader import load_manifest
+    from mmpack.trainer.dataset_check import check_dataset_matches_model
 
     check_dataset_matches_model(load_manifest(data_path), model_dir, dataset=data_path)
 

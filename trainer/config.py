@@ -11,7 +11,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 
-from trainer.observability import ObservabilityConfig
+from mmpack.trainer.observability import ObservabilityConfig
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -34,14 +34,14 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
-    # which parameters train (trainer.freeze): modules named by --trainable-modules (None = all), minus the
+    # which parameters train (mmpack.trainer.freeze): modules named by --trainable-modules (None = all), minus the
     # vision encoder under --freeze-vision and the language model under --freeze-llm
     freeze_vision: bool = False
     freeze_llm: bool = False
     trainable_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        from trainer.freeze import parse_modules
+        from mmpack.trainer.freeze import parse_modules
 
         parse_modules(self.trainable_modules)  # ValueError naming unknown modules
         for name in (
@@ -279,7 +279,7 @@ class DataConfig:
     cache_dir: str | None = None
     mock_data: bool = False  # synthetic packed batches, no dataset needed
     balance: str = "none"  # "compute": bins of each global batch laid out over DP ranks by cost
-    # the cost model's coefficients (packing.cost.COST_FEATURES order); None: the trained model's FLOP counts
+    # the cost model's coefficients (mmpack.packing.cost.COST_FEATURES order); None: the trained model's FLOP counts
     balance_cost: tuple[float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
@@ -339,7 +339,7 @@ def build_megatron_configs(cfg: RunConfig, arch: Any, *, use_te: bool = False) -
     `use_te`: the model is built with Transformer Engine on CUDA; only then are the fusion flags switched on
     (on CPU megatron-core would compile its fused ops with torch.compile, for no gain).
     """
-    from trainer.models import family
+    from mmpack.trainer.models import family
 
     m, par, prec, tr = cfg.model, cfg.parallel, cfg.precision, cfg.train
     pipeline_dtype = torch.float32 if prec.fp32_residual_connection else prec.params_dtype

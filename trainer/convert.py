@@ -55,8 +55,8 @@ def _build_stage(hf_config: dict[str, Any], tp: int, pp: int) -> tuple[Any, Any,
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from trainer.config import ParallelConfig, RunConfig, build_megatron_configs
-    from trainer.models import family_of
+    from mmpack.trainer.config import ParallelConfig, RunConfig, build_megatron_configs
+    from mmpack.trainer.models import family_of
 
     ps.initialize_model_parallel(tp, pp)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -75,9 +75,9 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from trainer import cpu_backend
-    from trainer.checkpoint import TRACKER, iteration_dir
-    from trainer.models import read_hf_config
+    from mmpack.trainer import cpu_backend
+    from mmpack.trainer.checkpoint import TRACKER, iteration_dir
+    from mmpack.trainer.models import read_hf_config
 
     cpu_backend.activate()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -112,7 +112,7 @@ def load_tp1_model(ckpt: str) -> tuple[Any, Any, Any, dict[str, Any]]:
     process whose one-rank process group is initialised (megatron-core's parallel state is set up here)."""
     from megatron.core import dist_checkpointing
 
-    from trainer.checkpoint import iteration_dir, latest_iteration
+    from mmpack.trainer.checkpoint import iteration_dir, latest_iteration
 
     iteration = latest_iteration(ckpt)
     if iteration is None:
@@ -133,7 +133,7 @@ def _mcore_to_hf_rank(rank: int, port: int, ckpt: str, out: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from trainer import cpu_backend
+    from mmpack.trainer import cpu_backend
 
     cpu_backend.activate()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
@@ -163,8 +163,8 @@ def _spawn(fn: Any, nprocs: int, args: tuple) -> None:
 
 def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int) -> Path:
     """Writes the weights-only dist checkpoint at ``out``; returns its iteration folder."""
-    from trainer.checkpoint import iteration_dir
-    from trainer.models import family_of, read_hf_config
+    from mmpack.trainer.checkpoint import iteration_dir
+    from mmpack.trainer.models import family_of, read_hf_config
 
     if tp < 1 or pp < 1:
         raise ValueError("--tp and --pp must be >= 1")
@@ -176,7 +176,7 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int) -> Path:
 
 def mcore_to_hf(ckpt: str, out: str) -> Path:
     """Writes ``out/config.json`` and ``out/model.safetensors``; returns the weights file."""
-    from trainer.checkpoint import latest_iteration
+    from mmpack.trainer.checkpoint import latest_iteration
 
     if latest_iteration(ckpt) is None:
         raise ValueError(f"{ckpt} holds no checkpoint (no latest_checkpointed_iteration.txt)")

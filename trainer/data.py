@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from packing.layout import IGNORE_INDEX
-from packing.mrope import build_mrope_position_ids
-from packing.tokenizer import ByteTokenizer
-from trainer.batches import SyntheticLoader, SyntheticSpec, block_causal_mask
+from mmpack.packing.layout import IGNORE_INDEX
+from mmpack.packing.mrope import build_mrope_position_ids
+from mmpack.packing.tokenizer import ByteTokenizer
+from mmpack.trainer.batches import SyntheticLoader, SyntheticSpec, block_causal_mask
 
 # --mock-data uses the ids of the byte-level fallback tokenizer: vocab_size and pad, vision_start, ... ids.
 MOCK_VOCAB = {"vocab_size": ByteTokenizer.vocab_size, **ByteTokenizer().special_ids}
@@ -82,7 +82,7 @@ def dataset_info(data_path: str | None, seq_length: int) -> DataInfo:
             patch_size=14,
             merge_size=2,
         )
-    from dataloader import load_manifest
+    from mmpack.dataloader import load_manifest
 
     manifest = load_manifest(data_path)  # resolves the S3 endpoint (AWS_ENDPOINT_URL) like the loader
     if seq_length and seq_length != manifest.seq_len:
@@ -118,7 +118,7 @@ def build_step_batches(
     cost_model: Any = None,
 ) -> StepBatches:
     """The loader of this rank (megatron-core parallel_state must be initialised); `balance` and
-    `cost_model` as in `dataloader.build_loader` (synthetic batches ignore them)."""
+    `cost_model` as in `mmpack.dataloader.build_loader` (synthetic batches ignore them)."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -142,7 +142,7 @@ def build_step_batches(
             seed=seed,
         )
         return StepBatches(synthetic)
-    from dataloader import Topology, build_loader
+    from mmpack.dataloader import Topology, build_loader
 
     topology = Topology.from_megatron()
     if not topology.needs_data:

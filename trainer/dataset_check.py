@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from packing.image_tokens import PREPROCESSOR_CONFIG, ImageTokenRule, load_model_image_rule
-from packing.manifest import ManifestImageRule
-from packing.tokenizer import TOKENIZER_FILE, load_tokenizer
+from mmpack.packing.image_tokens import PREPROCESSOR_CONFIG, ImageTokenRule, load_model_image_rule
+from mmpack.packing.manifest import ManifestImageRule
+from mmpack.packing.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 # ImageTokenRule fields a preprocessor_config.json settles (max_aspect_ratio is fixed at 200 in transformers).
 _PREPROCESSOR_FIELDS = (
@@ -51,7 +51,7 @@ def check_dataset_matches_model(
     """Raise `DatasetModelMismatch` naming every value where `manifest` and `model_dir` disagree.
 
     Args:
-        manifest: the dataset's manifest: `dataloader.manifest.Manifest`, `packing.manifest.Manifest` or the
+        manifest: the dataset's manifest: `mmpack.dataloader.manifest.Manifest`, `mmpack.packing.manifest.Manifest` or the
             parsed manifest.json dict.
         model_dir: an HF model folder (config.json; preprocessor_config.json and tokenizer.json are checked
             when present).

@@ -24,7 +24,7 @@ class Sample:
 def first_image_sample(data_path: str) -> Sample:
     """The first sample of the dataset's first bin that holds images and no videos (the loader's tokens and
     pixels); ValueError when the first bin has none."""
-    from dataloader import Topology, build_loader, load_manifest
+    from mmpack.dataloader import Topology, build_loader, load_manifest
 
     manifest = load_manifest(data_path)
     loader = build_loader(
@@ -70,10 +70,10 @@ def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from trainer import cpu_backend
-    from trainer.batches import block_causal_mask
-    from trainer.convert import load_tp1_model
-    from trainer.data import mrope_position_ids
+    from mmpack.trainer import cpu_backend
+    from mmpack.trainer.batches import block_causal_mask
+    from mmpack.trainer.convert import load_tp1_model
+    from mmpack.trainer.data import mrope_position_ids
 
     cpu_backend.activate()
     with socket.socket() as s:

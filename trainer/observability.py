@@ -70,7 +70,7 @@ def language_flops(arch: Any, sample_lengths: np.ndarray) -> float:
 
 def vision_flops(arch: Any, image_grid_thw: np.ndarray) -> float:
     """Forward FLOPs of the vision tower and merger over the images of ``image_grid_thw``."""
-    from trainer.models.qwen2_5_vl.rope import window_order
+    from mmpack.trainer.models.qwen2_5_vl.rope import window_order
 
     v = arch.vision
     if len(image_grid_thw) == 0:

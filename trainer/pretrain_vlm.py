@@ -1,6 +1,6 @@
 """Pretrain a vision-language model on a packed dataset with megatron-core (TP x PP x DP).
 
-    torchrun --nproc_per_node 8 -m trainer.pretrain_vlm --data-path DIR \\
+    torchrun --nproc_per_node 8 -m mmpack.trainer.pretrain_vlm --data-path DIR \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --model-size tiny \\
         --micro-batch-size 1 --global-batch-size 8 --train-iters 20
 
@@ -28,14 +28,14 @@ def _quiet_cpu_warnings() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     _quiet_cpu_warnings()  # before megatron-core is imported
-    from trainer.arguments import parse_args
+    from mmpack.trainer.arguments import parse_args
 
     try:
         cfg = parse_args(argv)
     except ValueError as e:
         print(f"pretrain_vlm: error: {e}", file=sys.stderr)
         return 2
-    from trainer.training import Trainer, shutdown
+    from mmpack.trainer.training import Trainer, shutdown
 
     trainer = None
     try:

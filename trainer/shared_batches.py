@@ -92,7 +92,7 @@ def broadcast_step(
 class SharedStepBatches:
     """The step's micro-batches on every rank of a model-parallel group, read on one of them.
 
-    ``source`` (a :class:`trainer.data.StepBatches`) exists on the reading rank only. The data wait of the
+    ``source`` (a :class:`mmpack.trainer.data.StepBatches`) exists on the reading rank only. The data wait of the
     other ranks is the time until their broadcast arrived.
     """
 

@@ -23,22 +23,34 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from packing.cost import CostModel
-from trainer import cpu_backend
-from trainer.build import build_model, check_data_matches_model, check_dataset_for_hf_model, model_hf_config
-from trainer.checkpoint import CheckpointWriter, load_checkpoint
-from trainer.config import RunConfig, build_megatron_configs
-from trainer.convert import HF_CONFIG_NAME
-from trainer.data import DataInfo, build_step_batches, dataset_info, model_inputs, pad_flat_batch, thd_length
-from trainer.freeze import count_parameters
-from trainer.models import family_of
-from trainer.observability import Observer
-from trainer.shared_batches import SharedStepBatches, shared_step_batches
+from mmpack.packing.cost import CostModel
+from mmpack.trainer import cpu_backend
+from mmpack.trainer.build import (
+    build_model,
+    check_data_matches_model,
+    check_dataset_for_hf_model,
+    model_hf_config,
+)
+from mmpack.trainer.checkpoint import CheckpointWriter, load_checkpoint
+from mmpack.trainer.config import RunConfig, build_megatron_configs
+from mmpack.trainer.convert import HF_CONFIG_NAME
+from mmpack.trainer.data import (
+    DataInfo,
+    build_step_batches,
+    dataset_info,
+    model_inputs,
+    pad_flat_batch,
+    thd_length,
+)
+from mmpack.trainer.freeze import count_parameters
+from mmpack.trainer.models import family_of
+from mmpack.trainer.observability import Observer
+from mmpack.trainer.shared_batches import SharedStepBatches, shared_step_batches
 
 
 def balance_cost_model(arch: Any, *, use_te: bool, given: tuple[float, ...] | None = None) -> CostModel:
     """The bin cost `--balance compute` evens out over DP ranks: `given` coefficients (`--balance-cost`), else
-    the FLOP counts of the model being trained (`packing.cost.CostModel.dense`).
+    the FLOP counts of the model being trained (`mmpack.packing.cost.CostModel.dense`).
 
     Without Transformer Engine the language model attends through a dense [seq, seq] block mask, whose work
     is the same for every bin, so only with TE (attention per sample, THD) does the sum of squared sample

@@ -9,17 +9,17 @@ plain one, otherwise by `np.load(allow_pickle=False)`, and nothing is unpickled.
 
 from __future__ import annotations
 
-from dataloader.readers.arrow import ArrowShardReader
-from dataloader.readers.npy import decode_npy
-from dataloader.readers.record import BinRecord
-from dataloader.readers.tar_index import (
+from mmpack.dataloader.readers.arrow import ArrowShardReader
+from mmpack.dataloader.readers.npy import decode_npy
+from mmpack.dataloader.readers.record import BinRecord
+from mmpack.dataloader.readers.tar_index import (
     INDEX_CACHE_VERSION,
     TarEntry,
     _walk_plain_tar,
     build_index_cache,
     index_tar,
 )
-from dataloader.readers.wds import WdsShardReader, decode_wds_bin
+from mmpack.dataloader.readers.wds import WdsShardReader, decode_wds_bin
 
 __all__ = [
     "INDEX_CACHE_VERSION",

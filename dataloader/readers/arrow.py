@@ -8,8 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from dataloader.readers.record import BinRecord, no_videos, video_plan_dicts
-from packing.format import ARRAY_FIELDS, VIDEO_ARRAY_FIELDS
+from mmpack.dataloader.readers.record import BinRecord, no_videos, video_plan_dicts
+from mmpack.packing.format import ARRAY_FIELDS, VIDEO_ARRAY_FIELDS
 
 
 class ArrowShardReader:

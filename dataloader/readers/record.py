@@ -9,7 +9,7 @@ import numpy as np
 
 # key, input_ids (uint32), loss_mask (uint8), seq_lens (int32), sample_ids (list[str]), images (list[bytes]),
 # image_formats (list[str]), image_grid_thw (int32 [n, 3]), videos (list[bytes]), video_formats (list[str]),
-# video_grid_thw (int32 [n, 3]), video_plans (list[dict]: `packing.video_tokens.VideoPlan.to_dict` per video;
+# video_grid_thw (int32 [n, 3]), video_plans (list[dict]: `mmpack.packing.video_tokens.VideoPlan.to_dict` per video;
 # empty for datasets without videos)
 BinRecord = dict[str, Any]
 

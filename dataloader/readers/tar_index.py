@@ -1,13 +1,13 @@
 """The tar index of a WebDataset shard and its cache file, shared by the processes of a machine (the walk
-itself is packing.tar_index)."""
+itself is mmpack.packing.tar_index)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from dataloader.storage import read_json, write_json_atomic
-from packing.tar_index import MEMBER_RE, TarEntry, _walk_plain_tar, index_tar
+from mmpack.dataloader.storage import read_json, write_json_atomic
+from mmpack.packing.tar_index import MEMBER_RE, TarEntry, _walk_plain_tar, index_tar
 
 __all__ = [
     "INDEX_CACHE_VERSION",

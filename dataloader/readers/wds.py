@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from dataloader.readers.npy import decode_npy
-from dataloader.readers.record import BinRecord, no_videos, video_plan_dicts
-from dataloader.readers.tar_index import shard_bins
-from packing.format import ARRAY_FIELDS, WDS_JSON_MEMBER
+from mmpack.dataloader.readers.npy import decode_npy
+from mmpack.dataloader.readers.record import BinRecord, no_videos, video_plan_dicts
+from mmpack.dataloader.readers.tar_index import shard_bins
+from mmpack.packing.format import ARRAY_FIELDS, WDS_JSON_MEMBER
 
 _IMG_RE = re.compile(r"^img(\d+)\.([A-Za-z0-9]+)$")
 _VID_RE = re.compile(r"^vid(\d+)\.([A-Za-z0-9]+)$")

@@ -7,12 +7,12 @@ records). See store.py for the cache layout and the locking rules.
 
 from __future__ import annotations
 
-from dataloader.storage.config import ShardError, StorageConfig, local_root
-from dataloader.storage.locks import _flock
-from dataloader.storage.metrics import StorageMetrics
-from dataloader.storage.records import read_json, sha256_file, write_json_atomic
-from dataloader.storage.store import CHUNK_BYTES, WHOLE_READ_MAX_BYTES, ShardStore
-from packing.fileio import resolve_storage_options
+from mmpack.dataloader.storage.config import ShardError, StorageConfig, local_root
+from mmpack.dataloader.storage.locks import _flock
+from mmpack.dataloader.storage.metrics import StorageMetrics
+from mmpack.dataloader.storage.records import read_json, sha256_file, write_json_atomic
+from mmpack.dataloader.storage.store import CHUNK_BYTES, WHOLE_READ_MAX_BYTES, ShardStore
+from mmpack.packing.fileio import resolve_storage_options
 
 __all__ = [
     "CHUNK_BYTES",

@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from packing.fileio import atomic_write_json
+from mmpack.packing.fileio import atomic_write_json
 
 CHUNK_BYTES = 4 << 20
 _RECORD_READ = 64 << 10  # records are a few KB: one read is all but always enough

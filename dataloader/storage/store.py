@@ -33,12 +33,12 @@ import threading
 import time
 from typing import Any
 
-from dataloader.manifest import ShardInfo, join_url
-from dataloader.storage.config import ShardError, StorageConfig, local_root
-from dataloader.storage.locks import _flock
-from dataloader.storage.metrics import StorageMetrics
-from dataloader.storage.records import CHUNK_BYTES, read_json, sha256_file, write_json_atomic
-from packing.fileio import resolve_storage_options
+from mmpack.dataloader.manifest import ShardInfo, join_url
+from mmpack.dataloader.storage.config import ShardError, StorageConfig, local_root
+from mmpack.dataloader.storage.locks import _flock
+from mmpack.dataloader.storage.metrics import StorageMetrics
+from mmpack.dataloader.storage.records import CHUNK_BYTES, read_json, sha256_file, write_json_atomic
+from mmpack.packing.fileio import resolve_storage_options
 
 # Shards up to this size are read with one GET (`cat_file`) and held in memory once; bigger ones stream.
 WHOLE_READ_MAX_BYTES = 64 << 20
@@ -89,7 +89,7 @@ class ShardStore:
 
     def fetch(self, shard: ShardInfo, *, wait: bool = True, cancel: threading.Event | None = None) -> bool:
         """Makes sure the shard is cached (local shards: checked; the loader's workers ask the kernel to read
-        them ahead, `dataloader.worker.LocalReadAhead`).
+        them ahead, `mmpack.dataloader.worker.LocalReadAhead`).
 
         With wait=False, returns False at once if another process or thread holds it. Setting `cancel`
         makes a download in progress give up (ShardError) at its next chunk, retry or wait."""

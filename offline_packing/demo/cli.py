@@ -6,7 +6,7 @@
 2. pack it (`mmpack pack`), Arrow and WebDataset shards with a manifest;
 3. print its packing statistics (`mmpack stats`);
 4. stream it into a few training steps of a tiny vision-language model with TP x PP x DP on CPU processes
-   (`torchrun -m trainer.pretrain_vlm`, gloo), printing the trainer's log lines, and save a checkpoint;
+   (`torchrun -m mmpack.trainer.pretrain_vlm`, gloo), printing the trainer's log lines, and save a checkpoint;
 5. export it with `mmpack convert mcore-to-hf`, load the export in transformers and print how far its logits on
    one packed sample are from the checkpoint's own (loaded at TP1 in megatron-core).
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from offline_packing.demo.synthetic import SyntheticData
+    from mmpack.offline_packing.demo.synthetic import SyntheticData
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,8 +57,8 @@ def _banner(text: str) -> None:
 
 
 def _make_raw_data(out: Path, samples: int, seed: int, videos: int = 0) -> tuple[SyntheticData, Path]:
-    from offline_packing.demo.synthetic import make_synthetic_dataset, train_tiny_bpe
-    from offline_packing.demo.videos import add_synthetic_videos
+    from mmpack.offline_packing.demo.synthetic import make_synthetic_dataset, train_tiny_bpe
+    from mmpack.offline_packing.demo.videos import add_synthetic_videos
 
     raw = make_synthetic_dataset(out / "raw", n_samples=samples, seed=seed, size_range=(56, 448))
     raw = add_synthetic_videos(raw, videos, seed=seed)
@@ -72,7 +72,7 @@ def _make_raw_data(out: Path, samples: int, seed: int, videos: int = 0) -> tuple
 
 
 def _pack(args: argparse.Namespace, raw: SyntheticData, tokenizer: Path, packed: Path) -> None:
-    from offline_packing.demo.synthetic import pack_synthetic
+    from mmpack.offline_packing.demo.synthetic import pack_synthetic
 
     summary = pack_synthetic(
         raw,
@@ -92,7 +92,7 @@ def _train_command(args: argparse.Namespace, packed: Path, ckpt: Path) -> list[s
     nproc = args.tp * args.pp * args.dp
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", "trainer.pretrain_vlm",
+        "-m", "mmpack.trainer.pretrain_vlm",
         "--model-size", "tiny",
         "--data-path", str(packed),
         "--tensor-model-parallel-size", str(args.tp),
@@ -112,7 +112,7 @@ def _export_and_compare(ckpt: Path, packed: Path, hf_out: Path) -> int:
     """`mmpack convert mcore-to-hf`, then the export's logits in transformers vs the checkpoint's at TP1."""
     import warnings
 
-    from offline_packing.cli import main as mmpack_main
+    from mmpack.offline_packing.cli import main as mmpack_main
 
     os.environ["PYTHONWARNINGS"] = "ignore"  # megatron-core's CPU notices in the converter's process
     warnings.simplefilter("ignore")
@@ -129,7 +129,7 @@ def _export_and_compare(ckpt: Path, packed: Path, hf_out: Path) -> int:
         return 0
     from transformers.utils import logging as hf_logging
 
-    from trainer.export_check import first_image_sample, hf_logits, mcore_logits
+    from mmpack.trainer.export_check import first_image_sample, hf_logits, mcore_logits
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -150,7 +150,7 @@ def _export_and_compare(ckpt: Path, packed: Path, hf_out: Path) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit code."""
-    from offline_packing.cli import main as mmpack_main
+    from mmpack.offline_packing.cli import main as mmpack_main
 
     if args.global_batch_size % args.dp:
         print(

@@ -5,7 +5,7 @@ LLaVA, ShareGPT, caption and text-only records; `train_tiny_bpe` trains a small 
 Qwen chat/vision special tokens (deterministic, well under a second).
 
 Everything is a pure function of its arguments (seeded), so two calls give identical bytes.
-Command line: `python -m offline_packing.demo.synthetic OUT_DIR --samples 1000 [--tokenizer]`.
+Command line: `python -m mmpack.offline_packing.demo.synthetic OUT_DIR --samples 1000 [--tokenizer]`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import numpy as np
 from PIL import Image
 
 if TYPE_CHECKING:
-    from offline_packing.config import PackSummary
+    from mmpack.offline_packing.config import PackSummary
 
-from packing.tokenizer import SPECIAL_TOKENS as CHAT_SPECIAL_TOKENS
-from packing.tokenizer import VIDEO_PAD
+from mmpack.packing.tokenizer import SPECIAL_TOKENS as CHAT_SPECIAL_TOKENS
+from mmpack.packing.tokenizer import VIDEO_PAD
 
 SPECIAL_TOKENS = tuple(CHAT_SPECIAL_TOKENS.values())  # the control tokens the packer expects
 RECORD_FORMATS = ("llava", "sharegpt", "caption", "text")
@@ -79,7 +79,9 @@ class SyntheticData:
     image_paths: tuple[Path, ...]
     records: tuple[dict, ...] = field(repr=False)
     counts_by_format: dict[str, int] = field(default_factory=dict)
-    video_paths: tuple[Path, ...] = ()  # clips added by `offline_packing.demo.videos.add_synthetic_videos`
+    video_paths: tuple[
+        Path, ...
+    ] = ()  # clips added by `mmpack.offline_packing.demo.videos.add_synthetic_videos`
 
     @property
     def n_images(self) -> int:
@@ -282,8 +284,8 @@ def pack_synthetic(
 
     Progress bars are off unless `progress=True` is given.
     """
-    from offline_packing.config import PackJobConfig
-    from offline_packing.pipeline import run_pack
+    from mmpack.offline_packing.config import PackJobConfig
+    from mmpack.offline_packing.pipeline import run_pack
 
     cfg = PackJobConfig(
         inputs=(str(data.jsonl_path),),

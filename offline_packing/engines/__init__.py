@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from offline_packing.config import ENGINES
+from mmpack.offline_packing.config import ENGINES
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -24,7 +24,7 @@ def use_engine(engine: str, ray_address: str = "auto") -> Iterator[None]:
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "ray":
-        from offline_packing.engines.ray import connect
+        from mmpack.offline_packing.engines.ray import connect
 
         connect(ray_address)
     previous = dict(_ACTIVE)
@@ -47,9 +47,9 @@ def run_parallel(
 ) -> list[R]:
     """`[fn(x) for x in items]` on the active engine, results in item order (see `engines.local`)."""
     if _ACTIVE["engine"] == "ray":
-        from offline_packing.engines.ray import run_ray
+        from mmpack.offline_packing.engines.ray import run_ray
 
         return run_ray(fn, items, weights=weights, desc=desc, unit=unit, progress=progress)
-    from offline_packing.engines.local import run_parallel as run_local
+    from mmpack.offline_packing.engines.local import run_parallel as run_local
 
     return run_local(fn, items, workers=workers, weights=weights, desc=desc, unit=unit, progress=progress)

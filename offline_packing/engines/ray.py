@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from offline_packing.errors import PackError
+from mmpack.offline_packing.errors import PackError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -72,11 +72,11 @@ def run_ray(
     """`[fn(x) for x in items]` as one Ray task per item, results in item order, with a progress bar."""
     from tqdm import tqdm
 
-    from offline_packing.inputs import remote
+    from mmpack.offline_packing.inputs import remote
 
     ray = connect()
     weights = weights if weights is not None else [1] * len(items)
-    from offline_packing import workdir
+    from mmpack.offline_packing import workdir
 
     setup = {
         "run": uuid.uuid4().hex,
@@ -146,8 +146,8 @@ def _run_chunk(fn: Callable[[T], R], item: T, setup: dict, kill_marker: str | No
     returns (the node it ran on, `fn(item)`)."""
     import ray
 
-    from offline_packing import workdir
-    from offline_packing.inputs import remote
+    from mmpack.offline_packing import workdir
+    from mmpack.offline_packing.inputs import remote
 
     node = ray.get_runtime_context().get_node_id()
     if _PROCESS_RUN.get("run") != setup["run"]:
@@ -167,7 +167,7 @@ def _run_chunk(fn: Callable[[T], R], item: T, setup: dict, kill_marker: str | No
 def _reset_process_caches() -> None:
     """Ray workers outlive a stage (a forked pool does not): drop what a process caches per job, so a rerun
     with a new plan or tokenizer in the same work folder never reads the old one."""
-    from offline_packing import lengths, write
+    from mmpack.offline_packing import lengths, write
 
     write._SOURCES.clear()
     lengths._TOKENIZERS.clear()

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any, TypeVar
 
-from packing.errors import MmpackError
+from mmpack.packing.errors import MmpackError
 
 T = TypeVar("T")
 HEADER_BLOCK_BYTES = 16 << 10  # image headers: blocks fetched on demand, a JPEG/PNG header is in the first
@@ -64,11 +64,11 @@ def local_path(path: str) -> str:
 
 def filesystem(url: str) -> tuple[Any, str]:
     """(fsspec filesystem, path inside it) of a remote URL, with the configured options (S3 endpoint: the
-    project's one rule, `packing.fileio.resolve_storage_options`); object stores only: an S3 endpoint means
+    project's one rule, `mmpack.packing.fileio.resolve_storage_options`); object stores only: an S3 endpoint means
     nothing to an http(s):// input."""
     from fsspec.core import url_to_fs
 
-    from packing.fileio import resolve_storage_options
+    from mmpack.packing.fileio import resolve_storage_options
 
     if url.startswith(("http://", "https://")):
         return url_to_fs(url)

@@ -7,7 +7,7 @@ users write it (BOM, JSONL inside `.json`, gzip, CRLF) is read by `json_records`
 
 Input files are canonical absolute paths, each read once however it was named (relative and absolute
 paths, symlinks, a file also matched by a folder or glob). Inputs and the image root may also be fsspec URLs
-(s3://, http(s)://; `offline_packing.inputs.remote`): remote files are read with ranged reads and retries,
+(s3://, http(s)://; `mmpack.offline_packing.inputs.remote`): remote files are read with ranged reads and retries,
 and `file://` URLs are the local paths they name.
 """
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from offline_packing.inputs import remote
-from offline_packing.inputs.json_records import (
+from mmpack.offline_packing.inputs import remote
+from mmpack.offline_packing.inputs.json_records import (
     RawRecord,
     parse_json_document,
     parse_json_line,
@@ -173,7 +173,7 @@ def _read_whole_file_cached(path: str, size: int, version: int | str | None) -> 
 
 
 def _read_tar(path: str) -> list[RawRecord]:
-    from offline_packing.tar_source import index_tar, sample_record
+    from mmpack.offline_packing.tar_source import index_tar, sample_record
 
     records = []
     for i, sample in enumerate(index_tar(path)):

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import IO, Any
 
-from packing.errors import MmpackError
-from packing.video_tokens import VideoMeta
+from mmpack.packing.errors import MmpackError
+from mmpack.packing.video_tokens import VideoMeta
 
 # First bytes of the containers FFmpeg reads that PyAV users meet most; a file that starts like one of
 # them but does not open is a corrupt video, anything else is not a video.

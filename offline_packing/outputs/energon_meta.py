@@ -2,7 +2,7 @@
 
 Runs Energon's own preparation (the same code as `energon prepare`: tar index in index.sqlite, sample
 counts in .info.json, split.yaml with every shard in "train") and writes a dataset.yaml declaring the
-sample type `offline_packing.outputs.energon_sample.PackedBinSample`, filled by a small sample_loader.py (the
+sample type `mmpack.offline_packing.outputs.energon_sample.PackedBinSample`, filled by a small sample_loader.py (the
 `energon prepare --sample-type ... ` + sample-loader route), so `energon info`, `energon preview` and
 `get_train_dataset(path, ...)` work with Energon's default task encoder. The random dataset UUID Energon
 writes is replaced by one derived from the shard hashes, so reruns stay reproducible.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 DATASET_YAML = """\
 sample_type:
-  __module__: offline_packing.outputs.energon_sample
+  __module__: mmpack.offline_packing.outputs.energon_sample
   __class__: PackedBinSample
 sample_loader: sample_loader.py:sample_loader
 part_filter: sample_loader.py:part_filter

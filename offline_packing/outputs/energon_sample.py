@@ -32,4 +32,4 @@ class PackedBinSample(Sample):
     videos: list[Any] = field(default_factory=list)
     video_formats: list[str] = field(default_factory=list)
     video_grid_thw: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int32))
-    video_plans: list[dict] = field(default_factory=list)  # packing.video_tokens.VideoPlan.to_dict()
+    video_plans: list[dict] = field(default_factory=list)  # mmpack.packing.video_tokens.VideoPlan.to_dict()

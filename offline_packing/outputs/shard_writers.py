@@ -19,8 +19,8 @@ from typing import IO, Any
 import numpy as np
 import pyarrow as pa
 
-from offline_packing.workdir import npy_bytes
-from packing.format import WDS_IMAGE_MEMBER, WDS_JSON_MEMBER, WDS_VIDEO_MEMBER
+from mmpack.offline_packing.workdir import npy_bytes
+from mmpack.packing.format import WDS_IMAGE_MEMBER, WDS_JSON_MEMBER, WDS_VIDEO_MEMBER
 
 ARROW_BATCH_ROWS = 64
 ARROW_SCHEMA = pa.schema(

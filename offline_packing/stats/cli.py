@@ -1,8 +1,8 @@
 """`mmpack stats PATH`: packing efficiency of a packed dataset or of a length file.
 
 PATH is a packed dataset (folder or URL holding manifest.json; only metadata is read) or a length file
-(see `offline_packing.stats.inputs`), which is packed first with `--capacity` and the packing flags.
-Prints rich tables, or with `--json` the dict of `packing.stats.packing_stats` plus `source`,
+(see `mmpack.offline_packing.stats.inputs`), which is packed first with `--capacity` and the packing flags.
+Prints rich tables, or with `--json` the dict of `mmpack.packing.stats.packing_stats` plus `source`,
 `length_distribution`, `dataset` (datasets only) and `compare` (with `--compare`). Every failure is one line
 `mmpack stats: error: ...` on stderr naming the file (and line), exit code 1; flags that do not fit exit with
 code 2; `--debug` adds the traceback.
@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from offline_packing.stats.inputs import (
+from mmpack.offline_packing.stats.inputs import (
     LENGTH_FILE_SUFFIXES,
     StatsInputError,
     StatsUsageError,
     read_length_file,
 )
-from packing.fileio import resolve_storage_options
+from mmpack.packing.fileio import resolve_storage_options
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Compute and print the stats; returns the exit code (1 on a failure, 2 on flags that do not fit)."""
-    from offline_packing.errors import describe_failure
+    from mmpack.offline_packing.errors import describe_failure
 
     try:
         _validate(args)
@@ -104,11 +104,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        from offline_packing.stats.report import print_report
+        from mmpack.offline_packing.stats.report import print_report
 
         print_report(Console(width=None if sys.stdout.isatty() else 120), report, args.max_shard_rows)
     if args.plot:
-        from offline_packing.stats.plot import plot_packing
+        from mmpack.offline_packing.stats.plot import plot_packing
 
         out = plot_packing(args.plot, lengths, bin_ids, report, title=str(report["source"]["path"]))
         print(f"mmpack stats: wrote {out}", file=sys.stderr)
@@ -163,7 +163,7 @@ def build_report(
     args: argparse.Namespace, storage_options: dict[str, Any]
 ) -> tuple[dict, np.ndarray, np.ndarray]:
     """The stats dict of PATH, with the per-sample lengths and bin ids it was computed from."""
-    from offline_packing.stats.dataset import is_dataset_path
+    from mmpack.offline_packing.stats.dataset import is_dataset_path
 
     if is_dataset_path(args.path, storage_options):
         return _dataset_report(args, storage_options)
@@ -173,10 +173,10 @@ def build_report(
 def _length_file_report(
     args: argparse.Namespace, storage_options: dict[str, Any]
 ) -> tuple[dict, np.ndarray, np.ndarray]:
-    from offline_packing.stats.compare import caps_bound_field
-    from offline_packing.stats.report import length_distribution
-    from packing.binpack import pack_lengths
-    from packing.stats import packing_stats
+    from mmpack.offline_packing.stats.compare import caps_bound_field
+    from mmpack.offline_packing.stats.report import length_distribution
+    from mmpack.packing.binpack import pack_lengths
+    from mmpack.packing.stats import packing_stats
 
     if args.capacity is None:
         raise StatsUsageError(f"{args.path}: a length file needs --capacity (tokens per bin) to be packed")
@@ -222,10 +222,10 @@ def _length_file_report(
 def _dataset_report(
     args: argparse.Namespace, storage_options: dict[str, Any]
 ) -> tuple[dict, np.ndarray, np.ndarray]:
-    from offline_packing.stats.compare import caps_bound_field
-    from offline_packing.stats.dataset import read_dataset
-    from offline_packing.stats.report import dataset_fields, length_distribution
-    from packing.stats import packing_stats
+    from mmpack.offline_packing.stats.compare import caps_bound_field
+    from mmpack.offline_packing.stats.dataset import read_dataset
+    from mmpack.offline_packing.stats.report import dataset_fields, length_distribution
+    from mmpack.packing.stats import packing_stats
 
     data = read_dataset(args.path, storage_options, fmt=args.format, workers=args.workers)
     lengths, bin_ids, images = data.lengths, data.bin_ids, data.image_counts
@@ -269,7 +269,7 @@ def _compare(
     default_caps: tuple[int | None, int | None] = (None, None),
 ) -> list[dict]:
     """Rows without caps, then with the caps given on the command line (or `default_caps`)."""
-    from offline_packing.stats.compare import compare_algorithms
+    from mmpack.offline_packing.stats.compare import compare_algorithms
 
     caps = (args.max_samples_per_bin, args.max_images_per_bin)
     if caps == (None, None):
@@ -283,7 +283,7 @@ def _compare(
 
 
 def _as_packed_row(report: dict) -> dict:
-    from offline_packing.stats.compare import result_columns
+    from mmpack.offline_packing.stats.compare import result_columns
 
     algorithm = report["dataset"].get("algorithm") or {}
     caps = algorithm if isinstance(algorithm, dict) else {}

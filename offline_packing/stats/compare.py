@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from packing.binpack import ALGORITHMS, pack_lengths
-from packing.stats import lower_bound_caps, lower_bound_l2, packing_stats
+from mmpack.packing.binpack import ALGORITHMS, pack_lengths
+from mmpack.packing.stats import lower_bound_caps, lower_bound_l2, packing_stats
 
 
 def algorithm_names() -> list[str]:
-    """The algorithms packing.binpack offers, in its own order."""
+    """The algorithms mmpack.packing.binpack offers, in its own order."""
     return [str(name) for name in ALGORITHMS]
 
 

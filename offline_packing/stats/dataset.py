@@ -19,10 +19,10 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from offline_packing.stats.inputs import StatsInputError
-from packing.format import MANIFEST_NAME
-from packing.manifest import Manifest, ManifestError
-from packing.tar_index import index_tar
+from mmpack.offline_packing.stats.inputs import StatsInputError
+from mmpack.packing.format import MANIFEST_NAME
+from mmpack.packing.manifest import Manifest, ManifestError
+from mmpack.packing.tar_index import index_tar
 
 _ARROW_COLUMNS = ("key", "seq_lens", "image_grid_thw")
 

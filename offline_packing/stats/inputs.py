@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 import fsspec
 import numpy as np
 
-from packing.errors import MmpackError
+from mmpack.packing.errors import MmpackError
 
 TEXT_SUFFIXES = (".txt", ".lens", ".len", ".lengths", ".lst")
 CHUNK_BYTES = 1 << 20

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from offline_packing.stats.dataset import DatasetPacking
-from packing.stats import FILL_BUCKETS
+from mmpack.offline_packing.stats.dataset import DatasetPacking
+from mmpack.packing.stats import FILL_BUCKETS
 
 FILL_BANDS = tuple(f"{name}%" for name, _, _ in FILL_BUCKETS)
 # length bands as fractions of the capacity: (lo, hi] in tokens

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Recipes for trainer.pretrain_vlm. Usage:
+# Recipes for mmpack.trainer.pretrain_vlm. Usage:
 #   bash trainer/examples/pretrain_vlm.sh gpu8 DATA_DIR [CKPT_DIR]   # 8 GPUs: TP2 x PP2 x DP2, bf16 + fp32 islands
 #   bash trainer/examples/pretrain_vlm.sh cpu  DATA_DIR               # CPU smoke run: 8 gloo processes, tiny model
 #   bash trainer/examples/pretrain_vlm.sh hf8  DATA_DIR HF_DIR [CKPT] # 8 GPUs from a HuggingFace Qwen2.5-VL folder
@@ -19,7 +19,7 @@ gpu8)
     ckpt=${1:-checkpoints/vlm-small}
     [ $# -gt 0 ] && shift
     export CUDA_DEVICE_MAX_CONNECTIONS=1  # keeps TP communication in issue order (Megatron requirement with SP)
-    exec torchrun --nproc_per_node 8 -m trainer.pretrain_vlm \
+    exec torchrun --nproc_per_node 8 -m mmpack.trainer.pretrain_vlm \
         --data-path "$data" \
         --model-size small \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel \
@@ -38,7 +38,7 @@ hf8)
     ckpt=${1:-checkpoints/qwen2_5_vl}
     [ $# -gt 0 ] && shift
     export CUDA_DEVICE_MAX_CONNECTIONS=1
-    exec torchrun --nproc_per_node 8 -m trainer.pretrain_vlm \
+    exec torchrun --nproc_per_node 8 -m mmpack.trainer.pretrain_vlm \
         --hf-model "$hf" --data-path "$data" \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel \
         --use-distributed-optimizer \
@@ -51,7 +51,7 @@ hf8)
     ;;
 cpu)
     # 8 CPU processes (gloo): TP2 x PP2 x DP2 on a tiny model; a minute or two on a laptop.
-    exec python -m torch.distributed.run --nproc_per_node 8 -m trainer.pretrain_vlm \
+    exec python -m torch.distributed.run --nproc_per_node 8 -m mmpack.trainer.pretrain_vlm \
         --data-path "$data" \
         --model-size tiny \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \

@@ -14,7 +14,7 @@ ckpt=${1:-checkpoints/qwen2_5_vl-align}
 [ $# -gt 0 ] && shift
 export CUDA_DEVICE_MAX_CONNECTIONS=1  # keeps TP communication in issue order (Megatron requirement with SP)
 # shellcheck disable=SC2086  # TORCHRUN may be a command with arguments
-exec ${TORCHRUN:-torchrun} --nproc_per_node "${NPROC:-8}" -m trainer.pretrain_vlm \
+exec ${TORCHRUN:-torchrun} --nproc_per_node "${NPROC:-8}" -m mmpack.trainer.pretrain_vlm \
     --hf-model "$hf" --data-path "$data" \
     --trainable-modules adapter \
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel \

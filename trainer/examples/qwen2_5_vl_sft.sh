@@ -14,7 +14,7 @@ ckpt=${1:-checkpoints/qwen2_5_vl-sft}
 [ $# -gt 0 ] && shift
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 # shellcheck disable=SC2086  # TORCHRUN may be a command with arguments
-exec ${TORCHRUN:-torchrun} --nproc_per_node "${NPROC:-8}" -m trainer.pretrain_vlm \
+exec ${TORCHRUN:-torchrun} --nproc_per_node "${NPROC:-8}" -m mmpack.trainer.pretrain_vlm \
     --load "$init" --finetune --data-path "$data" \
     --freeze-vision \
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel \

@@ -11,7 +11,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-FAMILIES = {"qwen2_5_vl": "trainer.models.qwen2_5_vl"}
+FAMILIES = {"qwen2_5_vl": "mmpack.trainer.models.qwen2_5_vl"}
 
 
 def family(model_type: str) -> ModuleType:

@@ -1,20 +1,20 @@
 """Qwen2.5-VL (transformers' ``Qwen2_5_VLForConditionalGeneration``) on megatron-core."""
 
-from trainer.models.qwen2_5_vl.config import (
+from mmpack.trainer.models.qwen2_5_vl.config import (
     MODEL_TYPE,
     Qwen25VLArch,
     arch_from_hf_config,
     build_transformer_configs,
     tiny_hf_config,
 )
-from trainer.models.qwen2_5_vl.hf_io import (
+from mmpack.trainer.models.qwen2_5_vl.hf_io import (
     hf_state_dict,
     init_stage_random,
     load_stage_weights,
     stage_rules,
     stage_state_dict,
 )
-from trainer.models.qwen2_5_vl.model import Qwen25VLModel
+from mmpack.trainer.models.qwen2_5_vl.model import Qwen25VLModel
 
 Model = Qwen25VLModel
 Arch = Qwen25VLArch

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from trainer.models.qwen2_5_vl.config import Qwen25VLArch
+from mmpack.trainer.models.qwen2_5_vl.config import Qwen25VLArch
 
 
 @dataclass(frozen=True)

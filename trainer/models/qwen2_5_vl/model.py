@@ -13,9 +13,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-from trainer.models.common import build_block_spec
-from trainer.models.qwen2_5_vl.config import Qwen25VLArch, Qwen25VLMegatronConfigs
-from trainer.models.qwen2_5_vl.vision import VisionTower
+from mmpack.trainer.models.common import build_block_spec
+from mmpack.trainer.models.qwen2_5_vl.config import Qwen25VLArch, Qwen25VLMegatronConfigs
+from mmpack.trainer.models.qwen2_5_vl.vision import VisionTower
 
 
 class Qwen25VLModel(MegatronModule):

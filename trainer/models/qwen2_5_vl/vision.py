@@ -4,7 +4,7 @@ the 2x2 patch merger (RMSNorm + megatron-core's MultimodalProjector MLP). Tensor
 model; it runs on the first pipeline stage only.
 
 Attention is block-diagonal (never across images, and within windows for the windowed layers): the blocks go
-to attention as cu_seqlens (:class:`trainer.models.segment_attention.SegmentAttention`), never as a dense
+to attention as cu_seqlens (:class:`mmpack.trainer.models.segment_attention.SegmentAttention`), never as a dense
 [P, P] mask.
 """
 
@@ -25,14 +25,14 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
 
-from trainer.models.common import RMSNorm, build_layer_spec
-from trainer.models.qwen2_5_vl.config import VisionArch
-from trainer.models.qwen2_5_vl.rope import (
+from mmpack.trainer.models.common import RMSNorm, build_layer_spec
+from mmpack.trainer.models.qwen2_5_vl.config import VisionArch
+from mmpack.trainer.models.qwen2_5_vl.rope import (
     patch_hw_positions,
     vision_rotary_angles,
     window_order,
 )
-from trainer.models.segment_attention import SegmentAttention
+from mmpack.trainer.models.segment_attention import SegmentAttention
 
 
 def _segments(lengths: np.ndarray, device: torch.device) -> PackedSeqParams:
