@@ -10,11 +10,15 @@ being part of its fingerprint. Every job field belongs to a stage config, to `IN
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS
 from mmpack.packing.image_tokens import CLIP_MEAN, CLIP_STD
+from mmpack.packing.tokenizer import BYTE_TOKENIZER
 from mmpack.packing.video_tokens import VideoTokenRule
+
+if TYPE_CHECKING:
+    from mmpack.packing.chat import ChatTemplate
 
 _VIDEO_DEFAULTS = VideoTokenRule()
 
@@ -53,8 +57,8 @@ class PackJobConfig:
     inputs: tuple[str, ...]  # .json / .jsonl / .parquet files, folders or globs
     output: str  # local folder or fsspec URL (s3://bucket/prefix)
     seq_len: int  # bin capacity in tokens (-L)
+    tokenizer: str  # tokenizer.json or a folder holding one; BYTE_TOKENIZER names the byte-level demo one
     image_root: str | None = None  # image paths are relative to it (default: each input file's folder)
-    tokenizer: str | None = None  # tokenizer.json or a folder holding one; None = byte fallback (demo)
     max_samples_per_bin: int | None = None  # -M
     max_images_per_bin: int | None = None
     algorithm: str = "auto"
@@ -86,7 +90,11 @@ class PackJobConfig:
     video_max_pixels: int = _VIDEO_DEFAULTS.max_pixels
     video_total_pixels: float = _VIDEO_DEFAULTS.total_pixels
     max_video_seconds: float = 3 * 3600.0  # longer videos (from the container) are rejects
-    default_system: str | None = None  # system prompt added where a record has none
+    default_system: str | None = None  # system prompt for records without one (overrides the template's)
+    no_default_system: bool = False  # leave out the chat template's own default system turn
+    chat_template: str | None = None  # Jinja source of the model folder's chat template; None = built-in Qwen
+    chat_template_origin: str = ""  # the file it came from (manifest, messages)
+    chat_template_vars: tuple[tuple[str, str], ...] = ()  # special tokens the template sees (bos_token, ...)
     image_check: str = "header"  # "header": sizes + end-marker check; "decode": full decode of every image
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # larger images (from the header) are rejects
     verify_inputs: str = "stat"  # input identity: "stat" (path, size, mtime_ns) or "sha256" (content)
@@ -109,6 +117,10 @@ class PackJobConfig:
             bad("at least one input (-i) is required")
         if self.seq_len < 1:
             bad(f"seq_len (-L) must be >= 1, got {self.seq_len}")
+        if not self.tokenizer:
+            bad(f"no tokenizer: pass -t TOKENIZER or --model DIR (-t {BYTE_TOKENIZER} for the byte-level demo one)")
+        if self.default_system is not None and self.no_default_system:
+            bad("--default-system and --no-default-system exclude each other; keep one")
         if self.format not in OUTPUT_FORMATS:
             bad(f"format must be one of {OUTPUT_FORMATS}, got {self.format!r}")
         if self.overlength not in OVERLENGTH_POLICIES:
@@ -182,7 +194,7 @@ class LengthsConfig:
     """What stage 2 (lengths) reads: the length model (tokenizer, chat template, image-token rule) and the
     over-length policy."""
 
-    tokenizer: str | None
+    tokenizer: str
     seq_len: int
     overlength: str
     patch_size: int
@@ -201,6 +213,10 @@ class LengthsConfig:
     video_max_pixels: int
     video_total_pixels: float
     default_system: str | None
+    no_default_system: bool
+    chat_template: str | None
+    chat_template_origin: str
+    chat_template_vars: tuple[tuple[str, str], ...]
     max_images_per_bin: int | None
     strict: bool
     verify_inputs: str
@@ -231,6 +247,19 @@ class WriteConfig:
     @property
     def formats(self) -> tuple[str, ...]:
         return ("arrow", "wds") if self.format == "both" else (self.format,)
+
+
+def chat_template(cfg: PackJobConfig | LengthsConfig) -> ChatTemplate:
+    """The chat template of a job (or lengths) config."""
+    from mmpack.packing.chat import ChatTemplate
+
+    return ChatTemplate(
+        default_system=cfg.default_system,
+        source=cfg.chat_template,
+        variables=cfg.chat_template_vars,
+        no_default_system=cfg.no_default_system,
+        origin=cfg.chat_template_origin or "chat template",
+    )
 
 
 def video_rule(cfg: PackJobConfig | LengthsConfig) -> VideoTokenRule:

@@ -90,9 +90,8 @@ def fill_efficiency(stats: dict) -> float:
 
 
 def build_manifest(cfg: PackJobConfig, wd: WorkDir, counts: ManifestCounts, shards: list[dict]) -> Manifest:
-    from mmpack.offline_packing.config import video_rule
+    from mmpack.offline_packing.config import chat_template, video_rule
     from mmpack.offline_packing.lengths import get_tokenizer, image_rule
-    from mmpack.packing.chat import ChatTemplate
     from mmpack.packing.tokenizer import tokenizer_info
 
     rule = image_rule(cfg)
@@ -103,7 +102,7 @@ def build_manifest(cfg: PackJobConfig, wd: WorkDir, counts: ManifestCounts, shar
         tokenizer=tokenizer_info(get_tokenizer(cfg.tokenizer)),
         image_rule=ManifestImageRule.from_rule(rule, cfg.max_image_pixels),
         video_rule=video_rule(cfg),
-        chat_template=ChatTemplate(default_system=cfg.default_system).to_dict(),
+        chat_template=chat_template(cfg).to_dict(),
         algorithm={
             "name": wd.read_marker("binpack")["algorithm"],
             "requested": cfg.algorithm,

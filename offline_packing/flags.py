@@ -14,7 +14,11 @@ from mmpack.offline_packing.config import (
     VERIFY_INPUTS,
     PackJobConfig,
 )
-from mmpack.offline_packing.model_folder import RULE_FLAG_FIELDS, resolve_job_image_options
+from mmpack.offline_packing.model_folder import (
+    RULE_FLAG_FIELDS,
+    resolve_chat_template,
+    resolve_job_image_options,
+)
 from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS
 from mmpack.packing.video_tokens import VideoTokenRule
 
@@ -74,14 +78,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "-t",
         "--tokenizer",
         default=None,
-        help="tokenizer.json or a folder holding one; a model folder with a preprocessor_config.json also "
-        "gives the image rule, as --model does (default: byte-level demo fallback)",
+        help="tokenizer.json or a folder holding one (required unless --model); a folder also gives its chat "
+        "template, and with a preprocessor_config.json the image rule, as --model does; byte-fallback: the "
+        "byte-level demo tokenizer",
     )
     g.add_argument(
         "--model",
         default=None,
         metavar="DIR",
-        help="HF model folder: tokenizer.json (unless -t) and the image rule of its preprocessor_config.json "
+        help="HF model folder: tokenizer.json (unless -t), its chat template (chat_template.jinja, "
+        "chat_template.json or tokenizer_config.json) and the image rule of its preprocessor_config.json "
         "(patch, merge, temporal patch, min/max pixels, mean/std), recorded in the manifest",
     )
     g.add_argument(
@@ -104,7 +110,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-pixels", type=int, default=None, help="smart_resize upper bound on h*w (default 12845056)"
     )
-    g.add_argument("--default-system", default=None, help="system prompt for records that have none")
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|builtin",
+        help="a Jinja chat template file instead of the model folder's; builtin: mmpack's Qwen rendering "
+        "(the default where the folder has no template or -t names a file)",
+    )
+    g.add_argument(
+        "--default-system",
+        default=None,
+        metavar="TEXT",
+        help="system prompt for records that have none (default: the chat template's own, if it has one)",
+    )
+    g.add_argument(
+        "--no-default-system",
+        action="store_true",
+        help="records without a system prompt get none, even where the chat template adds a default one",
+    )
     g = p.add_argument_group(
         "video rule (qwen-vl-utils; patch, merge and temporal patch sizes as for images)"
     )
@@ -240,12 +263,13 @@ def config_from_args(args: argparse.Namespace, only_stage: int | None = None) ->
     tokenizer, image_options = resolve_job_image_options(
         args.model, args.tokenizer, {name: getattr(args, name) for name in RULE_FLAG_FIELDS}
     )
+    template_options = resolve_chat_template(args.model, args.tokenizer, args.chat_template)
     return PackJobConfig(
         inputs=tuple(args.inputs),
         image_root=args.image_root,
         output=args.output,
         seq_len=args.seq_len,
-        tokenizer=tokenizer,
+        tokenizer=tokenizer or "",  # none: refused by the config with a one-line message
         max_samples_per_bin=args.max_samples_per_bin,
         max_images_per_bin=args.max_images_per_bin,
         algorithm=args.algorithm,
@@ -260,6 +284,8 @@ def config_from_args(args: argparse.Namespace, only_stage: int | None = None) ->
         strict=args.strict,
         **image_options,
         default_system=args.default_system,
+        no_default_system=args.no_default_system,
+        **template_options,
         video_fps=args.video_fps,
         video_min_frames=args.video_min_frames,
         video_max_frames=args.video_max_frames,

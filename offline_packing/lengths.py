@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from mmpack.offline_packing.config import LengthsConfig, video_rule
+from mmpack.offline_packing.config import LengthsConfig, chat_template, video_rule
 from mmpack.offline_packing.engines import run_parallel
 from mmpack.offline_packing.errors import PackError, SampleReject, reject_row
 from mmpack.offline_packing.workdir import (
@@ -34,7 +34,7 @@ from mmpack.offline_packing.workdir import (
 )
 
 STAGE = "lengths"
-_TOKENIZERS: dict[str | None, Any] = {}  # one tokenizer per worker process
+_TOKENIZERS: dict[str, Any] = {}  # one tokenizer per worker process
 ENCODE_BATCH = 256  # samples whose rendered texts are encoded in one tokenizer call
 
 
@@ -48,7 +48,7 @@ class LengthsTask:
     fingerprint: str
 
 
-def get_tokenizer(path: str | None) -> Any:
+def get_tokenizer(path: str) -> Any:
     """The tokenizer at `path`, loaded once per process."""
     from mmpack.packing.tokenizer import load_tokenizer
 
@@ -89,11 +89,13 @@ class ScannedPrep:
 
 
 def prepare_scanned(
-    sample: dict, cfg: LengthsConfig, rule: Any, tokenizer: Any, vrule: Any = None
+    sample: dict, cfg: LengthsConfig, rule: Any, tokenizer: Any, vrule: Any = None, template: Any = None
 ) -> ScannedPrep:
     """Image grids, video plans and the rendered conversation of one scanned sample (SampleReject where a rule
-    refuses an image or video)."""
-    from mmpack.packing.chat import ChatTemplate, Conversation, prepare_conversation
+    refuses an image or video, or the chat template renders it in a way the loss mask cannot be read from).
+    `template`: the job's `ChatTemplate`, built once per chunk (default: from `cfg`)."""
+    from mmpack.packing.chat import Conversation, prepare_conversation
+    from mmpack.packing.chat_template import ChatTemplateError
     from mmpack.packing.image_tokens import ImageSizeError
 
     grids = []
@@ -114,9 +116,12 @@ def prepare_scanned(
         sample_id=sample["id"],
         videos=tuple(sample.get("videos", ())),
     )
-    template = ChatTemplate(default_system=cfg.default_system)
     try:
-        prep = prepare_conversation(conv, tokenizer, counts, template, [p.num_tokens for p in plans])
+        prep = prepare_conversation(
+            conv, tokenizer, counts, template or chat_template(cfg), [p.num_tokens for p in plans]
+        )
+    except ChatTemplateError as exc:
+        raise SampleReject("chat_template_mismatch", str(exc)) from None
     except ValueError as exc:
         if plans and "video_pad" not in tokenizer.special_ids:
             raise PackError(f"{sample['src']}:{sample['line']}: {exc}") from None
@@ -167,24 +172,25 @@ def finish_scanned(pending: ScannedPrep, cfg: LengthsConfig, tok: Any) -> tuple[
 
 
 def tokenize_scanned(
-    sample: dict, cfg: LengthsConfig, rule: Any, tokenizer: Any, vrule: Any = None
+    sample: dict, cfg: LengthsConfig, rule: Any, tokenizer: Any, vrule: Any = None, template: Any = None
 ) -> tuple[Any, dict]:
     """Token ids + loss mask of one scanned sample under the over-length policy, and its metadata row."""
     from mmpack.packing.chat import encode_texts, finish_tokenized
 
-    pending = prepare_scanned(sample, cfg, rule, tokenizer, vrule)
+    pending = prepare_scanned(sample, cfg, rule, tokenizer, vrule, template)
     [tok] = finish_tokenized([pending.prep], tokenizer, encode_texts(tokenizer, [pending.prep.text]))
     return finish_scanned(pending, cfg, tok)
 
 
 def tokenize_chunk_samples(
-    samples: Iterable[dict], cfg: LengthsConfig, rule: Any, tokenizer: Any, vrule: Any = None
+    samples: Iterable[dict], cfg: LengthsConfig, rule: Any, tokenizer: Any, vrule: Any = None, template: Any = None
 ) -> Iterator[tuple[dict, Any]]:
     """(sample, (tok, meta) or its SampleReject) per scanned sample, in order, as `tokenize_scanned` gives them,
     with the texts of each `ENCODE_BATCH` samples encoded in one tokenizer call. Other errors are raised at
     the sample that causes them, after the samples before it."""
     from mmpack.packing.chat import encode_texts, finish_tokenized
 
+    template = template or chat_template(cfg)
     it = iter(samples)
     while True:
         batch: list[dict] = []
@@ -196,7 +202,7 @@ def tokenize_chunk_samples(
         prepared: list[ScannedPrep | Exception] = []
         for sample in batch:
             try:
-                prepared.append(prepare_scanned(sample, cfg, rule, tokenizer, vrule))
+                prepared.append(prepare_scanned(sample, cfg, rule, tokenizer, vrule, template))
             except Exception as exc:  # raised in order below
                 prepared.append(exc)
         preps = [p.prep for p in prepared if isinstance(p, ScannedPrep)]

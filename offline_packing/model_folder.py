@@ -1,10 +1,12 @@
-"""`mmpack pack --model DIR`: the tokenizer and the image rule of a job from an HF model folder.
+"""`mmpack pack --model DIR`: the tokenizer, the image rule and the chat template of a job from an HF model folder.
 
-A model folder (as `save_pretrained` writes it) holds `tokenizer.json` and `preprocessor_config.json`; the
-latter settles patch, merge and temporal patch sizes, min/max pixels, mean/std, rescale factor and resampling,
-read as transformers 5 reads it (`ImageTokenRule.from_preprocessor_config`). `-t DIR` where DIR holds a
-`preprocessor_config.json` is the same as `--model DIR`. Without a model folder, the image flags and their
-defaults give the rule.
+A model folder (as `save_pretrained` writes it) holds `tokenizer.json`, `preprocessor_config.json` and its chat
+template; the preprocessor config settles patch, merge and temporal patch sizes, min/max pixels, mean/std,
+rescale factor and resampling, read as transformers 5 reads it (`ImageTokenRule.from_preprocessor_config`).
+`-t DIR` where DIR holds a `preprocessor_config.json` is the same as `--model DIR`. Without a model folder, the
+image flags and their defaults give the rule. The chat template (`mmpack.packing.chat_template`) is that of
+`--model DIR`, else of `-t DIR` (a folder); `--chat-template FILE` names another, `--chat-template builtin`
+(and a tokenizer file or a folder without one) gives mmpack's built-in Qwen rendering.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from mmpack.packing.chat_template import ChatTemplateError, read_folder_template
 from mmpack.packing.image_tokens import PREPROCESSOR_CONFIG, ImageTokenRule, load_model_image_rule
 from mmpack.packing.tokenizer import TOKENIZER_FILE
+
+BUILTIN_TEMPLATE = "builtin"
 
 # Image-rule fields that also have a flag (--patch-size, ...): a flag that contradicts the model folder is an
 # error, since the trainer refuses a dataset whose rule differs from its model's.
@@ -72,3 +77,37 @@ def resolve_job_image_options(
 
 def _job_fields(rule: ImageTokenRule) -> dict[str, Any]:
     return {name: getattr(rule, name) for name in RULE_JOB_FIELDS}
+
+
+def resolve_chat_template(model: str | None, tokenizer: str | None, flag: str | None) -> dict[str, Any]:
+    """The chat-template fields of the job config (`chat_template`, `chat_template_origin`,
+    `chat_template_vars`) from `--model`, `-t` and `--chat-template` (a .jinja file, or "builtin").
+
+    Raises:
+        ValueError: `--chat-template` names no file, or a template file cannot be read.
+    """
+    folder = model if model is not None else tokenizer if tokenizer and os.path.isdir(tokenizer) else None
+    builtin: dict[str, Any] = {"chat_template": None, "chat_template_origin": "", "chat_template_vars": ()}
+    if flag == BUILTIN_TEMPLATE:
+        return builtin
+    found = read_folder_template(folder) if folder is not None and os.path.isdir(folder) else None
+    variables = found[2] if found else {}
+    if flag is not None:
+        if not os.path.isfile(flag):
+            raise ValueError(f"--chat-template {flag}: no such file (a .jinja template, or {BUILTIN_TEMPLATE!r})")
+        with open(flag, encoding="utf-8") as f:
+            found = (f.read(), os.path.abspath(flag), variables)
+    if found is None:
+        return builtin
+    source, origin, variables = found
+    try:  # a template mmpack cannot follow is refused before any stage runs
+        from mmpack.packing.chat_template import JinjaChat
+
+        JinjaChat(source, variables, origin)
+    except ChatTemplateError as exc:
+        raise ValueError(f"{origin}: {exc}") from None
+    return {
+        "chat_template": source,
+        "chat_template_origin": origin,
+        "chat_template_vars": tuple(sorted(variables.items())),
+    }

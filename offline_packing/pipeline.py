@@ -47,10 +47,10 @@ def _fingerprint(cfg: PackJobConfig, stage: str, previous: str, files: list[str]
     inputs: list[str] = []
     if stage == "scan":
         inputs = files
-    elif stage == "lengths" and cfg.tokenizer is not None:
-        from mmpack.packing.tokenizer import resolve_tokenizer_file
+    elif stage == "lengths":
+        from mmpack.packing.tokenizer import tokenizer_files
 
-        inputs = [str(resolve_tokenizer_file(cfg.tokenizer))]
+        inputs = tokenizer_files(cfg.tokenizer)
     return stage_fingerprint(stage, cfg.stage_config(stage), previous, identities(inputs, cfg.verify_inputs))
 
 
@@ -130,10 +130,9 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
     from mmpack.offline_packing.inputs import remote
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if cfg.tokenizer is not None:  # fail before the first stage, not after it
-        from mmpack.packing.tokenizer import resolve_tokenizer_file
+    from mmpack.packing.tokenizer import tokenizer_files
 
-        resolve_tokenizer_file(cfg.tokenizer)
+    tokenizer_files(cfg.tokenizer)  # a missing tokenizer fails before the first stage, not after it
     remote.configure(cfg.storage_options)  # inputs (s3://...) are read with the output's storage options
     with use_engine(cfg.engine, cfg.ray_address):
         return _run_stages(cfg)

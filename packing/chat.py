@@ -1,31 +1,34 @@
-"""Raw records -> conversations -> token ids and loss mask (Qwen-style chat rendering).
+"""Raw records -> conversations -> token ids and loss mask.
 
 `normalize_record` turns one LLaVA, ShareGPT, caption or text-only record into a `Conversation` (or raises
-`SampleError` with a short reason code); `tokenize_conversation` renders it as
+`SampleError` with a short reason code); `tokenize_conversation` renders it with a `ChatTemplate`: the model
+folder's own Jinja template (`mmpack.packing.chat_template`: the text `apply_chat_template` gives), or, where
+there is none, mmpack's built-in Qwen rendering
 
     <|im_start|>{role}\\n{content}<|im_end|>\\n        (per message)
 
-with each `<image>` replaced by `<|vision_start|>` + N x `<|image_pad|>` + `<|vision_end|>` (each `<video>` by
-`<|vision_start|>` + N x `<|video_pad|>` + `<|vision_end|>`, N from the video rule), encodes the whole
-string once (so the ids equal a direct tokenizer encode of the rendered text) and derives the loss mask from
+In both, each `<image>` is `<|vision_start|>` + N x `<|image_pad|>` + `<|vision_end|>` (each `<video>`
+`<|vision_start|>` + N x `<|video_pad|>` + `<|vision_end|>`, N from the video rule); the whole string is
+encoded once (so the ids equal a direct tokenizer encode of the rendered text) and the loss mask comes from
 the token offsets. `truncate_sample` implements the `truncate` over-length policy.
 """
 
 from __future__ import annotations
 
-import re
+import hashlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 
+from mmpack.packing.chat_template import IMAGE_TAG, MEDIA_TAG_RE, VIDEO_TAG, JinjaChat
+from mmpack.packing.chat_template import RenderedChat as _Rendered
 from mmpack.packing.errors import MmpackError
 from mmpack.packing.tokenizer import RESERVED_TOKENS, SPECIAL_TOKENS, VIDEO_PAD, TextTokenizer
 
-IMAGE_TAG = "<image>"
-VIDEO_TAG = "<video>"
-_MEDIA_TAG_RE = re.compile(f"({re.escape(IMAGE_TAG)}|{re.escape(VIDEO_TAG)})")
+_MEDIA_TAG_RE = MEDIA_TAG_RE
 # Modalities a record may carry that the length model cannot count yet: the record keys and the tag that
 # name each. Such records are rejects (`unsupported_modality`), never packed as text.
 UNSUPPORTED_MODALITIES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -199,10 +202,36 @@ def validate_conversation(conv: Conversation) -> None:
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    """Qwen-style chat rendering; `default_system` is added where a conversation has no system message."""
+    """How a conversation becomes text: the model folder's Jinja template (`source`), or None for mmpack's
+    built-in Qwen rendering.
+
+    `default_system` is the system prompt given to a conversation without one (with a Jinja template it
+    overrides the template's own default; without one, None adds none); `no_default_system` leaves out the
+    template's own default system turn. `variables` are the special tokens the template sees (`bos_token`, ...).
+    """
 
     default_system: str | None = None
-    name: str = field(default="qwen", init=False)
+    source: str | None = None
+    variables: tuple[tuple[str, str], ...] = ()
+    no_default_system: bool = False
+    origin: str = "chat template"
+
+    def __post_init__(self) -> None:
+        if self.default_system is not None and self.no_default_system:
+            raise ValueError("--default-system and --no-default-system exclude each other; keep one")
+
+    @property
+    def name(self) -> str:
+        return "qwen" if self.source is None else "jinja"
+
+    @cached_property
+    def jinja(self) -> JinjaChat:
+        """The compiled template (built once per object, in the process that renders)."""
+        assert self.source is not None
+        return JinjaChat(self.source, dict(self.variables), self.origin)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "jinja"}  # a compiled template does not pickle
 
     def with_default_system(self, conv: Conversation) -> tuple[tuple[str, str], ...]:
         """The messages to render: the conversation's, with the default system prompt if it applies."""
@@ -210,15 +239,32 @@ class ChatTemplate:
             return (("system", self.default_system), *conv.messages)
         return conv.messages
 
+    def render(self, messages: Sequence[tuple[str, str]], image_counts: Sequence[int], video_counts: Sequence[int]) -> _Rendered:
+        """`messages` (after `with_default_system`) as text, with `image_counts` / `video_counts` pads per media."""
+        if self.source is None:
+            return _render(messages, image_counts, video_counts, _ALL_SPECIALS)
+        if any(n != 1 for n in (*image_counts, *video_counts)):
+            raise ValueError("a Jinja chat template renders one pad per image / video")
+        return self.jinja.render(messages, drop_default_turn=self.no_default_system)
+
+    def effective_default_system(self) -> str | None:
+        """The system prompt a conversation without one gets."""
+        if self.default_system is not None or self.source is None or self.no_default_system:
+            return self.default_system
+        return self.jinja.default_system
+
     def to_dict(self) -> dict[str, Any]:
         """The manifest's "chat_template" entry."""
-        return {"name": self.name, "default_system": self.default_system}
+        out: dict[str, Any] = {"name": self.name, "default_system": self.effective_default_system()}
+        if self.source is not None:
+            out |= {"origin": self.origin, "sha256": hashlib.sha256(self.source.encode()).hexdigest()}
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ChatTemplate:
-        """The template of a manifest's "chat_template" entry."""
+        """The built-in template of a manifest's "chat_template" entry (a Jinja template's source is not kept)."""
         if d.get("name", "qwen") != "qwen":
-            raise ValueError(f"unknown chat template {d.get('name')!r}; only 'qwen' exists")
+            raise ValueError(f"chat template {d.get('name')!r} cannot be rebuilt from a manifest; only 'qwen' can")
         return cls(default_system=d.get("default_system"))
 
 
@@ -262,14 +308,6 @@ class TokenizedSample:
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
-
-
-@dataclass
-class _Rendered:
-    text: str
-    target_spans: list[tuple[int, int]]  # character spans whose tokens carry loss
-    message_ends: list[int]  # character index past each message
-    media_char_spans: list[tuple[str, int, int]]  # (tag, start, end) of each image / video, in text order
 
 
 def render_conversation(
@@ -356,14 +394,15 @@ def prepare_conversation(
             f"tokenizer {tokenizer.name} has no {VIDEO_PAD} token, needed for videos; use a "
             "Qwen2-VL/Qwen2.5-VL/Qwen3-style tokenizer.json"
         )
-    messages = (template or ChatTemplate()).with_default_system(conv)
+    template = template or ChatTemplate()
+    messages = template.with_default_system(conv)
     for tag, n in ((IMAGE_TAG, len(counts)), (VIDEO_TAG, len(video_counts))):
         if sum(content.count(tag) for _, content in messages) != n:
             raise ValueError(f"the messages hold another number of {tag} tags than the {n} given")
     # Encode with one pad per image / video and repeat it afterwards: special tokens are split out before
     # the model's pre-tokenizer runs, so the ids are those of the fully expanded text, at a fraction of the
     # cost for large images (thousands of pads each).
-    rendered = _render(messages, [1] * len(counts), [1] * len(video_counts), _ALL_SPECIALS)
+    rendered = template.render(messages, [1] * len(counts), [1] * len(video_counts))
     return PreparedConversation(rendered.text, rendered, tuple(messages), tuple(counts), tuple(video_counts))
 
 

@@ -1,4 +1,4 @@
-"""Text tokenizers for the length model: a wrapper over HF `tokenizers` and a byte-level demo fallback.
+"""Text tokenizers for the length model: a wrapper over HF `tokenizers` and a byte-level demo tokenizer.
 
 Both expose the same small interface (`TextTokenizer`): `encode`, `encode_with_offsets` (character offsets
 into the input string), `special_ids` (pad, im_start, im_end, vision_start, vision_end, image_pad, and
@@ -30,6 +30,8 @@ VIDEO_PAD = "<|video_pad|>"
 # Control tokens that may not appear in a record's text.
 RESERVED_TOKENS: tuple[str, ...] = (*SPECIAL_TOKENS.values(), VIDEO_PAD)
 TOKENIZER_FILE = "tokenizer.json"
+# The name that asks for the byte-level demo tokenizer (never chosen for want of another).
+BYTE_TOKENIZER = "byte-fallback"
 
 
 @runtime_checkable
@@ -117,7 +119,8 @@ class HFTokenizer:
 
 
 class ByteTokenizer:
-    """Byte-level fallback for demos: ids 0..255 are UTF-8 bytes, 256..262 the control tokens (262: video pad).
+    """Byte-level tokenizer for demos and tests (`-t byte-fallback`): ids 0..255 are UTF-8 bytes, 256..262 the
+    control tokens (262: video pad).
 
     Token counts are far from a real model's; the manifest records `is_fallback` so nobody mistakes it.
     """
@@ -176,11 +179,22 @@ def resolve_tokenizer_file(path: str | Path) -> Path:
     return p
 
 
-def load_tokenizer(path: str | Path | None) -> TextTokenizer:
-    """The tokenizer at `path` (a `tokenizer.json` or its folder); None gives the byte-level demo fallback."""
-    if path is None:
+def load_tokenizer(path: str | Path) -> TextTokenizer:
+    """The tokenizer at `path` (a `tokenizer.json` or its folder); `BYTE_TOKENIZER` gives the byte-level demo one.
+
+    Raises:
+        ValueError: `path` is None or empty (there is no default tokenizer).
+    """
+    if path is None or str(path) == "":
+        raise ValueError(f"no tokenizer given: pass a tokenizer.json or its folder (or {BYTE_TOKENIZER!r})")
+    if str(path) == BYTE_TOKENIZER:
         return ByteTokenizer()
     return HFTokenizer(path)
+
+
+def tokenizer_files(path: str) -> list[str]:
+    """The file a tokenizer is read from (none for the byte-level demo one): what a rerun's identity covers."""
+    return [] if path == BYTE_TOKENIZER else [str(resolve_tokenizer_file(path))]
 
 
 def tokenizer_info(tokenizer: TextTokenizer) -> dict[str, object]:
