@@ -36,7 +36,7 @@ from mmpack.packing.image_tokens import (
     patches_to_image,
     read_image_size,
 )
-from mmpack.packing.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from mmpack.packing.tokenizer import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer, load_tokenizer
 from tests.conftest import QWEN3_TOKENIZER
 from tests.fixtures_data import SPECIAL_TOKENS
 
@@ -101,7 +101,10 @@ def _render_by_hand(messages: list[tuple[str, str]], counts: list[int]) -> str:
 
 
 def test_byte_tokenizer_ids_and_offsets() -> None:
-    tok = load_tokenizer(None)
+    tok = load_tokenizer(BYTE_TOKENIZER)  # by name only: there is no default tokenizer
+    for nothing in (None, ""):
+        with pytest.raises(ValueError, match="no tokenizer"):
+            load_tokenizer(nothing)  # type: ignore[arg-type]
     assert isinstance(tok, ByteTokenizer) and tok.is_fallback and tok.sha256 == "" and tok.vocab_size == 263
     assert tok.special_ids == {
         "pad": 256,

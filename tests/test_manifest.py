@@ -28,6 +28,7 @@ from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS, FORMAT_VERSION
 from mmpack.packing.image_tokens import ImageTokenRule
 from mmpack.packing.manifest import Manifest, ManifestError, ManifestImageRule, check_shard_path
+from mmpack.packing.tokenizer import BYTE_TOKENIZER
 
 RED_56 = "iVBORw0KGgoAAAANSUhEUgAAADgAAAA4CAIAAAAn5KxJAAAAWUlEQVR4nO3OUQkAIQBAMTWI/aMYywr38UAOtgSbZ+/xB+t14CvRmmhNtCZaE62J1kRrojXRmmhNtCZaE62J1kRrojXRmmhNtCZaE62J1kRrojXRmmhNtHYByF0BdOurBQ4AAAAASUVORK5CYII="
 GREEN_84x56 = "iVBORw0KGgoAAAANSUhEUgAAAFQAAAA4CAIAAADsP0i3AAAAXElEQVR4nO3PQQEAEADAQGSQTjpRxfC4XYJt7nuGav0O+Kl5VfOq5lXNq5pXNa9qXtW8qnlV86rmVc2rmlc1r2pe1byqeVXzquZVzauaVzWval7VvKp5VfOq5lUPsyABfl6UA8QAAAAASUVORK5CYII="
@@ -71,7 +72,13 @@ def run_fixed_job(root: Path) -> Path:
     inp = write_fixed_inputs(root)
     out = root / "out"
     cfg = PackJobConfig(
-        inputs=(str(inp),), output=str(out), seq_len=96, format="both", max_bins_per_shard=2, progress=False
+        inputs=(str(inp),),
+        output=str(out),
+        seq_len=96,
+        tokenizer=BYTE_TOKENIZER,
+        format="both",
+        max_bins_per_shard=2,
+        progress=False,
     )
     run_pack(cfg)
     return out

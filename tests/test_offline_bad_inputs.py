@@ -12,6 +12,7 @@ from mmpack.offline_packing.errors import PackError
 from mmpack.offline_packing.inputs.sources import resolve_image_path
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from tests.fixtures_data import make_bad_dataset, read_arrow_bins, write_image
+from mmpack.packing.tokenizer import BYTE_TOKENIZER
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +26,7 @@ def _cfg(inputs: list[Path], image_root: Path | None, out: Path, **kw) -> PackJo
         image_root=None if image_root is None else str(image_root),
         output=str(out),
         seq_len=kw.pop("seq_len", 512),
+        tokenizer=kw.pop("tokenizer", BYTE_TOKENIZER),
         progress=False,
         **kw,
     )

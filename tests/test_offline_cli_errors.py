@@ -16,6 +16,7 @@ from mmpack.offline_packing.errors import PackError, SampleReject
 from mmpack.packing.chat import SampleError
 from mmpack.packing.errors import MmpackError
 from mmpack.packing.image_tokens import ImageHeaderError, ImageSizeError
+from mmpack.packing.tokenizer import BYTE_TOKENIZER
 
 
 @pytest.fixture
@@ -26,8 +27,8 @@ def data(tmp_path: Path) -> Path:
     return path
 
 
-def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    code = mmpack_main(["pack", *argv, "--no-progress"])
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str], tokenizer: bool = True) -> tuple[int, str]:
+    code = mmpack_main(["pack", *argv, *(["-t", BYTE_TOKENIZER] if tokenizer else []), "--no-progress"])
     return code, capsys.readouterr().err
 
 
@@ -43,6 +44,16 @@ def test_missing_input_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[st
     code, err = _run(["-i", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "o"), "-L", "64"], capsys)
     assert code == 1
     assert "nope.jsonl" in _one_error_line(err)
+
+
+def test_no_tokenizer_is_one_line(data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No -t and no --model: one line naming both (and the demo tokenizer's name), nothing written."""
+    code, err = _run(["-i", str(data), "-o", str(tmp_path / "o"), "-L", "64"], capsys, tokenizer=False)
+    line = _one_error_line(err)
+    assert code == 2 and "no tokenizer" in line and "--model" in line and BYTE_TOKENIZER in line
+    assert not (tmp_path / "o").exists()
+    code, err = _run(["-i", str(data), "-o", str(tmp_path / "o"), "-L", "64"], capsys)  # named: it runs
+    assert code == 0 and (tmp_path / "o" / "manifest.json").is_file()
 
 
 def test_bad_value_is_a_usage_error(data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

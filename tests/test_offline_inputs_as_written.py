@@ -12,6 +12,7 @@ from PIL import Image
 
 from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
+from mmpack.packing.tokenizer import BYTE_TOKENIZER
 
 
 def _llava(i: int, img: str | None = None) -> dict:
@@ -27,7 +28,9 @@ def _llava(i: int, img: str | None = None) -> dict:
 
 def _pack(path: Path, tmp: Path, **kw) -> tuple[dict, list[dict]]:
     out = tmp / f"out-{path.name}"
-    cfg = PackJobConfig(inputs=(str(path),), output=str(out), seq_len=512, progress=False, **kw)
+    cfg = PackJobConfig(
+        inputs=(str(path),), output=str(out), seq_len=512, tokenizer=BYTE_TOKENIZER, progress=False, **kw
+    )
     run_pack(cfg)
     rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
     return read_manifest(str(out))["counts"], rejects
@@ -192,7 +195,12 @@ def test_truncated_samples_are_counted(tmp_path: Path) -> None:
     out = tmp_path / "out"
     summary = run_pack(
         PackJobConfig(
-            inputs=(str(path),), output=str(out), seq_len=256, overlength="truncate", progress=False
+            inputs=(str(path),),
+            output=str(out),
+            seq_len=256,
+            tokenizer=BYTE_TOKENIZER,
+            overlength="truncate",
+            progress=False,
         )
     )
     assert read_manifest(str(out))["counts"]["truncated"] == 1 == summary.samples_truncated

@@ -206,7 +206,7 @@ def test_mmpack_pack_cli(raw, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     m = read_manifest(str(out))
     assert m["formats"] == ["wds"] and m["algorithm"]["max_items_per_bin"] == 3
     assert len(m["shards"]) > 1
-    assert mmpack_main(["pack", "-i", str(data.jsonl_path), "-o", str(out), "-L", "0"]) == 2
+    assert mmpack_main(["pack", "-i", str(data.jsonl_path), "-o", str(out), "-L", "0", "-t", str(tok)]) == 2
     with pytest.raises(SystemExit):
         mmpack_main(["pack", "--help"])
     assert "--max-images-per-bin" in capsys.readouterr().out

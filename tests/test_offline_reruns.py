@@ -20,6 +20,7 @@ from mmpack.offline_packing.config import (
 )
 from mmpack.offline_packing.pipeline import run_pack
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
+from mmpack.packing.tokenizer import BYTE_TOKENIZER
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +196,7 @@ def test_every_job_option_is_in_a_stage_config_or_declared_run_control() -> None
     job = {f.name for f in fields(PackJobConfig)}
     assert job == in_stages | INPUT_FIELDS | RUN_CONTROL_FIELDS
     assert not (in_stages & RUN_CONTROL_FIELDS)
-    cfg = PackJobConfig(inputs=("x",), output="o", seq_len=8)
+    cfg = PackJobConfig(inputs=("x",), output="o", seq_len=8, tokenizer=BYTE_TOKENIZER)
     for name, cls in STAGE_CONFIGS.items():
         assert isinstance(cfg.stage_config(name), cls)
 

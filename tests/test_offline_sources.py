@@ -13,6 +13,7 @@ import pytest
 from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from tests.fixtures_data import make_synthetic_dataset, read_arrow_bins, write_image
+from mmpack.packing.tokenizer import BYTE_TOKENIZER
 
 
 def _jpeg(tmp: Path, name: str, w: int, h: int, seed: int) -> bytes:
@@ -54,7 +55,7 @@ def wds_input(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
 def test_webdataset_tar_input(wds_input, tmp_path: Path) -> None:
     path, images = wds_input
     out = tmp_path / "out"
-    summary = run_pack(PackJobConfig(inputs=(str(path),), output=str(out), seq_len=512, progress=False))
+    summary = run_pack(PackJobConfig(inputs=(str(path),), output=str(out), seq_len=512, tokenizer=BYTE_TOKENIZER, progress=False))
     assert (summary.samples_read, summary.samples_packed) == (7, 4)
     rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
     assert {(r["line"], r["reason"]) for r in rejects} == {
@@ -88,7 +89,12 @@ def test_parquet_and_mixed_inputs(tmp_path: Path) -> None:
     out = tmp_path / "out"
     inputs = (str(tmp_path / "raw" / "part.parquet"), str(data.jsonl_path))
     cfg = PackJobConfig(
-        inputs=inputs, image_root=str(data.image_root), output=str(out), seq_len=2048, progress=False
+        inputs=inputs,
+        image_root=str(data.image_root),
+        output=str(out),
+        seq_len=2048,
+        tokenizer=BYTE_TOKENIZER,
+        progress=False,
     )
     summary = run_pack(cfg)
     assert summary.samples_read == 24 and summary.samples_packed == 23

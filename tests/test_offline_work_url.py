@@ -15,6 +15,7 @@ from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.pipeline import resolve_work_dir, run_pack
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, small_job_config, train_tiny_bpe
 from tests.storage_servers import moto_s3
+from mmpack.packing.tokenizer import BYTE_TOKENIZER
 
 ALL_STAGES = ["scan", "lengths", "binpack", "write"]
 
@@ -114,7 +115,7 @@ def test_forced_stage_clears_markers_at_the_url(raw, s3, tmp_path: Path) -> None
 def test_default_work_folder(tmp_path: Path) -> None:
     """Local output: `<output>/_work`. URL output: a local temp folder on one machine, `<output>/_work` under
     Ray (every node must reach it); `-w` always wins."""
-    base: dict[str, Any] = dict(inputs=("x.jsonl",), seq_len=64)
+    base: dict[str, Any] = dict(inputs=("x.jsonl",), seq_len=64, tokenizer=BYTE_TOKENIZER)
     assert resolve_work_dir(PackJobConfig(output=str(tmp_path / "o"), **base)) == str(
         tmp_path / "o" / "_work"
     )

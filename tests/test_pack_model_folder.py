@@ -74,7 +74,9 @@ def test_flags_resolve_model_folder(tmp_path: Path) -> None:
     assert cfg.tokenizer == str(tok) and cfg.max_pixels == 50176
     plain = parse(["-t", str(tok), "--max-pixels", "50176"])  # a tokenizer file: the flags give the rule
     assert (plain.min_pixels, plain.max_pixels, plain.image_mean) == (3136, 50176, CLIP_MEAN)
-    assert parse([]).max_pixels == 12845056 and parse([]).tokenizer is None
+    assert parse(["-t", str(tok)]).max_pixels == 12845056
+    with pytest.raises(ValueError, match="no tokenizer"):  # no silent default tokenizer
+        parse([])
 
 
 def test_flags_contradicting_the_model_folder_are_errors(tmp_path: Path) -> None:
