@@ -118,7 +118,9 @@ class PackJobConfig:
         if self.seq_len < 1:
             bad(f"seq_len (-L) must be >= 1, got {self.seq_len}")
         if not self.tokenizer:
-            bad(f"no tokenizer: pass -t TOKENIZER or --model DIR (-t {BYTE_TOKENIZER} for the byte-level demo one)")
+            bad(
+                f"no tokenizer: pass -t TOKENIZER or --model DIR (-t {BYTE_TOKENIZER} for the byte-level demo one)"
+            )
         if self.default_system is not None and self.no_default_system:
             bad("--default-system and --no-default-system exclude each other; keep one")
         if self.format not in OUTPUT_FORMATS:

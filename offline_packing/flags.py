@@ -4,6 +4,7 @@ this one place into a `PackJobConfig`."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from mmpack.offline_packing.config import (
     ENGINES,
@@ -20,6 +21,7 @@ from mmpack.offline_packing.model_folder import (
     resolve_job_image_options,
 )
 from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS
+from mmpack.packing.tokenizer import BYTE_TOKENIZER
 from mmpack.packing.video_tokens import VideoTokenRule
 
 
@@ -260,10 +262,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, only_stage: int | None = None) -> PackJobConfig:
     """The job config of parsed `mmpack pack` flags; ValueError for values the config refuses."""
     storage_options = {"client_kwargs": {"endpoint_url": args.s3_endpoint}} if args.s3_endpoint else {}
+    # Absolute paths: the same folder named from another working directory is the same job (fingerprints).
+    model = os.path.abspath(args.model) if args.model else None
+    named = args.tokenizer if args.tokenizer in (None, BYTE_TOKENIZER) else os.path.abspath(args.tokenizer)
     tokenizer, image_options = resolve_job_image_options(
-        args.model, args.tokenizer, {name: getattr(args, name) for name in RULE_FLAG_FIELDS}
+        model, named, {name: getattr(args, name) for name in RULE_FLAG_FIELDS}
     )
-    template_options = resolve_chat_template(args.model, args.tokenizer, args.chat_template)
+    template_options = resolve_chat_template(model, named, args.chat_template)
     return PackJobConfig(
         inputs=tuple(args.inputs),
         image_root=args.image_root,

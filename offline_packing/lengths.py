@@ -183,7 +183,12 @@ def tokenize_scanned(
 
 
 def tokenize_chunk_samples(
-    samples: Iterable[dict], cfg: LengthsConfig, rule: Any, tokenizer: Any, vrule: Any = None, template: Any = None
+    samples: Iterable[dict],
+    cfg: LengthsConfig,
+    rule: Any,
+    tokenizer: Any,
+    vrule: Any = None,
+    template: Any = None,
 ) -> Iterator[tuple[dict, Any]]:
     """(sample, (tok, meta) or its SampleReject) per scanned sample, in order, as `tokenize_scanned` gives them,
     with the texts of each `ENCODE_BATCH` samples encoded in one tokenizer call. Other errors are raised at

@@ -94,7 +94,9 @@ def resolve_chat_template(model: str | None, tokenizer: str | None, flag: str | 
     variables = found[2] if found else {}
     if flag is not None:
         if not os.path.isfile(flag):
-            raise ValueError(f"--chat-template {flag}: no such file (a .jinja template, or {BUILTIN_TEMPLATE!r})")
+            raise ValueError(
+                f"--chat-template {flag}: no such file (a .jinja template, or {BUILTIN_TEMPLATE!r})"
+            )
         with open(flag, encoding="utf-8") as f:
             found = (f.read(), os.path.abspath(flag), variables)
     if found is None:

@@ -28,17 +28,24 @@ from mmpack.packing.manifest import Manifest
 
 
 def resolve_work_dir(cfg: PackJobConfig) -> str:
-    """The work folder (a local path or a URL): --work-dir; else `<output>/_work` for a local output, and for
-    a URL output under `--engine ray` (every node reaches it); else, a URL output on one machine, a local
-    temp folder named after the output URL (so a rerun finds it)."""
-    if cfg.work_dir is not None:
-        return cfg.work_dir
-    store = OutputStore(cfg.output, cfg.storage_options)
+    """The work folder of a job (a local path or a URL): `work_dir_of` its output, work dir and engine."""
+    return work_dir_of(cfg.output, cfg.work_dir, cfg.engine, cfg.storage_options)
+
+
+def work_dir_of(
+    output: str, work_dir: str | None, engine: str = "local", storage_options: dict | None = None
+) -> str:
+    """--work-dir; else `<output>/_work` for a local output, and for a URL output under `--engine ray` (every
+    node reaches it); else, a URL output on one machine, a local temp folder named after the output URL (so a
+    rerun finds it)."""
+    if work_dir is not None:
+        return work_dir
+    store = OutputStore(output, storage_options or {})
     if store.is_local:
         return str(store.local_path("_work"))
-    if cfg.engine == "ray":
-        return f"{cfg.output.rstrip('/')}/_work"
-    digest = hashlib.sha256(cfg.output.encode()).hexdigest()[:16]
+    if engine == "ray":
+        return f"{output.rstrip('/')}/_work"
+    digest = hashlib.sha256(output.encode()).hexdigest()[:16]
     return str(Path(tempfile.gettempdir()) / f"mmpack-work-{digest}")
 
 

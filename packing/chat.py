@@ -239,7 +239,9 @@ class ChatTemplate:
             return (("system", self.default_system), *conv.messages)
         return conv.messages
 
-    def render(self, messages: Sequence[tuple[str, str]], image_counts: Sequence[int], video_counts: Sequence[int]) -> _Rendered:
+    def render(
+        self, messages: Sequence[tuple[str, str]], image_counts: Sequence[int], video_counts: Sequence[int]
+    ) -> _Rendered:
         """`messages` (after `with_default_system`) as text, with `image_counts` / `video_counts` pads per media."""
         if self.source is None:
             return _render(messages, image_counts, video_counts, _ALL_SPECIALS)
@@ -264,7 +266,9 @@ class ChatTemplate:
     def from_dict(cls, d: dict[str, Any]) -> ChatTemplate:
         """The built-in template of a manifest's "chat_template" entry (a Jinja template's source is not kept)."""
         if d.get("name", "qwen") != "qwen":
-            raise ValueError(f"chat template {d.get('name')!r} cannot be rebuilt from a manifest; only 'qwen' can")
+            raise ValueError(
+                f"chat template {d.get('name')!r} cannot be rebuilt from a manifest; only 'qwen' can"
+            )
         return cls(default_system=d.get("default_system"))
 
 

@@ -117,7 +117,7 @@ def _compile(source: str) -> Any:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class _Generation(jinja2.ext.Extension):  # `{% generation %}...{% endgeneration %}`: render the body
-        tags = {"generation"}
+        tags = {"generation"}  # noqa: RUF012 (jinja2 declares it an instance variable)
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
@@ -130,8 +130,16 @@ def _compile(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: Any = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
@@ -221,7 +229,9 @@ class JinjaChat:
         plain = self.render_text([("user", b)])
         start = plain.find(headers["user"])
         if start < 0:
-            raise ChatTemplateError(f"{self.origin} writes no user header for a conversation without a system one")
+            raise ChatTemplateError(
+                f"{self.origin} writes no user header for a conversation without a system one"
+            )
         return headers, plain[:start]
 
     def _before(self, text: str, probe: str, what: str) -> str:
@@ -246,7 +256,9 @@ class JinjaChat:
         text = self.render_text(messages)
         if drop_default_turn and self.default_turn and messages and messages[0][0] != "system":
             if not text.startswith(self.default_turn):
-                raise ChatTemplateError(f"{self.origin} does not start this conversation with its default system turn")
+                raise ChatTemplateError(
+                    f"{self.origin} does not start this conversation with its default system turn"
+                )
             text = text[len(self.default_turn) :]
         return self._read_spans(text, messages)
 
@@ -265,7 +277,9 @@ class JinjaChat:
             starts.append(start)
             content_ends.append(pos)
         if sum(text.count(p) for p in PADS.values()) != len(out.media_char_spans):
-            raise ChatTemplateError(f"{self.origin} writes other vision pads than one per <image> / <video> tag")
+            raise ChatTemplateError(
+                f"{self.origin} writes other vision pads than one per <image> / <video> tag"
+            )
         for k, (role, _) in enumerate(messages):
             end = starts[k + 1] if k + 1 < len(messages) else len(text)
             out.message_ends.append(end)

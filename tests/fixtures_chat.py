@@ -1,5 +1,6 @@
 """A Qwen2-VL model folder for tests: the shared Qwen3 tokenizer, a tokenizer_config.json carrying Qwen2-VL's
-chat template, and a preprocessor_config.json (Qwen2VLImageProcessorPil) with Qwen2-VL's pixel bounds."""
+chat template, and a preprocessor_config.json as transformers 5's Qwen2VLImageProcessorPil writes it, with
+Qwen2-VL's pixel bounds (written as JSON: the folder is made without importing transformers)."""
 
 from __future__ import annotations
 
@@ -28,17 +29,33 @@ QWEN2_VL_CHAT_TEMPLATE = (
 )
 
 
+# What `Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056).save_pretrained` writes (transformers 5).
+PREPROCESSOR_CONFIG = {
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "merge_size": 2,
+    "patch_size": 14,
+    "resample": 3,
+    "rescale_factor": 0.00392156862745098,
+    "size": {"longest_edge": 12845056, "shortest_edge": 3136},
+    "temporal_patch_size": 2,
+}
+
+
 def qwen2_vl_model_folder(folder: Path, tokenizer_file: Path, template: str = QWEN2_VL_CHAT_TEMPLATE) -> Path:
     """`folder` as a Qwen2-VL model folder around `tokenizer_file` (a Qwen tokenizer.json with a
     tokenizer_config.json beside it); the chat template is `template`."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(tokenizer_file, folder / "tokenizer.json")
     config = json.loads((tokenizer_file.parent / "tokenizer_config.json").read_text())
     config["chat_template"] = template
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056).save_pretrained(str(folder))
+    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
     return folder
 
 
@@ -54,7 +71,9 @@ def hf_messages(messages: list[dict]) -> list[dict]:
             out.append({"role": m["role"], "content": m["content"]})
             continue
         parts = [
-            {"type": p[1:-1]} if p in ("<image>", "<video>") else {"type": "text", "text": p} for p in pieces if p
+            {"type": p[1:-1]} if p in ("<image>", "<video>") else {"type": "text", "text": p}
+            for p in pieces
+            if p
         ]
         out.append({"role": m["role"], "content": parts})
     return out

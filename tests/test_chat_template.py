@@ -115,7 +115,9 @@ def test_token_ids_equal_apply_chat_template_and_processor(packed, hf) -> None:
         if has_system:  # the record's own system turn: no flag changes it
             assert off == override == expected
         else:
-            assert len(off) == len(expected) - 11  # "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+            assert (
+                len(off) == len(expected) - 11
+            )  # "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
             assert override == _expected_ids(rec, hf, system=SYSTEM) != expected
     images = sum(len(r.get("images", [])) for r in records)
     assert images == 16  # multi-image records (the same picture twice in two turns) among them
@@ -138,10 +140,21 @@ def test_video_and_text_only_through_the_template(model: Path, hf, qwen3_tokeniz
     tokenizer, _ = hf
     template = ChatTemplate(**_template_fields(model))
     tok = load_tokenizer(qwen3_tokenizer_path)
+    video = {"role": "user", "content": "<video>What happens?"}
+    mixed = {"role": "user", "content": "<image> then <video>"}
+    turns = [{"role": r, "content": c} for r, c in (("user", "Hi"), ("assistant", "Hello."), ("user", "Bye"))]
     cases = [
-        ({"messages": [{"role": "user", "content": "<video>What happens?"}, {"role": "assistant", "content": "A goal."}], "videos": ["v.mp4"]}, [], [7]),  # noqa: E501
-        ({"messages": [{"role": "user", "content": "<image> then <video>"}, {"role": "assistant", "content": "Same."}], "images": ["a.jpg"], "videos": ["v.mp4"]}, [4], [6]),  # noqa: E501
-        ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]}, [], []),  # noqa: E501
+        ({"messages": [video, {"role": "assistant", "content": "A goal."}], "videos": ["v.mp4"]}, [], [7]),
+        (
+            {
+                "messages": [mixed, {"role": "assistant", "content": "Same."}],
+                "images": ["a.jpg"],
+                "videos": ["v.mp4"],
+            },
+            [4],
+            [6],
+        ),
+        ({"messages": [*turns, {"role": "assistant", "content": "Bye."}]}, [], []),
     ]
     for record, image_counts, video_counts in cases:
         conv = normalize_record(record, source="case", line=1)
@@ -204,7 +217,7 @@ def test_templates_mmpack_cannot_follow_are_refused(model: Path, tmp_path: Path)
     )
     bad = tmp_path / "llama2.jinja"
     bad.write_text(llama2)
-    with pytest.raises(ValueError, match="llama2.jinja"):
+    with pytest.raises(ValueError, match=r"llama2\.jinja"):
         resolve_chat_template(str(model), None, str(bad))
     trimming = QWEN2_VL_CHAT_TEMPLATE.replace("{{ message['content'] }}", "{{ message['content'] | upper }}")
     with pytest.raises(ChatTemplateError, match="does not write the content"):

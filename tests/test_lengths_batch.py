@@ -11,12 +11,16 @@ import pytest
 from mmpack.offline_packing import lengths
 from mmpack.offline_packing.config import LengthsConfig, PackJobConfig
 from mmpack.offline_packing.errors import PackError, SampleReject
-from mmpack.packing.tokenizer import ByteTokenizer
-from mmpack.packing.tokenizer import BYTE_TOKENIZER
+from mmpack.packing.tokenizer import BYTE_TOKENIZER, ByteTokenizer
 
 
 def _cfg(tmp_path: Path, overlength: str) -> LengthsConfig:
-    job = PackJobConfig(inputs=(str(tmp_path / "in.jsonl"),), output=str(tmp_path / "out"), seq_len=120, tokenizer=BYTE_TOKENIZER)
+    job = PackJobConfig(
+        inputs=(str(tmp_path / "in.jsonl"),),
+        output=str(tmp_path / "out"),
+        seq_len=120,
+        tokenizer=BYTE_TOKENIZER,
+    )
     return replace(job.stage_config("lengths"), overlength=overlength)
 
 

@@ -11,8 +11,8 @@ from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.errors import PackError
 from mmpack.offline_packing.inputs.sources import resolve_image_path
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
-from tests.fixtures_data import make_bad_dataset, read_arrow_bins, write_image
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
+from tests.fixtures_data import make_bad_dataset, read_arrow_bins, write_image
 
 
 @pytest.fixture(scope="module")

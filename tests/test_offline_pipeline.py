@@ -212,34 +212,6 @@ def test_mmpack_pack_cli(raw, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "--max-images-per-bin" in capsys.readouterr().out
 
 
-def test_auto_pipe_sh(raw, tmp_path: Path) -> None:
-    import os
-    import subprocess
-    import sys
-
-    data, tok = raw
-    script = Path(__file__).resolve().parents[1] / "offline_packing" / "auto_pipe.sh"
-    out = tmp_path / "auto"
-    env = {**os.environ, "PYTHON": sys.executable}
-    cmd = ["bash", str(script), "-i", str(data.jsonl_path), "-o", str(out), "-L", "900", "-t", str(tok)]
-    cmd += ["-M", "4", "-w", "2", "-f", "wds", "-B", "3", "-x", "--no-progress --seed 1"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert "samples read" in done.stderr and "auto_pipe.sh: done" in done.stderr
-    m = read_manifest(str(out))
-    assert (m["seq_len"], m["seed"], m["formats"], m["algorithm"]["max_items_per_bin"]) == (
-        900,
-        1,
-        ["wds"],
-        4,
-    )
-    assert all(e["bins"] <= 3 for e in m["shards"])
-    rerun = subprocess.run([*cmd, "-S", "3"], env=env, capture_output=True, text=True, cwd=tmp_path)
-    assert rerun.returncode == 0 and "skipped" not in rerun.stderr and "time binpack" in rerun.stderr
-    usage = subprocess.run(["bash", str(script), "-h"], capture_output=True, text=True)
-    assert usage.returncode == 0 and "-L" in usage.stdout
-
-
 def _assert_images_match_pad_runs(row: dict, manifest: dict) -> None:
     """The i-th image fills the i-th run of <|image_pad|> tokens, with grid_h * grid_w / merge**2 of them."""
     pad = manifest["tokenizer"]["special_ids"]["image_pad"]

@@ -19,8 +19,8 @@ from mmpack.offline_packing.config import (
     PackJobConfig,
 )
 from mmpack.offline_packing.pipeline import run_pack
-from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
+from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
 
 
 @pytest.fixture(scope="module")

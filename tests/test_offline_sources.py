@@ -12,8 +12,8 @@ import pytest
 
 from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
-from tests.fixtures_data import make_synthetic_dataset, read_arrow_bins, write_image
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
+from tests.fixtures_data import make_synthetic_dataset, read_arrow_bins, write_image
 
 
 def _jpeg(tmp: Path, name: str, w: int, h: int, seed: int) -> bytes:
@@ -55,7 +55,11 @@ def wds_input(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
 def test_webdataset_tar_input(wds_input, tmp_path: Path) -> None:
     path, images = wds_input
     out = tmp_path / "out"
-    summary = run_pack(PackJobConfig(inputs=(str(path),), output=str(out), seq_len=512, tokenizer=BYTE_TOKENIZER, progress=False))
+    summary = run_pack(
+        PackJobConfig(
+            inputs=(str(path),), output=str(out), seq_len=512, tokenizer=BYTE_TOKENIZER, progress=False
+        )
+    )
     assert (summary.samples_read, summary.samples_packed) == (7, 4)
     rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
     assert {(r["line"], r["reason"]) for r in rejects} == {

@@ -13,9 +13,9 @@ import pytest
 
 from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.pipeline import resolve_work_dir, run_pack
+from mmpack.packing.tokenizer import BYTE_TOKENIZER
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, small_job_config, train_tiny_bpe
 from tests.storage_servers import moto_s3
-from mmpack.packing.tokenizer import BYTE_TOKENIZER
 
 ALL_STAGES = ["scan", "lengths", "binpack", "write"]
 
