@@ -43,7 +43,6 @@ import os
 import platform
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
@@ -57,6 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.pss import PeakPss  # noqa: E402
 from mmpack.dataloader import Topology, build_loader, load_manifest  # noqa: E402
 from mmpack.dataloader.collate import CollateConfig, collate_bins  # noqa: E402
 from mmpack.dataloader.readers import WdsShardReader, decode_wds_bin  # noqa: E402
@@ -188,76 +188,6 @@ def add_energon_metadata(dataset: Path) -> None:
 
     manifest = json.loads((dataset / "manifest.json").read_text())
     write_energon_metadata(dataset, [e for e in manifest["shards"] if e["format"] == "wds"])
-
-
-# -- memory --------------------------------------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    out = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
-def _descendants(pid: int) -> list[int]:
-    todo, seen = _children(pid), []
-    while todo:
-        p = todo.pop()
-        seen.append(p)
-        todo += _children(p)
-    return seen
-
-
-def _pss_kb(pid: int) -> tuple[int, int]:
-    """PSS of a process, and its anonymous and shared-memory part (what is left out, the PSS of mapped files
-    such as libraries, moves with the other processes of the machine that map them too)."""
-    fields = {}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss"):
-                    name, value = line.split(":")
-                    fields[name] = int(value.split()[0])
-    except OSError:
-        pass
-    return fields.get("Pss", 0), fields.get("Pss_Anon", 0) + fields.get("Pss_Shmem", 0)
-
-
-class PeakPss:
-    """Peak of the PSS summed over this process and the processes it starts while the block runs (servers
-    started before, such as the S3 server, are left out), sampled every `interval_s` by a thread."""
-
-    def __init__(self, interval_s: float = 0.05) -> None:
-        self.interval_s, self.peak_kb, self.peak_anon_shmem_kb = interval_s, 0, 0
-        self._stop = threading.Event()
-        self._before: set[int] = set()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="pss-sampler")
-
-    def sample(self) -> int:
-        me = os.getpid()
-        pids = [me] + [p for p in _descendants(me) if p not in self._before]
-        each = [_pss_kb(p) for p in pids]
-        total = sum(pss for pss, _ in each)
-        self.peak_kb = max(self.peak_kb, total)
-        self.peak_anon_shmem_kb = max(self.peak_anon_shmem_kb, sum(part for _, part in each))
-        return total
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.sample()
-
-    def __enter__(self) -> PeakPss:
-        self._before = set(_descendants(os.getpid()))
-        self.sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 # -- measurement ---------------------------------------------------------------------------------------------

@@ -45,8 +45,9 @@ from mmpack.offline_packing.config import PackJobConfig  # noqa: E402
 from mmpack.offline_packing.pipeline import read_manifest, run_pack  # noqa: E402
 from tests.fixtures_data import make_synthetic_dataset, train_tiny_bpe  # noqa: E402
 
-QWEN3 = REPO.parent / "shared" / "data" / "tokenizer_qwen3" / "tokenizer.json"
-DEMO_VIDEOS = REPO.parent / "shared" / "data" / "mllm_video_demo" / "mllm_demo_data"
+SHARED = Path(os.environ.get("MMPACK_SHARED_DIR", REPO.parent / "shared"))
+QWEN3 = SHARED / "data" / "tokenizer_qwen3" / "tokenizer.json"
+DEMO_VIDEOS = SHARED / "data" / "mllm_video_demo" / "mllm_demo_data"
 
 
 def _dataset(args: argparse.Namespace):
@@ -340,6 +341,41 @@ def run_once(jsonl: Path, image_root: Path, tokenizer: str, workers: int, args: 
     return result
 
 
+def _versus_ov2(jsonl: Path, image_root: Path, tokenizer: str, args: argparse.Namespace) -> list[dict] | None:
+    """LLaVA-OneVision-2's packer next to mmpack's auto_pipe.sh (benchmarks/ov2_contender.py); None without
+    --ov2-repo (or without a Qwen tokenizer.json + tokenizer_config.json to build the model folder from)."""
+    if args.ov2_repo is None:
+        return None
+    tok = Path(tokenizer)
+    if tok.name != "tokenizer.json" or not (tok.parent / "tokenizer_config.json").is_file():
+        print(
+            f"LLaVA-OneVision-2 comparison skipped: {tok} is not a Qwen tokenizer.json with its tokenizer_config.json"
+        )
+        return None
+    from benchmarks.ov2_contender import versus_ov2
+
+    workers = max(args.workers)
+    return versus_ov2(
+        jsonl, image_root, tok, args.ov2_repo, args.ov2_python, args.ov2_seq_lens, workers, args.data_dir
+    )
+
+
+def _ov2_only(
+    jsonl: Path, image_root: Path, tokenizer: str, args: argparse.Namespace, argv: list[str] | None
+) -> int:
+    rows = _versus_ov2(jsonl, image_root, tokenizer, args)
+    if rows is None:
+        print("--ov2-only needs --ov2-repo PATH (a clone of LLaVA-OneVision-2)")
+        return 2
+    out = args.out.with_name("bench_offline_ov2.json")
+    command = "python benchmarks/bench_offline.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    record = {"benchmark": "offline_vs_llava_onevision2", "command": command, "machine": _machine()}
+    record |= {"load_average_at_end": os.getloadavg(), "tokenizer": tokenizer, "runs": rows}
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"-> {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=20000)
@@ -356,6 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--video-only", action="store_true", help="run only the video scan section")
     p.add_argument("--lengths-only", action="store_true", help="run only the lengths-vs-encode_batch section")
     p.add_argument("--lengths-repeats", type=int, default=5)
+    p.add_argument(
+        "--ov2-repo", type=Path, default=None, help="a clone of LLaVA-OneVision-2: run its packer too"
+    )
+    p.add_argument(
+        "--ov2-python", default=sys.executable, help="the Python of its environment (ov2_contender.py)"
+    )
+    p.add_argument("--ov2-seq-lens", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--ov2-only", action="store_true", help="run only the LLaVA-OneVision-2 comparison")
     args = p.parse_args(argv)
     args.data_dir.mkdir(parents=True, exist_ok=True)
     if args.video_only:
@@ -379,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = args.tokenizer or (
         str(QWEN3) if QWEN3.is_file() else str(train_tiny_bpe(args.data_dir / "tok"))
     )
+    if args.ov2_only:
+        return _ov2_only(jsonl, image_root, tokenizer, args, argv)
     if args.lengths_only:
         row = lengths_vs_encode_batch(jsonl, image_root, tokenizer, args)
         out = args.out.with_name("bench_offline_lengths.json")
@@ -445,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "video_scan": video_scan_cost(args.data_dir),
         "lengths_vs_encode_batch": lengths_vs_encode_batch(jsonl, image_root, tokenizer, args),
+        "versus_llava_onevision2": _versus_ov2(jsonl, image_root, tokenizer, args),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
