@@ -137,11 +137,13 @@ if [ -z "$WORKERS" ]; then
 fi
 args+=(--max-samples-per-bin "$MAX_SAMPLES" --workers "$WORKERS" --shard-prefix "$SHARD_PREFIX")
 args+=(--max-bins-per-shard "$MAX_BINS_PER_SHARD" --max-shard-bytes "$MAX_SHARD_BYTES")
-case "$format" in
-  "") args+=(--format wds --energon) ;;  # what LLaVA-OneVision-2 writes
-  arrow) ;;
-  *) args+=(--energon) ;;
-esac
+[ -n "$format" ] || args+=(--format wds)  # what LLaVA-OneVision-2 writes, with Energon metadata
+if [ "$format" != arrow ]; then
+  case "$OUTPUT" in
+    *://*) note "no Energon metadata for a URL output (energon prepare indexes local tars)" ;;
+    *) args+=(--energon) ;;
+  esac
+fi
 
 start=$(date +%s)
 "$PYTHON" -m mmpack.offline_packing.cli pack "${args[@]}" "${passthrough[@]}"

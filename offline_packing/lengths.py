@@ -95,8 +95,8 @@ def prepare_scanned(
     refuses an image or video, or the chat template renders it in a way the loss mask cannot be read from).
     `template`: the job's `ChatTemplate`, built once per chunk (default: from `cfg`)."""
     from mmpack.packing.chat import Conversation, prepare_conversation
-    from mmpack.packing.chat_template import ChatTemplateError
     from mmpack.packing.image_tokens import ImageSizeError
+    from mmpack.packing.jinja_chat import ChatTemplateError
 
     grids = []
     for w, h in sample["wh"]:

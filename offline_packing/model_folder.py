@@ -4,7 +4,7 @@ A model folder (as `save_pretrained` writes it) holds `tokenizer.json`, `preproc
 template; the preprocessor config settles patch, merge and temporal patch sizes, min/max pixels, mean/std,
 rescale factor and resampling, read as transformers 5 reads it (`ImageTokenRule.from_preprocessor_config`).
 `-t DIR` where DIR holds a `preprocessor_config.json` is the same as `--model DIR`. Without a model folder, the
-image flags and their defaults give the rule. The chat template (`mmpack.packing.chat_template`) is that of
+image flags and their defaults give the rule. The chat template (`mmpack.packing.jinja_chat`) is that of
 `--model DIR`, else of `-t DIR` (a folder); `--chat-template FILE` names another, `--chat-template builtin`
 (and a tokenizer file or a folder without one) gives mmpack's built-in Qwen rendering.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mmpack.packing.chat_template import ChatTemplateError, read_folder_template
 from mmpack.packing.image_tokens import PREPROCESSOR_CONFIG, ImageTokenRule, load_model_image_rule
+from mmpack.packing.jinja_chat import ChatTemplateError, read_folder_template
 from mmpack.packing.tokenizer import TOKENIZER_FILE
 
 BUILTIN_TEMPLATE = "builtin"
@@ -103,7 +103,7 @@ def resolve_chat_template(model: str | None, tokenizer: str | None, flag: str | 
         return builtin
     source, origin, variables = found
     try:  # a template mmpack cannot follow is refused before any stage runs
-        from mmpack.packing.chat_template import JinjaChat
+        from mmpack.packing.jinja_chat import JinjaChat
 
         JinjaChat(source, variables, origin)
     except ChatTemplateError as exc:

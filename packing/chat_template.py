@@ -1,310 +1,146 @@
-"""A model folder's own Jinja chat template, rendered as transformers renders it, with the spans mmpack needs.
+"""How a conversation becomes text: `ChatTemplate`, the model folder's Jinja template (`mmpack.packing.jinja_chat`)
+or mmpack's built-in Qwen rendering
 
-Why the real template and not parameters read off it: the template is code (Qwen3's adds an empty think block
-to the last assistant turn only, Qwen2-VL's inserts "You are a helpful assistant." where a conversation has no
-system turn, others number their images), so only running it gives `apply_chat_template`'s text for every
-sample. Each conversation is rendered once, in the environment transformers uses (sandboxed, `trim_blocks`,
-`lstrip_blocks`, `loopcontrols`, `tojson`, `raise_exception`, `strftime_now`; `{% generation %}` blocks
-render their body), with the folder's special tokens (`bos_token`, `eos_token`, ...) as variables. The text is
-then read, not rebuilt: what the template writes for each role before a message's content (its header) is
-learnt once from probe conversations, and in every rendered sample each message is found by its header and
-its content, in order. A message's turn runs to the next message's header (or the end); an assistant turn is
-trained from its header's end to its turn's end less trailing whitespace (content and end-of-turn token, as
-the model writes them after the generation prompt); media are the image / video pads the template wrote, one
-per `<image>` / `<video>`. A sample the template renders in a way this cannot follow (a header or a
-content piece not where it must be, another number of pads) raises `ChatTemplateError`.
+    <|im_start|>{role}\\n{content}<|im_end|>\\n        (per message)
 
-Messages go to the template as transformers users write them: a plain string, or, where the message holds
-media, a list of `{"type": "text" | "image" | "video"}` parts (Qwen2-VL-style templates write the vision
-placeholder for each part). A template that cannot take parts (a text model's) gets the string with mmpack's
-Qwen placeholder `<|vision_start|><|image_pad|><|vision_end|>` in place of each tag instead.
+with each `<image>` as `<|vision_start|>` + N x `<|image_pad|>` + `<|vision_end|>` (each `<video>` with
+`<|video_pad|>`), and the character spans the loss mask, turn boundaries and media expansion need.
 """
 
 from __future__ import annotations
 
-import json
-import re
+import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
-from mmpack.packing.errors import MmpackError
+from mmpack.packing.jinja_chat import IMAGE_TAG, MEDIA_TAG_RE, VIDEO_TAG, JinjaChat, RenderedChat
 from mmpack.packing.tokenizer import SPECIAL_TOKENS, VIDEO_PAD
 
-IMAGE_TAG = "<image>"
-VIDEO_TAG = "<video>"
-MEDIA_TAG_RE = re.compile(f"({re.escape(IMAGE_TAG)}|{re.escape(VIDEO_TAG)})")
-PADS = {IMAGE_TAG: SPECIAL_TOKENS["image_pad"], VIDEO_TAG: VIDEO_PAD}
-# The files a model folder may hold its template in, in the order transformers prefers them.
-TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
-TOKENIZER_CONFIG = "tokenizer_config.json"
-_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
-# Probe texts: private-use characters no template adds and no real record is likely to hold.
-_PROBES = ("\ue000mmpack-a\ue001", "\ue000mmpack-b\ue001", "\ue000mmpack-c\ue001")
+if TYPE_CHECKING:
+    from mmpack.packing.chat import Conversation
+
+_Rendered = RenderedChat
+_MEDIA_TAG_RE = MEDIA_TAG_RE
 
 
-class ChatTemplateError(MmpackError, ValueError):
-    """A chat template mmpack cannot follow, or a sample it renders in a way mmpack cannot read."""
+@dataclass(frozen=True)
+class ChatTemplate:
+    """How a conversation becomes text: the model folder's Jinja template (`source`), or None for mmpack's
+    built-in Qwen rendering.
 
-
-@dataclass
-class RenderedChat:
-    """A rendered conversation: the text to encode and what the loss mask, turn boundaries and media need."""
-
-    text: str
-    target_spans: list[tuple[int, int]] = field(default_factory=list)  # character spans carrying loss
-    message_ends: list[int] = field(default_factory=list)  # character index past each message's turn
-    media_char_spans: list[tuple[str, int, int]] = field(default_factory=list)  # (tag, start, end) in order
-
-
-def read_folder_template(folder: str | Path) -> tuple[str, str, dict[str, str]] | None:
-    """(template source, file it came from, special-token variables) of a model folder, or None if it has none.
-
-    `chat_template.jinja` wins over a processor's `chat_template.json`, which wins over `tokenizer_config.json`'s
-    `chat_template` (a string, or a list of named templates: the one named "default"). The variables are the
-    `bos_token`, `eos_token`, `pad_token`, `unk_token` of `tokenizer_config.json`, as transformers passes them.
-    """
-    root = Path(folder)
-    variables = _special_token_variables(root / TOKENIZER_CONFIG)
-    for name in TEMPLATE_FILES:
-        path = root / name
-        if not path.is_file():
-            continue
-        if name.endswith(".jinja"):
-            return path.read_text(encoding="utf-8"), str(path), variables
-        source = _template_of_json(path)
-        if source is not None:
-            return source, str(path), variables
-    return None
-
-
-def _template_of_json(path: Path) -> str | None:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
-    except (ValueError, AttributeError) as exc:
-        raise ChatTemplateError(f"{path}: not a JSON object ({exc}); fix or remove the file") from None
-    if isinstance(value, list):  # [{"name": ..., "template": ...}]
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        value = named.get("default")
-    if value is not None and not isinstance(value, str):
-        raise ChatTemplateError(f"{path}: chat_template must be a string or a list of named templates")
-    return value
-
-
-def _special_token_variables(path: Path) -> dict[str, str]:
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ChatTemplateError(f"{path}: not valid JSON ({exc})") from None
-    out = {}
-    for key in _SPECIAL_TOKEN_KEYS:
-        value = config.get(key)
-        if isinstance(value, dict):  # {"content": "<|im_end|>", ...}
-            value = value.get("content")
-        if isinstance(value, str):
-            out[key] = value
-    return out
-
-
-def _compile(source: str) -> Any:
-    """The template in transformers' chat-template environment."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class _Generation(jinja2.ext.Extension):  # `{% generation %}...{% endgeneration %}`: render the body
-        tags = {"generation"}  # noqa: RUF012 (jinja2 declares it an instance variable)
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller: Any) -> str:
-            return str(caller())
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        x: Any,
-        ensure_ascii: bool = False,
-        indent: Any = None,
-        separators: Any = None,
-        sort_keys: bool = False,
-    ) -> str:
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.exceptions.TemplateError as exc:
-        raise ChatTemplateError(f"the chat template does not compile: {exc}") from None
-
-
-def _pieces(content: str) -> list[str]:
-    """`content` split at its media tags (tags at odd positions)."""
-    return MEDIA_TAG_RE.split(content)
-
-
-class JinjaChat:
-    """A compiled chat template and the role headers learnt from it; `render` reads a conversation's spans.
-
-    Raises:
-        ChatTemplateError: the template does not compile, or its probe conversations do not show one header per
-            role before the content (templates that reorder or merge messages).
+    `default_system` is the system prompt given to a conversation without one (with a Jinja template it
+    overrides the template's own default; without one, None adds none); `no_default_system` leaves out the
+    template's own default system turn. `variables` are the special tokens the template sees (`bos_token`, ...).
     """
 
-    def __init__(self, source: str, variables: dict[str, str] | None = None, origin: str = "chat template"):
-        self.origin = origin
-        self._template = _compile(source)
-        self._variables = dict(variables or {})
-        self.takes_parts = self._takes_parts()
-        self.headers, self.default_turn = self._learn_headers()
-        self.default_system = self._default_system_text()
+    default_system: str | None = None
+    source: str | None = None
+    variables: tuple[tuple[str, str], ...] = ()
+    no_default_system: bool = False
+    origin: str = "chat template"
 
-    def render_text(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = False) -> str:
-        """The template's text of `messages` (mmpack (role, content) pairs with `<image>` / `<video>` tags)."""
-        hf = [self._hf_message(role, content) for role, content in messages]
-        return self._render_hf(hf, add_generation_prompt)
+    def __post_init__(self) -> None:
+        if self.default_system is not None and self.no_default_system:
+            raise ValueError("--default-system and --no-default-system exclude each other; keep one")
 
-    def _render_hf(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        import jinja2
+    @property
+    def name(self) -> str:
+        return "qwen" if self.source is None else "jinja"
 
-        try:
-            return str(
-                self._template.render(
-                    messages=messages, add_generation_prompt=add_generation_prompt, **self._variables
-                )
-            )
-        except (jinja2.exceptions.TemplateError, TypeError, ValueError) as exc:
-            raise ChatTemplateError(f"{self.origin} fails on this conversation: {exc}") from None
+    @cached_property
+    def jinja(self) -> JinjaChat:
+        """The compiled template (built once per object, in the process that renders)."""
+        assert self.source is not None
+        return JinjaChat(self.source, dict(self.variables), self.origin)
 
-    def _hf_message(self, role: str, content: str) -> dict:
-        if not MEDIA_TAG_RE.search(content):
-            return {"role": role, "content": content}
-        if not self.takes_parts:
-            return {"role": role, "content": _with_qwen_placeholders(content)}
-        parts: list[dict] = []
-        for j, piece in enumerate(_pieces(content)):
-            if j % 2:
-                parts.append({"type": "image" if piece == IMAGE_TAG else "video"})
-            elif piece:
-                parts.append({"type": "text", "text": piece})
-        return {"role": role, "content": parts}
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "jinja"}  # a compiled template does not pickle
 
-    def _takes_parts(self) -> bool:
-        probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _PROBES[0]}]}]
-        try:
-            text = self._render_hf(probe)
-        except ChatTemplateError:
-            return False
-        return text.count(PADS[IMAGE_TAG]) == 1
+    def with_default_system(self, conv: Conversation) -> tuple[tuple[str, str], ...]:
+        """The messages to render: the conversation's, with the default system prompt if it applies."""
+        if self.default_system is not None and conv.messages and conv.messages[0][0] != "system":
+            return (("system", self.default_system), *conv.messages)
+        return conv.messages
 
-    def _learn_headers(self) -> tuple[dict[str, str], str]:
-        """Each role's header (what the template writes before a message's content when a system message comes
-        first) and the turn it adds before a conversation without a system message (its default system turn)."""
-        a, b, _ = _PROBES
-        system_only = self.render_text([("system", a)])
-        headers = {"system": self._before(system_only, a, "a system message")}
-        for role in ("user", "assistant"):
-            text = self.render_text([("system", a), (role, b)])
-            if not text.startswith(system_only):
-                raise ChatTemplateError(
-                    f"{self.origin} writes the system message differently once a {role} message follows; "
-                    "mmpack cannot read such a template: pass --chat-template builtin or another template"
-                )
-            headers[role] = self._before(text[len(system_only) :], b, f"a {role} message")
-        plain = self.render_text([("user", b)])
-        start = plain.find(headers["user"])
-        if start < 0:
-            raise ChatTemplateError(
-                f"{self.origin} writes no user header for a conversation without a system one"
-            )
-        return headers, plain[:start]
+    def render(
+        self, messages: Sequence[tuple[str, str]], image_counts: Sequence[int], video_counts: Sequence[int]
+    ) -> _Rendered:
+        """`messages` (after `with_default_system`) as text, with `image_counts` / `video_counts` pads per media."""
+        if self.source is None:
+            return _render(messages, image_counts, video_counts, _ALL_SPECIALS)
+        if any(n != 1 for n in (*image_counts, *video_counts)):
+            raise ValueError("a Jinja chat template renders one pad per image / video")
+        return self.jinja.render(messages, drop_default_turn=self.no_default_system)
 
-    def _before(self, text: str, probe: str, what: str) -> str:
-        if text.count(probe) != 1:
-            raise ChatTemplateError(f"{self.origin} does not write the content of {what} once as given")
-        return text[: text.index(probe)]
+    def effective_default_system(self) -> str | None:
+        """The system prompt a conversation without one gets."""
+        if self.default_system is not None or self.source is None or self.no_default_system:
+            return self.default_system
+        return self.jinja.default_system
 
-    def _default_system_text(self) -> str | None:
-        """The system prompt of the default system turn, where it is one the template writes for a system message."""
-        if not self.default_turn:
-            return None
-        a = _PROBES[0]
-        system_only = self.render_text([("system", a)])
-        head, tail = system_only.split(a)
-        turn = self.default_turn
-        if turn.startswith(head) and turn.endswith(tail) and len(turn) >= len(head) + len(tail):
-            return turn[len(head) : len(turn) - len(tail)]
-        return None
-
-    def render(self, messages: Sequence[tuple[str, str]], *, drop_default_turn: bool = False) -> RenderedChat:
-        """The text of `messages` and its spans; `drop_default_turn` leaves out the default system turn."""
-        text = self.render_text(messages)
-        if drop_default_turn and self.default_turn and messages and messages[0][0] != "system":
-            if not text.startswith(self.default_turn):
-                raise ChatTemplateError(
-                    f"{self.origin} does not start this conversation with its default system turn"
-                )
-            text = text[len(self.default_turn) :]
-        return self._read_spans(text, messages)
-
-    def _read_spans(self, text: str, messages: Sequence[tuple[str, str]]) -> RenderedChat:
-        out = RenderedChat(text)
-        pos = 0
-        starts, content_ends, header_ends = [], [], []
-        for k, (role, content) in enumerate(messages):
-            start = text.find(self.headers[role], pos)
-            if start < 0:
-                raise ChatTemplateError(f"{self.origin}: message {k} ({role}) has no header where it must be")
-            pos = start + len(self.headers[role])
-            header_ends.append(pos)
-            for j, piece in enumerate(_pieces(content)):
-                pos = self._find_piece(text, piece, pos, bool(j % 2), k, out)
-            starts.append(start)
-            content_ends.append(pos)
-        if sum(text.count(p) for p in PADS.values()) != len(out.media_char_spans):
-            raise ChatTemplateError(
-                f"{self.origin} writes other vision pads than one per <image> / <video> tag"
-            )
-        for k, (role, _) in enumerate(messages):
-            end = starts[k + 1] if k + 1 < len(messages) else len(text)
-            out.message_ends.append(end)
-            if role == "assistant":
-                out.target_spans.append((header_ends[k], max(header_ends[k], len(text[:end].rstrip()))))
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest's "chat_template" entry."""
+        out: dict[str, Any] = {"name": self.name, "default_system": self.effective_default_system()}
+        if self.source is not None:
+            out |= {"origin": self.origin, "sha256": hashlib.sha256(self.source.encode()).hexdigest()}
         return out
 
-    def _find_piece(self, text: str, piece: str, pos: int, is_tag: bool, k: int, out: RenderedChat) -> int:
-        if not piece:
-            return pos
-        needle = PADS[piece] if is_tag else piece
-        at = text.find(needle, pos)
-        if at < 0:
-            what = f"its {piece} pad" if is_tag else "its text as given"
-            raise ChatTemplateError(f"{self.origin}: message {k} does not hold {what}")
-        end = at + len(needle)
-        if is_tag:
-            vs, ve = SPECIAL_TOKENS["vision_start"], SPECIAL_TOKENS["vision_end"]
-            if not (text.startswith(vs, at - len(vs)) and text.startswith(ve, end)):
-                raise ChatTemplateError(f"{self.origin} does not write {vs}{needle}{ve} for {piece}")
-            out.media_char_spans.append((piece, at - len(vs), end + len(ve)))
-            end += len(ve)
-        return end
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ChatTemplate:
+        """The built-in template of a manifest's "chat_template" entry (a Jinja template's source is not kept)."""
+        if d.get("name", "qwen") != "qwen":
+            raise ValueError(
+                f"chat template {d.get('name')!r} cannot be rebuilt from a manifest; only 'qwen' can"
+            )
+        return cls(default_system=d.get("default_system"))
 
 
-def _with_qwen_placeholders(content: str) -> str:
-    vs, ve = SPECIAL_TOKENS["vision_start"], SPECIAL_TOKENS["vision_end"]
-    return MEDIA_TAG_RE.sub(lambda m: vs + PADS[m.group(0)] + ve, content)
+def render_conversation(
+    messages: Sequence[tuple[str, str]],
+    image_token_counts: Sequence[int],
+    specials: dict[str, str] | None = None,
+    video_token_counts: Sequence[int] = (),
+) -> str:
+    """The rendered chat text of `messages` (what gets encoded), images and videos expanded."""
+    return _render(messages, image_token_counts, video_token_counts, specials or _ALL_SPECIALS).text
+
+
+_ALL_SPECIALS = {**SPECIAL_TOKENS, "video_pad": VIDEO_PAD}
+
+
+def _render(
+    messages: Sequence[tuple[str, str]],
+    image_token_counts: Sequence[int],
+    video_token_counts: Sequence[int],
+    specials: dict[str, str],
+) -> _Rendered:
+    parts: list[str] = []
+    pos = 0
+    out = _Rendered("", [], [], [])
+    counts = {IMAGE_TAG: iter(image_token_counts), VIDEO_TAG: iter(video_token_counts)}
+    pads = {IMAGE_TAG: specials["image_pad"], VIDEO_TAG: specials.get("video_pad", VIDEO_PAD)}
+
+    def emit(s: str) -> None:
+        nonlocal pos
+        parts.append(s)
+        pos += len(s)
+
+    for role, content in messages:
+        emit(f"{specials['im_start']}{role}\n")
+        for j, chunk in enumerate(_MEDIA_TAG_RE.split(content)):
+            if j % 2:  # a tag: the split keeps them at odd positions
+                start = pos
+                emit(specials["vision_start"] + pads[chunk] * next(counts[chunk]) + specials["vision_end"])
+                out.media_char_spans.append((chunk, start, pos))
+                continue
+            if role == "assistant" and chunk:
+                out.target_spans.append((pos, pos + len(chunk)))
+            emit(chunk)
+        if role == "assistant":
+            out.target_spans.append((pos, pos + len(specials["im_end"])))
+        emit(specials["im_end"] + "\n")
+        out.message_ends.append(pos)
+    out.text = "".join(parts)
+    return out

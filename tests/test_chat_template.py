@@ -15,7 +15,7 @@ import pytest
 from mmpack.offline_packing.cli import main as mmpack
 from mmpack.offline_packing.model_folder import resolve_chat_template
 from mmpack.packing.chat import ChatTemplate, Conversation, normalize_record, tokenize_conversation
-from mmpack.packing.chat_template import ChatTemplateError, JinjaChat
+from mmpack.packing.jinja_chat import ChatTemplateError, JinjaChat
 from mmpack.packing.tokenizer import load_tokenizer
 from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER
 from tests.fixtures_chat import QWEN2_VL_CHAT_TEMPLATE, hf_messages, qwen2_vl_model_folder
