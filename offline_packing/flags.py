@@ -35,7 +35,7 @@ def _size(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """All `mmpack pack` flags (auto_pipe.sh uses the same short ones)."""
+    """All `mmpack pack` flags (auto_pipe.sh turns LLaVA-OneVision-2's options into these)."""
     g = p.add_argument_group("input")
     g.add_argument(
         "-i",

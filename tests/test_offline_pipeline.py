@@ -258,7 +258,11 @@ def test_max_images_per_bin(raw, tmp_path: Path) -> None:
 
 
 def test_config_validation() -> None:
-    ok = dict(inputs=("x.jsonl",), output="o", seq_len=8)
+    ok = dict(inputs=("x.jsonl",), output="o", seq_len=8, tokenizer="tok.json")
+    with pytest.raises(ValueError, match="no tokenizer"):  # there is no default one
+        PackJobConfig(**{**ok, "tokenizer": ""})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="exclude each other"):
+        PackJobConfig(**ok, default_system="Be brief.", no_default_system=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="seq_len"):
         PackJobConfig(**{**ok, "seq_len": 0})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="energon"):
