@@ -11,7 +11,7 @@ import pytest
 
 from mmpack.packing.image_tokens import ImageTokenRule
 from mmpack.packing.manifest import ManifestImageRule
-from mmpack.packing.tokenizer import load_tokenizer, tokenizer_info
+from mmpack.packing.tokenizer import BYTE_TOKENIZER, load_tokenizer, tokenizer_info
 from mmpack.trainer.dataset_check import DatasetModelMismatch, check_dataset_matches_model
 from tests.fixtures_data import train_tiny_bpe
 
@@ -58,7 +58,7 @@ def write_model_folder(
 def manifest_for(tokenizer_file: Path | None, rule: ImageTokenRule) -> dict[str, Any]:
     """The tokenizer and image_rule entries as `mmpack pack` writes them."""
     return {
-        "tokenizer": tokenizer_info(load_tokenizer(tokenizer_file)),
+        "tokenizer": tokenizer_info(load_tokenizer(tokenizer_file or BYTE_TOKENIZER)),
         "image_rule": ManifestImageRule.from_rule(rule, None).to_dict(),
     }
 
