@@ -1,5 +1,5 @@
-"""The flags of `mmpack pack` (also those of `python -m offline_packing.<stage>` and `auto_pipe.sh`), parsed in
-this one place into a `PackJobConfig`."""
+"""The flags of `mmpack pack` (also those of `python -m offline_packing.<stage>`; auto_pipe.sh turns
+LLaVA-OneVision-2's options into them), parsed in this one place into a `PackJobConfig`."""
 
 from __future__ import annotations
 
