@@ -84,6 +84,7 @@ def _shards_and_manifest(out: Path) -> dict[str, bytes]:
     return {k: v for k, v in dataset_files(out).items() if not k.startswith(".nv-meta")}
 
 
+@pytest.mark.slow
 def test_ov2_usage_examples_run_unchanged(site: Path, tmp_path: Path) -> None:
     status = _run(site, 6)  # -s before any run: every stage to do
     assert status.returncode == 0 and status.stdout.count("[TODO] not started") == 4, status.stderr
