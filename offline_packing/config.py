@@ -33,6 +33,7 @@ RUN_CONTROL_FIELDS = frozenset(
         "ray_address",
         "work_dir",
         "clean_work",
+        "overwrite",
         "start_stage",
         "only_stage",
         "progress",
@@ -94,6 +95,7 @@ class PackJobConfig:
     shard_prefix: str = "packed"
     work_dir: str | None = None  # folder or URL for stage outputs and markers (default: `resolve_work_dir`)
     clean_work: bool = False  # delete the work folder after a successful job (a rerun then starts over)
+    overwrite: bool = False  # adopt a non-empty output / work folder without mmpack's marker (--overwrite)
     chunk_size: int = 2048  # samples per scan/lengths chunk (the unit of parallel work)
     start_stage: int | None = None  # -S: rerun from this stage (earlier ones must be complete); None = resume
     only_stage: int | None = None  # run only this stage (python -m offline_packing.<stage>)

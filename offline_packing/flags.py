@@ -224,7 +224,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--clean-work",
         action="store_true",
-        help="delete the work folder after success (saves space; a rerun then redoes every stage)",
+        help="delete the work folder's files after success (saves space; a rerun then redoes every stage); only "
+        "files the job wrote there are deleted, and only in a folder that carries mmpack's marker",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into an output (or work folder) that is not empty and was not made by mmpack: its files "
+        "named like mmpack's (manifest.json, stats.json, rejects.jsonl, shards) are replaced, nothing else "
+        "is touched or deleted (default: such a folder is refused)",
     )
     g.add_argument("--chunk-size", type=int, default=2048, help="samples per unit of parallel work")
     g.add_argument(
@@ -274,6 +282,7 @@ def config_from_args(args: argparse.Namespace, only_stage: int | None = None) ->
         shard_prefix=args.shard_prefix,
         work_dir=args.work_dir,
         clean_work=args.clean_work,
+        overwrite=args.overwrite,
         chunk_size=args.chunk_size,
         start_stage=args.start_stage,
         only_stage=only_stage,

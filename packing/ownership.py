@@ -65,13 +65,18 @@ def _local(url: str) -> str:
 class OwnedFolder:
     """A folder that carries mmpack's marker of `kind`: what a command may write into and delete from.
 
-    Made by `claim_folder` or `open_owned` only. `url` is the folder as given (a local path or a URL).
+    Made by `claim_folder` or `open_owned` only. `url` is the folder as given (a local path or a URL);
+    `created` is True when this claim wrote the marker (the folder was missing, empty, or adopted with
+    `overwrite`): files already there then are not mmpack's, whatever their names.
     """
 
-    def __init__(self, url: str, kind: str, marker: dict[str, Any], fs: Any, root: str) -> None:
+    def __init__(
+        self, url: str, kind: str, marker: dict[str, Any], fs: Any, root: str, *, created: bool = False
+    ) -> None:
         self.url = url
         self.kind = kind
         self.marker = marker
+        self.created = created
         self._fs = fs  # None for a local folder
         self._root = root  # the local path, or the path inside the filesystem
 
@@ -106,15 +111,18 @@ class OwnedFolder:
         A listed path that is a local folder is removed only if it is empty; the marker cannot be listed (see
         `release`). Local folders left empty by the removals are removed too, up to (not including) the root.
         """
-        removed = []
-        for rel in dict.fromkeys(rels):
-            rel = _checked_rel(rel, self.url)
-            if rel == MARKER_NAME:
-                raise ValueError(f"{self.url}: the marker {MARKER_NAME} is removed by release(), not listed")
-            if self._remove_one(rel):
-                removed.append(rel)
-        if self._fs is None:
-            self._prune_empty_dirs({posixpath.dirname(r) for r in removed} - {""})
+        wanted = list(dict.fromkeys(_checked_rel(rel, self.url) for rel in rels))
+        if MARKER_NAME in wanted:
+            raise ValueError(f"{self.url}: the marker {MARKER_NAME} is removed by release(), not listed")
+        if self._fs is not None:  # one listing and one bulk delete, not a request per file
+            present = set(self.files())
+            removed = [rel for rel in wanted if rel in present]
+            if removed:
+                self._fs.rm([f"{self._root}/{rel}" for rel in removed])
+                self._fs.invalidate_cache(self._root)
+            return removed
+        removed = [rel for rel in wanted if self._remove_one(rel)]
+        self._prune_empty_dirs({posixpath.dirname(r) for r in removed} - {""})
         return removed
 
     def release(self) -> bool:
@@ -199,7 +207,7 @@ def claim_folder(
         )
     marker = _new_marker(kind, creator)
     _write_marker(fs, root, marker)
-    return OwnedFolder(url, kind, marker, fs, root)
+    return OwnedFolder(url, kind, marker, fs, root, created=True)
 
 
 def open_owned(url: str, kind: str, *, storage_options: dict[str, Any] | None = None) -> OwnedFolder:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from mmpack.packing.errors import MmpackError
+from mmpack.packing.joblock import LOCK_NAME, FolderLocked, LeaseConfig, hold_lock
 from mmpack.packing.ownership import (
     MARKER_NAME,
     FolderNotOwned,
@@ -107,3 +109,52 @@ def test_object_store_folders_follow_the_same_rule_and_a_bucket_is_never_deleted
         fs.invalidate_cache()
         assert fs.exists("own") and fs.cat_file("own/user/data.bin") == b"users"
         assert not fs.exists(f"own/job/work/{MARKER_NAME}")
+
+
+def test_local_lock_is_exclusive_names_its_holder_and_leaves_no_file(tmp_path: Path) -> None:
+    with hold_lock(str(tmp_path), role="output (-o)", command="mmpack pack -o x"):
+        holder = json.loads((tmp_path / LOCK_NAME).read_text())
+        assert holder["pid"] == os.getpid() and holder["command"] == "mmpack pack -o x"
+        with (
+            pytest.raises(
+                FolderLocked, match=rf"in use by another mmpack job: pid {os.getpid()} on .*mmpack pack -o x"
+            ),
+            hold_lock(str(tmp_path)),
+        ):
+            pass
+    assert not (tmp_path / LOCK_NAME).exists()
+    with hold_lock(str(tmp_path)):  # free again
+        pass
+
+
+def test_lease_of_a_dead_local_process_is_stale_and_a_lost_lease_is_noticed() -> None:
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with moto_s3() as s3:
+        fs = s3.make_bucket("leasebkt")
+        opts = s3.storage_options
+        dead = {
+            "host": socket.gethostname(),
+            "pid": gone.pid,
+            "started": "x",
+            "renewed": "2999-01-01T00:00:00Z",
+        }
+        fs.pipe_file(f"leasebkt/a/{LOCK_NAME}", json.dumps(dead).encode())
+        with hold_lock("s3://leasebkt/a", storage_options=opts) as lock:
+            assert lock.took_over == dead  # renewed "in the future", but its process is gone
+        fast = LeaseConfig(ttl_s=30, renew_s=0.2)
+        with hold_lock("s3://leasebkt/b", storage_options=opts, lease=fast) as lock:
+            other = {"host": "elsewhere", "pid": 1, "started": "y", "renewed": "2999-01-01T00:00:00Z"}
+            fs.pipe_file(f"leasebkt/b/{LOCK_NAME}", json.dumps(other).encode())  # taken by another job
+            deadline = time.monotonic() + 20
+            while lock.lost_to is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            with pytest.raises(FolderLocked, match="lease was taken over by pid 1 on elsewhere"):
+                lock.check()
+        fs.invalidate_cache()
+        assert json.loads(fs.cat_file(f"leasebkt/b/{LOCK_NAME}")) == other  # the other job's lease is kept

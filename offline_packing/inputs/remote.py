@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import IO, Any, TypeVar
 
 from mmpack.packing.errors import MmpackError
+from mmpack.packing.ownership import MARKER_NAME
 
 T = TypeVar("T")
 HEADER_BLOCK_BYTES = 16 << 10  # image headers: blocks fetched on demand, a JPEG/PNG header is in the first
@@ -151,7 +152,9 @@ def expand(arg: str, suffixes: tuple[str, ...]) -> list[str]:
         found = with_retries(arg, "list", lambda: fs.find(path))
     else:
         found = [path] if with_retries(arg, "stat", lambda: fs.exists(path)) else []
-    return sorted(as_url(p) for p in found if p.endswith(suffixes))
+    # prefixes holding mmpack's marker are packed datasets or work folders, never raw input
+    marked = tuple(p[: -len(MARKER_NAME)] for p in found if p.endswith(f"/{MARKER_NAME}"))
+    return sorted(as_url(p) for p in found if p.endswith(suffixes) and not p.startswith(marked))
 
 
 def parent(url: str) -> str:

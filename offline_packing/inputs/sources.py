@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import glob
 import gzip
+import itertools
 import json
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -51,17 +53,21 @@ def is_input_file(name: str) -> bool:
     return name.endswith(INPUT_SUFFIXES)
 
 
-def expand_inputs(inputs: tuple[str, ...] | list[str]) -> list[str]:
+def expand_inputs(inputs: tuple[str, ...] | list[str], exclude: tuple[str, ...] = ()) -> list[str]:
     """Input files in a fixed order: each argument (file, folder, glob) expanded and sorted, in argument order.
 
     Paths come back absolute and normalised; a file named twice (relative and absolute path, a symlink,
-    a file under a folder also given) is kept once, at its first place.
+    a file under a folder also given) is kept once, at its first place. Folders and globs never yield files
+    under the folders of `exclude` (the job's output and work folder) nor under any folder that carries
+    mmpack's marker (another packed dataset or work folder); a file named on its own under `exclude` is an
+    error. Only regular files are read: a FIFO, socket or device named as an input is an error.
     """
+    skip = _Excluded(exclude)
     files: list[str] = []
     seen: set[str] = set()
     for arg in map(remote.local_path, inputs):
         if remote.is_url(arg):
-            found = remote.expand(arg, INPUT_SUFFIXES)
+            found = [f for f in remote.expand(arg, INPUT_SUFFIXES) if not skip.url(f)]
             if not found:
                 raise FileNotFoundError(f"input {arg!r} matches no {'/'.join(INPUT_SUFFIXES)} object")
             files += [f for f in found if f not in seen]
@@ -70,10 +76,13 @@ def expand_inputs(inputs: tuple[str, ...] | list[str]) -> list[str]:
         p = Path(arg).expanduser()
         if p.is_dir():
             found = sorted(str(f) for f in p.rglob("*") if f.is_file() and is_input_file(f.name))
-        elif p.is_file():
+            found = [f for f in found if not skip.local(f, str(p))]
+        elif os.path.lexists(p) and not glob.has_magic(arg):
+            skip.refuse_named(str(p))
             found = [str(p)]
         else:
             found = sorted(f for f in glob.glob(str(p), recursive=True) if is_input_file(f))
+            found = [f for f in found if not skip.local(f, _glob_base(str(p)))]
         if not found:
             raise FileNotFoundError(
                 f"input {arg!r} matches no {'/'.join(INPUT_SUFFIXES)} file; check the -i path"
@@ -81,9 +90,90 @@ def expand_inputs(inputs: tuple[str, ...] | list[str]) -> list[str]:
         for f in found:
             real = os.path.realpath(f)
             if real not in seen:
+                _require_regular_file(f)
                 seen.add(real)
                 files.append(os.path.abspath(f))
     return files
+
+
+class _Excluded:
+    """Which files folder and glob expansion leaves out: the job's own folders and mmpack-marked ones."""
+
+    def __init__(self, folders: tuple[str, ...]) -> None:
+        self.urls = tuple(f.rstrip("/") + "/" for f in folders if remote.is_url(f))
+        self.local_dirs = tuple(
+            os.path.realpath(remote.local_path(f)) for f in folders if not remote.is_url(f)
+        )
+        self._marked: dict[str, bool] = {}
+
+    def url(self, url: str) -> bool:
+        return url.startswith(self.urls)
+
+    def local(self, path: str, base: str) -> bool:
+        """True if `path` (found under folder `base`) is in an excluded folder or a marked one below `base`."""
+        real = os.path.realpath(path)
+        if any(real == d or real.startswith(d + os.sep) for d in self.local_dirs):
+            return True
+        return any(
+            self._has_marker(d) for d in _folders_between(os.path.abspath(base), os.path.abspath(path))
+        )
+
+    def refuse_named(self, path: str) -> None:
+        real = os.path.realpath(path)
+        for d in self.local_dirs:
+            if real.startswith(d + os.sep):
+                raise ValueError(
+                    f"input {path} is inside this job's output or work folder {d}: mmpack never reads its own "
+                    "files as input; move the input out or choose another -o / --work-dir"
+                )
+
+    def _has_marker(self, folder: str) -> bool:
+        from mmpack.packing.ownership import has_marker
+
+        if folder not in self._marked:
+            self._marked[folder] = has_marker(folder)
+        return self._marked[folder]
+
+
+def _folders_between(base: str, path: str) -> Iterator[str]:
+    """The folders from `path`'s own folder up to `base` (inclusive)."""
+    folder = os.path.dirname(path)
+    while True:
+        yield folder
+        if folder == base or os.path.dirname(folder) == folder or not folder.startswith(base):
+            return
+        folder = os.path.dirname(folder)
+
+
+def _glob_base(pattern: str) -> str:
+    """The folder a glob pattern starts from: its longest leading part without wildcards."""
+    parts = Path(pattern).parts
+    fixed = list(itertools.takewhile(lambda part: not glob.has_magic(part), parts))
+    return str(Path(*fixed)) if fixed else "."
+
+
+def _require_regular_file(path: str) -> None:
+    """Raises ValueError naming `path` unless it is a regular file (a FIFO would block the read forever)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"input {path} does not exist (a broken link?); check the -i path") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(
+            f"input {path} is {describe_mode(mode)}, not a regular file; mmpack reads only regular files"
+        )
+
+
+def describe_mode(mode: int) -> str:
+    """ "a FIFO", "a socket", "a character device", ... for a `stat` mode."""
+    kinds = (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a folder"),
+    )
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
 
 
 def plan_chunks(files: list[str], chunk_size: int) -> list[Chunk]:
