@@ -42,6 +42,9 @@ RUN_CONTROL_FIELDS = frozenset(
     }
 )
 ENGINES = ("local", "ray")
+# Records whose JSON text is longer are `record_too_large` rejects, found before they are parsed or tokenized:
+# real conversations are kilobytes, and a tokenizer fed hundreds of megabytes aborts the process.
+DEFAULT_MAX_RECORD_BYTES = 8 << 20
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -91,6 +94,7 @@ class PackJobConfig:
     image_check: str = "header"  # "header": sizes + end-marker check; "decode": full decode of every image
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # larger images (from the header) are rejects
     verify_inputs: str = "stat"  # input identity: "stat" (path, size, mtime_ns) or "sha256" (content)
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # longer records (their JSON text) are rejects
     energon: bool = False  # also write .nv-meta for Megatron-Energon (needs a wds output)
     shard_prefix: str = "packed"
     work_dir: str | None = None  # folder or URL for stage outputs and markers (default: `resolve_work_dir`)
@@ -119,6 +123,8 @@ class PackJobConfig:
             bad(f"image_check must be one of {IMAGE_CHECKS}, got {self.image_check!r}")
         if self.verify_inputs not in VERIFY_INPUTS:
             bad(f"verify_inputs must be one of {VERIFY_INPUTS}, got {self.verify_inputs!r}")
+        if self.max_record_bytes < 1:
+            bad(f"--max-record-bytes must be >= 1, got {self.max_record_bytes}")
         if self.max_image_pixels < 1:
             bad(f"--max-image-pixels must be >= 1, got {self.max_image_pixels}")
         if not self.max_video_seconds > 0:
@@ -172,6 +178,7 @@ class ScanConfig:
 
     image_root: str | None
     image_check: str
+    max_record_bytes: int
     max_image_pixels: int  # also the limit on a video's frame size
     max_video_seconds: float
     chunk_size: int

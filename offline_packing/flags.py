@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from mmpack.offline_packing.config import (
+    DEFAULT_MAX_RECORD_BYTES,
     ENGINES,
     IMAGE_CHECKS,
     OUTPUT_FORMATS,
@@ -61,6 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_IMAGE_PIXELS,
         help=f"images with more pixels (width x height, from the header) are rejected as image_too_large "
         f"(default {DEFAULT_MAX_IMAGE_PIXELS})",
+    )
+    g.add_argument(
+        "--max-record-bytes",
+        type=_size,
+        default=DEFAULT_MAX_RECORD_BYTES,
+        help="records whose JSON text is longer (e.g. 8M, 1G) are rejected as record_too_large before they are "
+        f"parsed or tokenized (default {DEFAULT_MAX_RECORD_BYTES >> 20}M)",
     )
     g.add_argument(
         "--verify-inputs",
@@ -278,6 +286,7 @@ def config_from_args(args: argparse.Namespace, only_stage: int | None = None) ->
         image_check=args.image_check,
         max_image_pixels=args.max_image_pixels,
         verify_inputs=args.verify_inputs,
+        max_record_bytes=args.max_record_bytes,
         energon=args.energon,
         shard_prefix=args.shard_prefix,
         work_dir=args.work_dir,

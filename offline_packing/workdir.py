@@ -149,9 +149,16 @@ def jsonl_line(row: dict) -> bytes:
     return (json.dumps(row, ensure_ascii=False, sort_keys=True, separators=(",", ":")) + "\n").encode()
 
 
-def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
-    """Atomically write one compact sorted-key JSON object per line."""
-    atomic_write_bytes(path, b"".join(jsonl_line(r) for r in rows))
+def write_jsonl(path: Path, rows: Iterable[dict]) -> int:
+    """Atomically write one compact sorted-key JSON object per line, each as it comes (memory holds one row);
+    returns the number of rows."""
+    n = 0
+    with fileio.atomic_open(path) as f:
+        for row in rows:
+            f.write(jsonl_line(row))
+            n += 1
+    _publish(path)
+    return n
 
 
 def read_done_marker(path: Path, fingerprint: str) -> dict | None:

@@ -21,6 +21,7 @@ from fractions import Fraction
 from typing import IO, Any
 
 from mmpack.packing.errors import MmpackError
+from mmpack.packing.fileio import NotRegularFileError, open_regular
 from mmpack.packing.video_tokens import VideoMeta
 
 # First bytes of the containers FFmpeg reads that PyAV users meet most; a file that starts like one of
@@ -47,6 +48,7 @@ class VideoProbeError(MmpackError, ValueError):
 
     REASONS = (
         "missing_video",
+        "video_not_a_file",
         "unreadable_video",
         "empty_video",
         "not_a_video",
@@ -138,13 +140,12 @@ def probe_video(
     path = os.fspath(src)
     name = name or path
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            return _probe_file(f, size, name, config)
+        with open_regular(path) as f:
+            return _probe_file(f, os.fstat(f.fileno()).st_size, name, config)
     except FileNotFoundError:
         raise VideoProbeError("missing_video", f"video file {name} does not exist") from None
-    except IsADirectoryError:
-        raise VideoProbeError("missing_video", f"video path {name} is a folder") from None
+    except NotRegularFileError as exc:
+        raise VideoProbeError("video_not_a_file", f"video {exc}; only regular files are read") from None
     except PermissionError as exc:
         raise VideoProbeError("unreadable_video", f"cannot read video {name}: {exc}") from None
 
