@@ -22,6 +22,7 @@ STAGES = ("scan", "lengths", "binpack", "write")
 OVERLENGTH_POLICIES = ("drop", "truncate", "error")
 OUTPUT_FORMATS = ("arrow", "wds", "both")
 IMAGE_CHECKS = ("header", "decode")
+VIDEO_CHECKS = ("header", "decode")
 VERIFY_INPUTS = ("stat", "sha256")
 # The inputs enter the scan fingerprint by identity (canonical path, size, mtime_ns or sha256), not as typed.
 INPUT_FIELDS = frozenset({"inputs"})
@@ -92,6 +93,7 @@ class PackJobConfig:
     max_video_seconds: float = 3 * 3600.0  # longer videos (from the container) are rejects
     default_system: str | None = None  # system prompt added where a record has none
     image_check: str = "header"  # "header": sizes + end-marker check; "decode": full decode of every image
+    video_check: str = "header"  # "header": container metadata; "decode": also decode every planned frame
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # larger images (from the header) are rejects
     verify_inputs: str = "stat"  # input identity: "stat" (path, size, mtime_ns) or "sha256" (content)
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # longer records (their JSON text) are rejects
@@ -121,6 +123,8 @@ class PackJobConfig:
             bad(f"overlength must be one of {OVERLENGTH_POLICIES}, got {self.overlength!r}")
         if self.image_check not in IMAGE_CHECKS:
             bad(f"image_check must be one of {IMAGE_CHECKS}, got {self.image_check!r}")
+        if self.video_check not in VIDEO_CHECKS:
+            bad(f"video_check must be one of {VIDEO_CHECKS}, got {self.video_check!r}")
         if self.verify_inputs not in VERIFY_INPUTS:
             bad(f"verify_inputs must be one of {VERIFY_INPUTS}, got {self.verify_inputs!r}")
         if self.max_record_bytes < 1:
@@ -209,6 +213,7 @@ class LengthsConfig:
     video_min_pixels: int
     video_max_pixels: int
     video_total_pixels: float
+    video_check: str
     default_system: str | None
     max_images_per_bin: int | None
     strict: bool

@@ -13,6 +13,7 @@ from mmpack.offline_packing.config import (
     OVERLENGTH_POLICIES,
     STAGES,
     VERIFY_INPUTS,
+    VIDEO_CHECKS,
     PackJobConfig,
 )
 from mmpack.offline_packing.model_folder import RULE_FLAG_FIELDS, resolve_job_image_options
@@ -151,6 +152,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"pixels all sampled frames of a video share, two frames per step (default {d.total_pixels:.0f})",
     )
     g.add_argument(
+        "--video-check",
+        choices=VIDEO_CHECKS,
+        default="header",
+        help="header: plan from container metadata, checked against the frames the decoder shows (default); "
+        "decode: also decode every planned frame at pack time, as the loader will (slow; a video that fails is "
+        "rejected as undecodable_video)",
+    )
+    g.add_argument(
         "--max-video-seconds",
         type=float,
         default=3 * 3600.0,
@@ -283,6 +292,7 @@ def config_from_args(args: argparse.Namespace, only_stage: int | None = None) ->
         video_max_pixels=args.video_max_pixels,
         video_total_pixels=args.video_total_pixels,
         max_video_seconds=args.max_video_seconds,
+        video_check=args.video_check,
         image_check=args.image_check,
         max_image_pixels=args.max_image_pixels,
         verify_inputs=args.verify_inputs,

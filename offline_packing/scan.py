@@ -256,7 +256,7 @@ def scan_record(
         "nbytes": nbytes,
     }
     if videos:  # image-only samples keep their earlier form
-        row |= {"videos": videos, "video_info": video_info}
+        row |= {"videos": videos, "video_info": video_info, "video_names": list(conv.videos)}
     return row
 
 

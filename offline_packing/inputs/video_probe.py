@@ -6,7 +6,9 @@ count, frame rate, duration, width and height of the first video stream, and che
 by seeking to the last frames and reading up to three packets (compressed data, not decoded), so that a
 truncated file is a reject here rather than an error in the loader. The bytes read are counted.
 
-Frame count: the container's (`nb_frames`: mp4/mov sample tables, avi headers). Containers without one
+Frame count: the container's (`nb_frames`: mp4/mov sample tables, avi headers), or the frames the decoder
+shows where an edit list hides some (`video_timeline`, which also rejects timestamps too coarse to tell
+frames apart). Containers without one
 (mkv, webm, some mpeg-ts) give round(duration_s * frame_rate) with `frame_count_exact=False`; the loader
 then takes frame k as the frame shown at k / frame_rate (as a decoder's approximate seek mode does).
 Frame rate: the stream's average rate, else FFmpeg's guessed rate, else frames / duration.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import IO, Any
 
+from mmpack.offline_packing.inputs.video_timeline import shown_frames
 from mmpack.packing.errors import MmpackError
 from mmpack.packing.fileio import NotRegularFileError, open_regular
 from mmpack.packing.video_tokens import VideoMeta
@@ -55,6 +58,8 @@ class VideoProbeError(MmpackError, ValueError):
         "corrupt_video",
         "video_too_long",
         "video_too_large",
+        "video_timestamps",
+        "undecodable_video",
     )
 
     def __init__(self, reason: str, message: str):
@@ -165,6 +170,7 @@ def _probe_file(f: IO[bytes], size: int, name: str, config: VideoProbeConfig) ->
         _check_limits(meta, name, config)
         if config.check_tail:
             _check_tail(container, stream, meta, size, name)
+        meta = shown_frames(container, stream, meta, name)  # a truncated file is corrupt_video first
         return VideoProbe(
             meta=meta,
             container=str(container.format.name),
