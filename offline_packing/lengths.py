@@ -69,8 +69,8 @@ def plan_videos(sample: dict, vrule: Any, decode_check: bool = False) -> list[An
     """The `VideoPlan` of each video of a scanned sample; SampleReject where the rule refuses one (or, with
     `decode_check`, where its planned frames do not decode)."""
     from mmpack.offline_packing.inputs import video_timeline
-    from mmpack.packing.errors import MmpackError
-    from mmpack.packing.video_tokens import VideoMeta
+    from mmpack.offline_packing.inputs.video_probe import VideoProbeError
+    from mmpack.packing.video_tokens import VideoMeta, VideoRuleError
 
     plans = []
     for path, info in zip(sample.get("videos", ()), sample.get("video_info", ())):
@@ -78,7 +78,7 @@ def plan_videos(sample: dict, vrule: Any, decode_check: bool = False) -> list[An
             plans.append(vrule.plan(VideoMeta(**info["meta"])))
             if decode_check:
                 video_timeline.decode_check(path, plans[-1], name=path)
-        except MmpackError as exc:
+        except (VideoRuleError, VideoProbeError) as exc:  # a network error past the retries ends the job
             raise SampleReject(exc.reason, f"video {path}: {exc.message}") from None
     return plans
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import IO, Any
 
+from mmpack.offline_packing.errors import REJECT_REASONS
 from mmpack.offline_packing.inputs.video_timeline import shown_frames
 from mmpack.packing.errors import MmpackError
 from mmpack.packing.fileio import NotRegularFileError, open_regular
@@ -47,23 +48,10 @@ _PROBE_OPTIONS = {"probesize": "32", "analyzeduration": "0"}
 
 
 class VideoProbeError(MmpackError, ValueError):
-    """A video the scan rejects; `reason` is one of the `REASONS` and `message` says what to do."""
-
-    REASONS = (
-        "missing_video",
-        "video_not_a_file",
-        "unreadable_video",
-        "empty_video",
-        "not_a_video",
-        "corrupt_video",
-        "video_too_long",
-        "video_too_large",
-        "video_timestamps",
-        "undecodable_video",
-    )
+    """A video the scan rejects; `reason` is a video reason of `REJECT_REASONS` and `message` says what to do."""
 
     def __init__(self, reason: str, message: str):
-        assert reason in self.REASONS, reason
+        assert reason in REJECT_REASONS, reason
         super().__init__(message, reason=reason)
 
 
