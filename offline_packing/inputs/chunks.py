@@ -122,9 +122,12 @@ def input_kind(path: str, max_record_bytes: int) -> str:
 def _sniffed_kind(path: str, size: int | None, version: object, max_record_bytes: int) -> str:
     """A `.json` / `.json.gz` file: JSONL content or one JSON document, from its first two records."""
     with reading(path) as f:
-        head = [line.raw for _, line in zip(range(2), iter_lines(f, max_record_bytes))]
-    gz = path.endswith(".gz")
-    return ("gzip-lines" if gz else "lines") if looks_like_json_lines(head) else "document"
+        lines = [line for _, line in zip(range(2), iter_lines(f, max_record_bytes))]
+    head = [line.raw if line.raw is not None else line.head for line in lines]
+    complete = not lines or lines[0].raw is not None
+    if not looks_like_json_lines(head, complete):
+        return "document"
+    return "gzip-lines" if path.endswith(".gz") else "lines"
 
 
 def _record_starts(path: str, max_record_bytes: int) -> list[tuple[int, int]]:

@@ -16,6 +16,7 @@ Truncated or corrupt gzip streams, and plain text named `.gz`, end the job with 
 from __future__ import annotations
 
 import gzip
+import io
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,18 +28,21 @@ from mmpack.offline_packing.errors import PackError
 from mmpack.offline_packing.inputs import remote
 
 _STEP_BYTES = 1 << 20  # an over-long line is stepped over in pieces of this size
+_HEAD_BYTES = 64  # what is kept of it: enough to tell a JSON array from a record
+_GZIP_BUFFER_BYTES = 1 << 16
 _GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)
 
 
 @dataclass(frozen=True)
 class Line:
     """One non-blank line: its 1-based number, byte offset (in the decompressed stream), length without the
-    line end, and its bytes (None when longer than the limit: only its length is known)."""
+    line end, and its bytes (None when longer than the limit: only its length and first bytes are kept)."""
 
     number: int
     offset: int
     length: int
     raw: bytes | None
+    head: bytes = b""  # the first bytes of a line over the limit
 
 
 def iter_lines(
@@ -54,12 +58,12 @@ def iter_lines(
             if raw.strip():
                 yield Line(number, start, _content_length(raw), raw)
             continue
-        blank = not raw.strip()
+        head, blank = raw[:_HEAD_BYTES], not raw.strip()
         while not raw.endswith(b"\n") and (raw := f.readline(_STEP_BYTES)):
             offset += len(raw)
             blank = blank and not raw.strip()
         if not blank:
-            yield Line(number, start, offset - start - _line_end(raw), None)
+            yield Line(number, start, offset - start - _line_end(raw), None, head)
 
 
 def _line_end(raw: bytes) -> int:
@@ -75,12 +79,14 @@ class _Opened:
 
     def __init__(self, path: str) -> None:
         self.raw = remote.open_binary(path)
-        self.f: IO[bytes] = (
-            gzip.GzipFile(filename=path, mode="rb", fileobj=self.raw) if path.endswith(".gz") else self.raw
-        )
+        self.f: IO[bytes] = self.raw
+        if path.endswith(".gz"):
+            # read through a 64 KiB buffer: GzipFile's own 8 KiB one makes readline twice as slow
+            gz = gzip.GzipFile(filename=path, mode="rb", fileobj=self.raw)
+            self.f = io.BufferedReader(gz, buffer_size=_GZIP_BUFFER_BYTES)  # type: ignore[arg-type]
 
     def close(self) -> None:
-        self.f.close()  # a GzipFile does not close the file under it
+        self.f.close()  # closes the GzipFile too, which does not close the file under it
         self.raw.close()
 
 

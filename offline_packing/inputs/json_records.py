@@ -58,20 +58,17 @@ def too_large(line: int, size_bytes: int, max_record_bytes: int, tar_sample: obj
     )
 
 
-def looks_like_json_lines(head: list[bytes | None]) -> bool:
-    """Whether a `.json` file whose first two non-blank lines are `head` (None: over the record limit) holds
-    JSONL: the first line is a JSON value on its own (or too large to be a document's first line), or it is
-    broken while the second is an object on its own. Otherwise it is one document (an array, a pretty-printed
-    object), as `parse_json_document` decides for the whole text."""
+def looks_like_json_lines(head: list[bytes], complete: bool = True) -> bool:
+    """Whether a `.json` file whose first two non-blank lines are `head` holds JSONL: the first line is a JSON
+    value on its own, or it is broken while the second is an object on its own. Otherwise it is one document (an
+    array, a pretty-printed object), as `parse_json_document` decides for the whole text. `complete=False`: the
+    first line is only its first bytes (it is over the record limit), so only an array shows it a document."""
     if not head:
         return False
-    first = head[0]
-    if first is None:
-        return True
-    first = first.removeprefix(BOM)
+    first = head[0].removeprefix(BOM)
     if first.lstrip()[:1] == b"[":
         return False
-    if _parses_alone(first) is not None:
+    if not complete or _parses_alone(first) is not None:
         return True
     return len(head) > 1 and isinstance(_parses_alone(head[1]), dict)
 
