@@ -126,10 +126,15 @@ def _clear_chunk_markers(wd: WorkDir, stage: str) -> None:
 def run_pack(cfg: PackJobConfig) -> PackSummary:
     """Run the packing job described by `cfg`; returns its summary.
 
+    The output and the work folder are claimed and locked first (`mmpack.offline_packing.job_folders`).
+
     Raises:
-        PackError: a `--strict` reject, `--overlength error`, or `-S N` without stages 1..N-1 complete.
+        PackError: a `--strict` reject, `--overlength error`, a damaged gzip input, or `-S N` without stages
+            1..N-1 complete.
+        FolderNotOwned: the output or work folder is not empty and carries no mmpack marker (see --overwrite).
+        FolderLocked: another job holds the output or the work folder.
         FileNotFoundError: an input (-i) or the tokenizer does not exist.
-        OSError: the output or work folder cannot be written.
+        OSError: the output or work folder cannot be written; an input is not a regular file.
     """
     from mmpack.offline_packing.engines import use_engine
     from mmpack.offline_packing.inputs import remote

@@ -19,7 +19,7 @@ from tests.fixtures_data import dataset_files, make_synthetic_dataset
 from tests.storage_servers import moto_s3
 
 
-def _cfg(data_dir: Path, out: str | Path, **kw) -> PackJobConfig:
+def _cfg(data_dir: Path | str, out: str | Path, **kw) -> PackJobConfig:
     return PackJobConfig(
         inputs=(str(data_dir),), output=str(out), seq_len=512, progress=False, chunk_size=6, **kw
     )
@@ -175,3 +175,16 @@ def test_an_output_inside_an_input_folder_is_never_read_as_input(raw: Path, tmp_
     assert run_pack(_cfg(data, out, format="both")).samples_read == 14 and dataset_files(out) == first
     with pytest.raises(ValueError, match="inside this job's output or work folder"):
         run_pack(_cfg(out / "rejects.jsonl", out))
+
+
+def test_an_object_store_output_under_the_input_prefix_is_never_read_as_input(raw: Path, s3) -> None:
+    opts = s3.storage_options
+    data = s3.upload_folder(raw, "rawbkt", "data")
+    first = run_pack(_cfg(data, f"{data}/packed", storage_options=opts, format="both"))
+    second = run_pack(_cfg(data, f"{data}/packed", storage_options=opts, format="both"))
+    assert first.samples_read == second.samples_read == 14
+    assert second.stages_skipped == ["scan", "lengths", "binpack", "write"]
+    fs = s3.filesystem()
+    assert any(
+        p.endswith((".jsonl", ".tar")) for p in fs.find("rawbkt/data/packed")
+    )  # control: readable files
