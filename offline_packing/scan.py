@@ -21,7 +21,7 @@ from mmpack.offline_packing.engines import run_parallel
 from mmpack.offline_packing.errors import PackError, SampleReject, reject_row
 from mmpack.offline_packing.fingerprint import FileIdentity, digest, file_identity, identities
 from mmpack.offline_packing.inputs.chunks import Chunk, plan_chunks, read_chunk
-from mmpack.offline_packing.inputs.json_records import RawRecord
+from mmpack.offline_packing.inputs.json_records import RawRecord, lone_surrogate
 from mmpack.offline_packing.inputs.sources import input_folder, resolve_image_path
 from mmpack.offline_packing.workdir import (
     WorkDir,
@@ -180,22 +180,6 @@ def _locate_image(image: str, rec: RawRecord, source: str, image_root: str, kind
         raise SampleReject(f"{kind}_path_escape", str(exc)) from None
 
 
-def _require_unicode(rec: RawRecord, source: str) -> None:
-    """SampleReject unless every string of the record is valid Unicode: JSON escapes can spell lone surrogates
-    ("\\ud800"), which no file name, tokenizer or UTF-8 output can hold."""
-    import json
-
-    try:
-        json.dumps(rec.obj, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        bad = exc.object[exc.start : exc.end]
-        raise SampleReject(
-            "malformed_record",
-            f"{source}:{rec.line}: a string of the record is not valid Unicode ({bad!r}, a lone surrogate from a "
-            "\\u escape); fix or remove the record",
-        ) from None
-
-
 def scan_record(
     rec: RawRecord,
     source: str,
@@ -216,7 +200,12 @@ def scan_record(
         raise SampleReject(
             "malformed_record", f"a record must be a JSON object, got {type(rec.obj).__name__}"
         )
-    _require_unicode(rec, source)
+    if (bad := lone_surrogate(rec.obj)) is not None:
+        raise SampleReject(
+            "malformed_record",
+            f"{source}:{rec.line}: a string of the record is not valid Unicode ({bad!r}, a lone surrogate from a "
+            "\\u escape); fix or remove the record",
+        )
     try:
         conv = normalize_record(rec.obj, source=source, line=rec.line)
     except MmpackError as exc:

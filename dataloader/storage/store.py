@@ -38,7 +38,13 @@ from mmpack.dataloader.manifest import ShardInfo, join_url
 from mmpack.dataloader.storage.config import ShardError, StorageConfig, local_root
 from mmpack.dataloader.storage.locks import _flock
 from mmpack.dataloader.storage.metrics import StorageMetrics
-from mmpack.dataloader.storage.records import CHUNK_BYTES, read_json, sha256_file, write_json_atomic
+from mmpack.dataloader.storage.records import (
+    CHUNK_BYTES,
+    file_stamp,
+    read_json,
+    sha256_file,
+    write_json_atomic,
+)
 from mmpack.packing.fileio import resolve_storage_options
 
 # Shards up to this size are read with one GET (`cat_file`) and held in memory once; bigger ones stream.
@@ -140,7 +146,7 @@ class ShardStore:
             st = os.stat(path)
         except FileNotFoundError:
             raise ShardError(f"shard {shard.path} not found at {path}") from None
-        stamp = {"path": self._real_path(shard), **_stamp(st, shard)}
+        stamp = {"path": self._real_path(shard), **file_stamp(st, shard)}
         marker = os.path.join(self.meta_dir, f"{shard.sha256}.verified.json") if self.meta_dir else ""
         if not (marker and read_json(marker) == stamp):
             # One checker per shard at a time; the others wait for its record instead of hashing too. The
@@ -183,7 +189,7 @@ class ShardStore:
             return True
         try:
             st = os.stat(path)
-            stamp = _stamp(st, shard)
+            stamp = file_stamp(st, shard)
             record = self._cached_record(shard)
             if not (record and read_json(record) == stamp):
                 if st.st_size != shard.bytes or sha256_file(path) != shard.sha256:
@@ -255,7 +261,7 @@ class ShardStore:
                     with _flock(self._lock_path(".cache")):
                         os.replace(part, path)
                     if record := self._cached_record(shard):  # what later processes check their use against
-                        write_json_atomic(record, _stamp(os.stat(path), shard))
+                        write_json_atomic(record, file_stamp(os.stat(path), shard))
                     with self._lock:
                         self._verified.add(path)
                     return
@@ -365,17 +371,6 @@ def check_cache_dir(cache_dir: str, root: str) -> None:
             f"the cache folder {cache_dir} of the remote dataset {root} cannot be written ({exc.strerror or exc}); "
             "give a writable cache_dir (--data-cache-dir for the trainer) or fix its permissions"
         ) from None
-
-
-def _stamp(st: os.stat_result, shard: ShardInfo) -> dict[str, Any]:
-    """What identifies a verified cached copy: its size, mtime, inode, device and the content it was checked for."""
-    return {
-        "size": st.st_size,
-        "mtime_ns": st.st_mtime_ns,
-        "inode": st.st_ino,
-        "device": st.st_dev,
-        "sha256": shard.sha256,
-    }
 
 
 def _sleep(seconds: float, cancel: threading.Event | None, shard: ShardInfo) -> None:

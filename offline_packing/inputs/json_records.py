@@ -47,6 +47,16 @@ def parse_json_line(raw: bytes, line: int) -> RawRecord:
         return RawRecord(line, error=_DEEP_MESSAGE, error_reason="malformed_record")
 
 
+def lone_surrogate(obj: object) -> str | None:
+    """The first lone surrogate in the strings of a parsed record, or None: JSON escapes can spell one ("\\ud800"),
+    which no file name, tokenizer or UTF-8 output can hold."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return str(exc.object[exc.start : exc.end])
+    return None
+
+
 def too_large(line: int, size_bytes: int, max_record_bytes: int, tar_sample: object = None) -> RawRecord:
     """The reject of a record of `size_bytes` over the limit (it is not parsed)."""
     return RawRecord(
