@@ -23,6 +23,10 @@
 #   -p  over-length policy: drop (default), truncate, error
 #   -x  extra `mmpack pack` flags, quoted (e.g. -x "--strict --max-image-pixels 20000000 --verify-inputs sha256")
 #
+# <OUT> and the work folder must be new, empty or mmpack's own (they carry .mmpack-owner.json); a non-empty
+# folder of yours is refused (-x --overwrite adopts it; nothing but mmpack's own files is touched). One job at a
+# time per output: a second one stops at once, naming the first.
+#
 # Stages (each resumable; outputs under <OUT>/_work unless --work-dir, markers <stage>.done.json). A rerun
 # skips a stage only if its options, the stages before it and every file it reads are unchanged; otherwise it
 # redoes that stage and the later ones, and stage 4 removes the shards it wrote before that are now unlisted.
