@@ -53,7 +53,7 @@ def expand_inputs(inputs: tuple[str, ...] | list[str], exclude: tuple[str, ...] 
         if p.is_dir():
             found = sorted(str(f) for f in p.rglob("*") if f.is_file() and is_input_file(f.name))
             found = [f for f in found if not skip.local(f, str(p))]
-        elif os.path.lexists(p) and not glob.has_magic(arg):
+        elif p.is_file() or (os.path.lexists(p) and not glob.has_magic(arg)):  # a FIFO too: refused below
             skip.refuse_named(str(p))
             found = [str(p)]
         else:
