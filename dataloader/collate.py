@@ -204,7 +204,8 @@ def collate_bins(
 
 def decode_bin_videos(rec: BinRecord, ids: np.ndarray, cfg: CollateConfig) -> list[VideoPixels]:
     """The planned frames of each video of one bin, as model inputs; checks plans, grids and pad count."""
-    plans = [VideoPlan.from_dict(p) for p in rec.get("video_plans", ())]
+    stored = rec.get("video_plans", ())
+    plans = [VideoPlan.from_dict(p) for p in stored]
     grid = np.asarray(rec.get("video_grid_thw", np.zeros((0, 3))), dtype=np.int64).reshape(-1, 3)
     data = rec.get("videos", ())
     if not (len(plans) == len(grid) == len(data)):
@@ -227,5 +228,14 @@ def decode_bin_videos(rec: BinRecord, ids: np.ndarray, cfg: CollateConfig) -> li
             raise ValueError(
                 f"bin {rec['key']} video {i}: grid {g.tolist()} differs from its plan's {plan.grid_thw}"
             )
-        out.append(load_video(blob, plan, cfg.rule, name=f"bin {rec['key']} video {i}"))
+        out.append(load_video(blob, plan, cfg.rule, name=_video_name(stored[i], rec["key"], i)))
     return out
+
+
+def _video_name(plan: dict, key: str, i: int) -> str:
+    """How errors name a video: as its record named it, with its sample (datasets packed since these were
+    recorded), and where it is in the shard."""
+    where = f"bin {key} video {i}"
+    if "source" not in plan:
+        return where
+    return f"{plan['source']} of sample {plan.get('sample_id')!r} ({where})"

@@ -12,7 +12,7 @@ from mmpack.dataloader.collate import CollateConfig
 from mmpack.dataloader.manifest import Manifest, load_manifest
 from mmpack.dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan
 from mmpack.dataloader.pool import no_data, run_in_process, run_workers, take_batch
-from mmpack.dataloader.storage import StorageConfig
+from mmpack.dataloader.storage import ShardStore, StorageConfig
 from mmpack.dataloader.topology import Topology
 from mmpack.dataloader.worker import ProducerSpec
 from mmpack.packing.cost import CostModel
@@ -90,6 +90,7 @@ class PackedLoader:
         )
         if manifest.num_bins == 0:
             raise ValueError(f"packed dataset {root} has no bins")
+        ShardStore(storage)  # a cache folder that cannot be written fails here, in one line, not in a worker
         self._micro_batches_done = 0  # handed out by this rank since the stream start
         self._data_wait_s = 0.0
         self._micro_batches = 0

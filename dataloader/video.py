@@ -68,10 +68,12 @@ def decode_planned_frames(
     *,
     name: str | None = None,
     counters: dict[str, int] | None = None,
+    keep_frames: bool = True,
 ) -> np.ndarray:
     """The planned frames resized to the plan's (h', w'): uint8 [n, h', w', 3] (RGB), in plan order.
 
-    `counters`, when given, receives "frames_decoded" and "seeks" (for tests and benchmarks).
+    `counters`, when given, receives "frames_decoded" and "seeks" (for tests and benchmarks). With
+    `keep_frames=False` every planned frame is decoded (same errors) but none kept: an empty array comes back.
     """
     import av
 
@@ -90,20 +92,24 @@ def decode_planned_frames(
             frame_pts, keyframe_pts = _packet_timestamps(container, stream, label)
             targets = frame_timestamps(frame_pts, plan, float(stream.time_base), label)
             counts = counters if counters is not None else {}
-            decoded = _decode_at(
-                container, stream, targets, frame_pts, keyframe_pts, plan.resized_hw, label, counts
-            )
+            size_hw = plan.resized_hw if keep_frames else None
+            decoded = _decode_at(container, stream, targets, frame_pts, keyframe_pts, size_hw, label, counts)
     except av.error.FFmpegError as exc:
         raise VideoDecodeError(f"video {label}: cannot decode the recorded frames: {exc}") from None
+    if not keep_frames:
+        return np.zeros((0, 0, 0, 3), np.uint8)
     return np.stack([decoded[pts] for pts in targets])
 
 
 def _packet_timestamps(container: Any, stream: Any, label: str) -> tuple[list[int], list[int]]:
-    """Sorted presentation timestamps of all frames and of the keyframes, from the packets (not decoded)."""
+    """Sorted presentation timestamps of the frames the decoder shows, and of all keyframes, from the packets
+    (not decoded). Frames an edit list flags to be discarded (before a stream-copy cut) are not shown, so they
+    are not frames of the plan either (the scan counted the same way); their keyframes still serve seeks."""
     frame_pts, keyframe_pts = [], []
     for packet in container.demux(stream):
         if packet.size and packet.pts is not None:
-            frame_pts.append(packet.pts)
+            if not packet.is_discard:
+                frame_pts.append(packet.pts)
             if packet.is_keyframe:
                 keyframe_pts.append(packet.pts)
     if not frame_pts:
@@ -134,7 +140,7 @@ def _decode_at(
     targets: list[int],
     frame_pts: list[int],
     keyframe_pts: list[int],
-    size_hw: tuple[int, int],
+    size_hw: tuple[int, int] | None,
     label: str,
     counters: dict[str, int],
 ) -> dict[int, np.ndarray]:
@@ -168,11 +174,14 @@ def _decode_at(
                 raise VideoDecodeError(
                     f"video {label}: no frame at timestamp {target} after seeking (next is {frame.pts})"
                 )
-            found[target] = resize_frame(frame.to_ndarray(format="rgb24"), size_hw)
+            found[target] = resize_frame(frame.to_ndarray(format="rgb24"), size_hw) if size_hw else _NOTHING
             break
         else:
             raise VideoDecodeError(f"video {label} ended before the frame at timestamp {target}")
     return found
+
+
+_NOTHING = np.zeros((0, 0, 3), np.uint8)  # a frame decoded for a check only (`keep_frames=False`)
 
 
 def _next(frame_pts: list[int], pts: int) -> int:

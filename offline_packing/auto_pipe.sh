@@ -35,6 +35,10 @@
 #   --default-system "You are a helpful assistant."   --no-default-system   --chat-template FILE|builtin
 #   -t TOKENIZER   --format arrow|wds|both   --engine ray   --seed N   --overlength truncate   --strict ...
 #
+# <OUT> and the work folder must be new, empty or mmpack's own (they carry .mmpack-owner.json); a non-empty
+# folder of yours is refused (-x --overwrite adopts it; nothing but mmpack's own files is touched). One job at a
+# time per output: a second one stops at once, naming the first.
+#
 # Stages (each resumable; outputs under <OUT>/_work unless --work-dir, markers <stage>.done.json). A rerun
 # skips a stage only if its options, the stages before it and every file it reads are unchanged; otherwise it
 # redoes that stage and the later ones, and stage 4 removes the shards it wrote before that are now unlisted.

@@ -26,6 +26,7 @@ STAGES = ("scan", "lengths", "binpack", "write")
 OVERLENGTH_POLICIES = ("drop", "truncate", "error")
 OUTPUT_FORMATS = ("arrow", "wds", "both")
 IMAGE_CHECKS = ("header", "decode")
+VIDEO_CHECKS = ("header", "decode")
 VERIFY_INPUTS = ("stat", "sha256")
 # The inputs enter the scan fingerprint by identity (canonical path, size, mtime_ns or sha256), not as typed.
 INPUT_FIELDS = frozenset({"inputs"})
@@ -37,6 +38,7 @@ RUN_CONTROL_FIELDS = frozenset(
         "ray_address",
         "work_dir",
         "clean_work",
+        "overwrite",
         "start_stage",
         "only_stage",
         "progress",
@@ -45,6 +47,9 @@ RUN_CONTROL_FIELDS = frozenset(
     }
 )
 ENGINES = ("local", "ray")
+# Records whose JSON text is longer are `record_too_large` rejects, found before they are parsed or tokenized:
+# real conversations are kilobytes, and a tokenizer fed hundreds of megabytes aborts the process.
+DEFAULT_MAX_RECORD_BYTES = 8 << 20
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -96,12 +101,15 @@ class PackJobConfig:
     chat_template_origin: str = ""  # the file it came from (manifest, messages)
     chat_template_vars: tuple[tuple[str, str], ...] = ()  # special tokens the template sees (bos_token, ...)
     image_check: str = "header"  # "header": sizes + end-marker check; "decode": full decode of every image
+    video_check: str = "header"  # "header": container metadata; "decode": also decode every planned frame
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # larger images (from the header) are rejects
     verify_inputs: str = "stat"  # input identity: "stat" (path, size, mtime_ns) or "sha256" (content)
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # longer records (their JSON text) are rejects
     energon: bool = False  # also write .nv-meta for Megatron-Energon (needs a wds output)
     shard_prefix: str = "packed"
     work_dir: str | None = None  # folder or URL for stage outputs and markers (default: `resolve_work_dir`)
     clean_work: bool = False  # delete the work folder after a successful job (a rerun then starts over)
+    overwrite: bool = False  # adopt a non-empty output / work folder without mmpack's marker (--overwrite)
     chunk_size: int = 2048  # samples per scan/lengths chunk (the unit of parallel work)
     start_stage: int | None = None  # -S: rerun from this stage (earlier ones must be complete); None = resume
     only_stage: int | None = None  # run only this stage (python -m offline_packing.<stage>)
@@ -129,8 +137,12 @@ class PackJobConfig:
             bad(f"overlength must be one of {OVERLENGTH_POLICIES}, got {self.overlength!r}")
         if self.image_check not in IMAGE_CHECKS:
             bad(f"image_check must be one of {IMAGE_CHECKS}, got {self.image_check!r}")
+        if self.video_check not in VIDEO_CHECKS:
+            bad(f"video_check must be one of {VIDEO_CHECKS}, got {self.video_check!r}")
         if self.verify_inputs not in VERIFY_INPUTS:
             bad(f"verify_inputs must be one of {VERIFY_INPUTS}, got {self.verify_inputs!r}")
+        if self.max_record_bytes < 1:
+            bad(f"--max-record-bytes must be >= 1, got {self.max_record_bytes}")
         if self.max_image_pixels < 1:
             bad(f"--max-image-pixels must be >= 1, got {self.max_image_pixels}")
         if not self.max_video_seconds > 0:
@@ -184,6 +196,7 @@ class ScanConfig:
 
     image_root: str | None
     image_check: str
+    max_record_bytes: int
     max_image_pixels: int  # also the limit on a video's frame size
     max_video_seconds: float
     chunk_size: int
@@ -214,6 +227,7 @@ class LengthsConfig:
     video_min_pixels: int
     video_max_pixels: int
     video_total_pixels: float
+    video_check: str
     default_system: str | None
     no_default_system: bool
     chat_template: str | None

@@ -21,10 +21,56 @@ class PackError(MmpackError, RuntimeError):
     default_reason = "job_error"
 
 
+# Every reason a sample can be rejected for (rejects.jsonl "reason", the manifest's rejected_by_reason), the one
+# list of them: each per-sample error reaches rejects.jsonl as a SampleReject, which accepts only these.
+REJECT_REASONS: dict[str, str] = {
+    # the record
+    "malformed_json": "not valid JSON, or not UTF-8",
+    "malformed_record": "valid JSON that is no usable record: not an object, nested deeper than 100 levels, "
+    "fields of the wrong type, both `image` and `images`, strings that are not valid Unicode (lone surrogates)",
+    "record_too_large": "its JSON text is longer than --max-record-bytes (found before it is parsed or tokenized)",
+    "unknown_role": "a message role other than system, user/human, assistant/gpt",
+    "empty_conversation": "no messages",
+    "misplaced_system": "a system message after the first position",
+    "no_assistant_turn": "no assistant message with content: nothing to train on",
+    "image_tag_mismatch": "the number of <image> tags differs from the number of images",
+    "video_tag_mismatch": "the number of <video> tags differs from the number of videos",
+    "reserved_token_in_text": "a message holds a control token of the chat template as text",
+    "unsupported_modality": "audio (a field or an <audio> tag): not counted yet, never packed as text",
+    # images
+    "missing_image": "the image file (or tar member) does not exist",
+    "image_not_a_file": "the image path is a FIFO, socket, device or folder, never opened",
+    "unreadable_image": "not an image Pillow reads, truncated or corrupt",
+    "image_path_escape": "an absolute path or one leaving the image root (`..`, also percent-encoded, symlinks)",
+    "image_too_large": "more pixels than --max-image-pixels (from the header)",
+    "image_aspect_ratio": "longer side over 200 times the shorter",
+    "image_size_invalid": "an image size without pixels (0 wide or high)",
+    "too_many_images": "more images than --max-images-per-bin",
+    # videos
+    "missing_video": "the video file (or tar member) does not exist",
+    "video_not_a_file": "the video path is a FIFO, socket, device or folder, never opened",
+    "unreadable_video": "the video cannot be read",
+    "empty_video": "an empty file, or a stream without frames",
+    "not_a_video": "not a video container FFmpeg reads (an image, text)",
+    "corrupt_video": "a video container that does not open, or is truncated",
+    "video_path_escape": "an absolute path or one leaving the image root",
+    "video_too_long": "longer than --max-video-seconds",
+    "video_too_large": "frames with more pixels than --max-image-pixels",
+    "video_timestamps": "timestamps too coarse to tell the frames apart (a timescale of 1)",
+    "video_too_short": "fewer than 2 frames to sample",
+    "video_aspect_ratio": "longer side over 200 times the shorter",
+    "video_too_small": "too elongated for the pixel budget: a side would shrink below one merged patch",
+    "undecodable_video": "--video-check decode: the planned frames do not decode",
+    # length
+    "overlength": "longer than -L under --overlength drop (or no cut keeps a target token under truncate)",
+}
+
+
 class SampleReject(MmpackError):
-    """A per-sample problem: the sample goes to rejects.jsonl with `reason` (short snake_case)."""
+    """A per-sample problem: the sample goes to rejects.jsonl with `reason`, one of `REJECT_REASONS`."""
 
     def __init__(self, reason: str, message: str):
+        assert reason in REJECT_REASONS, f"reject reason {reason!r} is not in REJECT_REASONS"
         super().__init__(message, reason=reason)
 
 

@@ -136,7 +136,10 @@ def finalize(cfg: PackJobConfig, wd: WorkDir, shards: list[dict]) -> Manifest:
 
         if not store.is_local:
             raise ValueError("--energon needs a local output folder (energon prepare indexes local tars)")
+        from mmpack.offline_packing.write import WriteRecord, energon_files
+
         write_energon_metadata(store.local_path(""), [e for e in shards if e["format"] == "wds"], cfg.workers)
+        WriteRecord(wd).add(energon_files(store))  # what Energon wrote there is this job's to remove later
     manifest = build_manifest(cfg, wd, counts, shards)
     store.write_bytes(MANIFEST_NAME, manifest.to_json())
     return manifest

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
@@ -42,6 +43,8 @@ def file_identity(path: str, verify: str) -> FileIdentity:
         st = os.stat(real)
     except FileNotFoundError:
         return [real, None, None]
+    if not stat.S_ISREG(st.st_mode):  # a FIFO or device is never read (the scan rejects it)
+        return [real, None, None]
     if verify == "sha256":
         return [real, st.st_size, _sha256_of_file(real)]
     return [real, st.st_size, st.st_mtime_ns]
@@ -49,7 +52,9 @@ def file_identity(path: str, verify: str) -> FileIdentity:
 
 def _sha256_of_file(path: str) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    from mmpack.packing.fileio import open_regular
+
+    with open_regular(path) as f:
         while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()

@@ -7,12 +7,14 @@ import argparse
 import os
 
 from mmpack.offline_packing.config import (
+    DEFAULT_MAX_RECORD_BYTES,
     ENGINES,
     IMAGE_CHECKS,
     OUTPUT_FORMATS,
     OVERLENGTH_POLICIES,
     STAGES,
     VERIFY_INPUTS,
+    VIDEO_CHECKS,
     PackJobConfig,
 )
 from mmpack.offline_packing.model_folder import (
@@ -67,6 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_IMAGE_PIXELS,
         help=f"images with more pixels (width x height, from the header) are rejected as image_too_large "
         f"(default {DEFAULT_MAX_IMAGE_PIXELS})",
+    )
+    g.add_argument(
+        "--max-record-bytes",
+        type=_size,
+        default=DEFAULT_MAX_RECORD_BYTES,
+        help="records whose JSON text is longer (e.g. 8M, 1G) are rejected as record_too_large before they are "
+        f"parsed or tokenized (default {DEFAULT_MAX_RECORD_BYTES >> 20}M)",
     )
     g.add_argument(
         "--verify-inputs",
@@ -168,6 +177,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"pixels all sampled frames of a video share, two frames per step (default {d.total_pixels:.0f})",
     )
     g.add_argument(
+        "--video-check",
+        choices=VIDEO_CHECKS,
+        default="header",
+        help="header: plan from container metadata, checked against the frames the decoder shows (default); "
+        "decode: also decode every planned frame at pack time, as the loader will (slow; a video that fails is "
+        "rejected as undecodable_video)",
+    )
+    g.add_argument(
         "--max-video-seconds",
         type=float,
         default=3 * 3600.0,
@@ -249,7 +266,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--clean-work",
         action="store_true",
-        help="delete the work folder after success (saves space; a rerun then redoes every stage)",
+        help="delete the work folder's files after success (saves space; a rerun then redoes every stage); only "
+        "files the job wrote there are deleted, and only in a folder that carries mmpack's marker",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into an output (or work folder) that is not empty and was not made by mmpack: its files "
+        "named like mmpack's (manifest.json, stats.json, rejects.jsonl, shards) are replaced, nothing else "
+        "is touched or deleted (default: such a folder is refused)",
     )
     g.add_argument("--chunk-size", type=int, default=2048, help="samples per unit of parallel work")
     g.add_argument(
@@ -298,13 +323,16 @@ def config_from_args(args: argparse.Namespace, only_stage: int | None = None) ->
         video_max_pixels=args.video_max_pixels,
         video_total_pixels=args.video_total_pixels,
         max_video_seconds=args.max_video_seconds,
+        video_check=args.video_check,
         image_check=args.image_check,
         max_image_pixels=args.max_image_pixels,
         verify_inputs=args.verify_inputs,
+        max_record_bytes=args.max_record_bytes,
         energon=args.energon,
         shard_prefix=args.shard_prefix,
         work_dir=args.work_dir,
         clean_work=args.clean_work,
+        overwrite=args.overwrite,
         chunk_size=args.chunk_size,
         start_stage=args.start_stage,
         only_stage=only_stage,

@@ -65,15 +65,20 @@ def image_rule(cfg: Any) -> Any:
     return ImageTokenRule(**{name: getattr(cfg, name) for name in RULE_JOB_FIELDS})
 
 
-def plan_videos(sample: dict, vrule: Any) -> list[Any]:
-    """The `VideoPlan` of each video of a scanned sample; SampleReject where the rule refuses one."""
+def plan_videos(sample: dict, vrule: Any, decode_check: bool = False) -> list[Any]:
+    """The `VideoPlan` of each video of a scanned sample; SampleReject where the rule refuses one (or, with
+    `decode_check`, where its planned frames do not decode)."""
+    from mmpack.offline_packing.inputs import video_timeline
+    from mmpack.offline_packing.inputs.video_probe import VideoProbeError
     from mmpack.packing.video_tokens import VideoMeta, VideoRuleError
 
     plans = []
     for path, info in zip(sample.get("videos", ()), sample.get("video_info", ())):
         try:
             plans.append(vrule.plan(VideoMeta(**info["meta"])))
-        except VideoRuleError as exc:
+            if decode_check:
+                video_timeline.decode_check(path, plans[-1], name=path)
+        except (VideoRuleError, VideoProbeError) as exc:  # a network error past the retries ends the job
             raise SampleReject(exc.reason, f"video {path}: {exc.message}") from None
     return plans
 
@@ -109,7 +114,7 @@ def prepare_scanned(
             "too_many_images", f"{len(grids)} images > --max-images-per-bin {cfg.max_images_per_bin}"
         )
     counts = [rule.tokens_of_grid(g) for g in grids]
-    plans = plan_videos(sample, vrule or video_rule(cfg))
+    plans = plan_videos(sample, vrule or video_rule(cfg), cfg.video_check == "decode")
     conv = Conversation(
         messages=tuple((r, c) for r, c in sample["messages"]),
         images=tuple(sample["images"]),
@@ -165,7 +170,11 @@ def finish_scanned(pending: ScannedPrep, cfg: LengthsConfig, tok: Any) -> tuple[
             "videos": sample["videos"][:k],
             "vfmt": [v["fmt"] for v in info],
             "vbytes": [v["nbytes"] for v in info],
-            "video_plans": [p.to_dict() for p in plans[:k]],
+            # with the video as the record names it and its sample: what a loader error reports
+            "video_plans": [
+                {**p.to_dict(), "source": name, "sample_id": sample["id"]}
+                for p, name in zip(plans[:k], sample.get("video_names", sample["videos"]))
+            ],
             "video_tokens": int(tok.num_video_tokens),
         }
     return tok, meta

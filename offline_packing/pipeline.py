@@ -21,10 +21,12 @@ from pathlib import Path
 from mmpack.offline_packing.config import STAGES, PackJobConfig, PackSummary
 from mmpack.offline_packing.errors import PackError, describe_failure
 from mmpack.offline_packing.fingerprint import identities, stage_fingerprint
+from mmpack.offline_packing.job_folders import JobFolders
 from mmpack.offline_packing.storage import OutputStore
 from mmpack.offline_packing.workdir import WorkDir
 from mmpack.packing.format import MANIFEST_NAME, STATS_NAME
 from mmpack.packing.manifest import Manifest
+from mmpack.packing.ownership import OwnedFolder
 
 
 def resolve_work_dir(cfg: PackJobConfig) -> str:
@@ -72,7 +74,9 @@ def _completed(cfg: PackJobConfig, wd: WorkDir, stage: str, fingerprint: str) ->
     return fingerprint
 
 
-def _run_stage(cfg: PackJobConfig, wd: WorkDir, stage: str, fingerprint: str, files: list[str]) -> str:
+def _run_stage(
+    cfg: PackJobConfig, wd: WorkDir, stage: str, fingerprint: str, files: list[str], output: OwnedFolder
+) -> str:
     """Run `stage`; returns its output fingerprint (what the next stage builds on)."""
     if stage == "scan":
         from mmpack.offline_packing.scan import run_scan
@@ -91,11 +95,11 @@ def _run_stage(cfg: PackJobConfig, wd: WorkDir, stage: str, fingerprint: str, fi
 
         run_binpack(cfg.stage_config("binpack"), wd, fingerprint)
     else:
-        _run_write(cfg, wd, fingerprint)
+        _run_write(cfg, wd, fingerprint, output)
     return fingerprint
 
 
-def _run_write(cfg: PackJobConfig, wd: WorkDir, fingerprint: str) -> None:
+def _run_write(cfg: PackJobConfig, wd: WorkDir, fingerprint: str, output: OwnedFolder) -> None:
     from mmpack.offline_packing.finalize import finalize
     from mmpack.offline_packing.write import (
         record_previous_dataset,
@@ -105,7 +109,8 @@ def _run_write(cfg: PackJobConfig, wd: WorkDir, fingerprint: str) -> None:
 
     write_cfg = cfg.stage_config("write")
     store = OutputStore(cfg.output, cfg.storage_options, staging_dir=wd.stage_dir("write"))
-    record_previous_dataset(store, wd)
+    if not output.created:  # a folder adopted now (--overwrite): its old manifest lists the user's files
+        record_previous_dataset(store, wd)
     store.remove(MANIFEST_NAME)  # the dataset is uncommitted while its shards are (re)written
     shards = run_write_shards(
         write_cfg,
@@ -116,7 +121,7 @@ def _run_write(cfg: PackJobConfig, wd: WorkDir, fingerprint: str) -> None:
         progress=cfg.progress,
     )
     finalize(cfg, wd, shards)
-    remove_unlisted_outputs(store, wd, write_cfg, shards)
+    remove_unlisted_outputs(output, wd, write_cfg, shards)
     wd.mark_done("write", fingerprint, {})
 
 
@@ -128,10 +133,15 @@ def _clear_chunk_markers(wd: WorkDir, stage: str) -> None:
 def run_pack(cfg: PackJobConfig) -> PackSummary:
     """Run the packing job described by `cfg`; returns its summary.
 
+    The output and the work folder are claimed and locked first (`mmpack.offline_packing.job_folders`).
+
     Raises:
-        PackError: a `--strict` reject, `--overlength error`, or `-S N` without stages 1..N-1 complete.
+        PackError: a `--strict` reject, `--overlength error`, a damaged gzip input, or `-S N` without stages
+            1..N-1 complete.
+        FolderNotOwned: the output or work folder is not empty and carries no mmpack marker (see --overwrite).
+        FolderLocked: another job holds the output or the work folder.
         FileNotFoundError: an input (-i) or the tokenizer does not exist.
-        OSError: the output or work folder cannot be written.
+        OSError: the output or work folder cannot be written; an input is not a regular file.
     """
     from mmpack.offline_packing.engines import use_engine
     from mmpack.offline_packing.inputs import remote
@@ -148,18 +158,27 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
 def _run_stages(cfg: PackJobConfig) -> PackSummary:
     from mmpack.offline_packing import workdir
     from mmpack.offline_packing.inputs.sources import expand_inputs
+    from mmpack.offline_packing.job_folders import claim_job_folders, remove_work_files
 
-    files = expand_inputs(cfg.inputs)
-    workdir.start_run()  # a URL work folder starts from an empty local cache: nothing stale is read
-    wd = WorkDir(resolve_work_dir(cfg))
-    wd.root.mkdir(parents=True, exist_ok=True)
-    try:
-        return _run_stages_in(cfg, files, wd)
-    finally:
-        wd.close()
+    work_address = resolve_work_dir(cfg)
+    with claim_job_folders(cfg, work_address) as folders:
+        files = expand_inputs(cfg.inputs, exclude=(cfg.output, work_address))  # never the job's own files
+        workdir.start_run()  # a URL work folder starts from an empty local cache: nothing stale is read
+        wd = WorkDir(work_address)
+        wd.root.mkdir(parents=True, exist_ok=True)
+        try:
+            summary = _run_stages_in(cfg, files, wd, folders)
+        finally:
+            wd.close()
+        clean = cfg.clean_work and "write" in (*summary.stage_seconds, *summary.stages_skipped)
+        if clean:
+            remove_work_files(folders.work)
+    if clean:
+        folders.work.release()  # its marker and the folder, once the lock file is gone too
+    return summary
 
 
-def _run_stages_in(cfg: PackJobConfig, files: list[str], wd: WorkDir) -> PackSummary:
+def _run_stages_in(cfg: PackJobConfig, files: list[str], wd: WorkDir, folders: JobFolders) -> PackSummary:
     first = cfg.only_stage or cfg.start_stage or 1
     last = cfg.only_stage or len(STAGES)
     summary = PackSummary(output=cfg.output)
@@ -181,19 +200,18 @@ def _run_stages_in(cfg: PackJobConfig, files: list[str], wd: WorkDir) -> PackSum
             summary.stages_skipped.append(name)
             previous, wrote = completed, name == "write"
             continue
+        folders.check()  # an object-store lease lost to another job: stop before writing more
         redo_rest = True  # every later stage depends on this one
         wd.forget(name)  # a URL work folder: this stage's files are about to change
         wd.clear_marker(name)
         if forced:
             _clear_chunk_markers(wd, name)
         start = time.perf_counter()
-        previous = _run_stage(cfg, wd, name, fingerprint, files)
+        previous = _run_stage(cfg, wd, name, fingerprint, files, folders.output)
         summary.stage_seconds[name] = time.perf_counter() - start
         wrote = name == "write"
     if wrote:
         _fill_summary(summary, cfg)
-        if cfg.clean_work:
-            wd.delete_all()
     return summary
 
 

@@ -12,6 +12,7 @@ Run alone: `python -m mmpack.offline_packing.scan <mmpack pack flags>`.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, cast
 
@@ -19,14 +20,9 @@ from mmpack.offline_packing.config import ScanConfig
 from mmpack.offline_packing.engines import run_parallel
 from mmpack.offline_packing.errors import PackError, SampleReject, reject_row
 from mmpack.offline_packing.fingerprint import FileIdentity, digest, file_identity, identities
-from mmpack.offline_packing.inputs.json_records import RawRecord
-from mmpack.offline_packing.inputs.sources import (
-    Chunk,
-    input_folder,
-    plan_chunks,
-    read_chunk,
-    resolve_image_path,
-)
+from mmpack.offline_packing.inputs.chunks import Chunk, plan_chunks, read_chunk
+from mmpack.offline_packing.inputs.json_records import RawRecord, lone_surrogate
+from mmpack.offline_packing.inputs.sources import input_folder, resolve_image_path
 from mmpack.offline_packing.workdir import (
     WorkDir,
     atomic_write_json,
@@ -35,6 +31,7 @@ from mmpack.offline_packing.workdir import (
     write_jsonl,
 )
 from mmpack.packing.errors import MmpackError
+from mmpack.packing.fileio import NotRegularFileError, open_regular
 
 STAGE = "scan"
 
@@ -68,17 +65,22 @@ def _read_image(path: str, check: ImageCheck) -> tuple[int, int, str, int]:
     if remote.is_url(path):
         return _read_remote_image(path, check)
     try:
-        # files: header (and end marker) only; tar members are small reads from one open file
-        src: str | bytes = read_image_bytes(path) if is_member_ref(path) else path
-        w, h, fmt = read_image_size(src, check_truncated=True, max_image_pixels=check.max_image_pixels)
+        if is_member_ref(path):  # tar members are small reads from one open file
+            data = read_image_bytes(path)
+            w, h, fmt = read_image_size(data, check_truncated=True, max_image_pixels=check.max_image_pixels)
+            if full_decode:
+                _decode_fully(data, path)
+            return w, h, fmt, len(data)
+        with open_regular(path) as f:  # files: header (and end marker) only
+            w, h, fmt = read_image_size(f, check_truncated=True, max_image_pixels=check.max_image_pixels)
+            size = os.fstat(f.fileno()).st_size
         if full_decode:
-            _decode_fully(src if isinstance(src, bytes) else read_image_bytes(path), path)
-        size = len(src) if isinstance(src, bytes) else os.path.getsize(path)
+            _decode_fully(read_image_bytes(path), path)
         return w, h, fmt, size
     except FileNotFoundError:
         raise SampleReject("missing_image", f"image file {path} does not exist") from None
-    except IsADirectoryError:
-        raise SampleReject("missing_image", f"image path {path} is a folder") from None
+    except NotRegularFileError as exc:
+        raise SampleReject("image_not_a_file", f"image {exc}; only regular files are read") from None
     except MmpackError as exc:
         raise SampleReject(exc.reason, exc.message) from None
     except (ValueError, OSError) as exc:
@@ -198,6 +200,12 @@ def scan_record(
         raise SampleReject(
             "malformed_record", f"a record must be a JSON object, got {type(rec.obj).__name__}"
         )
+    if (bad := lone_surrogate(rec.obj)) is not None:
+        raise SampleReject(
+            "malformed_record",
+            f"{source}:{rec.line}: a string of the record is not valid Unicode ({bad!r}, a lone surrogate from a "
+            "\\u escape); fix or remove the record",
+        )
     try:
         conv = normalize_record(rec.obj, source=source, line=rec.line)
     except MmpackError as exc:
@@ -237,7 +245,7 @@ def scan_record(
         "nbytes": nbytes,
     }
     if videos:  # image-only samples keep their earlier form
-        row |= {"videos": videos, "video_info": video_info}
+        row |= {"videos": videos, "video_info": video_info, "video_names": list(conv.videos)}
     return row
 
 
@@ -258,26 +266,29 @@ def scan_chunk(task: ScanTask) -> dict:
         max_image_pixels=cfg.max_image_pixels,
         max_video_seconds=cfg.max_video_seconds,
     )
-    samples, rejects = [], []
+    rejects: list[dict] = []
     read_files: dict[str, FileIdentity] = {}
     n_read = 0
-    for rec in read_chunk(chunk):
-        n_read += 1
-        try:
-            samples.append(scan_record(rec, chunk.path, image_root, check, read_files, cfg.verify_inputs))
-        except SampleReject as exc:
-            row = reject_row(chunk.path, rec.line, exc.reason, exc.message, STAGE)
-            if cfg.strict:
-                raise PackError(f"{chunk.path}:{rec.line}: {exc.reason}: {exc.message}") from None
-            rejects.append(row)
-    write_jsonl(wd.chunk_path(STAGE, chunk.index, "samples.jsonl"), samples)
+
+    def scanned() -> Iterator[dict]:  # written as they come: memory holds one record, not the chunk
+        nonlocal n_read
+        for rec in read_chunk(chunk, cfg.max_record_bytes):
+            n_read += 1
+            try:
+                yield scan_record(rec, chunk.path, image_root, check, read_files, cfg.verify_inputs)
+            except SampleReject as exc:
+                if cfg.strict:
+                    raise PackError(f"{chunk.path}:{rec.line}: {exc.reason}: {exc.message}") from None
+                rejects.append(reject_row(chunk.path, rec.line, exc.reason, exc.message, STAGE))
+
+    accepted = write_jsonl(wd.chunk_path(STAGE, chunk.index, "samples.jsonl"), scanned())
     write_jsonl(wd.chunk_path(STAGE, chunk.index, "rejects.jsonl"), rejects)
     images = sorted(read_files.values())
     atomic_write_json(wd.chunk_path(STAGE, chunk.index, "images.json"), images)
     counts = {
         "fingerprint": task.fingerprint,
         "read": n_read,
-        "accepted": len(samples),
+        "accepted": accepted,
         "rejected": len(rejects),
         "images": digest(images),
     }
@@ -308,7 +319,7 @@ def run_scan(
     cfg: ScanConfig, files: list[str], wd: WorkDir, fingerprint: str, *, workers: int, progress: bool
 ) -> dict:
     """Stage 1 over all chunks of `files` (canonical input paths); returns the marker info."""
-    chunks = plan_chunks(files, cfg.chunk_size)
+    chunks = plan_chunks(files, cfg.chunk_size, cfg.max_record_bytes)
     tasks = [ScanTask(c, wd.address, cfg, fingerprint) for c in chunks]
     results = run_parallel(
         scan_chunk,

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
+from mmpack.packing.fileio import open_regular
 from mmpack.packing.tar_index import index_tar as walk_tar
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
@@ -82,7 +83,7 @@ def read_image_bytes(path: str) -> bytes:
         tar_path, offset, size = path[len(_REF_PREFIX) :].rsplit("::", 2)
         if remote.is_url(tar_path):
             return remote.read_range(tar_path, int(offset), int(offset) + int(size))
-        with open(tar_path, "rb") as f:
+        with open_regular(tar_path) as f:
             f.seek(int(offset))
             data = f.read(int(size))
         if len(data) != int(size):
@@ -90,7 +91,7 @@ def read_image_bytes(path: str) -> bytes:
         return data
     if remote.is_url(path):
         return remote.read_all(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         return f.read()
 
 

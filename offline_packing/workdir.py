@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -28,11 +29,38 @@ from typing import Any
 
 import numpy as np
 
+from mmpack.offline_packing.config import STAGES
 from mmpack.packing import fileio
 
 # The run this process works for and the node it is on: a URL work folder's cache is per (run, node).
 _RUN: dict[str, str] = {"run": uuid.uuid4().hex[:12], "node": ""}
 _MIRRORS: dict[str, str] = {}  # local cache root -> the work folder URL it mirrors
+
+
+# The names of the files the job writes into a work folder (and of their temporaries, ".<name>.tmp-..." and
+# ".<name>.fetch-..."): `--clean-work` deletes these and nothing else.
+_STAGE_FILES = {
+    "scan": r"chunk-\d{6}\.(samples\.jsonl|rejects\.jsonl|images\.json|done\.json)",
+    "lengths": r"chunk-\d{6}\.(done\.json|[a-z_]+\.npy|samples\.jsonl|rejects\.jsonl)",
+    "binpack": r"[a-z_]+\.npy",
+    # shard markers, the write record, and files staged for an object-store output ("shards__x.tar")
+    "write": r"shard-\d{6}\.json|written\.json|manifest\.json|rejects\.jsonl|stats\.json|"
+    r"shards__[A-Za-z0-9_-]+-\d{6}\.(arrow|tar)",
+}
+_TEMPORARY = r"(\.(tmp|fetch)-[0-9a-f-]+)?"  # atomic writes and fetches go through hidden siblings
+_WORK_FILE = re.compile(
+    "^("
+    + "|".join(
+        [rf"\.?{stage}\.done\.json{_TEMPORARY}" for stage in STAGES]
+        + [rf"{stage}/\.?({names}){_TEMPORARY}" for stage, names in _STAGE_FILES.items()]
+    )
+    + ")$"
+)
+
+
+def is_work_file(rel: str) -> bool:
+    """True for a path (relative to the work folder) of a file the job writes there."""
+    return _WORK_FILE.match(rel) is not None
 
 
 def start_run(run: str | None = None, node: str = "") -> str:
@@ -121,9 +149,16 @@ def jsonl_line(row: dict) -> bytes:
     return (json.dumps(row, ensure_ascii=False, sort_keys=True, separators=(",", ":")) + "\n").encode()
 
 
-def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
-    """Atomically write one compact sorted-key JSON object per line."""
-    atomic_write_bytes(path, b"".join(jsonl_line(r) for r in rows))
+def write_jsonl(path: Path, rows: Iterable[dict]) -> int:
+    """Atomically write one compact sorted-key JSON object per line, each as it comes (memory holds one row);
+    returns the number of rows."""
+    n = 0
+    with fileio.atomic_open(path) as f:
+        for row in rows:
+            f.write(jsonl_line(row))
+            n += 1
+    _publish(path)
+    return n
 
 
 def read_done_marker(path: Path, fingerprint: str) -> dict | None:
@@ -215,16 +250,6 @@ class WorkDir:
         if self.url is not None:
             shutil.rmtree(self.root / stage, ignore_errors=True)
             (self.root / f"{stage}.done.json").unlink(missing_ok=True)
-
-    def delete_all(self) -> None:
-        """Remove the whole work folder (`--clean-work`), at the URL too."""
-        if self.url is not None:
-            from mmpack.offline_packing.inputs import remote
-
-            fs, root = remote.filesystem(self.url)
-            if remote.with_retries(self.url, "stat", lambda: fs.exists(root)):
-                remote.with_retries(self.url, "delete", lambda: fs.rm(root, recursive=True))
-        shutil.rmtree(self.root, ignore_errors=True)
 
     def close(self) -> None:
         """End of the job: a URL work folder's local cache is removed (the URL keeps everything)."""

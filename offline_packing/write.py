@@ -27,6 +27,7 @@ from mmpack.offline_packing.outputs.shard_writers import HashingWriter, PackedBi
 from mmpack.offline_packing.storage import OutputStore
 from mmpack.offline_packing.workdir import WorkDir, atomic_write_json, read_done_marker
 from mmpack.packing.format import MANIFEST_NAME, SHARDS_DIR, bin_key, shard_name
+from mmpack.packing.ownership import OwnedFolder
 
 STAGE = "write"
 
@@ -208,16 +209,21 @@ def run_write_shards(
 
 
 # Only names the writer itself gives shards (`shard_name`, and the `.tar.idx` Energon's preparation puts
-# beside a tar) are ever removed, and only if recorded as written.
+# beside a tar) and the files of Energon's metadata folder are ever removed, and only if recorded as written.
 _OWN_SHARD = re.compile(rf"^{SHARDS_DIR}/[A-Za-z0-9_-]+-\d{{6}}\.(arrow|tar|tar\.idx)$")
 ENERGON_DIR = ".nv-meta"
 
 
 def _written_by(cfg: WriteConfig, shard_paths: list[str]) -> list[str]:
-    """The output paths a write of `shard_paths` creates: the shards, and with --energon its metadata."""
+    """The output paths a write of `shard_paths` creates before its metadata: the shards, and with --energon
+    the tar indexes beside them (the `.nv-meta` files are recorded once Energon has written them)."""
     if not cfg.energon:
         return list(shard_paths)
-    return [*shard_paths, *(f"{p}.idx" for p in shard_paths if p.endswith(".tar")), ENERGON_DIR]
+    return [*shard_paths, *(f"{p}.idx" for p in shard_paths if p.endswith(".tar"))]
+
+
+def _is_energon_file(rel: str) -> bool:
+    return rel.startswith(f"{ENERGON_DIR}/")
 
 
 class WriteRecord:
@@ -242,7 +248,8 @@ class WriteRecord:
 
 def record_previous_dataset(store: OutputStore, wd: WorkDir) -> None:
     """Add the files of the dataset now in the output (its manifest's shards, `.nv-meta`) to the write record,
-    before that manifest is removed: they are files an earlier run of mmpack wrote."""
+    before that manifest is removed: they are files an earlier run of mmpack wrote (the caller makes sure
+    the output was mmpack's before this run)."""
     if store.size(MANIFEST_NAME) is None:
         return
     try:
@@ -252,29 +259,35 @@ def record_previous_dataset(store: OutputStore, wd: WorkDir) -> None:
     except (ValueError, KeyError, TypeError, AttributeError):
         return  # not a manifest this job can read: nothing of it is removed
     if store.is_local and store.local_path(ENERGON_DIR).is_dir():
-        paths += [ENERGON_DIR, *(f"{p}.idx" for p in paths if p.endswith(".tar"))]
+        paths += [*energon_files(store), *(f"{p}.idx" for p in paths if p.endswith(".tar"))]
     WriteRecord(wd).add(paths)
 
 
+def energon_files(store: OutputStore) -> list[str]:
+    """The files now in the output's `.nv-meta` folder (local outputs), as output-relative paths."""
+    meta = store.local_path(ENERGON_DIR)
+    return sorted(f"{ENERGON_DIR}/{p.relative_to(meta).as_posix()}" for p in meta.rglob("*") if p.is_file())
+
+
 def remove_unlisted_outputs(
-    store: OutputStore, wd: WorkDir, cfg: WriteConfig, shards: list[dict]
+    output: OwnedFolder, wd: WorkDir, cfg: WriteConfig, shards: list[dict]
 ) -> list[str]:
     """Delete what this job wrote earlier that the new manifest does not list; returns the removed paths.
 
-    Only recorded paths named like the writer's shards (`shards/<prefix>-NNNNNN.arrow|tar`), and
-    `.nv-meta` when the new dataset has no Energon metadata, are candidates: other files are never touched.
+    Only recorded paths named like the writer's shards (`shards/<prefix>-NNNNNN.arrow|tar`), and recorded
+    `.nv-meta` files when the new dataset has no Energon metadata, are candidates, and only in an output
+    that carries mmpack's marker (`output`): other files are never touched.
     """
-    import shutil
-
+    recorded = WriteRecord(wd).read()
     keep = set(_written_by(cfg, [e["path"] for e in shards]))
-    removed = []
-    for rel in sorted(WriteRecord(wd).read() - keep):
-        if _OWN_SHARD.match(rel) and store.size(rel) is not None:
-            store.remove(rel)
-            removed.append(rel)
-        elif rel == ENERGON_DIR and not cfg.energon and store.is_local:
-            shutil.rmtree(store.local_path(ENERGON_DIR), ignore_errors=True)
-            removed.append(rel)
+    if cfg.energon:
+        keep |= {rel for rel in recorded if _is_energon_file(rel)}
+    candidates = [
+        rel
+        for rel in sorted(recorded - keep)
+        if _OWN_SHARD.match(rel) or (_is_energon_file(rel) and not cfg.energon)
+    ]
+    removed = output.remove_recorded(candidates)
     WriteRecord(wd).replace(sorted(keep))
     return removed
 

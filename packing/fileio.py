@@ -1,13 +1,16 @@
-"""The project's one atomic local write and its one S3 endpoint resolution (stdlib only).
+"""The project's one atomic local write, its one S3 endpoint resolution, and its one way to open a local input
+file without ever blocking on a FIFO or a device (stdlib only).
 
-Used by the offline job (work folder, output store) and the loader (cache records, tar indexes) alike.
+Used by the offline job (work folder, output store, inputs) and the loader (cache records, tar indexes) alike.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,3 +66,42 @@ def resolve_storage_options(url: str, storage_options: dict[str, Any] | None) ->
             client_kwargs["endpoint_url"] = endpoint
             opts["client_kwargs"] = client_kwargs
     return opts
+
+
+class NotRegularFileError(OSError):
+    """A path that is a FIFO, socket, device or folder where a regular file was expected (never read)."""
+
+
+def describe_mode(mode: int) -> str:
+    """ "a FIFO (named pipe)", "a socket", "a character device", ... for a `stat` mode."""
+    kinds = (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a folder"),
+    )
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
+
+
+def open_regular(path: str | os.PathLike[str]) -> IO[bytes]:
+    """`path` opened for binary reads if it is a regular file (symlinks followed); else NotRegularFileError.
+
+    Opened without blocking and checked on the open descriptor, so a FIFO (whose open would wait for a writer
+    forever), a socket or a device is refused without a hang, and a file swapped in between is not missed.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno == errno.ENXIO and os.path.exists(path):  # a socket (or a FIFO-like device)
+            what = describe_mode(os.stat(path).st_mode)
+            raise NotRegularFileError(f"{os.fspath(path)} is {what}, not a regular file") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegularFileError(f"{os.fspath(path)} is {describe_mode(mode)}, not a regular file")
+    os.set_blocking(fd, True)
+    f = os.fdopen(fd, "rb")
+    f.raw.name = os.fspath(path)  # type: ignore[attr-defined]  # messages name the path, not the descriptor
+    return f

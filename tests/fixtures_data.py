@@ -190,12 +190,15 @@ def small_job_config(raw: tuple[Path, Path], out: str | Path, **kw: Any) -> Any:
 
 
 def dataset_files(out: Path) -> dict[str, bytes]:
-    """Relative path -> bytes of every file of a packed dataset folder (work folder excluded)."""
+    """Relative path -> bytes of every file of a packed dataset folder (work folder and the folder's ownership
+    marker, which records when and by whom it was made, excluded)."""
+    from mmpack.packing.ownership import MARKER_NAME
+
     out = Path(out)
     return {
         p.relative_to(out).as_posix(): p.read_bytes()
         for p in sorted(out.rglob("*"))
-        if p.is_file() and "_work" not in p.relative_to(out).parts
+        if p.is_file() and "_work" not in p.relative_to(out).parts and p.name != MARKER_NAME
     }
 
 

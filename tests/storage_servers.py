@@ -34,14 +34,24 @@ def _serve_in_thread(server: http.server.ThreadingHTTPServer) -> threading.Threa
 
 
 class _QuietFileHandler(http.server.SimpleHTTPRequestHandler):
+    def __init__(self, *args: Any, requests: list[str] | None = None, **kwargs: Any) -> None:
+        self._requests = requests
+        super().__init__(*args, **kwargs)
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
+    def send_head(self) -> Any:
+        if self._requests is not None:
+            self._requests.append(self.translate_path(self.path))  # the file the server resolves it to
+        return super().send_head()
+
 
 @contextlib.contextmanager
-def http_server(directory: str | Path) -> Iterator[str]:
-    """Serves `directory` over HTTP on 127.0.0.1; yields the base URL (no trailing slash)."""
-    handler = partial(_QuietFileHandler, directory=str(directory))
+def http_server(directory: str | Path, requests: list[str] | None = None) -> Iterator[str]:
+    """Serves `directory` over HTTP on 127.0.0.1; yields the base URL (no trailing slash). `requests`, when
+    given, receives the local path each GET or HEAD resolved to (what the server decoded and normalised)."""
+    handler = partial(_QuietFileHandler, directory=str(directory), requests=requests)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     thread = _serve_in_thread(server)

@@ -393,3 +393,72 @@ def test_local_check_record_follows_the_folder_a_link_points_to(
     link.symlink_to(tmp_path / "b")
     ShardStore(config).local_path(shard)
     assert len(hashed) == 2  # control: the same bytes in another file are checked again
+
+
+@contextlib.contextmanager
+def _unwritable(folder: Path) -> Iterator[None]:
+    """`folder` made unwritable for this process: chmod, or (as root, whom modes do not stop) the immutable flag."""
+    import subprocess
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+        return
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        pytest.skip(
+            "running as root on a file system without the immutable flag: cannot make a folder read-only"
+        )
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+def test_read_only_cache_folder_is_one_clear_error(s3: tuple[S3Endpoint, str], tmp_path: Path) -> None:
+    endpoint, url = s3
+    cache = tmp_path / "ro-cache"
+    with _unwritable(cache), pytest.raises(ShardError) as info:
+        stream(url, storage_options=endpoint.storage_options, cache_dir=str(cache))
+    message = str(info.value)
+    assert (
+        "\n" not in message
+        and str(cache) in message
+        and "cannot be written" in message
+        and "--data-cache-dir" in message
+    )
+
+
+def test_damaged_cached_copy_is_checked_again_and_fetched_again(
+    s3: tuple[S3Endpoint, str], local_stream: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """A cached copy changed after it was verified is not used by the next process: checked, removed, fetched."""
+    endpoint, url = s3
+    opts = endpoint.storage_options
+    stream(url, storage_options=opts, cache_dir=str(tmp_path), num_workers=1)  # fills the cache
+    cached = sorted(p for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".arrow", ".tar"))
+    assert cached
+    victim = cached[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size: a damaged disk or a stray write
+    victim.write_bytes(bytes(data))
+    shard = next(
+        s
+        for s in load_manifest(url, storage_options=opts).shards
+        if victim.name.endswith(s.path.replace("/", "__"))
+    )
+    assert hashlib.sha256(victim.read_bytes()).hexdigest() != shard.sha256  # control: the copy is damaged
+    store = ShardStore(
+        StorageConfig(root=url, cache_dir=str(tmp_path), storage_options=opts)
+    )  # another process
+    path = store.local_path(shard)
+    assert hashlib.sha256(Path(path).read_bytes()).hexdigest() == shard.sha256
+    assert store.metrics.redownloads == 1 and store.metrics.cache_misses == 1
+    again, metrics = stream(
+        url, storage_options=opts, cache_dir=str(tmp_path), num_workers=2, prefetch_shards=0
+    )
+    assert_same(again, local_stream)
+    assert metrics["cache_hits"] > 0 and metrics["bytes_read"] == 0  # the good copies are used as they are

@@ -132,7 +132,10 @@ def test_unchanged_rerun_skips_every_stage(tmp_path: Path, tok: Path) -> None:
 
 
 def test_foreign_files_are_never_removed(tmp_path: Path, tok: Path) -> None:
-    """Files the job did not write stay, even when named like its shards."""
+    """Files the job did not write stay, even when named like its shards: the folder is refused unless adopted
+    with --overwrite, and then only the files the job writes are replaced."""
+    from mmpack.packing.ownership import FolderNotOwned
+
     data = _data(tmp_path / "raw")
     out = tmp_path / "out"
     (out / "shards").mkdir(parents=True)
@@ -143,7 +146,14 @@ def test_foreign_files_are_never_removed(tmp_path: Path, tok: Path) -> None:
     }
     for p, b in foreign.items():
         p.write_bytes(b)
-    run_pack(_cfg([data.jsonl_path], data.image_root, out, tok))
+    with pytest.raises(FolderNotOwned, match="--overwrite"):
+        run_pack(_cfg([data.jsonl_path], data.image_root, out, tok))
+    assert {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} == {
+        "shards/packed-000099.arrow",
+        "shards/notes.txt",
+        "README",
+    }
+    run_pack(_cfg([data.jsonl_path], data.image_root, out, tok, overwrite=True))
     run_pack(_cfg([data.jsonl_path], data.image_root, out, tok, shard_prefix="next", seq_len=300))
     for p, b in foreign.items():
         assert p.read_bytes() == b

@@ -105,7 +105,7 @@ def test_not_a_video_empty_missing(tmp_path: Path) -> None:
     assert _reject_reason(png) == "not_a_video"
     assert _reject_reason(empty) == "empty_video"
     assert _reject_reason(tmp_path / "absent.mp4") == "missing_video"
-    assert _reject_reason(tmp_path) == "missing_video"
+    assert _reject_reason(tmp_path) == "video_not_a_file"  # a folder
 
 
 def test_limits(tmp_path: Path) -> None:

@@ -77,3 +77,42 @@ def reference_frames(path: Path | str, plan: VideoPlan) -> list[np.ndarray]:
         shown_at = pts[0] + round(i / plan.video_fps / time_base)
         picked.append(decoded[max(0, bisect.bisect_right(pts, shown_at) - 1)][1])
     return picked
+
+
+def stream_copy_cut(src: Path, dst: Path, cut_frames: int, rate: int = 25) -> Path:
+    """What `ffmpeg -ss T -c copy` writes: every packet kept, timestamps moved back by `cut_frames` frames, so
+    the mp4 muxer writes an edit list and the frames before the cut (from the keyframe before it) stay in the
+    file, flagged to be discarded."""
+    import av
+
+    with av.open(str(src)) as inp, av.open(str(dst), "w") as out:
+        ist = inp.streams.video[0]
+        ost = out.add_stream_from_template(ist)
+        shift = cut_frames * round(1 / (rate * ist.time_base))
+        for packet in inp.demux(ist):
+            if packet.dts is None:
+                continue
+            packet.pts, packet.dts = packet.pts - shift, packet.dts - shift
+            packet.stream = ost
+            out.mux(packet)
+    return dst
+
+
+def timescale_one(src: Path, dst: Path) -> Path:
+    """An mp4 remuxed with a track timescale of 1 (one tick a second): the frames of the first second share
+    timestamp 0, and the muxer refuses the first packet that would go back in time, which ends the file."""
+    import av
+
+    with av.open(str(src)) as inp, av.open(str(dst), "w", options={"video_track_timescale": "1"}) as out:
+        ist = inp.streams.video[0]
+        ost = out.add_stream_from_template(ist)
+        ost.time_base = Fraction(1, 1)
+        for packet in inp.demux(ist):
+            if packet.dts is None:
+                continue
+            packet.stream = ost
+            try:
+                out.mux(packet)
+            except av.error.ArgumentError:  # "Invalid argument": a timestamp going back
+                break
+    return dst

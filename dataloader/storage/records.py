@@ -14,6 +14,17 @@ CHUNK_BYTES = 4 << 20
 _RECORD_READ = 64 << 10  # records are a few KB: one read is all but always enough
 
 
+def file_stamp(st: os.stat_result, shard: Any) -> dict[str, Any]:
+    """What identifies a checked copy of a shard: its size, mtime, inode, device and the sha256 it was checked for."""
+    return {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "inode": st.st_ino,
+        "device": st.st_dev,
+        "sha256": shard.sha256,
+    }
+
+
 def sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import os
 import random
+import sys
 import threading
 import time
 from typing import Any
@@ -37,7 +38,13 @@ from mmpack.dataloader.manifest import ShardInfo, join_url
 from mmpack.dataloader.storage.config import ShardError, StorageConfig, local_root
 from mmpack.dataloader.storage.locks import _flock
 from mmpack.dataloader.storage.metrics import StorageMetrics
-from mmpack.dataloader.storage.records import CHUNK_BYTES, read_json, sha256_file, write_json_atomic
+from mmpack.dataloader.storage.records import (
+    CHUNK_BYTES,
+    file_stamp,
+    read_json,
+    sha256_file,
+    write_json_atomic,
+)
 from mmpack.packing.fileio import resolve_storage_options
 
 # Shards up to this size are read with one GET (`cat_file`) and held in memory once; bigger ones stream.
@@ -68,7 +75,7 @@ class ShardStore:
             self.cache_dir = ""
         else:
             self.cache_dir = os.path.join(base, tag)
-            os.makedirs(os.path.join(self.cache_dir, _LOCK_DIR), exist_ok=True)
+            check_cache_dir(self.cache_dir, config.root)
 
     # -- public -------------------------------------------------------------------------------------------
     def local_path(self, shard: ShardInfo) -> str:
@@ -78,7 +85,7 @@ class ShardStore:
             assert local is not None  # waited for the lock
             return local
         path = self._cache_path(shard)
-        if os.path.exists(path):
+        if os.path.exists(path) and self._cached_ok(shard, path):
             self._count("cache_hits")
             with contextlib.suppress(FileNotFoundError):
                 os.utime(path)  # LRU order is mtime order
@@ -99,7 +106,7 @@ class ShardStore:
         with _flock(self._lock_path(os.path.basename(path)), blocking=wait) as got:
             if not got:
                 return False
-            if os.path.exists(path):
+            if os.path.exists(path) and self._cached_ok(shard, path):
                 with contextlib.suppress(FileNotFoundError):
                     os.utime(path)  # about to be used: most recently used
             else:
@@ -139,8 +146,7 @@ class ShardStore:
             st = os.stat(path)
         except FileNotFoundError:
             raise ShardError(f"shard {shard.path} not found at {path}") from None
-        stamp = {"path": self._real_path(shard), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-        stamp |= {"inode": st.st_ino, "device": st.st_dev, "sha256": shard.sha256}
+        stamp = {"path": self._real_path(shard), **file_stamp(st, shard)}
         marker = os.path.join(self.meta_dir, f"{shard.sha256}.verified.json") if self.meta_dir else ""
         if not (marker and read_json(marker) == stamp):
             # One checker per shard at a time; the others wait for its record instead of hashing too. The
@@ -174,6 +180,37 @@ class ShardStore:
         return os.path.join(self._real_root, shard.path)
 
     # -- remote ---------------------------------------------------------------------------------------------
+    def _cached_ok(self, shard: ShardInfo, path: str) -> bool:
+        """Whether the cached copy of a remote shard still holds the manifest's bytes, checked the first time
+        this process uses it: its size, mtime and inode against the record written when it was verified (a
+        `stat`), and its sha256 when they differ or there is no record. A bad copy is removed (False: fetch
+        it again), never used."""
+        if path in self._verified:
+            return True
+        try:
+            st = os.stat(path)
+            stamp = file_stamp(st, shard)
+            record = self._cached_record(shard)
+            if not (record and read_json(record) == stamp):
+                if st.st_size != shard.bytes or sha256_file(path) != shard.sha256:
+                    os.unlink(path)
+                    self._count("redownloads")
+                    print(
+                        f"mmpack loader: the cached copy {path} of shard {shard.path} is damaged; fetching it again",
+                        file=sys.stderr,
+                    )
+                    return False
+                if record:
+                    write_json_atomic(record, stamp)
+        except FileNotFoundError:  # evicted by another process meanwhile
+            return False
+        with self._lock:
+            self._verified.add(path)
+        return True
+
+    def _cached_record(self, shard: ShardInfo) -> str:
+        return os.path.join(self.meta_dir, f"{shard.sha256}.cached.json") if self.meta_dir else ""
+
     def _cache_path(self, shard: ShardInfo) -> str:
         # The digest is part of the name: a dataset rewritten at the same URL never reuses stale bytes.
         return os.path.join(self.cache_dir, f"{shard.sha256[:16]}-{shard.path.replace('/', '__')}")
@@ -223,6 +260,10 @@ class ShardStore:
                     # names from it, and the scan would then hand out space this shard holds.
                     with _flock(self._lock_path(".cache")):
                         os.replace(part, path)
+                    if record := self._cached_record(shard):  # what later processes check their use against
+                        write_json_atomic(record, file_stamp(os.stat(path), shard))
+                    with self._lock:
+                        self._verified.add(path)
                     return
                 self._count("redownloads")
                 last_error = (
@@ -314,6 +355,22 @@ class ShardStore:
 
 class _Cancelled(Exception):
     pass
+
+
+def check_cache_dir(cache_dir: str, root: str) -> None:
+    """Make the cache folder of a remote dataset (and its lock folder), and check a file can be created there:
+    ShardError in one line otherwise, before any loader worker starts."""
+    try:
+        os.makedirs(os.path.join(cache_dir, _LOCK_DIR), exist_ok=True)
+        probe = os.path.join(cache_dir, _LOCK_DIR, f".write-check-{os.getpid()}")
+        with open(probe, "wb"):
+            pass
+        os.unlink(probe)
+    except OSError as exc:
+        raise ShardError(
+            f"the cache folder {cache_dir} of the remote dataset {root} cannot be written ({exc.strerror or exc}); "
+            "give a writable cache_dir (--data-cache-dir for the trainer) or fix its permissions"
+        ) from None
 
 
 def _sleep(seconds: float, cancel: threading.Event | None, shard: ShardInfo) -> None:

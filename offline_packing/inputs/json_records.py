@@ -4,7 +4,7 @@
 Each record comes back as a `RawRecord` with its 1-based line. A record that cannot be used is a record with
 an error, never a crash and never a silent repair: invalid UTF-8 is `malformed_json` (not replaced by U+FFFD),
 a record nested deeper than `MAX_NESTING_DEPTH` is `malformed_record` (the parser's recursion limit is never
-reached).
+reached), a record whose JSON text is longer than `max_record_bytes` is `record_too_large` (never parsed).
 """
 
 from __future__ import annotations
@@ -47,30 +47,79 @@ def parse_json_line(raw: bytes, line: int) -> RawRecord:
         return RawRecord(line, error=_DEEP_MESSAGE, error_reason="malformed_record")
 
 
-def parse_json_document(data: bytes) -> list[RawRecord]:
+def lone_surrogate(obj: object) -> str | None:
+    """The first lone surrogate in the strings of a parsed record, or None: JSON escapes can spell one ("\\ud800"),
+    which no file name, tokenizer or UTF-8 output can hold."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return str(exc.object[exc.start : exc.end])
+    return None
+
+
+def too_large(line: int, size_bytes: int, max_record_bytes: int, tar_sample: object = None) -> RawRecord:
+    """The reject of a record of `size_bytes` over the limit (it is not parsed)."""
+    return RawRecord(
+        line,
+        error=f"record of {size_bytes} bytes is larger than --max-record-bytes {max_record_bytes}; split it, or "
+        "raise the limit",
+        tar_sample=tar_sample,
+        error_reason="record_too_large",
+    )
+
+
+def looks_like_json_lines(head: list[bytes], complete: bool = True) -> bool:
+    """Whether a `.json` file whose first two non-blank lines are `head` holds JSONL: the first line is a JSON
+    value on its own, or it is broken while the second is an object on its own. Otherwise it is one document (an
+    array, a pretty-printed object), as `parse_json_document` decides for the whole text. `complete=False`: the
+    first line is only its first bytes (it is over the record limit), so only an array shows it a document."""
+    if not head:
+        return False
+    first = head[0].removeprefix(BOM)
+    if first.lstrip()[:1] == b"[":
+        return False
+    if not complete or _parses_alone(first) is not None:
+        return True
+    return len(head) > 1 and isinstance(_parses_alone(head[1]), dict)
+
+
+def _parses_alone(raw: bytes | None) -> object:
+    try:
+        return None if raw is None else json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return None
+
+
+def parse_json_document(data: bytes, max_record_bytes: int | None = None) -> list[RawRecord]:
     """The records of a whole file's bytes: array elements, one object, or JSONL content (detected)."""
     data = data.removeprefix(BOM)
     text = data.decode("utf-8", errors="surrogateescape")
     pos = _skip_ws(text, 0)
     if pos < len(text) and text[pos] == "[":
-        return _split_json_array(text, pos)
+        return _split_json_array(text, pos, max_record_bytes)
     if pos >= len(text):
         return []
-    single = _one_value(text, pos)
+    single = _one_value(text, pos, max_record_bytes)
     if single is not None:
         return [single]
-    return parse_json_lines(data)
+    return parse_json_lines(data, max_record_bytes)
 
 
-def parse_json_lines(data: bytes) -> list[RawRecord]:
+def parse_json_lines(data: bytes, max_record_bytes: int | None = None) -> list[RawRecord]:
     """Every non-blank line of JSONL bytes as a record."""
-    return [parse_json_line(raw, line) for line, raw in enumerate(data.split(b"\n"), start=1) if raw.strip()]
+    return [
+        too_large(line, len(raw.rstrip(b"\r")), max_record_bytes)
+        if max_record_bytes is not None and len(raw.rstrip(b"\r")) > max_record_bytes
+        else parse_json_line(raw, line)
+        for line, raw in enumerate(data.split(b"\n"), start=1)
+        if raw.strip()
+    ]
 
 
 _DEEP_MESSAGE = f"record is nested deeper than {MAX_NESTING_DEPTH} levels"
 
 
-def _one_value(text: str, pos: int) -> RawRecord | None:
+def _one_value(text: str, pos: int, max_record_bytes: int | None = None) -> RawRecord | None:
     """The file as one JSON value (one record), or None when it holds JSONL content.
 
     JSONL: a first value followed by more, or a first value that fails to parse while a later line on its
@@ -87,7 +136,7 @@ def _one_value(text: str, pos: int) -> RawRecord | None:
         end = _value_end(text, pos)
     if _skip_ws(text, end) < len(text):
         return None
-    return _parse_element(text, pos, end, line)
+    return _parse_element(text, pos, end, line, max_record_bytes)
 
 
 def _later_line_is_object(text: str, pos: int) -> bool:
@@ -105,7 +154,7 @@ def _later_line_is_object(text: str, pos: int) -> bool:
     return False
 
 
-def _split_json_array(text: str, pos: int) -> list[RawRecord]:
+def _split_json_array(text: str, pos: int, max_record_bytes: int | None = None) -> list[RawRecord]:
     """Elements of a top-level JSON array with the line each starts on."""
     decoder = json.JSONDecoder()
     records: list[RawRecord] = []
@@ -122,15 +171,21 @@ def _split_json_array(text: str, pos: int) -> list[RawRecord]:
             return records
         except RecursionError:
             end = _value_end(text, pos)
-        records.append(_parse_element(text, pos, end, line))
+        records.append(_parse_element(text, pos, end, line, max_record_bytes))
         pos = _skip_ws(text, end)
         if pos < len(text) and text[pos] == ",":
             pos = _skip_ws(text, pos + 1)
     return records
 
 
-def _parse_element(text: str, start: int, end: int, line: int) -> RawRecord:
+def _parse_element(
+    text: str, start: int, end: int, line: int, max_record_bytes: int | None = None
+) -> RawRecord:
     piece = text[start:end]
+    if max_record_bytes is not None and 4 * len(piece) > max_record_bytes:  # else it fits, in any encoding
+        size = len(piece.encode("utf-8", "surrogateescape"))
+        if size > max_record_bytes:
+            return too_large(line, size, max_record_bytes)
     if (bad := _ESCAPED_BYTE.search(piece)) is not None:
         at = line + piece.count("\n", 0, bad.start())
         return RawRecord(line, error=f"invalid UTF-8 (byte 0x{ord(bad.group()) - 0xDC00:02x} on line {at})")

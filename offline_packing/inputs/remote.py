@@ -17,10 +17,12 @@ import posixpath
 import random
 import re
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import IO, Any, TypeVar
 
 from mmpack.packing.errors import MmpackError
+from mmpack.packing.ownership import MARKER_NAME
 
 T = TypeVar("T")
 HEADER_BLOCK_BYTES = 16 << 10  # image headers: blocks fetched on demand, a JPEG/PNG header is in the first
@@ -151,7 +153,9 @@ def expand(arg: str, suffixes: tuple[str, ...]) -> list[str]:
         found = with_retries(arg, "list", lambda: fs.find(path))
     else:
         found = [path] if with_retries(arg, "stat", lambda: fs.exists(path)) else []
-    return sorted(as_url(p) for p in found if p.endswith(suffixes))
+    # prefixes holding mmpack's marker are packed datasets or work folders, never raw input
+    marked = tuple(p[: -len(MARKER_NAME)] for p in found if p.endswith(f"/{MARKER_NAME}"))
+    return sorted(as_url(p) for p in found if p.endswith(suffixes) and not p.startswith(marked))
 
 
 def parent(url: str) -> str:
@@ -160,11 +164,31 @@ def parent(url: str) -> str:
 
 
 def join_under(root: str, image: str) -> str:
-    """The URL of relative path `image` under remote root `root`; PermissionError if it escapes the root."""
-    clean = posixpath.normpath(image)
-    if clean.startswith("..") or clean.startswith("/"):
-        raise PermissionError(f"image path {image!r} escapes the image root {root}")
-    return f"{root.rstrip('/')}/{clean}"
+    """The URL of relative path `image` under remote root `root`; PermissionError if it escapes the root.
+
+    The path is checked as written and as a server reads it: percent-decoded (repeatedly, so `%252e` counts
+    too), backslashes as slashes, then normalised, so `%2e%2e/secret.jpg` is refused before any request. An
+    http(s) URL is then built from the decoded, normalised path, quoted once (what is checked is what is
+    fetched); object-store keys are literal names (`%` is part of an S3 key), so theirs stays as written.
+    """
+    decoded = _decodings(image)
+    for form in decoded:
+        clean = posixpath.normpath(form.replace("\\", "/"))
+        if clean == ".." or clean.startswith(("../", "/")) or "\x00" in clean:
+            raise PermissionError(f"image path {image!r} escapes the image root {root}")
+    if root.startswith(("http://", "https://")):
+        rel = urllib.parse.quote(posixpath.normpath(decoded[-1]), safe="/!$&'()*+,;=:@~")
+    else:
+        rel = posixpath.normpath(image)
+    return f"{root.rstrip('/')}/{rel}"
+
+
+def _decodings(text: str, most: int = 4) -> list[str]:
+    """`text` and its successive percent-decodings, until one changes nothing."""
+    forms = [text]
+    while len(forms) <= most and (decoded := urllib.parse.unquote(forms[-1])) != forms[-1]:
+        forms.append(decoded)
+    return forms
 
 
 class RangedFile(io.RawIOBase):
@@ -242,6 +266,8 @@ def open_binary(path: str) -> IO[bytes]:
     """A local file or a remote object opened for sequential or seeking binary reads (remote: 8 MiB ranged
     reads with retries, two blocks kept)."""
     if not is_url(path):
-        return open(local_path(path), "rb")
+        from mmpack.packing.fileio import open_regular
+
+        return open_regular(local_path(path))
     raw = RangedFile(path, int(info(path)["size"]), STREAM_BLOCK_BYTES, max_blocks=2)
     return io.BufferedReader(raw, buffer_size=1 << 20)

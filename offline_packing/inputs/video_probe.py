@@ -6,7 +6,9 @@ count, frame rate, duration, width and height of the first video stream, and che
 by seeking to the last frames and reading up to three packets (compressed data, not decoded), so that a
 truncated file is a reject here rather than an error in the loader. The bytes read are counted.
 
-Frame count: the container's (`nb_frames`: mp4/mov sample tables, avi headers). Containers without one
+Frame count: the container's (`nb_frames`: mp4/mov sample tables, avi headers), or the frames the decoder
+shows where an edit list hides some (`video_timeline`, which also rejects timestamps too coarse to tell
+frames apart). Containers without one
 (mkv, webm, some mpeg-ts) give round(duration_s * frame_rate) with `frame_count_exact=False`; the loader
 then takes frame k as the frame shown at k / frame_rate (as a decoder's approximate seek mode does).
 Frame rate: the stream's average rate, else FFmpeg's guessed rate, else frames / duration.
@@ -20,7 +22,10 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import IO, Any
 
+from mmpack.offline_packing.errors import REJECT_REASONS
+from mmpack.offline_packing.inputs.video_timeline import shown_frames
 from mmpack.packing.errors import MmpackError
+from mmpack.packing.fileio import NotRegularFileError, open_regular
 from mmpack.packing.video_tokens import VideoMeta
 
 # First bytes of the containers FFmpeg reads that PyAV users meet most; a file that starts like one of
@@ -43,20 +48,10 @@ _PROBE_OPTIONS = {"probesize": "32", "analyzeduration": "0"}
 
 
 class VideoProbeError(MmpackError, ValueError):
-    """A video the scan rejects; `reason` is one of the `REASONS` and `message` says what to do."""
-
-    REASONS = (
-        "missing_video",
-        "unreadable_video",
-        "empty_video",
-        "not_a_video",
-        "corrupt_video",
-        "video_too_long",
-        "video_too_large",
-    )
+    """A video the scan rejects; `reason` is a video reason of `REJECT_REASONS` and `message` says what to do."""
 
     def __init__(self, reason: str, message: str):
-        assert reason in self.REASONS, reason
+        assert reason in REJECT_REASONS, reason
         super().__init__(message, reason=reason)
 
 
@@ -138,13 +133,12 @@ def probe_video(
     path = os.fspath(src)
     name = name or path
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            return _probe_file(f, size, name, config)
+        with open_regular(path) as f:
+            return _probe_file(f, os.fstat(f.fileno()).st_size, name, config)
     except FileNotFoundError:
         raise VideoProbeError("missing_video", f"video file {name} does not exist") from None
-    except IsADirectoryError:
-        raise VideoProbeError("missing_video", f"video path {name} is a folder") from None
+    except NotRegularFileError as exc:
+        raise VideoProbeError("video_not_a_file", f"video {exc}; only regular files are read") from None
     except PermissionError as exc:
         raise VideoProbeError("unreadable_video", f"cannot read video {name}: {exc}") from None
 
@@ -164,6 +158,7 @@ def _probe_file(f: IO[bytes], size: int, name: str, config: VideoProbeConfig) ->
         _check_limits(meta, name, config)
         if config.check_tail:
             _check_tail(container, stream, meta, size, name)
+        meta = shown_frames(container, stream, meta, name)  # a truncated file is corrupt_video first
         return VideoProbe(
             meta=meta,
             container=str(container.format.name),

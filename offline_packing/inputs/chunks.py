@@ -1,0 +1,212 @@
+"""Input files cut into chunks, and the records of a chunk read back.
+
+A chunk is a contiguous range of records of one input file, the unit of parallel work of the scan and
+lengths stages. Records carry their 1-based line number (JSONL: the line; JSON array: the line where the
+element starts; Parquet: the row number; tar: the sample index), so every reject can name its file and line.
+
+How each kind of input is read:
+
+- JSONL (`.jsonl`, and `.json` files holding JSONL, `json_records.looks_like_json_lines`): line by line in
+  bounded memory (`json_lines`), chunks addressed by byte offset;
+- the same gzip-compressed (`.jsonl.gz`, `.json.gz`): line by line while decompressing, chunks addressed by
+  record index (`json_lines.gzip_cursor`); never decompressed whole;
+- JSON documents (an array, a pretty-printed object; plain or gzip), Parquet and WebDataset tars: read whole
+  once per process (cached), then sliced.
+
+A record longer than `max_record_bytes` (its JSON text, or its tar `.json` member) is a `record_too_large`
+reject, found before it is parsed or kept in memory.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from mmpack.offline_packing.config import DEFAULT_MAX_RECORD_BYTES
+from mmpack.offline_packing.inputs import remote
+from mmpack.offline_packing.inputs.json_lines import (
+    Line,
+    count_lines,
+    gzip_cursor,
+    gzip_failure,
+    iter_lines,
+    reading,
+)
+from mmpack.offline_packing.inputs.json_records import (
+    RawRecord,
+    looks_like_json_lines,
+    parse_json_document,
+    parse_json_line,
+    too_large,
+)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Records [start, start + count) of input file `path` (record indices, 0-based)."""
+
+    index: int
+    source_index: int
+    path: str
+    start: int
+    count: int
+    byte_offset: int = 0  # plain JSONL: byte offset of record `start`'s line
+    first_line: int = 1  # plain JSONL: 1-based line number at byte_offset
+
+
+def plan_chunks(
+    files: list[str], chunk_size: int, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> list[Chunk]:
+    """Split every input file into chunks of at most `chunk_size` records."""
+    chunks: list[Chunk] = []
+    for src, path in enumerate(files):
+        kind = input_kind(path, max_record_bytes)
+        if kind == "lines":
+            starts = _record_starts(path, max_record_bytes)
+            for k in range(0, len(starts), chunk_size):
+                offset, line = starts[k]
+                chunks.append(
+                    Chunk(len(chunks), src, path, k, min(chunk_size, len(starts) - k), offset, line)
+                )
+            continue
+        n_records = (
+            count_lines(path, max_record_bytes)
+            if kind == "gzip-lines"
+            else len(_whole_file(path, max_record_bytes))
+        )
+        for k in range(0, max(n_records, 1), chunk_size):
+            chunks.append(Chunk(len(chunks), src, path, k, min(chunk_size, n_records - k)))
+    return chunks
+
+
+def read_chunk(chunk: Chunk, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[RawRecord]:
+    """The records of one chunk, in order."""
+    kind = input_kind(chunk.path, max_record_bytes)
+    if kind == "lines":
+        with reading(chunk.path) as f:
+            f.seek(chunk.byte_offset)
+            lines = iter_lines(
+                f, max_record_bytes, first_line=chunk.first_line, first_offset=chunk.byte_offset
+            )
+            for _, line in zip(range(chunk.count), lines):
+                yield _record_of(line, max_record_bytes)
+    elif kind == "gzip-lines":
+        size, version = _identity(chunk.path)
+        for line in gzip_cursor(chunk.path, size, version, max_record_bytes).records(
+            chunk.start, chunk.count
+        ):
+            yield _record_of(line, max_record_bytes)
+    else:
+        yield from _whole_file(chunk.path, max_record_bytes)[chunk.start : chunk.start + chunk.count]
+
+
+def input_kind(path: str, max_record_bytes: int) -> str:
+    """ "lines" (plain JSONL), "gzip-lines" (JSONL in gzip), "document" (JSON read whole), "parquet" or "tar"."""
+    if path.endswith(".parquet"):
+        return "parquet"
+    if path.endswith(".tar"):
+        return "tar"
+    gz = path.endswith(".gz")
+    if path.endswith((".jsonl", ".jsonl.gz")):
+        return "gzip-lines" if gz else "lines"
+    size, version = _identity(path)
+    return _sniffed_kind(path, size, version, max_record_bytes)
+
+
+@lru_cache(maxsize=64)
+def _sniffed_kind(path: str, size: int | None, version: object, max_record_bytes: int) -> str:
+    """A `.json` / `.json.gz` file: JSONL content or one JSON document, from its first two records."""
+    with reading(path) as f:
+        lines = [line for _, line in zip(range(2), iter_lines(f, max_record_bytes))]
+    head = [line.raw if line.raw is not None else line.head for line in lines]
+    complete = not lines or lines[0].raw is not None
+    if not looks_like_json_lines(head, complete):
+        return "document"
+    return "gzip-lines" if path.endswith(".gz") else "lines"
+
+
+def _record_starts(path: str, max_record_bytes: int) -> list[tuple[int, int]]:
+    """(byte offset, line number) of every record (non-blank line) of a plain JSONL file."""
+    with reading(path) as f:
+        return [(line.offset, line.number) for line in iter_lines(f, max_record_bytes)]
+
+
+def _record_of(line: Line, max_record_bytes: int) -> RawRecord:
+    if line.raw is None:
+        return too_large(line.number, line.length, max_record_bytes)
+    return parse_json_line(line.raw, line.number)
+
+
+def _identity(path: str) -> tuple[int | None, object]:
+    if remote.is_url(path):
+        _, size, version = remote.identity(path, "stat")
+        return size, version
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def _whole_file(path: str, max_record_bytes: int) -> list[RawRecord]:
+    """All records of a JSON document, Parquet or tar file (cached: several chunks of one file share it)."""
+    size, version = _identity(path)
+    return _whole_file_cached(path, size, version, max_record_bytes)
+
+
+@lru_cache(maxsize=2)
+def _whole_file_cached(
+    path: str, size: int | None, version: object, max_record_bytes: int
+) -> list[RawRecord]:
+    """Keyed by size and mtime (or ETag) too, so a rewritten file is read again."""
+    if path.endswith(".tar"):
+        return _read_tar(path, max_record_bytes)
+    data = remote.read_all(path) if remote.is_url(path) else None
+    if path.endswith(".parquet"):
+        return _read_parquet(path, data, max_record_bytes)
+    if path.endswith(".gz"):
+        try:
+            data = gzip.decompress(data if data is not None else Path(path).read_bytes())
+        except (EOFError, gzip.BadGzipFile, OSError) as exc:
+            raise gzip_failure(path, exc) from None
+    return parse_json_document(data if data is not None else Path(path).read_bytes(), max_record_bytes)
+
+
+def _read_parquet(path: str, data: bytes | None, max_record_bytes: int) -> list[RawRecord]:
+    import io
+
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(io.BytesIO(data) if data is not None else path).to_pylist()
+    records = []
+    for i, row in enumerate(rows):
+        # a column absent from a record reads back as null: drop those (mixed-format files)
+        record = {k: v for k, v in row.items() if v is not None}
+        n = len(json.dumps(record, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass"))
+        records.append(
+            too_large(i + 1, n, max_record_bytes) if n > max_record_bytes else RawRecord(i + 1, record)
+        )
+    return records
+
+
+def _read_tar(path: str, max_record_bytes: int) -> list[RawRecord]:
+    from mmpack.offline_packing.tar_source import index_tar, sample_record
+
+    records = []
+    for i, sample in enumerate(index_tar(path)):
+        size = sample.members.get("json", sample.members.get("txt", (0, 0)))[1]
+        if size > max_record_bytes:
+            records.append(too_large(i + 1, size, max_record_bytes, tar_sample=sample))
+            continue
+        try:
+            records.append(RawRecord(i + 1, sample_record(path, sample), tar_sample=sample))
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            reason = "malformed_json" if isinstance(exc, json.JSONDecodeError) else "malformed_record"
+            records.append(
+                RawRecord(
+                    i + 1, error=f"sample {sample.key!r}: {exc}", tar_sample=sample, error_reason=reason
+                )
+            )
+    return records
