@@ -22,6 +22,7 @@ from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.errors import PackError
 from mmpack.offline_packing.pipeline import run_pack
 from mmpack.packing.fileio import NotRegularFileError
+from mmpack.packing.tokenizer import BYTE_TOKENIZER
 from tests.fixtures_data import write_image
 from tests.storage_servers import http_server
 
@@ -57,6 +58,7 @@ def _pack(
         image_root=None if image_root is None else str(image_root),
         output=str(out),
         seq_len=512,
+        tokenizer=BYTE_TOKENIZER,
         progress=False,
         **kw,
     )
@@ -123,7 +125,12 @@ def test_fifos_and_sockets_are_rejected_without_a_hang(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "pipe.jsonl")  # a FIFO named as the input itself
     with deadline(60), pytest.raises(NotRegularFileError, match=r"pipe\.jsonl is a FIFO"):
         run_pack(
-            PackJobConfig(inputs=(str(tmp_path / "pipe.jsonl"),), output=str(tmp_path / "o"), seq_len=64)
+            PackJobConfig(
+                inputs=(str(tmp_path / "pipe.jsonl"),),
+                output=str(tmp_path / "o"),
+                seq_len=64,
+                tokenizer=BYTE_TOKENIZER,
+            )
         )
 
 
@@ -211,7 +218,13 @@ def test_damaged_gzip_inputs_end_the_job_in_one_line_naming_the_file(tmp_path: P
     path.write_bytes(gzip.compress(lines)[:-3000] if damage == "truncated" else lines)
     with pytest.raises(PackError) as info:
         run_pack(
-            PackJobConfig(inputs=(str(path),), output=str(tmp_path / "out"), seq_len=512, progress=False)
+            PackJobConfig(
+                inputs=(str(path),),
+                output=str(tmp_path / "out"),
+                seq_len=512,
+                progress=False,
+                tokenizer=BYTE_TOKENIZER,
+            )
         )
     message = info.value.message
     assert str(path) in message and "\n" not in message
@@ -255,7 +268,7 @@ def test_a_small_gzip_expanding_to_2gb_is_read_in_bounded_memory(tmp_path: Path)
     n_records = _write_expanding_gzip(path, 2 << 30)
     assert path.stat().st_size < 20 << 20  # control: small on disk, 2 GiB once expanded (read whole before)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-c", _CHILD, "pack", "-i", str(path), "-o", str(out), "-L", "512", "--no-progress",
+    cmd = [sys.executable, "-c", _CHILD, "pack", "-i", str(path), "-o", str(out), "-L", "512", "--no-progress", "-t", BYTE_TOKENIZER,
            "--max-record-bytes", "2M"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
