@@ -83,9 +83,16 @@ TINY = [
 
 
 def train(
-    nproc: int, args: list[str], workdir: Path, *, timeout_s: int = 420, env: dict[str, str] | None = None
+    nproc: int,
+    args: list[str],
+    workdir: Path,
+    *,
+    timeout_s: int = 420,
+    env: dict[str, str] | None = None,
+    tiny: bool = True,
 ) -> Run:
-    """Runs ``torchrun --nproc_per_node nproc -m mmpack.trainer.pretrain_vlm`` with a tiny model."""
+    """Runs ``torchrun --nproc_per_node nproc -m mmpack.trainer.pretrain_vlm`` with a tiny model (the size
+    flags of ``TINY``; ``tiny=False``: no size flags, for a model that brings its config.json)."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics_file = workdir / "metrics.jsonl"
     metrics_file.unlink(missing_ok=True)
@@ -99,7 +106,7 @@ def train(
         str(free_port()),
         "-m",
         "mmpack.trainer.pretrain_vlm",
-        *TINY,
+        *(TINY if tiny else ["--num-workers", "0"]),
         *args,
         "--metrics-file",
         str(metrics_file),

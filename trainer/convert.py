@@ -76,7 +76,7 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
     from megatron.core import parallel_state as ps
 
     from mmpack.trainer import cpu_backend
-    from mmpack.trainer.checkpoint import TRACKER, iteration_dir
+    from mmpack.trainer.checkpoint_commit import commit, staging_dir
     from mmpack.trainer.models import read_hf_config
 
     cpu_backend.activate()
@@ -88,7 +88,7 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
             model, hf_dir, arch,
             tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
         )  # fmt: skip
-        folder = iteration_dir(out, 0)
+        folder = staging_dir(out, 0)
         if rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
         dist.barrier()
@@ -99,26 +99,29 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
             "model": model.sharded_state_dict(),
         }
         dist_checkpointing.save(state, str(folder))
-        dist.barrier()
         if rank == 0:
             (Path(out) / HF_CONFIG_NAME).write_text(json.dumps(hf_config, indent=2))
-            (Path(out) / TRACKER).write_text("0")
+        commit(out, 0)  # checksums, iter_0000000, then the tracker
     finally:
         dist.destroy_process_group()
 
 
-def load_tp1_model(ckpt: str) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """(family, arch, whole model at TP1 x PP1, HF config dict) from the latest iteration of ``ckpt``, in a
-    process whose one-rank process group is initialised (megatron-core's parallel state is set up here)."""
+def load_tp1_model(ckpt: str, *, verify: bool = True) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """(family, arch, whole model at TP1 x PP1, HF config dict) from the newest complete iteration of
+    ``ckpt`` (its files verified unless ``verify`` is False), in a process whose one-rank process group is
+    initialised (megatron-core's parallel state is set up here)."""
     from megatron.core import dist_checkpointing
 
-    from mmpack.trainer.checkpoint import iteration_dir, latest_iteration
+    from mmpack.trainer.checkpoint import load_common, open_iteration
+    from mmpack.trainer.checkpoint_commit import iteration_dir
 
-    iteration = latest_iteration(ckpt)
+    iteration, warnings = open_iteration(ckpt, verify=verify)
     if iteration is None:
         raise ValueError(f"{ckpt} holds no checkpoint (no latest_checkpointed_iteration.txt)")
+    for warning in warnings:
+        print(warning, file=sys.stderr)
     folder = iteration_dir(ckpt, iteration)
-    hf_config = dist_checkpointing.load_common_state_dict(str(folder)).get("model_config")
+    hf_config = load_common(ckpt, iteration).get("model_config")
     if not hf_config:
         raise ValueError(f"{folder} records no model_config (the HF config.json of the model)")
     fam, arch, model = _build_stage(hf_config, 1, 1)
@@ -163,20 +166,21 @@ def _spawn(fn: Any, nprocs: int, args: tuple) -> None:
 
 def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int) -> Path:
     """Writes the weights-only dist checkpoint at ``out``; returns its iteration folder."""
-    from mmpack.trainer.checkpoint import iteration_dir
+    from mmpack.trainer.checkpoint_commit import iteration_dir
     from mmpack.trainer.models import family_of, read_hf_config
 
     if tp < 1 or pp < 1:
         raise ValueError("--tp and --pp must be >= 1")
     config = read_hf_config(hf_dir)
-    family_of(config).arch_from_hf_config(config)  # a clear error before any process starts
+    fam = family_of(config)
+    fam.check_hf_weights(hf_dir, fam.arch_from_hf_config(config))  # a clear error before any process starts
     _spawn(_hf_to_mcore_rank, tp * pp, (tp * pp, _free_port(), hf_dir, out, tp, pp))
     return iteration_dir(out, 0)
 
 
 def mcore_to_hf(ckpt: str, out: str) -> Path:
     """Writes ``out/config.json`` and ``out/model.safetensors``; returns the weights file."""
-    from mmpack.trainer.checkpoint import latest_iteration
+    from mmpack.trainer.checkpoint_commit import latest_iteration
 
     if latest_iteration(ckpt) is None:
         raise ValueError(f"{ckpt} holds no checkpoint (no latest_checkpointed_iteration.txt)")
