@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mmpack.trainer.models.qwen2_5_vl.config import Qwen25VLArch
+from mmpack.trainer.models.qwen2_5_vl.hf_check import check_weight_files
 
 
 @dataclass(frozen=True)
@@ -293,58 +294,10 @@ def init_stage_random(
         param.copy_(read_shard(reader, rules[name], tp_rank, tp_size))  # type: ignore[arg-type]
 
 
-# Float formats the weights are read from (and cast to the run's dtype); quantized or integer weights are not
-# weights this model can train from.
-FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
-# Tensors some checkpoints carry that the model computes itself.
-_IGNORED_SUFFIXES = (".inv_freq",)
-
-
-def check_weight_names(reader: SafetensorsReader, arch: Qwen25VLArch) -> None:
-    """The files hold exactly the tensors ``config.json`` describes, all of float dtypes; ValueError naming
-    the first that is not (int8 / fp8 weights; a config with fewer or more layers than the weights)."""
-    dtypes = reader.dtypes()
-    for name, dtype in sorted(dtypes.items()):
-        if dtype not in FLOAT_DTYPES:
-            raise ValueError(
-                f"{reader.root}: tensor {name} is {dtype}, not a float ({', '.join(FLOAT_DTYPES)}): quantized "
-                "or integer weights cannot be trained from; give the unquantized checkpoint"
-            )
-    rules = part_rules(arch, first=True, last=True, layers=(0, arch.num_layers))
-    expected = {hf for rule in rules.values() for hf in rule.hf}
-    tolerated = {"lm_head.weight"} if arch.tie_word_embeddings else set()  # a copy of the tied embedding
-    extra = sorted(n for n in set(dtypes) - expected - tolerated if not n.endswith(_IGNORED_SUFFIXES))
-    missing = sorted(expected - set(dtypes))
-    if extra or missing:
-        what = [f"{len(extra)} tensors it does not describe ({_some(extra)})"] if extra else []
-        what += [f"no {_some(missing)} ({len(missing)} missing)"] if missing else []
-        raise ValueError(
-            f"{reader.root}: config.json ({arch.num_layers} language layers, {arch.vision.depth} vision blocks) "
-            f"and the weights disagree: the files hold {' and '.join(what)}; give the config.json the weights "
-            "were saved with"
-        )
-
-
-def _some(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-
-
 def check_hf_weights(model_dir: str | Path, arch: Qwen25VLArch) -> None:
-    """:func:`check_weight_names` on a ``save_pretrained`` folder (reads the file headers only)."""
+    """:func:`check_weight_files` on a ``save_pretrained`` folder (reads the file headers only)."""
     with open_hf_weights(model_dir) as reader:
-        check_weight_names(reader, arch)
-
-
-def _check_full_shapes(reader: SafetensorsReader, rule: Rule, expected: dict[str, tuple[int, ...]]) -> None:
-    """Each HF tensor behind a parameter has the whole shape the config gives (a slice of a larger
-    tensor would otherwise read without complaint)."""
-    for hf, shape in expected.items():
-        found = tuple(reader.shape(hf))
-        if found != shape:
-            raise ValueError(
-                f"{reader.root}: tensor {hf} is {found}, config.json gives {shape}: config.json and the "
-                "weights disagree"
-            )
+        check_weight_files(reader, arch)
 
 
 @contextmanager
@@ -440,9 +393,8 @@ def load_stage_weights(
     if unknown:
         raise ValueError(f"no HF source for parameters {unknown[:5]} (model and rules disagree)")
     with open_hf_weights(model_dir) as reader:
-        check_weight_names(reader, arch)
+        check_weight_files(reader, arch)
         for name, param in params.items():
-            _check_full_shapes(reader, rules[name], hf_shapes(rules[name], tuple(param.shape), tp_size))
             shard = read_shard(reader, rules[name], tp_rank, tp_size)
             if tuple(shard.shape) != tuple(param.shape):
                 raise ValueError(
