@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +50,7 @@ from mmpack.trainer.checkpoint_commit import (
     commit,
     iteration_dir,
     previous_good,
+    remove_iteration_folder,
     resolve_iteration,
     staging_dir,
     verify_checkpoint,
@@ -190,9 +190,8 @@ class CheckpointWriter:
         self.finalize(blocking=True)  # one checkpoint in flight at a time
         folder = staging_dir(self.root, iteration)
         if dist.get_rank() == 0:
-            if folder.exists():  # left by a save of the same iteration that did not finish
-                shutil.rmtree(folder)
-            folder.mkdir(parents=True)
+            remove_iteration_folder(self.root, folder)  # left by a save of this iteration that did not finish
+            folder.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         state = _state_for_save(iteration, model, optimizer, scheduler, loader_state, model_config)
         request = dist_checkpointing.save(state, str(folder), async_sharded_save=self.async_save)

@@ -10,6 +10,9 @@ Layout (Megatron-LM's, plus the staging folder and the checksums)::
 
 ``checksums.json`` holds the size and SHA-256 of every other file of the iteration. The ranks split the
 hashing (and, on load, the verification) between them, so each reads about 1/world of the checkpoint.
+
+The folder carries mmpack's ownership marker (:mod:`mmpack.packing.ownership`, kind "checkpoint"); files are
+deleted only through it, and only those of an iteration folder this module wrote.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from mmpack.packing.ownership import FolderNotOwned, claim_folder, open_owned
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKSUMS = "checksums.json"
@@ -128,16 +132,56 @@ def commit(root: str | Path, iteration: int) -> None:
     if rank == 0:
         final = iteration_dir(root, iteration)
         replaced = final.with_name(final.name + _REPLACED_SUFFIX)
-        if replaced.exists():
-            shutil.rmtree(replaced)
+        remove_iteration_folder(root, replaced)
         if final.exists():
             os.rename(final, replaced)
         os.rename(staging, final)
         write_tracker(root, iteration)
-        if replaced.exists():
-            shutil.rmtree(replaced)
+        remove_iteration_folder(root, replaced)
     if dist.is_initialized():
         dist.barrier()
+
+
+def remove_iteration_folder(root: str | Path, folder: Path) -> None:
+    """Deletes an iteration folder of ``root`` this module wrote (a staging folder, a replaced iteration):
+    the files its checksums.json records, or all of a staging folder's (made empty by the writer), through
+    the folder's ownership marker. Anything else in it stays, and so does the folder then."""
+    if not folder.is_dir():
+        return
+    owned = open_owned(str(root), "checkpoint")
+    listing = folder / CHECKSUMS
+    if listing.is_file():
+        names = [*json.loads(listing.read_text())["files"], CHECKSUMS]
+    else:
+        names = [p.name for p in folder.iterdir()] if folder.name.endswith(STAGING_SUFFIX) else []
+    owned.remove_recorded(f"{folder.name}/{name}" for name in names)
+
+
+def _holds_only_checkpoints(root: str | Path) -> bool:
+    """An unmarked folder written by the trainer before folders were marked: nothing but its layout."""
+    from mmpack.trainer.convert import HF_CONFIG_NAME
+
+    base = Path(root)
+    names = [p.name for p in base.iterdir()] if base.is_dir() else []
+    layout = re.compile(rf"iter_\d{{7}}({re.escape(STAGING_SUFFIX)})?")
+    ours = [n for n in names if n in (TRACKER, HF_CONFIG_NAME) or layout.fullmatch(n)]
+    return bool(names) and len(ours) == len(names) and TRACKER in names
+
+
+def claim_checkpoint_folder(root: str | Path, *, role: str) -> None:
+    """Collective: rank 0 takes ``root`` for checkpoints by the ownership rule (a new, empty or marked
+    folder; one the trainer wrote before markers existed is adopted); every rank raises the same
+    ``FolderNotOwned`` otherwise."""
+    rank, _ = _rank_world()
+    error = None
+    if rank == 0:
+        try:
+            claim_folder(str(root), "checkpoint", overwrite=_holds_only_checkpoints(root), role=role)
+        except FolderNotOwned as e:
+            error = str(e)
+    error = _all_gather(error)[0]
+    if error is not None:
+        raise FolderNotOwned(error)
 
 
 def resolve_iteration(root: str | Path) -> tuple[int | None, str | None]:

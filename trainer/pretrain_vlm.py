@@ -36,6 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"pretrain_vlm: error: {e}", file=sys.stderr)
         return 2
+    from mmpack.packing.errors import MmpackError
     from mmpack.trainer.exits import ExitSignals
     from mmpack.trainer.training import Trainer, shutdown
 
@@ -47,7 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             trainer = Trainer(cfg, exit_signals=signals)
             trainer.train()
-        except ValueError as e:  # a configuration the user can fix: one clear line, not a traceback per rank
+        except (
+            ValueError,
+            MmpackError,
+        ) as e:  # what the user can fix: one clear line, not a traceback per rank
             if os.environ.get("RANK", "0") == "0":
                 print(f"pretrain_vlm: error: {e}", file=sys.stderr)
             return 2

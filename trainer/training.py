@@ -32,6 +32,7 @@ from mmpack.trainer.build import (
     model_hf_config,
 )
 from mmpack.trainer.checkpoint import CheckpointWriter, load_checkpoint
+from mmpack.trainer.checkpoint_commit import claim_checkpoint_folder
 from mmpack.trainer.config import RunConfig, build_megatron_configs
 from mmpack.trainer.convert import HF_CONFIG_NAME
 from mmpack.trainer.data import (
@@ -176,6 +177,8 @@ class Trainer:
         self.arch = family_of(self.hf_config).arch_from_hf_config(self.hf_config)
         self.virtual_pipeline_size = cfg.parallel.virtual_pipeline_size(self.arch.num_layers)
         self.on_cpu = initialize_distributed(cfg, virtual_pipeline_size=self.virtual_pipeline_size)
+        if cfg.checkpoint.save:  # refused before any work when it is not mmpack's to write into
+            claim_checkpoint_folder(cfg.checkpoint.save, role="checkpoint folder (--save)")
         self.dp_size = ps.get_data_parallel_world_size()
         self.cfg = cfg = resolve_train_config(cfg, info, self.dp_size)
         check_data_matches_model(self.arch, info, cfg.model.hf_model or "(random, from the size flags)")
