@@ -2,7 +2,8 @@
 every iteration is committed with checksums; damaged files (zeroed bytes, truncated or missing .distcp /
 .metadata / common.pt) are named in one line with the previous good iteration; a tracker pointing at a
 half-written iteration falls back to the newest complete one; `mmpack convert` keeps a training run's
-folder and an export folder by the ownership rule."""
+folder and an export folder by the ownership rule. Two trainer launches in all: the checkpoint's, and one
+load that falls back and is refused."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from mmpack.packing.ownership import MARKER_NAME, FolderNotOwned, claim_folder, 
 from mmpack.trainer.checkpoint_commit import (
     CorruptCheckpointError,
     claim_checkpoint_folder,
+    resolve_iteration,
     verify_checkpoint,
 )
 from tests.test_trainer_support import Run, make_packed_dataset, ok, train
@@ -104,44 +106,52 @@ def test_damaged_file_is_named_with_the_previous_good_iteration(
     )
 
 
-def _error_lines(run: Run) -> list[str]:
-    return [line for line in run.stderr.splitlines() if line.startswith("pretrain_vlm: error:")]
-
-
-def test_trainer_refuses_zeroed_bytes_in_one_line(saved: tuple[Path, Path, Run], tmp_path: Path) -> None:
-    data, ckpt, _ = saved
-    ckpt = _copy(ckpt, tmp_path)
-    spoiled = _largest_distcp(ckpt / "iter_0000003")
-    _zero_bytes(spoiled)
-    run = train(1, ["--data-path", str(data), *COMMON, "--train-iters", "4", "--load", str(ckpt)], tmp_path)
-    assert run.returncode != 0 and run.train == []  # the worker exits 2, torchrun 1
-    errors = _error_lines(run)
-    assert len(errors) == 1, run.stderr[-3000:]
-    assert errors[0].startswith(f"pretrain_vlm: error: checkpoint iteration 3 is damaged: {spoiled} does not")
-    assert "the previous complete checkpoint is iteration 2" in errors[0]
-    assert "trainer/checkpoint" not in run.stderr  # no traceback of the trainer's (torchrun prints its own)
+def _half_written(ckpt: Path, iteration: int) -> Path:
+    """What a crash inside a save used to leave: the iteration's shards without its last files, the tracker
+    already pointing at it."""
+    half = ckpt / f"iter_{iteration:07d}"
+    half.mkdir()
+    for p in (ckpt / "iter_0000003").glob("*.distcp"):
+        shutil.copy(p, half / p.name)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return half
 
 
 def test_tracker_at_a_half_written_iteration_falls_back(
     saved: tuple[Path, Path, Run], tmp_path: Path
 ) -> None:
-    """What a crash inside a save used to leave: iter_0000004 without its last files, the tracker at 4."""
+    ckpt = _copy(saved[1], tmp_path)
+    half = _half_written(ckpt, 4)
+    assert resolve_iteration(ckpt) == (
+        3,
+        f"warning: {ckpt / 'latest_checkpointed_iteration.txt'} points at iteration 4, but {half} is incomplete "
+        "(no checksums.json): loading iteration 3, the newest complete checkpoint",
+    )
+    shutil.rmtree(half)
+    assert resolve_iteration(ckpt)[0] == 3 and "iter_0000004 does not exist" in str(
+        resolve_iteration(ckpt)[1]
+    )
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
+    assert resolve_iteration(ckpt) == (3, None)  # control: a complete iteration is taken as it is
+
+
+def test_trainer_falls_back_then_refuses_zeroed_bytes_in_one_line(
+    saved: tuple[Path, Path, Run], tmp_path: Path
+) -> None:
+    """The tracker at a half-written iteration 4: the trainer goes to 3, whose zeroed bytes stop it with one
+    line naming the file and iteration 2 (a launch, so the line is what a user sees)."""
     data, ckpt, _ = saved
     ckpt = _copy(ckpt, tmp_path)
-    half = ckpt / "iter_0000004"
-    half.mkdir()
-    for p in (ckpt / "iter_0000003").glob("*.distcp"):
-        shutil.copy(p, half / p.name)
-    (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
-    run = ok(
-        train(1, ["--data-path", str(data), *COMMON, "--train-iters", "4", "--load", str(ckpt)], tmp_path)
-    )
-    assert (
-        f"warning: {ckpt / 'latest_checkpointed_iteration.txt'} points at iteration 4, but {half} is incomplete "
-        "(no checksums.json): loading iteration 3, the newest complete checkpoint"
-    ) in run.stdout
-    assert f"resumed from {ckpt} at iteration 3" in run.stdout
-    assert [m["iteration"] for m in run.train] == [4]
+    _half_written(ckpt, 4)
+    spoiled = _largest_distcp(ckpt / "iter_0000003")
+    _zero_bytes(spoiled)
+    run = train(1, ["--data-path", str(data), *COMMON, "--train-iters", "5", "--load", str(ckpt)], tmp_path)
+    assert run.returncode != 0 and run.train == []  # the worker exits 2, torchrun 1
+    errors = [line for line in run.stderr.splitlines() if line.startswith("pretrain_vlm: error:")]
+    assert len(errors) == 1, run.stderr[-3000:]
+    assert errors[0].startswith(f"pretrain_vlm: error: checkpoint iteration 3 is damaged: {spoiled} does not")
+    assert "the previous complete checkpoint is iteration 2" in errors[0]
+    assert "trainer/checkpoint" not in run.stderr  # no traceback of the trainer's (torchrun prints its own)
 
 
 def test_convert_refuses_a_training_runs_folder(
