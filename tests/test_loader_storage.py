@@ -264,6 +264,36 @@ def test_cache_is_keyed_by_digest(dataset: Path, tmp_path: Path) -> None:
         assert store.metrics.cache_hits == 1
 
 
+@pytest.mark.parametrize("damage", ["zeroed in place", "truncated"])
+def test_cached_shard_damaged_after_download_is_fetched_again(
+    dataset: Path, http_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    """A cache entry reused by another process is checked first: cheaply (size, and the stamp recorded when
+    it was verified) when untouched, by its sha256 otherwise; damaged bytes are downloaded again."""
+    import mmpack.dataloader.storage.store as storage
+
+    shard = load_manifest(str(dataset)).shards[0]
+    config = StorageConfig(root=http_url, cache_dir=str(tmp_path / "cache"))
+    hashed: list[str] = []
+    real = storage.sha256_file
+    monkeypatch.setattr(storage, "sha256_file", lambda p: hashed.append(p) or real(p))
+    path = Path(ShardStore(config).local_path(shard))
+    again = ShardStore(config)  # another process
+    assert again.local_path(shard) == str(path) and hashed == []  # control: the stamp holds, no re-read
+    assert again.metrics.cache_hits == 1 and again.metrics.bytes_read == 0
+    if damage == "truncated":
+        os.truncate(path, shard.bytes // 2)
+    else:
+        with open(path, "r+b") as f:
+            f.seek(shard.bytes // 2)
+            f.write(b"\0" * 64)
+    third = ShardStore(config)
+    assert third.local_path(shard) == str(path)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == shard.sha256
+    assert third.metrics.redownloads == 1 and third.metrics.bytes_read == shard.bytes
+    assert len(hashed) == (1 if damage == "zeroed in place" else 0)  # a wrong size needs no hashing
+
+
 def test_ranks_sharing_one_cache_folder(s3: tuple[S3Endpoint, str], dataset: Path, tmp_path: Path) -> None:
     """Two DP ranks (each with worker processes) on one node share a small cache; streams stay exact."""
     endpoint, url = s3

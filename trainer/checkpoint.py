@@ -45,6 +45,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import unwrap_model
 
+from mmpack.trainer.checkpoint_commit import TRACKER as TRACKER  # re-exported: names this module used to own
 from mmpack.trainer.checkpoint_commit import (
     CorruptCheckpointError,
     commit,
@@ -55,6 +56,7 @@ from mmpack.trainer.checkpoint_commit import (
     staging_dir,
     verify_checkpoint,
 )
+from mmpack.trainer.checkpoint_commit import latest_iteration as latest_iteration
 
 # The distributed optimizer's reshardable format: its flat buffers are all-gathered over DP and cut back into
 # tensors of the parameters' shapes (so they reshard like the model); the writes stay spread over ranks.

@@ -163,8 +163,9 @@ def _holds_only_checkpoints(root: str | Path) -> bool:
 
     base = Path(root)
     names = [p.name for p in base.iterdir()] if base.is_dir() else []
-    layout = re.compile(rf"iter_\d{{7}}({re.escape(STAGING_SUFFIX)})?")
-    ours = [n for n in names if n in (TRACKER, HF_CONFIG_NAME) or layout.fullmatch(n)]
+    layout = re.compile(rf"iter_\d{{7}}({re.escape(STAGING_SUFFIX)}|{re.escape(_REPLACED_SUFFIX)})?")
+    files = (TRACKER, Path(TRACKER).with_suffix(".tmp").name, HF_CONFIG_NAME)
+    ours = [n for n in names if n in files or layout.fullmatch(n)]
     return bool(names) and len(ours) == len(names) and TRACKER in names
 
 

@@ -7,7 +7,14 @@ file sizes in the cache never exceeds `cache_limit_bytes`.
 
 Cache folder layout: `<cache_dir>/<sha256[:16]>-<shard path>` (verified shards), `....part` (downloads in
 progress), and `.locks/` with the cache-wide lock plus one empty lock file per shard ever cached. Lock files
-are never deleted (another process may be waiting on one); they take no space and are not counted.
+are never deleted (another process may be waiting on one); they take no space and are not counted. LRU order
+is access-time order (a hit sets the atime, never the mtime): a cached file's size, mtime and inode stay as
+they were when it was verified.
+
+A cached shard is trusted as it is only by the process that verified it. Another process (the next run, a
+loader worker of another rank) checks it once: its size, then the record `.meta/<sha256>.cached.json` of
+the size, mtime and inode it had when verified; a file that differs (rewritten, damaged in place, truncated)
+is hashed again, and one whose bytes are not the manifest's is removed and downloaded again.
 
 `.meta/` (also made for local datasets, which are read in place) holds small per-shard facts shared by every
 process on the machine, so each is worked out once rather than once per loader worker and rank: the tar
@@ -37,7 +44,13 @@ from mmpack.dataloader.manifest import ShardInfo, join_url
 from mmpack.dataloader.storage.config import ShardError, StorageConfig, local_root
 from mmpack.dataloader.storage.locks import _flock
 from mmpack.dataloader.storage.metrics import StorageMetrics
-from mmpack.dataloader.storage.records import CHUNK_BYTES, read_json, sha256_file, write_json_atomic
+from mmpack.dataloader.storage.records import (
+    CHUNK_BYTES,
+    file_stamp,
+    read_json,
+    sha256_file,
+    write_json_atomic,
+)
 from mmpack.packing.fileio import resolve_storage_options
 
 # Shards up to this size are read with one GET (`cat_file`) and held in memory once; bigger ones stream.
@@ -78,10 +91,9 @@ class ShardStore:
             assert local is not None  # waited for the lock
             return local
         path = self._cache_path(shard)
-        if os.path.exists(path):
+        if os.path.exists(path) and self._cached_ok(shard, path):
             self._count("cache_hits")
-            with contextlib.suppress(FileNotFoundError):
-                os.utime(path)  # LRU order is mtime order
+            _touch(path)
             return path
         self._count("cache_misses")
         self.fetch(shard)
@@ -99,9 +111,8 @@ class ShardStore:
         with _flock(self._lock_path(os.path.basename(path)), blocking=wait) as got:
             if not got:
                 return False
-            if os.path.exists(path):
-                with contextlib.suppress(FileNotFoundError):
-                    os.utime(path)  # about to be used: most recently used
+            if os.path.exists(path) and self._cached_ok(shard, path):
+                _touch(path)  # about to be used: most recently used
             else:
                 self._download_verified(shard, path, cancel)
         return True
@@ -139,8 +150,7 @@ class ShardStore:
             st = os.stat(path)
         except FileNotFoundError:
             raise ShardError(f"shard {shard.path} not found at {path}") from None
-        stamp = {"path": self._real_path(shard), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-        stamp |= {"inode": st.st_ino, "device": st.st_dev, "sha256": shard.sha256}
+        stamp = {"path": self._real_path(shard), **file_stamp(st), "sha256": shard.sha256}
         marker = os.path.join(self.meta_dir, f"{shard.sha256}.verified.json") if self.meta_dir else ""
         if not (marker and read_json(marker) == stamp):
             # One checker per shard at a time; the others wait for its record instead of hashing too. The
@@ -177,6 +187,33 @@ class ShardStore:
     def _cache_path(self, shard: ShardInfo) -> str:
         # The digest is part of the name: a dataset rewritten at the same URL never reuses stale bytes.
         return os.path.join(self.cache_dir, f"{shard.sha256[:16]}-{shard.path.replace('/', '__')}")
+
+    def _record_path(self, shard: ShardInfo) -> str:
+        return os.path.join(self.meta_dir, f"{shard.sha256}.cached.json") if self.meta_dir else ""
+
+    def _cached_ok(self, shard: ShardInfo, path: str) -> bool:
+        """Whether the cached file still holds the shard's bytes (see the module docstring); a bad one is
+        removed (False: download it again)."""
+        if path in self._verified:
+            return True
+        try:
+            stamp = file_stamp(os.stat(path))
+        except FileNotFoundError:
+            return False
+        record = self._record_path(shard)
+        ok = stamp["size"] == shard.bytes and bool(record) and read_json(record) == stamp
+        if not ok:
+            ok = stamp["size"] == shard.bytes and sha256_file(path) == shard.sha256
+            if not ok:
+                self._count("redownloads")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                return False
+            if record:
+                write_json_atomic(record, stamp)
+        with self._lock:
+            self._verified.add(path)
+        return True
 
     def _lock_path(self, name: str) -> str:
         return os.path.join(self.cache_dir, _LOCK_DIR, name + _LOCK_SUFFIX)
@@ -223,6 +260,10 @@ class ShardStore:
                     # names from it, and the scan would then hand out space this shard holds.
                     with _flock(self._lock_path(".cache")):
                         os.replace(part, path)
+                    if record := self._record_path(shard):
+                        write_json_atomic(record, file_stamp(os.stat(path)))
+                    with self._lock:
+                        self._verified.add(path)
                     return
                 self._count("redownloads")
                 last_error = (
@@ -268,7 +309,7 @@ class ShardStore:
         return h.hexdigest(), size
 
     def _cache_entries(self) -> list[tuple[str, int, float]]:
-        """(path, size, mtime) of every shard and reservation in the cache folder."""
+        """(path, size, last use: atime) of every shard and reservation in the cache folder."""
         out = []
         for entry in os.scandir(self.cache_dir):
             # `.locks/` is a folder; top-level `.lock` files are left by older versions.
@@ -276,7 +317,7 @@ class ShardStore:
                 continue
             with contextlib.suppress(FileNotFoundError):
                 st = entry.stat()
-                out.append((entry.path, st.st_size, st.st_mtime))
+                out.append((entry.path, st.st_size, st.st_atime))
         return out
 
     def _reserve(self, shard: ShardInfo, part: str, cancel: threading.Event | None = None) -> None:
@@ -314,6 +355,12 @@ class ShardStore:
 
 class _Cancelled(Exception):
     pass
+
+
+def _touch(path: str) -> None:
+    """Marks a cached file most recently used: its atime (the mtime stays its verified stamp)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.utime(path, ns=(time.time_ns(), os.stat(path).st_mtime_ns))
 
 
 def _sleep(seconds: float, cancel: threading.Event | None, shard: ShardInfo) -> None:
