@@ -469,7 +469,8 @@ class Trainer:
                 self.save()
             if self.writer is not None:
                 self.writer.finalize()  # completes async saves that have finished
-            stop = self.exit_policy.reason(self.iteration)
+            if self.iteration < tr.train_iters:  # the same on every rank: the check is collective
+                stop = self.exit_policy.reason(self.iteration)
         if ck.save and self.saved_iteration != self.iteration:
             self.save()
         if self.writer is not None:
