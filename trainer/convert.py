@@ -36,7 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hf", required=True, help="folder written by save_pretrained (config.json + safetensors)"
     )
-    p.add_argument("--out", required=True, help="checkpoint folder to write (then --load it with --finetune)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="checkpoint folder to write: new, empty or an earlier conversion, never a training run's (then "
+        "--load it with --finetune)",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size the weights are cut for")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size the layers are split for")
     p = sub.add_parser(
