@@ -133,8 +133,8 @@ def run_workers(
         stop_ev.set()  # workers stop at once and drop unread batches (never drain: a read could block)
         for p in procs:
             p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
+            if p.is_alive():  # SIGKILL: a worker may have inherited the trainer's SIGTERM handler
+                p.kill()
                 p.join(timeout=5)
         for conn in conns:
             conn.close()

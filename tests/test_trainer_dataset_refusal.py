@@ -37,7 +37,7 @@ def test_trainer_refuses_dataset_packed_for_another_model(tmp_path: Path, qwen3_
         json.dumps(_preprocessor_config(manifest, max_pixels=wrong_pixels))
     )
     shutil.copy(qwen3_tokenizer_path, hf_dir / "tokenizer.json")
-    run = train(1, args, tmp_path / "refused")
+    run = train(1, args, tmp_path / "refused", tiny=False)
     assert run.returncode != 0 and run.metrics == []
     err = run.stderr
     assert f"pretrain_vlm: error: {packed} was not packed for the model in {hf_dir}" in err
@@ -54,6 +54,6 @@ def test_trainer_refuses_dataset_packed_for_another_model(tmp_path: Path, qwen3_
     # control: the folder's preprocessor config and tokenizer are the dataset's
     (hf_dir / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(manifest)))
     shutil.copy(packed.parent / "tokenizer" / "tokenizer.json", hf_dir / "tokenizer.json")
-    run = train(1, args, tmp_path / "accepted")
+    run = train(1, args, tmp_path / "accepted", tiny=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(run.train) == 1

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
+import random
+import signal
 from pathlib import Path
 
 import pytest
 
-from tests.test_trainer_support import Run, checkpoint_view, make_packed_dataset, ok, train
+from tests.test_trainer_support import Run, Signal, make_packed_dataset, ok, train
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +37,6 @@ def run_3d(datasets: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
     train_set, held_out = datasets
     workdir = tmp_path_factory.mktemp("run-3d")
     args = [
-        "--save",
-        str(workdir / "ckpt"),
-        "--save-interval",
-        "10",
         "--data-path",
         str(train_set),
         "--eval-data-path",
@@ -128,22 +127,55 @@ def test_fp16_overflow_skips_step_and_lowers_scale(datasets: tuple[Path, Path], 
         assert math.isfinite(steps[i]["loss"]) and not steps[i]["skipped"], steps[i]
 
 
-def test_3d_checkpoint_resumes_with_fewer_dp_ranks(
-    run_3d: Run, datasets: tuple[Path, Path], tmp_path: Path
-) -> None:
-    """Saved at 10 by TP2xPP2xDP2 (distributed optimizer, SP); resumed by TP2xPP2xDP1: same 11..20."""
+@pytest.fixture(scope="module")
+def stopped_3d(
+    datasets: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Run, Path, Signal]:
+    """RUN_3D with --exit-signal-handler, sent SIGTERM at one random rank of the eight after a random step
+    (a scheduler's signal reaches the ranks at different moments; here the extreme case)."""
     train_set, _ = datasets
-    ckpt = Path(run_3d.stdout.split("saved checkpoint at iteration 10 to ")[1].split()[0])
-    args = [
-        "--load",
-        str(checkpoint_view(ckpt, 10, tmp_path)),
-        "--data-path",
-        str(train_set),
-        *RUN_3D,
-    ]
-    resumed = ok(train(4, args, tmp_path / "resumed"))
-    tail = run_3d.train[10:]
-    assert [m["iteration"] for m in resumed.train] == list(range(11, 21))
+    workdir = tmp_path_factory.mktemp("stopped-3d")
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    send = Signal(signal.SIGTERM, rank=rng.randrange(8), after_iteration=rng.randint(2, 6))
+    print(f"{send} (seed {seed})")
+    args = ["--data-path", str(train_set), *RUN_3D, "--save", str(workdir / "ckpt"), "--exit-signal-handler"]
+    return ok(train(8, args, workdir, send=send)), workdir / "ckpt", send
+
+
+def test_sigterm_at_a_random_step_saves_that_step_and_exits_zero(
+    run_3d: Run, stopped_3d: tuple[Run, Path, Signal]
+) -> None:
+    """Every rank finishes the step it is in, the same checkpoint of it is committed, the run exits 0 (ok());
+    up to there it is the uninterrupted run."""
+    stopped, ckpt, send = stopped_3d
+    step = stopped.train[-1]["iteration"]
+    assert send.after_iteration <= step < 20, (send, step)
+    assert [m["iteration"] for m in stopped.train] == list(range(1, step + 1))
+    assert f"exiting after iteration {step}: received SIGTERM; checkpoint of it in {ckpt}" in stopped.stdout
+    assert "Traceback" not in stopped.stderr
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(step)
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == [f"iter_{step:07d}"]  # no other save, no .tmp
+    files = json.loads((ckpt / f"iter_{step:07d}" / "checksums.json").read_text())["files"]
+    assert {n.split("_")[2] for n in files if n.endswith(".distcp")} == {str(r) for r in range(8)}
+    for mine, ref in zip(stopped.train, run_3d.train[:step], strict=True):
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+
+
+def test_3d_checkpoint_resumes_with_fewer_dp_ranks(
+    run_3d: Run, stopped_3d: tuple[Run, Path, Signal], datasets: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The checkpoint the SIGTERM left (TP2xPP2xDP2, distributed optimizer, SP), resumed by TP2xPP2xDP1: the
+    uninterrupted run's next iterations up to 20 within 1e-4."""
+    train_set, _ = datasets
+    stopped, ckpt, _ = stopped_3d
+    step = stopped.train[-1]["iteration"]
+    resumed = ok(
+        train(4, ["--load", str(ckpt), "--data-path", str(train_set), *RUN_3D], tmp_path / "resumed")
+    )
+    assert f"resumed from {ckpt} at iteration {step}" in resumed.stdout
+    tail = run_3d.train[step:]
+    assert [m["iteration"] for m in resumed.train] == list(range(step + 1, 21))
     assert [m["data_digest"] for m in resumed.train] == [m["data_digest"] for m in tail]
     for mine, ref in zip(resumed.train, tail, strict=True):
         assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4)

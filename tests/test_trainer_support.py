@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,10 +83,28 @@ TINY = [
 ]
 
 
+@dataclass(frozen=True)
+class Signal:
+    """A signal sent to one rank of a launch once the run has logged ``after_iteration`` steps."""
+
+    signum: int
+    rank: int
+    after_iteration: int
+
+
 def train(
-    nproc: int, args: list[str], workdir: Path, *, timeout_s: int = 420, env: dict[str, str] | None = None
+    nproc: int,
+    args: list[str],
+    workdir: Path,
+    *,
+    timeout_s: int = 420,
+    env: dict[str, str] | None = None,
+    tiny: bool = True,
+    send: Signal | None = None,
 ) -> Run:
-    """Runs ``torchrun --nproc_per_node nproc -m mmpack.trainer.pretrain_vlm`` with a tiny model."""
+    """Runs ``torchrun --nproc_per_node nproc -m mmpack.trainer.pretrain_vlm`` with a tiny model (the size
+    flags of ``TINY``; ``tiny=False``: no size flags, for a model that brings its config.json); ``send``: a
+    signal to one of its ranks during the run."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics_file = workdir / "metrics.jsonl"
     metrics_file.unlink(missing_ok=True)
@@ -99,17 +118,47 @@ def train(
         str(free_port()),
         "-m",
         "mmpack.trainer.pretrain_vlm",
-        *TINY,
+        *(TINY if tiny else ["--num-workers", "0"]),
         *args,
         "--metrics-file",
         str(metrics_file),
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s)
+    with subprocess.Popen(
+        cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            if send is not None:
+                _signal_when_logged(proc, metrics_file, send, deadline=time.monotonic() + timeout_s)
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except BaseException:
+            proc.kill()
+            raise
     metrics = (
         [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     )
-    return Run(proc.returncode, proc.stdout, proc.stderr, metrics)
+    return Run(proc.returncode, stdout, stderr, metrics)
+
+
+def _signal_when_logged(proc: subprocess.Popen, metrics_file: Path, send: Signal, *, deadline: float) -> None:
+    """Waits until ``metrics_file`` holds ``send.after_iteration`` steps, then signals the rank."""
+    while time.monotonic() < deadline and proc.poll() is None:
+        lines = metrics_file.read_text().splitlines() if metrics_file.exists() else []
+        if sum('"loss"' in line for line in lines) >= send.after_iteration:
+            os.kill(_worker_pid(proc.pid, send.rank), send.signum)
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run ended or timed out before iteration {send.after_iteration}")
+
+
+def _worker_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of torchrun's worker process of ``rank`` (Linux /proc: its children and their RANK)."""
+    tasks = Path(f"/proc/{launcher_pid}/task")
+    children = [pid for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
+    for pid in children:
+        if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            return int(pid)
+    raise AssertionError(f"no worker of rank {rank} among {children}")
 
 
 def checkpoint_view(ckpt: Path, iteration: int, tmp: Path) -> Path:

@@ -18,6 +18,7 @@ from mmpack.trainer.config import (
     RunConfig,
     TrainConfig,
 )
+from mmpack.trainer.exits import ExitConfig
 from mmpack.trainer.freeze import parse_modules
 from mmpack.trainer.observability import ObservabilityConfig
 
@@ -262,6 +263,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="load weights only from --load: iteration, optimizer, scheduler and data start fresh",
     )
     g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
+    g.add_argument(
+        "--no-verify-checkpoint",
+        action="store_true",
+        help="load without checking the checkpoint's files against the checksums saved with them",
+    )
+
+    g = p.add_argument_group("exiting early (each saves a checkpoint of the last step with --save)")
+    g.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="on SIGTERM or SIGUSR1 finish the current step, save a checkpoint of it on every rank and exit 0",
+    )
+    g.add_argument(
+        "--exit-duration-in-mins",
+        type=float,
+        default=None,
+        help="exit after this many minutes of wall time (checked after every step)",
+    )
+    g.add_argument(
+        "--exit-interval", type=int, default=None, help="exit at the first multiple of N iterations"
+    )
     return p
 
 
@@ -281,6 +303,22 @@ def _balance_cost(text: str) -> tuple[float, float, float, float]:
     return values  # type: ignore[return-value]
 
 
+def _size_flags(args: argparse.Namespace) -> tuple[tuple[str, int, str], ...]:
+    """(field, value, flag) of every model size the command line sets: by a size flag, or by the
+    ``--model-size`` preset where no flag overrides it."""
+    fields = {name for preset in MODEL_PRESETS.values() for name in preset} | {"ffn_hidden_size"}
+    given = [
+        (k, getattr(args, k), f"--{k.replace('_', '-')}")
+        for k in sorted(fields)
+        if getattr(args, k) is not None
+    ]
+    named = {k for k, _, _ in given}
+    preset = MODEL_PRESETS[args.model_size] if args.model_size else {}
+    return tuple(
+        given + [(k, v, f"--model-size {args.model_size}") for k, v in preset.items() if k not in named]
+    )
+
+
 def _config_from_args(cls: type[C], args: argparse.Namespace, **given: Any) -> C:
     """``cls`` built from the flags named like its fields; ``given`` values take precedence."""
     names = {f.name for f in dataclasses.fields(cls)} - given.keys()
@@ -294,7 +332,11 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     size = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in preset.items()}
     return RunConfig(
         model=_config_from_args(
-            ModelConfig, args, trainable_modules=parse_modules(args.trainable_modules), **size
+            ModelConfig,
+            args,
+            trainable_modules=parse_modules(args.trainable_modules),
+            size_flags=_size_flags(args),
+            **size,
         ),
         parallel=_config_from_args(ParallelConfig, args),
         precision=_config_from_args(PrecisionConfig, args),
@@ -305,4 +347,5 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
         data=_config_from_args(DataConfig, args, cache_dir=args.data_cache_dir),
         checkpoint=_config_from_args(CheckpointConfig, args),
         logging=_config_from_args(ObservabilityConfig, args),
+        exit=_config_from_args(ExitConfig, args),
     )

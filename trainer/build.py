@@ -13,7 +13,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.module import Float16Module
 
-from mmpack.trainer.config import MegatronConfigs, RunConfig
+from mmpack.trainer.config import MegatronConfigs, ModelConfig, RunConfig
 from mmpack.trainer.convert import HF_CONFIG_NAME
 from mmpack.trainer.data import DataInfo
 from mmpack.trainer.freeze import apply_freeze
@@ -25,10 +25,14 @@ def model_hf_config(cfg: RunConfig, info: DataInfo) -> dict[str, Any]:
     of ``--load``, or a small random one whose vocabulary and special ids are the dataset's."""
     m = cfg.model
     if m.hf_model:
-        return read_hf_config(m.hf_model)
+        config = read_hf_config(m.hf_model)
+        check_size_flags(m, config, f"--hf-model {m.hf_model} (its config.json)")
+        return config
     kept = Path(cfg.checkpoint.load or "") / HF_CONFIG_NAME
     if cfg.checkpoint.load and kept.is_file():
-        return json.loads(kept.read_text())
+        config = json.loads(kept.read_text())
+        check_size_flags(m, config, f"the checkpoint of --load {cfg.checkpoint.load} (its {HF_CONFIG_NAME})")
+        return config
     return family(m.model_type).tiny_hf_config(
         vocab_size=m.padded_vocab_size(info.vocab_size),
         image_token_id=info.image_pad_id,
@@ -45,6 +49,21 @@ def model_hf_config(cfg: RunConfig, info: DataInfo) -> dict[str, Any]:
         patch_size=info.patch_size,
         merge_size=info.merge_size,
     )
+
+
+def check_size_flags(m: ModelConfig, config: dict[str, Any], source: str) -> None:
+    """The size flags of the command line must be the sizes of the model ``source`` fixes; ValueError in
+    one line naming the flags and both values otherwise."""
+    fam = family_of(config)
+    sizes = fam.size_flags_of(fam.arch_from_hf_config(config))
+    wrong = [(field, value, flag) for field, value, flag in m.size_flags if sizes.get(field, value) != value]
+    if wrong:
+        flags = " ".join(dict.fromkeys(flag for _, _, flag in wrong))
+        detail = ", ".join(f"{field} {value} here, {sizes[field]} there" for field, value, _ in wrong)
+        raise ValueError(
+            f"{flags} contradicts {source}: {detail}; drop the size flags (that model fixes the sizes) or "
+            "train a new model without it"
+        )
 
 
 def check_data_matches_model(arch: Any, info: DataInfo, where: str) -> None:

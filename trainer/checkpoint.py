@@ -5,7 +5,9 @@ global shape; ``dist_checkpointing`` reshards on load).
 Layout (as Megatron-LM's)::
 
     <dir>/latest_checkpointed_iteration.txt
-    <dir>/iter_0000010/        metadata.json, common.pt, *.distcp (torch_dist format)
+    <dir>/iter_0000010/        metadata.json, common.pt, *.distcp (torch_dist format), checksums.json
+
+How an iteration is written, committed and verified is :mod:`mmpack.trainer.checkpoint_commit`'s.
 
 What one checkpoint holds:
 
@@ -27,9 +29,7 @@ same stream.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,19 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import unwrap_model
 
-TRACKER = "latest_checkpointed_iteration.txt"
+from mmpack.trainer.checkpoint_commit import TRACKER as TRACKER  # re-exported: names this module used to own
+from mmpack.trainer.checkpoint_commit import (
+    CorruptCheckpointError,
+    commit,
+    iteration_dir,
+    previous_good,
+    remove_iteration_folder,
+    resolve_iteration,
+    staging_dir,
+    verify_checkpoint,
+)
+from mmpack.trainer.checkpoint_commit import latest_iteration as latest_iteration
+
 # The distributed optimizer's reshardable format: its flat buffers are all-gathered over DP and cut back into
 # tensors of the parameters' shapes (so they reshard like the model); the writes stay spread over ranks.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -59,21 +71,6 @@ ARCH_KEYS = (
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint that does not fit the model of this run (and cannot be resharded into it)."""
-
-
-def iteration_dir(root: str | Path, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
-
-
-def latest_iteration(root: str | Path) -> int | None:
-    """The iteration recorded in ``root``'s tracker file, or None when there is no checkpoint."""
-    tracker = Path(root) / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise ValueError(f"{tracker} holds {text!r}, not an iteration number")
-    return int(text)
 
 
 def _bare(model: Any) -> Any:
@@ -172,18 +169,9 @@ def _state_for_save(
     }
 
 
-def _write_tracker(root: str | Path, iteration: int) -> None:
-    """Rank 0 points the tracker at ``iteration`` (after every rank finished writing it)."""
-    if dist.get_rank() == 0:
-        tracker = Path(root) / TRACKER
-        tmp = tracker.with_suffix(".tmp")
-        tmp.write_text(str(iteration))
-        os.replace(tmp, tracker)
-
-
 class CheckpointWriter:
     """Saves checkpoints, synchronously or (``async_save``) in forked writer processes while training goes
-    on; the tracker file moves to an iteration only once every rank has written it."""
+    on; an iteration is committed (checksums, rename, tracker) only once every rank has written it."""
 
     def __init__(self, root: str, *, async_save: bool = False) -> None:
         self.root = root
@@ -202,20 +190,17 @@ class CheckpointWriter:
         """Collective. ``model``: this stage's model, or the list of its chunks (interleaved pipeline).
         Returns once the shards are written (sync) or handed to the writer (async)."""
         self.finalize(blocking=True)  # one checkpoint in flight at a time
-        folder = iteration_dir(self.root, iteration)
+        folder = staging_dir(self.root, iteration)
         if dist.get_rank() == 0:
-            if folder.exists():  # an unfinished or older save of the same iteration
-                shutil.rmtree(folder)
-            folder.mkdir(parents=True)
+            remove_iteration_folder(self.root, folder)  # left by a save of this iteration that did not finish
+            folder.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         state = _state_for_save(iteration, model, optimizer, scheduler, loader_state, model_config)
         request = dist_checkpointing.save(state, str(folder), async_sharded_save=self.async_save)
         if request is None:
-            dist.barrier()
-            _write_tracker(self.root, iteration)
-            dist.barrier()
+            commit(self.root, iteration)
             return
-        request.add_finalize_fn(lambda: _write_tracker(self.root, iteration))
+        request.add_finalize_fn(lambda: commit(self.root, iteration))
         assert self.queue is not None
         self.queue.schedule_async_request(request)
 
@@ -316,6 +301,7 @@ def load_checkpoint(
     *,
     load_optim: bool = True,
     finetune: bool = False,
+    verify: bool = True,
 ) -> tuple[int, dict[str, Any] | None, str]:
     """Restores the latest checkpoint under ``root`` into this run (``model``: one model or this stage's
     chunks), at any TP x PP x DP, with or without the interleaved pipeline.
@@ -323,16 +309,14 @@ def load_checkpoint(
     Returns (iteration, loader state, message). ``finetune`` loads the weights only (iteration 0, fresh
     optimizer, scheduler and data stream); ``load_optim=False`` keeps a fresh optimizer. A folder without a
     checkpoint (missing, empty, or only files the trainer writes before its first save) starts at 0.
+    The newest complete iteration is loaded (see :func:`open_iteration`), its files verified first unless
+    ``verify`` is False.
     """
-    iteration = latest_iteration(root)
+    iteration, warnings = open_iteration(root, verify=verify)
     if iteration is None:
         return 0, None, f"no checkpoint in {root}: training starts at iteration 0"
     folder = iteration_dir(root, iteration)
-    if not (folder / "metadata.json").is_file():
-        raise FileNotFoundError(
-            f"{folder} is not a complete checkpoint (no metadata.json); remove {root}/{TRACKER}"
-        )
-    common = dist_checkpointing.load_common_state_dict(str(folder))
+    common = load_common(root, iteration)
     check_model_config(common.get("model_config") or {}, model_config, folder)
     saved_layout: dict[str, int] = {"vp": 1, **common["layout"]}
     lay = layout()
@@ -359,17 +343,24 @@ def load_checkpoint(
     try:
         state = dist_checkpointing.load(request, str(folder))
     except Exception as e:  # dist_checkpointing raises several types for missing/mismatched shards
+        if not verify:  # then a damaged file is as likely as a mismatch
+            raise CorruptCheckpointError(
+                f"checkpoint {folder} could not be read ({type(e).__name__}: {_first_line(e)}): a file of it "
+                "may be damaged (load without --no-verify-checkpoint to find which); "
+                + previous_good(root, iteration)
+            ) from e
         raise CheckpointMismatchError(
             f"checkpoint {folder} (saved at {_describe_layout(saved_layout)}) does not load into this run "
             f"({_describe_layout(lay)}): {' '.join(str(e).split())[:800]}"
         ) from e
     _load_model_state(model, state)
+    prefix = "".join(f"{w}\n" for w in warnings)
     if not restore_training:
         why = "a weights-only checkpoint" if weights_only else "--finetune"
         return (
             0,
             None,
-            f"loaded weights of iteration {iteration} from {root} ({why}: starting at iteration 0)",
+            f"{prefix}loaded weights of iteration {iteration} from {root} ({why}: starting at iteration 0)",
         )
     if load_optim:
         with _torch_adam_step_kept(optimizer):
@@ -392,4 +383,34 @@ def load_checkpoint(
     if not load_optim:
         notes.append("optimizer state not loaded (--no-load-optim)")
     suffix = f" ({'; '.join(notes)})" if notes else ""
-    return iteration, loader, f"resumed from {root} at iteration {iteration}{suffix}"
+    return iteration, loader, f"{prefix}resumed from {root} at iteration {iteration}{suffix}"
+
+
+def open_iteration(root: str | Path, *, verify: bool = True) -> tuple[int | None, list[str]]:
+    """Collective when ``verify``: (iteration to load, warnings), None without a checkpoint. The tracker's
+    iteration, or the newest complete one before it when that is missing or incomplete; its files checked
+    against their checksums (:class:`CorruptCheckpointError` naming the bad file otherwise)."""
+    iteration, warning = resolve_iteration(root)
+    warnings = [warning] if warning else []
+    if iteration is not None:
+        note = verify_checkpoint(root, iteration) if verify else "files not verified (--no-verify-checkpoint)"
+        warnings += [f"note: {note}"] if note else []
+    return iteration, warnings
+
+
+def load_common(root: str | Path, iteration: int) -> dict[str, Any]:
+    """The common (non-sharded) state of an iteration; :class:`CorruptCheckpointError` naming the folder
+    and the previous good iteration when it cannot be read."""
+    folder = iteration_dir(root, iteration)
+    try:
+        return dist_checkpointing.load_common_state_dict(str(folder))
+    except Exception as e:  # a truncated or missing common.pt / metadata.json: pickle, EOF, OS errors
+        raise CorruptCheckpointError(
+            f"{folder}: its common state (common.pt, metadata.json) could not be read ({type(e).__name__}: "
+            f"{_first_line(e)}); {previous_good(root, iteration)}"
+        ) from e
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0][:300] if lines else repr(e)

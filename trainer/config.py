@@ -11,6 +11,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 
+from mmpack.trainer.exits import ExitConfig
 from mmpack.trainer.observability import ObservabilityConfig
 
 
@@ -39,6 +40,9 @@ class ModelConfig:
     freeze_vision: bool = False
     freeze_llm: bool = False
     trainable_modules: tuple[str, ...] | None = None
+    # (field, value, flag) of the sizes the command line set (a size flag or --model-size): a model that
+    # comes with its own config.json (--hf-model, a checkpoint's hf_config.json) must have these values
+    size_flags: tuple[tuple[str, int, str], ...] = ()
 
     def __post_init__(self) -> None:
         from mmpack.trainer.freeze import parse_modules
@@ -301,6 +305,7 @@ class CheckpointConfig:
     async_save: bool = False  # shards written by forked processes while training goes on
     finetune: bool = False  # weights only: iteration, optimizer, scheduler and data start fresh
     no_load_optim: bool = False  # keep a fresh optimizer (the rest is restored)
+    no_verify_checkpoint: bool = False  # skip checking the loaded iteration's files against their checksums
 
     def __post_init__(self) -> None:
         if self.async_save and not self.save:
@@ -321,6 +326,11 @@ class RunConfig:
     data: DataConfig = field(default_factory=lambda: DataConfig(mock_data=True))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    exit: ExitConfig = field(default_factory=ExitConfig)
+
+    def __post_init__(self) -> None:
+        if self.exit.exit_signal_handler and not self.checkpoint.save:
+            raise ValueError("--exit-signal-handler saves a checkpoint before it exits: add --save DIR")
 
 
 @dataclass(kw_only=True, frozen=True)

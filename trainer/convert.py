@@ -11,6 +11,10 @@ reading only its own slices of the safetensors, and saves them with megatron-cor
 ``mcore-to-hf`` loads the latest iteration of a checkpoint (converted or saved by the trainer, any layout)
 into one process at TP1 x PP1 and writes ``config.json`` + ``model.safetensors`` that transformers loads.
 The round trip is bit-exact.
+
+Both take their ``--out`` by the ownership rule (:mod:`mmpack.packing.ownership`): a new, empty or
+mmpack-marked folder. ``hf-to-mcore`` refuses a training run's folder (its tracker would go back to iteration
+0); ``mcore-to-hf`` into an earlier export replaces that export's files (the shards its index lists too).
 """
 
 from __future__ import annotations
@@ -32,14 +36,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hf", required=True, help="folder written by save_pretrained (config.json + safetensors)"
     )
-    p.add_argument("--out", required=True, help="checkpoint folder to write (then --load it with --finetune)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="checkpoint folder to write: new, empty or an earlier conversion, never a training run's (then "
+        "--load it with --finetune)",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size the weights are cut for")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size the layers are split for")
     p = sub.add_parser(
         "mcore-to-hf", help="megatron-core checkpoint -> HF folder (config.json + safetensors)"
     )
     p.add_argument("--ckpt", required=True, help="checkpoint folder (its latest iteration is exported)")
-    p.add_argument("--out", required=True, help="HF folder to write")
+    p.add_argument("--out", required=True, help="HF folder to write (new, empty, or an earlier export)")
+    p.add_argument(
+        "--no-verify-checkpoint", action="store_true", help="skip checking the files against their checksums"
+    )
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -76,7 +88,7 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
     from megatron.core import parallel_state as ps
 
     from mmpack.trainer import cpu_backend
-    from mmpack.trainer.checkpoint import TRACKER, iteration_dir
+    from mmpack.trainer.checkpoint_commit import commit, staging_dir
     from mmpack.trainer.models import read_hf_config
 
     cpu_backend.activate()
@@ -88,7 +100,7 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
             model, hf_dir, arch,
             tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
         )  # fmt: skip
-        folder = iteration_dir(out, 0)
+        folder = staging_dir(out, 0)
         if rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
         dist.barrier()
@@ -99,26 +111,29 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
             "model": model.sharded_state_dict(),
         }
         dist_checkpointing.save(state, str(folder))
-        dist.barrier()
         if rank == 0:
             (Path(out) / HF_CONFIG_NAME).write_text(json.dumps(hf_config, indent=2))
-            (Path(out) / TRACKER).write_text("0")
+        commit(out, 0)  # checksums, iter_0000000, then the tracker
     finally:
         dist.destroy_process_group()
 
 
-def load_tp1_model(ckpt: str) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """(family, arch, whole model at TP1 x PP1, HF config dict) from the latest iteration of ``ckpt``, in a
-    process whose one-rank process group is initialised (megatron-core's parallel state is set up here)."""
+def load_tp1_model(ckpt: str, *, verify: bool = True) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """(family, arch, whole model at TP1 x PP1, HF config dict) from the newest complete iteration of
+    ``ckpt`` (its files verified unless ``verify`` is False), in a process whose one-rank process group is
+    initialised (megatron-core's parallel state is set up here)."""
     from megatron.core import dist_checkpointing
 
-    from mmpack.trainer.checkpoint import iteration_dir, latest_iteration
+    from mmpack.trainer.checkpoint import load_common, open_iteration
+    from mmpack.trainer.checkpoint_commit import iteration_dir
 
-    iteration = latest_iteration(ckpt)
+    iteration, warnings = open_iteration(ckpt, verify=verify)
     if iteration is None:
         raise ValueError(f"{ckpt} holds no checkpoint (no latest_checkpointed_iteration.txt)")
+    for warning in warnings:
+        print(warning, file=sys.stderr)
     folder = iteration_dir(ckpt, iteration)
-    hf_config = dist_checkpointing.load_common_state_dict(str(folder)).get("model_config")
+    hf_config = load_common(ckpt, iteration).get("model_config")
     if not hf_config:
         raise ValueError(f"{folder} records no model_config (the HF config.json of the model)")
     fam, arch, model = _build_stage(hf_config, 1, 1)
@@ -129,25 +144,56 @@ def load_tp1_model(ckpt: str) -> tuple[Any, Any, Any, dict[str, Any]]:
     return fam, arch, model, hf_config
 
 
-def _mcore_to_hf_rank(rank: int, port: int, ckpt: str, out: str) -> None:
+def _mcore_to_hf_rank(rank: int, port: int, ckpt: str, out: str, verify: bool) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
+    from mmpack.packing.ownership import open_owned
     from mmpack.trainer import cpu_backend
 
     cpu_backend.activate()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
     try:
-        fam, arch, model, hf_config = load_tp1_model(ckpt)
+        fam, arch, model, hf_config = load_tp1_model(ckpt, verify=verify)
         params = {name: p.detach() for name, p in model.named_parameters()}
         tensors = fam.hf_state_dict(arch, {(0, 0): params}, 1, 1)
         root = Path(out)
-        root.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(root / "model.safetensors"),
+        written = root / "model.safetensors.tmp"
+        save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(written),
                   metadata={"format": "pt"})  # fmt: skip
+        open_owned(out, "hf-export").remove_recorded(_old_export_files(root))
+        os.replace(written, root / "model.safetensors")
         (root / "config.json").write_text(json.dumps(hf_config, indent=2))
     finally:
         dist.destroy_process_group()
+
+
+def _old_export_files(root: Path) -> list[str]:
+    """The files of an earlier (sharded) export that the new one does not overwrite: the index and the shards
+    it lists. Whatever else is in the folder stays."""
+    index = root / "model.safetensors.index.json"
+    if not index.is_file():
+        return []
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, AttributeError) as e:
+        raise ValueError(
+            f"{index} is not a safetensors index ({e}); remove it or give another --out"
+        ) from None
+    return [index.name, *sorted(shards - {"model.safetensors"})]
+
+
+def _refuse_training_run(out: str) -> None:
+    """``out`` may hold a conversion (iteration 0), never a training run's checkpoints."""
+    from mmpack.trainer.checkpoint_commit import TRACKER, complete_iterations, latest_iteration
+
+    newest = max([*complete_iterations(out), latest_iteration(out) or 0])
+    if newest > 0:
+        raise ValueError(
+            f"--out {out} holds the checkpoints of a training run (up to iteration {newest}): converting into it "
+            f"would point its {TRACKER} at iteration 0 and the next --load would restart the run there; give "
+            "a new folder"
+        )
 
 
 def _spawn(fn: Any, nprocs: int, args: tuple) -> None:
@@ -163,28 +209,36 @@ def _spawn(fn: Any, nprocs: int, args: tuple) -> None:
 
 def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int) -> Path:
     """Writes the weights-only dist checkpoint at ``out``; returns its iteration folder."""
-    from mmpack.trainer.checkpoint import iteration_dir
+    from mmpack.trainer.checkpoint_commit import claim_checkpoint_folder, iteration_dir
     from mmpack.trainer.models import family_of, read_hf_config
 
     if tp < 1 or pp < 1:
         raise ValueError("--tp and --pp must be >= 1")
+    _refuse_training_run(out)  # clear errors before any process starts
     config = read_hf_config(hf_dir)
-    family_of(config).arch_from_hf_config(config)  # a clear error before any process starts
+    fam = family_of(config)
+    fam.check_hf_weights(hf_dir, fam.arch_from_hf_config(config))
+    claim_checkpoint_folder(out, role="checkpoint folder (--out)")
     _spawn(_hf_to_mcore_rank, tp * pp, (tp * pp, _free_port(), hf_dir, out, tp, pp))
     return iteration_dir(out, 0)
 
 
-def mcore_to_hf(ckpt: str, out: str) -> Path:
-    """Writes ``out/config.json`` and ``out/model.safetensors``; returns the weights file."""
-    from mmpack.trainer.checkpoint import latest_iteration
+def mcore_to_hf(ckpt: str, out: str, *, verify: bool = True) -> Path:
+    """Writes ``out/config.json`` and ``out/model.safetensors`` (an earlier export there replaced, shards and
+    index included); returns the weights file."""
+    from mmpack.packing.ownership import claim_folder
+    from mmpack.trainer.checkpoint_commit import latest_iteration
 
     if latest_iteration(ckpt) is None:
         raise ValueError(f"{ckpt} holds no checkpoint (no latest_checkpointed_iteration.txt)")
-    _spawn(_mcore_to_hf_rank, 1, (_free_port(), ckpt, out))
+    claim_folder(out, "hf-export", role="HF export folder (--out)")
+    _spawn(_mcore_to_hf_rank, 1, (_free_port(), ckpt, out, verify))
     return Path(out) / "model.safetensors"
 
 
 def run(args: argparse.Namespace) -> int:
+    from mmpack.packing.errors import MmpackError
+
     try:
         if args.direction == "hf-to-mcore":
             folder = hf_to_mcore(args.hf, args.out, args.tp, args.pp)
@@ -192,8 +246,9 @@ def run(args: argparse.Namespace) -> int:
                 f"wrote {folder} (TP {args.tp} x PP {args.pp}); train from it with --load {args.out} --finetune"
             )
         else:
-            print(f"wrote {mcore_to_hf(args.ckpt, args.out)} and config.json")
-    except (ValueError, FileNotFoundError) as e:
+            weights = mcore_to_hf(args.ckpt, args.out, verify=not args.no_verify_checkpoint)
+            print(f"wrote {weights} and config.json")
+    except (ValueError, FileNotFoundError, MmpackError) as e:
         if args.debug:
             raise
         print(f"mmpack convert: error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ Without CUDA the same command runs on CPU processes with gloo. ``--help`` lists 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -35,20 +36,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"pretrain_vlm: error: {e}", file=sys.stderr)
         return 2
+    from mmpack.packing.errors import MmpackError
+    from mmpack.trainer.exits import ExitSignals
     from mmpack.trainer.training import Trainer, shutdown
 
-    trainer = None
-    try:
-        trainer = Trainer(cfg)
-        trainer.train()
-    except ValueError as e:  # a configuration the user can fix: one clear line, not a traceback per rank
-        if os.environ.get("RANK", "0") == "0":
-            print(f"pretrain_vlm: error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if trainer is not None:
-            trainer.close()
-        shutdown()
+    # installed before the data workers and checkpoint writers fork: they inherit it and live on until
+    # the trainer stops them at the step boundary
+    signals = ExitSignals() if cfg.exit.exit_signal_handler else None
+    with signals or contextlib.nullcontext():
+        trainer = None
+        try:
+            trainer = Trainer(cfg, exit_signals=signals)
+            trainer.train()
+        except (
+            ValueError,
+            MmpackError,
+        ) as e:  # what the user can fix: one clear line, not a traceback per rank
+            if os.environ.get("RANK", "0") == "0":
+                print(f"pretrain_vlm: error: {e}", file=sys.stderr)
+            return 2
+        finally:
+            if trainer is not None:
+                trainer.close()
+            shutdown()
     return 0
 
 

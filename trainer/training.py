@@ -32,6 +32,7 @@ from mmpack.trainer.build import (
     model_hf_config,
 )
 from mmpack.trainer.checkpoint import CheckpointWriter, load_checkpoint
+from mmpack.trainer.checkpoint_commit import claim_checkpoint_folder
 from mmpack.trainer.config import RunConfig, build_megatron_configs
 from mmpack.trainer.convert import HF_CONFIG_NAME
 from mmpack.trainer.data import (
@@ -42,6 +43,7 @@ from mmpack.trainer.data import (
     pad_flat_batch,
     thd_length,
 )
+from mmpack.trainer.exits import ExitPolicy, ExitSignals
 from mmpack.trainer.freeze import count_parameters
 from mmpack.trainer.models import family_of
 from mmpack.trainer.observability import Observer
@@ -166,12 +168,17 @@ def _tokens_digest(tokens: torch.Tensor) -> int:
 class Trainer:
     """Owns model, optimizer, scheduler and data of one rank and runs steps."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, *, exit_signals: ExitSignals | None = None) -> None:
+        """``exit_signals``: the SIGTERM / SIGUSR1 recorder of ``--exit-signal-handler``, installed by the
+        caller before anything forks."""
+        self.exit_policy = ExitPolicy(cfg.exit, exit_signals, start_s=time.time())
         info = dataset_info(cfg.data.data_path, cfg.train.seq_length)
         self.hf_config = model_hf_config(cfg, info)
         self.arch = family_of(self.hf_config).arch_from_hf_config(self.hf_config)
         self.virtual_pipeline_size = cfg.parallel.virtual_pipeline_size(self.arch.num_layers)
         self.on_cpu = initialize_distributed(cfg, virtual_pipeline_size=self.virtual_pipeline_size)
+        if cfg.checkpoint.save:  # refused before any work when it is not mmpack's to write into
+            claim_checkpoint_folder(cfg.checkpoint.save, role="checkpoint folder (--save)")
         self.dp_size = ps.get_data_parallel_world_size()
         self.cfg = cfg = resolve_train_config(cfg, info, self.dp_size)
         check_data_matches_model(self.arch, info, cfg.model.hf_model or "(random, from the size flags)")
@@ -224,13 +231,16 @@ class Trainer:
         )  # fmt: skip
         ck = cfg.checkpoint
         self.writer = CheckpointWriter(ck.save, async_save=ck.async_save) if ck.save else None
+        self.saved_iteration: int | None = None  # the iteration --save holds already
         if ck.load:
             self.iteration, loader_state, message = load_checkpoint(
                 ck.load, self.chunks, self.optimizer, self.scheduler, self.hf_config,
-                load_optim=not ck.no_load_optim, finetune=ck.finetune,
+                load_optim=not ck.no_load_optim, finetune=ck.finetune, verify=not ck.no_verify_checkpoint,
             )  # fmt: skip
             if loader_state is not None:
                 self.train_data.load_state_dict(loader_state)
+            if ck.save and _same_folder(ck.load, ck.save):  # nothing new to save before the next step
+                self.saved_iteration = self.iteration
             self.log_text(message)
 
     @property
@@ -434,13 +444,17 @@ class Trainer:
             self.iteration, self.chunks, self.optimizer, self.scheduler, self.train_data.state_dict(),
             self.hf_config,
         )  # fmt: skip
+        self.saved_iteration = self.iteration
         self.log_text(f"saved checkpoint at iteration {self.iteration} to {ck.save}")
 
     def train(self) -> None:
+        """Steps up to --train-iters, or up to the step after which the exit policy stops the run (a signal,
+        the duration, the exit interval); the last step is saved with --save either way."""
         tr, ck = self.cfg.train, self.cfg.checkpoint
         self.log_text(self.describe())
         self.log_text(self.trainable_message)
-        while self.iteration < tr.train_iters:
+        stop: str | None = None
+        while self.iteration < tr.train_iters and stop is None:
             metrics = self.train_step()
             if metrics["skipped"]:
                 self.log_text(f"iteration {self.iteration}: skipped (gradient overflow), loss scale lowered")
@@ -455,10 +469,15 @@ class Trainer:
                 self.save()
             if self.writer is not None:
                 self.writer.finalize()  # completes async saves that have finished
-        if ck.save and not (ck.save_interval and self.iteration % ck.save_interval == 0):
+            if self.iteration < tr.train_iters:  # the same on every rank: the check is collective
+                stop = self.exit_policy.reason(self.iteration)
+        if ck.save and self.saved_iteration != self.iteration:
             self.save()
         if self.writer is not None:
             self.writer.close()  # waits for an async save still being written
+        if stop is not None:
+            where = f"; checkpoint of it in {ck.save} (resume with --load {ck.save})" if ck.save else ""
+            self.log_text(f"exiting after iteration {self.iteration}: {stop}{where}")
 
     def close(self) -> None:
         """Stops data workers, closes the metric writers."""
@@ -498,6 +517,10 @@ class Trainer:
         counts = ",".join(str(sum(n for _, n in parts)) for parts in stages)
         chunks = " | ".join(",".join(f"{a}-{a + n - 1}" for a, n in parts) for parts in stages)
         return f"{counts} (chunks: {chunks})"
+
+
+def _same_folder(a: str, b: str) -> bool:
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
 
 
 def shutdown() -> None:

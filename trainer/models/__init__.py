@@ -1,7 +1,7 @@
 """Model families by HuggingFace ``model_type``: each is one subpackage exposing the same names
 (``Model``, ``Arch``, ``arch_from_hf_config``, ``tiny_hf_config``, ``build_transformer_configs``,
-``load_stage_weights``, ``init_stage_random``, ``stage_state_dict``, ``hf_state_dict``, ``stage_rules``), so a new family is one new
-module plus one line here."""
+``load_stage_weights``, ``check_hf_weights``, ``init_stage_random``, ``stage_state_dict``, ``hf_state_dict``,
+``stage_rules``), so a new family is one new module plus one line here."""
 
 from __future__ import annotations
 

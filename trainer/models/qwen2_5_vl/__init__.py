@@ -5,9 +5,11 @@ from mmpack.trainer.models.qwen2_5_vl.config import (
     Qwen25VLArch,
     arch_from_hf_config,
     build_transformer_configs,
+    size_flags_of,
     tiny_hf_config,
 )
 from mmpack.trainer.models.qwen2_5_vl.hf_io import (
+    check_hf_weights,
     hf_state_dict,
     init_stage_random,
     load_stage_weights,
@@ -25,9 +27,11 @@ __all__ = [
     "Model",
     "arch_from_hf_config",
     "build_transformer_configs",
+    "check_hf_weights",
     "hf_state_dict",
     "init_stage_random",
     "load_stage_weights",
+    "size_flags_of",
     "stage_rules",
     "stage_state_dict",
     "tiny_hf_config",

@@ -141,6 +141,20 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> Qwen25VLArch:
     )
 
 
+def size_flags_of(arch: Qwen25VLArch) -> dict[str, int]:
+    """The model's sizes under the trainer's size-flag names (``ModelConfig`` fields)."""
+    return {
+        "num_layers": arch.num_layers,
+        "hidden_size": arch.hidden_size,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_query_groups": arch.num_key_value_heads,
+        "ffn_hidden_size": arch.intermediate_size,
+        "vision_num_layers": arch.vision.depth,
+        "vision_hidden_size": arch.vision.hidden_size,
+        "vision_num_attention_heads": arch.vision.num_heads,
+    }
+
+
 def tiny_hf_config(
     *,
     vocab_size: int,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mmpack.trainer.models.qwen2_5_vl.config import Qwen25VLArch
+from mmpack.trainer.models.qwen2_5_vl.hf_check import check_weight_files
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,19 @@ class SafetensorsReader:
         key = self._resolve(name)
         return list(self.handles[self.where[key]].get_slice(key).get_shape())
 
+    def dtypes(self) -> dict[str, str]:
+        """Every tensor of the files by its ``save_pretrained`` name (aliases undone): its safetensors
+        dtype ("F32", "BF16", "I8", ...)."""
+        return {self.canonical(k): self.handles[f].get_slice(k).get_dtype() for k, f in self.where.items()}
+
+    @classmethod
+    def canonical(cls, key: str) -> str:
+        """The ``save_pretrained`` name of a file's tensor name (``model.language_model.*`` -> ``model.*``)."""
+        for old, new in cls.ALIASES:
+            if key.startswith(new):
+                return old + key[len(new) :]
+        return key
+
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
         key = self._resolve(name)
         sl = self.handles[self.where[key]].get_slice(key)
@@ -280,6 +294,12 @@ def init_stage_random(
         param.copy_(read_shard(reader, rules[name], tp_rank, tp_size))  # type: ignore[arg-type]
 
 
+def check_hf_weights(model_dir: str | Path, arch: Qwen25VLArch) -> None:
+    """:func:`check_weight_files` on a ``save_pretrained`` folder (reads the file headers only)."""
+    with open_hf_weights(model_dir) as reader:
+        check_weight_files(reader, arch)
+
+
 @contextmanager
 def open_hf_weights(model_dir: str | Path) -> Iterator[SafetensorsReader]:
     with ExitStack() as stack:
@@ -364,7 +384,8 @@ def load_stage_weights(
     """Copies this rank's slice of the HF weights into ``model`` (one stage, or one model chunk of the
     interleaved pipeline); returns the tensors read.
 
-    Every parameter must have a rule and the shapes must agree, else a ValueError names the tensor.
+    Every parameter must have a rule, the files must hold float tensors of exactly the names and shapes
+    config.json describes, else a ValueError names the tensor.
     """
     rules = model_rules(arch, model)
     params = {local_param_name(_strip_wrappers(n)): p for n, p in model.named_parameters()}
@@ -372,6 +393,7 @@ def load_stage_weights(
     if unknown:
         raise ValueError(f"no HF source for parameters {unknown[:5]} (model and rules disagree)")
     with open_hf_weights(model_dir) as reader:
+        check_weight_files(reader, arch)
         for name, param in params.items():
             shard = read_shard(reader, rules[name], tp_rank, tp_size)
             if tuple(shard.shape) != tuple(param.shape):
