@@ -23,8 +23,6 @@ BUILTIN_TEMPLATE = "builtin"
 # Image-rule fields that also have a flag (--patch-size, ...): a flag that contradicts the model folder is an
 # error, since the trainer refuses a dataset whose rule differs from its model's.
 RULE_FLAG_FIELDS = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels")
-# Every ImageTokenRule field the job config carries (all but max_aspect_ratio, fixed at transformers' 200).
-RULE_JOB_FIELDS = (*RULE_FLAG_FIELDS, "image_mean", "image_std", "rescale_factor", "resample")
 
 
 def model_folder_of(model: str | None, tokenizer: str | None) -> str | None:
@@ -36,22 +34,20 @@ def model_folder_of(model: str | None, tokenizer: str | None) -> str | None:
     return None
 
 
-def resolve_job_image_options(
-    model: str | None, tokenizer: str | None, flags: dict[str, int | None]
-) -> tuple[str | None, dict[str, Any]]:
-    """(tokenizer path, image-rule fields of the job config) from `--model`, `-t` and the image flags.
+def resolve_image_rule(
+    model: str | None, tokenizer: str | None, flags: dict[str, int]
+) -> tuple[str | None, ImageTokenRule]:
+    """(tokenizer path, image rule of the job) from `--model`, `-t` and the image flags.
 
-    `flags` maps each of RULE_FLAG_FIELDS to its flag's value, None where the flag was not given.
+    `flags` maps those of RULE_FLAG_FIELDS given on the command line to their values; without a model folder
+    they and the rule's defaults are the rule.
 
     Raises:
         ValueError: the model folder is missing a file, or a flag contradicts its preprocessor config.
     """
     folder = model_folder_of(model, tokenizer)
     if folder is None:
-        defaults = ImageTokenRule()
-        given = {k: v for k, v in flags.items() if v is not None}
-        rule = ImageTokenRule(**{k: given.get(k, getattr(defaults, k)) for k in RULE_FLAG_FIELDS})
-        return tokenizer, _job_fields(rule)
+        return tokenizer, ImageTokenRule(**flags)
     if not os.path.isdir(folder):
         raise ValueError(f"--model {folder}: not a folder (expected an HF model folder)")
     model_rule = load_model_image_rule(folder)
@@ -61,7 +57,7 @@ def resolve_job_image_options(
             "(--min-pixels, --max-pixels, ...) instead"
         )
     for name, value in flags.items():
-        if value is not None and value != getattr(model_rule, name):
+        if value != getattr(model_rule, name):
             flag = "--" + name.replace("_", "-")
             raise ValueError(
                 f"{flag} {value} disagrees with {os.path.join(folder, PREPROCESSOR_CONFIG)} ({name} "
@@ -72,22 +68,18 @@ def resolve_job_image_options(
         if not os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
             raise ValueError(f"--model {folder}: no {TOKENIZER_FILE} in it; pass -t TOKENIZER")
         tokenizer = folder
-    return tokenizer, _job_fields(model_rule)
-
-
-def _job_fields(rule: ImageTokenRule) -> dict[str, Any]:
-    return {name: getattr(rule, name) for name in RULE_JOB_FIELDS}
+    return tokenizer, model_rule
 
 
 def resolve_chat_template(model: str | None, tokenizer: str | None, flag: str | None) -> dict[str, Any]:
-    """The chat-template fields of the job config (`chat_template`, `chat_template_origin`,
-    `chat_template_vars`) from `--model`, `-t` and `--chat-template` (a .jinja file, or "builtin").
+    """The chat template's options of the job (`chat_source`, `chat_origin`, `chat_variables`; see
+    `mmpack.offline_packing.options`) from `--model`, `-t` and `--chat-template` (a .jinja file, or "builtin").
 
     Raises:
         ValueError: `--chat-template` names no file, or a template file cannot be read.
     """
     folder = model if model is not None else tokenizer if tokenizer and os.path.isdir(tokenizer) else None
-    builtin: dict[str, Any] = {"chat_template": None, "chat_template_origin": "", "chat_template_vars": ()}
+    builtin: dict[str, Any] = {"chat_source": None, "chat_variables": ()}
     if flag == BUILTIN_TEMPLATE:
         return builtin
     found = read_folder_template(folder) if folder is not None and os.path.isdir(folder) else None
@@ -108,8 +100,4 @@ def resolve_chat_template(model: str | None, tokenizer: str | None, flag: str | 
         JinjaChat(source, variables, origin)
     except ChatTemplateError as exc:
         raise ValueError(f"{origin}: {exc}") from None
-    return {
-        "chat_template": source,
-        "chat_template_origin": origin,
-        "chat_template_vars": tuple(sorted(variables.items())),
-    }
+    return {"chat_source": source, "chat_origin": origin, "chat_variables": tuple(sorted(variables.items()))}
