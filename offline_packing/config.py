@@ -55,7 +55,9 @@ class ScanConfig:
     image_root: str | None = None  # image paths are relative to it (default: each input file's folder)
     image_check: str = "header"  # "header": sizes + end-marker check; "decode": full decode of every image
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # longer records (their JSON text) are rejects
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # larger images (from the header) are rejects; also frames
+    max_image_pixels: int = (
+        DEFAULT_MAX_IMAGE_PIXELS  # larger images (from the header) are rejects; also frames
+    )
     max_video_seconds: float = 3 * 3600.0  # longer videos (from the container) are rejects
     chunk_size: int = 2048  # samples per scan/lengths chunk (the unit of parallel work)
 

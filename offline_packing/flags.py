@@ -45,7 +45,8 @@ def _add(group: argparse._ArgumentGroup, *names: str, **kw: Any) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """All `mmpack pack` flags (auto_pipe.sh turns LLaVA-OneVision-2's options into these)."""
     g = p.add_argument_group("input")
-    _add(g, 
+    _add(
+        g,
         "-i",
         "--input",
         dest="inputs",
@@ -55,52 +56,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="raw records: .json/.jsonl (optionally .gz), .parquet or .tar file, folder or glob, local or a URL "
         "(s3://, http(s)://, file://) (repeatable)",
     )
-    _add(g, 
+    _add(
+        g,
         "-r",
         "--image-root",
         help="folder or URL (s3://, http(s)://) that image paths are relative to (default: each input file's "
         "folder)",
     )
-    _add(g, 
+    _add(
+        g,
         "--image-check",
         choices=IMAGE_CHECKS,
         help="header: read sizes, decode only files whose end marker is missing (default); "
         "decode: fully decode every image",
     )
-    _add(g, 
+    _add(
+        g,
         "--max-image-pixels",
         type=int,
         help=f"images with more pixels (width x height, from the header) are rejected as image_too_large "
         f"(default {option_default('max_image_pixels')})",
     )
-    _add(g, 
+    _add(
+        g,
         "--max-record-bytes",
         type=_size,
         help="records whose JSON text is longer (e.g. 8M, 1G) are rejected as record_too_large before they are "
         f"parsed or tokenized (default {option_default('max_record_bytes') >> 20}M)",
     )
-    _add(g, 
+    _add(
+        g,
         "--verify-inputs",
         choices=VERIFY_INPUTS,
         help="how a rerun tells whether an input changed: stat (path, size, mtime; default) or sha256 (content)",
     )
     g = p.add_argument_group("length model")
     _add(g, "-L", "--seq-len", type=int, required=True, help="bin capacity in tokens")
-    _add(g, 
+    _add(
+        g,
         "-t",
         "--tokenizer",
         help="tokenizer.json or a folder holding one (required unless --model); a folder also gives its chat "
         "template, and with a preprocessor_config.json the image rule, as --model does; byte-fallback: the "
         "byte-level demo tokenizer",
     )
-    _add(g, 
+    _add(
+        g,
         "--model",
         metavar="DIR",
         help="HF model folder: tokenizer.json (unless -t), its chat template (chat_template.jinja, "
         "chat_template.json or tokenizer_config.json) and the image rule of its preprocessor_config.json "
         "(patch, merge, temporal patch, min/max pixels, mean/std), recorded in the manifest",
     )
-    _add(g, 
+    _add(
+        g,
         "--overlength",
         choices=OVERLENGTH_POLICIES,
         help="samples longer than -L: drop to rejects.jsonl, truncate (whole trailing turns; "
@@ -114,20 +123,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("max_pixels", "smart_resize upper bound on h*w"),
     ):
         _add(g, f"--{name.replace('_', '-')}", type=int, help=f"{what} (default {option_default(name)})")
-    _add(g, 
+    _add(
+        g,
         "--chat-template",
         dest="chat_template_file",
         metavar="FILE|builtin",
         help="a Jinja chat template file instead of the model folder's; builtin: mmpack's Qwen rendering "
         "(the default where the folder has no template or -t names a file)",
     )
-    _add(g, 
+    _add(
+        g,
         "--default-system",
         dest="chat_default_system",
         metavar="TEXT",
         help="system prompt for records that have none (default: the chat template's own, if it has one)",
     )
-    _add(g, 
+    _add(
+        g,
         "--no-default-system",
         dest="chat_no_default_system",
         action="store_true",
@@ -145,20 +157,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("total_pixels", float, "pixels all sampled frames of a video share, two frames per step"),
     ):
         default = option_default(f"video_{name}")
-        _add(g, 
+        _add(
+            g,
             f"--video-{name.replace('_', '-')}",
             dest=f"video_{name}",
             type=kind,
-            help=f"{what} (default {default:.0f})" if kind is float and default > 100 else f"{what} (default {default})",
+            help=f"{what} (default {default:.0f})"
+            if kind is float and default > 100
+            else f"{what} (default {default})",
         )
-    _add(g, 
+    _add(
+        g,
         "--video-check",
         choices=VIDEO_CHECKS,
         help="header: plan from container metadata, checked against the frames the decoder shows (default); "
         "decode: also decode every planned frame at pack time, as the loader will (slow; a video that fails is "
         "rejected as undecodable_video)",
     )
-    _add(g, 
+    _add(
+        g,
         "--max-video-seconds",
         type=float,
         help="longer videos (duration from the container) are rejected as video_too_long "
@@ -166,71 +183,81 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("bin packing")
     _add(g, "-M", "--max-samples-per-bin", type=int, help="at most N samples per bin")
-    _add(g, 
+    _add(
+        g,
         "--max-images-per-bin",
         type=int,
         help="at most N images per bin; samples with more are rejected",
     )
-    _add(g, 
+    _add(
+        g,
         "--algorithm",
         help=f"mmpack.packing.pack_lengths algorithm (default {option_default('algorithm')})",
     )
-    _add(g, 
+    _add(
+        g,
         "--seed",
         type=int,
         help=f"seed of the order of bins in the shards (default {option_default('seed')})",
     )
     g = p.add_argument_group("output")
     _add(g, "-o", "--output", required=True, help="output folder or fsspec URL (s3://bucket/prefix)")
-    _add(g, 
+    _add(
+        g,
         "-f",
         "--format",
         choices=OUTPUT_FORMATS,
         help=f"shard format(s) (default {option_default('format')})",
     )
-    _add(g, 
+    _add(
+        g,
         "--max-bins-per-shard",
         type=int,
         help=f"bins per shard at most (default {option_default('max_bins_per_shard')})",
     )
-    _add(g, 
+    _add(
+        g,
         "--max-shard-bytes",
         type=_size,
         help=f"estimated size cap per shard, e.g. 512M, 2G (default {option_default('max_shard_bytes') >> 20}M)",
     )
-    _add(g, 
+    _add(
+        g,
         "--shard-prefix",
         help=f"shard and bin key prefix: letters, digits, _ and - (default {option_default('shard_prefix')})",
     )
-    _add(g, 
+    _add(
+        g,
         "--energon",
         action="store_true",
         help="also write .nv-meta so Megatron-Energon reads the WebDataset shards",
     )
-    _add(g, 
-        "--s3-endpoint", help="endpoint URL for s3:// inputs and outputs (or AWS_ENDPOINT_URL)"
-    )
+    _add(g, "--s3-endpoint", help="endpoint URL for s3:// inputs and outputs (or AWS_ENDPOINT_URL)")
     g = p.add_argument_group("job")
-    _add(g, 
+    _add(
+        g,
         "-w",
         "--workers",
         type=int,
         help="worker processes for scan, lengths, write (local engine; under --engine ray every chunk is a Ray "
         "task of one CPU, as many at once as the cluster has CPUs)",
     )
-    _add(g, 
+    _add(
+        g,
         "--engine",
         choices=ENGINES,
         help="where scan, lengths and write run: local (forked workers, -w) or ray (tasks on a Ray cluster; "
         "pip install -e .[ray]); the output is the same",
     )
-    _add(g, 
+    _add(
+        g,
         "--ray-address",
         help="--engine ray: the cluster to join (default auto: the one running on this machine, else a new "
         "local one); the work folder (--work-dir) must be a URL or a filesystem every node sees (default for a URL "
         "output: <output>/_work)",
     )
-    _add(g, 
+    _add(
+        g,
         "-S",
         "--stage",
         type=int,
@@ -238,32 +265,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"rerun from stage N ({', '.join(f'{i + 1}={s}' for i, s in enumerate(STAGES))}); "
         "default: resume, skipping completed stages",
     )
-    _add(g, 
+    _add(
+        g,
         "--work-dir",
         help="folder or URL (s3://...) for stage outputs and markers (default <output>/_work; for a URL output, "
         "a local temp folder, or <output>/_work under --engine ray)",
     )
-    _add(g, 
+    _add(
+        g,
         "--clean-work",
         action="store_true",
         help="delete the work folder's files after success (saves space; a rerun then redoes every stage); only "
         "files the job wrote there are deleted, and only in a folder that carries mmpack's marker",
     )
-    _add(g, 
+    _add(
+        g,
         "--overwrite",
         action="store_true",
         help="write into an output (or work folder) that is not empty and was not made by mmpack: its files "
         "named like mmpack's (manifest.json, stats.json, rejects.jsonl, shards) are replaced, nothing else "
         "is touched or deleted (default: such a folder is refused)",
     )
-    _add(g, 
+    _add(
+        g,
         "--chunk-size",
         type=int,
         help=f"samples per unit of parallel work (default {option_default('chunk_size')})",
     )
-    _add(g, 
-        "--strict", action="store_true", help="fail on the first bad sample instead of rejecting it"
-    )
+    _add(g, "--strict", action="store_true", help="fail on the first bad sample instead of rejecting it")
     _add(g, "--no-progress", dest="progress", action="store_false", help="no progress bars")
     _add(g, "--debug", action="store_true", help="show the traceback of an error")
 

@@ -67,7 +67,9 @@ def claim_job_folders(cfg: PackJobConfig, work_address: str) -> Iterator[JobFold
     try:
         with ExitStack() as stack:
             locks = tuple(
-                stack.enter_context(hold_lock(folder.url, role=role, storage_options=cfg.control.storage_options))
+                stack.enter_context(
+                    hold_lock(folder.url, role=role, storage_options=cfg.control.storage_options)
+                )
                 for folder, role in ((output, _OUTPUT), (work, _WORK))
             )
             yield JobFolders(output, work, locks)

@@ -267,7 +267,9 @@ def load_lengths(wd: WorkDir, n_chunks: int) -> tuple[np.ndarray, np.ndarray, np
     return cat(lengths), cat(nimg), cat(ibytes)
 
 
-def run_lengths(ctx: JobContext, cfg: LengthsStage, fingerprint: str, *, workers: int, progress: bool) -> dict:
+def run_lengths(
+    ctx: JobContext, cfg: LengthsStage, fingerprint: str, *, workers: int, progress: bool
+) -> dict:
     """Stage 2 over all scanned chunks; returns the marker info."""
     wd = ctx.work
     scan_info = wd.read_marker("scan")

@@ -75,7 +75,9 @@ def option_default(name: str) -> Any:
 
 
 def _build(cls: type, given: dict[str, Any], prefix: str, extra: dict[str, Any]) -> Any:
-    return cls(**{f.name: given.pop(prefix + f.name) for f in _own_fields(cls) if prefix + f.name in given}, **extra)
+    return cls(
+        **{f.name: given.pop(prefix + f.name) for f in _own_fields(cls) if prefix + f.name in given}, **extra
+    )
 
 
 def job_config(**options: Any) -> PackJobConfig:

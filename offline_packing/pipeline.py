@@ -138,9 +138,13 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
 
         connect(control.ray_address)
     # inputs (s3://...) are read with the output's storage options
-    ctx = JobContext(work_dir=resolve_work_dir(cfg), storage_options=control.storage_options, engine=control.engine)
+    ctx = JobContext(
+        work_dir=resolve_work_dir(cfg), storage_options=control.storage_options, engine=control.engine
+    )
     with claim_job_folders(cfg, ctx.work_dir) as folders:
-        files = expand_inputs(ctx.remote, cfg.inputs, exclude=(cfg.output, ctx.work_dir))  # never its own files
+        files = expand_inputs(
+            ctx.remote, cfg.inputs, exclude=(cfg.output, ctx.work_dir)
+        )  # never its own files
         wd = ctx.work  # a URL work folder: this run's empty local cache, so nothing stale is read
         wd.root.mkdir(parents=True, exist_ok=True)
         try:

@@ -27,7 +27,9 @@ class PackSummary:
     shards: list[dict] = field(default_factory=list)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     stages_skipped: list[str] = field(default_factory=list)
-    tasks_per_node: dict[str, dict[str, int]] = field(default_factory=dict)  # --engine ray: stage -> node -> tasks
+    tasks_per_node: dict[str, dict[str, int]] = field(
+        default_factory=dict
+    )  # --engine ray: stage -> node -> tasks
 
     def format_table(self) -> str:
         """A short human-readable summary."""

@@ -139,7 +139,9 @@ def write_shard(ctx: JobContext, task: ShardTask) -> list[dict]:
     if marker is not None and all(store.size(e["path"]) == e["bytes"] for e in marker["shards"]):
         return marker["shards"]
     # one per process and job: the write stage runs once per job, after the plan it reads is final
-    source = ctx.caches.get("bin_source", options.shard_prefix, lambda: BinSource(wd, ctx.remote, options.shard_prefix))
+    source = ctx.caches.get(
+        "bin_source", options.shard_prefix, lambda: BinSource(wd, ctx.remote, options.shard_prefix)
+    )
     rels = [shard_name(options.shard_prefix, task.shard, fmt) for fmt in options.formats]
     samples = tokens = 0
     with ExitStack() as stack:  # every format from one pass over the bins: each bin is built once

@@ -75,7 +75,11 @@ def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
             checking = isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
             checking |= isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
             # `if __name__ == "__main__":` runs only as a script, where the module is __main__, not itself
-            checking |= isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+            checking |= (
+                isinstance(test, ast.Compare)
+                and isinstance(test.left, ast.Name)
+                and test.left.id == "__name__"
+            )
             if not checking:
                 yield from _module_level(node.body)
             yield from _module_level(node.orelse)

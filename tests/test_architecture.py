@@ -4,7 +4,6 @@ Each check has a control: a synthetic package that breaks the rule is caught."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest

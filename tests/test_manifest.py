@@ -22,8 +22,8 @@ from PIL import Image
 
 from mmpack.dataloader import load_manifest
 from mmpack.dataloader.collate import CollateConfig, ImageTooLargeError, collate_bins
-from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.finalize import _version
+from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS, FORMAT_VERSION
 from mmpack.packing.image_tokens import ImageTokenRule
@@ -71,7 +71,7 @@ def write_fixed_inputs(root: Path) -> Path:
 def run_fixed_job(root: Path) -> Path:
     inp = write_fixed_inputs(root)
     out = root / "out"
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=(str(inp),),
         output=str(out),
         seq_len=96,

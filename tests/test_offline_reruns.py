@@ -18,6 +18,7 @@ from mmpack.offline_packing.config import (
     STAGE_CONFIGS,
     PackJobConfig,
 )
+from mmpack.offline_packing.options import job_config, with_options
 from mmpack.offline_packing.pipeline import run_pack
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
@@ -35,7 +36,7 @@ def _data(root: Path, seed: int = 2):
 def _cfg(inputs: list[Path | str], image_root: Path, out: Path, tok: Path, **kw) -> PackJobConfig:
     opts: dict = dict(seq_len=512, format="arrow", max_bins_per_shard=3, chunk_size=8, progress=False)
     opts.update(kw)
-    return PackJobConfig(
+    return job_config(
         inputs=tuple(str(p) for p in inputs),
         image_root=str(image_root),
         output=str(out),
@@ -48,7 +49,7 @@ def _clean_run(cfg: PackJobConfig, tmp: Path) -> dict[str, bytes]:
     """The files of a run of `cfg` into an empty folder (its work folder elsewhere)."""
     out = tmp / "clean"
     shutil.rmtree(out, ignore_errors=True)
-    run_pack(PackJobConfig(**{**cfg.__dict__, "output": str(out), "work_dir": str(tmp / "clean_work")}))
+    run_pack(with_options(cfg, output=str(out), work_dir=str(tmp / "clean_work")))
     files = dataset_files(out)
     shutil.rmtree(out)
     shutil.rmtree(tmp / "clean_work")
@@ -125,7 +126,7 @@ def test_unchanged_rerun_skips_every_stage(tmp_path: Path, tok: Path) -> None:
     again = run_pack(cfg)
     assert again.stages_skipped == ["scan", "lengths", "binpack", "write"] and not again.stage_seconds
     assert dataset_files(out) == before
-    hashed = PackJobConfig(**{**cfg.__dict__, "verify_inputs": "sha256"})
+    hashed = with_options(cfg, verify_inputs="sha256")
     run_pack(hashed)
     os.utime(data.jsonl_path, ns=(1, 1))
     assert run_pack(hashed).stages_skipped == ["scan", "lengths", "binpack", "write"]
@@ -206,7 +207,7 @@ def test_every_job_option_is_in_a_stage_config_or_declared_run_control() -> None
     job = {f.name for f in fields(PackJobConfig)}
     assert job == in_stages | INPUT_FIELDS | RUN_CONTROL_FIELDS
     assert not (in_stages & RUN_CONTROL_FIELDS)
-    cfg = PackJobConfig(inputs=("x",), output="o", seq_len=8, tokenizer=BYTE_TOKENIZER)
+    cfg = job_config(inputs=("x",), output="o", seq_len=8, tokenizer=BYTE_TOKENIZER)
     for name, cls in STAGE_CONFIGS.items():
         assert isinstance(cfg.stage_config(name), cls)
 

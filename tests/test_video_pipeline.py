@@ -14,8 +14,8 @@ from mmpack.dataloader.collate import CollateConfig, collate_bins
 from mmpack.dataloader.manifest import load_manifest
 from mmpack.dataloader.readers import ArrowShardReader, WdsShardReader
 from mmpack.dataloader.video import resize_frame, video_to_patches
-from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.inputs.video_probe import probe_video
+from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.image_tokens import ImageTokenRule
 from mmpack.packing.video_tokens import VideoPlan, VideoTokenRule
@@ -59,7 +59,7 @@ def demo_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not (DEMO_DIR / "mllm_video_demo.json").is_file() or not QWEN3_TOKENIZER.is_file():
         pytest.skip(f"shared video demo or Qwen3 tokenizer not found under {SHARED_DIR}")
     out = tmp_path_factory.mktemp("video_demo") / "out"
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=(str(DEMO_DIR / "mllm_video_demo.json"),),
         output=str(out),
         seq_len=8192,
@@ -200,7 +200,7 @@ def _generated_inputs(root: Path) -> tuple[Path, dict[str, str | None]]:
 def test_generated_videos_through_the_job(tmp_path: Path, qwen3_tokenizer_path: Path) -> None:
     data, expected = _generated_inputs(tmp_path)
     out = tmp_path / "out"
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=(str(data),),
         output=str(out),
         seq_len=4096,
@@ -370,7 +370,7 @@ def test_videos_under_a_url_input(tmp_path: Path, qwen3_tokenizer_path: Path) ->
     ]
     fs.pipe("/url_videos/d.jsonl", "".join(json.dumps(r) + "\n" for r in lines).encode())
     out = tmp_path / "out"
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=("memory://url_videos/d.jsonl",), output=str(out), seq_len=4096, tokenizer=str(qwen3_tokenizer_path),
         progress=False,
     )  # fmt: skip

@@ -75,7 +75,9 @@ def _collect(answers: Any, procs: list[Any], n: int, done: Callable[[int], None]
         except queue.Empty:
             dead = [f"{p.name} (exit code {p.exitcode})" for p in procs if p.exitcode not in (None, 0)]
             if dead or all(p.exitcode == 0 for p in procs):
-                raise PackError(f"a worker process died: {', '.join(dead) or 'unknown'}; rerun to resume") from None
+                raise PackError(
+                    f"a worker process died: {', '.join(dead) or 'unknown'}; rerun to resume"
+                ) from None
             continue
         finished[i] = True
         if ok:

@@ -114,7 +114,9 @@ class RemoteFiles:
         """Bytes [start, end) of a remote object (end None: to its end), with retries."""
         fs, path = self.filesystem(url)
         data: bytes = with_retries(url, "read", lambda: fs.cat_file(path, start=start, end=end))
-        if end is not None and len(data) > end - start and len(data) >= end:  # a server ignoring Range sent all
+        if (
+            end is not None and len(data) > end - start and len(data) >= end
+        ):  # a server ignoring Range sent all
             data = data[start:end]
         if end is not None and len(data) != end - start:
             raise InputReadError(f"{url}: asked for bytes {start}..{end}, got {len(data)}; was it rewritten?")
