@@ -81,7 +81,7 @@ def test_ray_equals_local(cluster, raw, local_files, tmp_path: Path) -> None:
 def test_killed_worker_is_retried(cluster, raw, local_files, tmp_path: Path, monkeypatch, stage: str) -> None:
     import mmpack.offline_packing.scan as scan_module
     import mmpack.offline_packing.write as write_module
-    from tests.ray_faults import killing_once
+    from tests.engine_tasks import killing_once
 
     marker = tmp_path / "killed.txt"
     module, name = (scan_module, "scan_chunk") if stage == "scan" else (write_module, "write_shard")
@@ -90,6 +90,26 @@ def test_killed_worker_is_retried(cluster, raw, local_files, tmp_path: Path, mon
     run_pack(_cfg(raw, out, engine="ray"))
     assert marker.is_file(), "no worker was killed: the test would show nothing"
     _assert_same(local_files, dataset_files(out))
+
+
+def test_a_worker_keeps_its_context_for_the_stage(cluster) -> None:
+    """Each worker process makes the context of its node once and keeps it for its later chunks (the tokenizer
+    is loaded once per worker, not once per chunk); another stage starts from a new one."""
+    from mmpack.offline_packing.context import JobContext
+    from mmpack.offline_packing.engines.ray import run_ray
+    from tests.engine_tasks import caches_seen
+
+    ctx = JobContext(work_dir="unused", engine="ray")
+    seen = run_ray(ctx, caches_seen, list(range(24)), desc="probe")
+    by_pid: dict[int, set[int]] = {}
+    for pid, caches, node in seen:
+        by_pid.setdefault(pid, set()).add(caches)
+        assert node and caches != id(ctx.caches)
+    assert all(len(c) == 1 for c in by_pid.values()), by_pid
+    assert len(seen) > len(by_pid)  # some worker ran several chunks (else the check shows nothing)
+    again = {caches for _, caches, _ in run_ray(ctx, caches_seen, list(range(4)), desc="probe")}
+    assert not again & {c for cs in by_pid.values() for c in cs}  # a new stage: new caches
+    assert len(ctx.report.tasks_per_node["probe"]) >= 1
 
 
 def test_rerun_redoes_only_missing_chunks(cluster, raw, local_files, tmp_path: Path) -> None:

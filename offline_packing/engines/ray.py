@@ -6,12 +6,13 @@ step on the driver. The work folder is a URL (`-w s3://...`; the default for a U
 `<output>/_work`), which every node reaches, or a path on a filesystem every node mounts; with a single
 node (or a local cluster) that is any folder. A local output, likewise, must be on a shared filesystem.
 
-Each stage runs on a pool of Ray actors, one per CPU of the cluster (at most one per chunk), spread over the
-nodes; each actor holds the job's context for that node, so what it works out (the tokenizer, a file's
-records) serves all its chunks, and goes with the actor at the end of the stage. Chunks are handed to the
-actors as they free up. An actor whose worker process or node dies is restarted and its chunk retried by
-Ray (`MAX_RETRIES`); a chunk's outputs are written atomically with its done-marker last, so a retry, like a
-rerun after a crash, redoes only what is missing.
+Each stage is one Ray remote function, one task per chunk, spread over the nodes: the stage's chunk
+function with the job's context (`stage_task`). Ray sends a remote function to each worker process once
+and the process keeps it, so the context it carries, and what that worker works out for the job (the
+tokenizer, a file's records: the context's caches, on that worker's node), serves every chunk the process
+runs in the stage, in warm worker processes Ray reuses. A task whose worker process or node dies is
+retried by Ray (`MAX_RETRIES`); a chunk's outputs are written atomically with its done-marker last, so a
+retry, like a rerun after a crash, redoes only what is missing.
 """
 
 from __future__ import annotations
@@ -60,18 +61,21 @@ def connect(address: str = "auto") -> Any:
     return ray
 
 
-class ChunkWorker:
-    """A Ray actor: the job's context on its node, and the chunks it is given."""
+def stage_task(ctx: JobContext, fn: Callable[[JobContext, T], R]) -> Callable[[T], tuple[str, R]]:
+    """The function a stage's Ray tasks run: `item -> (node id, fn(ctx on this node, item))`. The context
+    for the worker's node is made at its first chunk and kept by the function (each worker process holds
+    its own copy of it), so its caches serve the worker's later chunks of the stage."""
+    local: dict[str, JobContext] = {}  # this process's context, once made
 
-    def __init__(self, ctx: JobContext) -> None:
+    def run(item: T) -> tuple[str, R]:
         import ray
 
-        self.node = ray.get_runtime_context().get_node_id()
-        self.ctx = ctx.on_node(self.node[:12])  # a URL work folder: this node's own cache
+        node = ray.get_runtime_context().get_node_id()
+        if node not in local:
+            local[node] = ctx.on_node(node[:12])  # a URL work folder: this node's own cache
+        return node, fn(local[node], item)
 
-    def run(self, fn: Callable[[JobContext, Any], Any], item: Any) -> tuple[str, Any]:
-        """(this actor's node, `fn(ctx, item)`)."""
-        return self.node, fn(self.ctx, item)
+    return run
 
 
 def run_ray(
@@ -82,43 +86,26 @@ def run_ray(
     desc: str = "",
     done: Callable[[int], None] = lambda i: None,
 ) -> list[R]:
-    """`[fn(ctx, x) for x in items]` on a pool of Ray actors, results in item order; `done(i)` as item i
+    """`[fn(ctx, x) for x in items]` as one Ray task per item, results in item order; `done(i)` as item i
     completes. Records the tasks each node ran in `ctx.report.tasks_per_node[desc]`."""
     ray = connect()
-    if not items:
-        ctx.report.tasks_per_node[desc] = {}
-        return []
-    n_actors = max(1, min(len(items), int(ray.cluster_resources().get("CPU", 1))))
-    # SPREAD: actors go round the nodes (their I/O and CPU add up) instead of filling the driver's node first
-    actor = ray.remote(
-        num_cpus=1, max_restarts=MAX_RETRIES, max_task_retries=MAX_RETRIES, scheduling_strategy="SPREAD"
-    )(ChunkWorker)
-    actors = [actor.remote(ctx) for _ in range(n_actors)]
+    # SPREAD: chunks go round the nodes (their I/O and CPU add up) instead of filling the driver's node first
+    task = ray.remote(
+        num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False, scheduling_strategy="SPREAD"
+    )(stage_task(ctx, fn))
+    refs = [task.remote(item) for item in items]
+    index = {ref: i for i, ref in enumerate(refs)}
     results: list[Any] = [None] * len(items)
     per_node: dict[str, int] = {}
-    running: dict[Any, tuple[int, Any]] = {}  # ref -> (item index, actor)
-    queue = iter(range(len(items)))
-    try:
-        for a in actors:
-            _submit(a, fn, items, queue, running)
-        while running:
-            [ref], _ = ray.wait(list(running), num_returns=1)
-            i, a = running.pop(ref)
-            node, results[i] = _result(ray, ref, desc, i)
-            per_node[node] = per_node.get(node, 0) + 1
-            done(i)
-            _submit(a, fn, items, queue, running)
-    finally:
-        for a in actors:
-            ray.kill(a)
+    pending = list(refs)
+    while pending:
+        [ref], pending = ray.wait(pending, num_returns=1)
+        i = index[ref]
+        node, results[i] = _result(ray, ref, desc, i)
+        per_node[node] = per_node.get(node, 0) + 1
+        done(i)
     ctx.report.tasks_per_node[desc] = per_node
     return results
-
-
-def _submit(actor: Any, fn: Callable, items: list, queue: Any, running: dict) -> None:
-    i = next(queue, None)
-    if i is not None:
-        running[actor.run.remote(fn, items[i])] = (i, actor)
 
 
 def _result(ray: Any, ref: Any, desc: str, i: int) -> Any:
