@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import os
 import threading
 import traceback
@@ -252,9 +251,6 @@ class LocalReadAhead:
         pass
 
 
-_PREFETCHER_IDS = itertools.count()
-
-
 class Prefetcher(threading.Thread):
     """Fetches the remote shards of the coming micro-batches in stream order of first need (local ones:
     `LocalReadAhead`).
@@ -274,7 +270,7 @@ class Prefetcher(threading.Thread):
         super().__init__(daemon=True, name="mmpack-prefetch")
         self.producer, self.k_start, self.k_end, self.ahead = producer, k_start, k_end, ahead
         self.threads = threads or producer.spec.storage.download_concurrency
-        self.thread_prefix = f"mmpack-download-{next(_PREFETCHER_IDS)}"  # names this prefetcher's threads
+        self.thread_prefix = f"mmpack-download-{id(self):x}"  # names this prefetcher's threads
         self.position = k_start  # the consumer's current micro-batch (set through `advance`)
         self.stop = threading.Event()
         self._changed = threading.Condition()  # position, running count or stop changed

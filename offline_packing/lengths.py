@@ -42,8 +42,8 @@ class LengthsTask:
 def plan_videos(sample: dict, vrule: Any, remote: RemoteFiles | None = None) -> list[Any]:
     """The `VideoPlan` of each video of a scanned sample; SampleReject where the rule refuses one (or, given
     `remote` to read them with, where its planned frames do not decode: `--video-check decode`)."""
+    from mmpack.offline_packing.errors import VideoProbeError
     from mmpack.offline_packing.inputs import video_timeline
-    from mmpack.offline_packing.inputs.video_probe import VideoProbeError
     from mmpack.packing.video_tokens import VideoMeta, VideoRuleError
 
     plans = []

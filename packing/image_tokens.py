@@ -27,6 +27,7 @@ import os
 import struct
 import warnings
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import IO, Any
 
 import numpy as np
@@ -102,6 +103,18 @@ class ImageTokenRule:
     def factor(self) -> int:
         """Side granularity in pixels: one merged token covers factor x factor pixels."""
         return self.patch_size * self.merge_size
+
+    @cached_property
+    def normalise_table(self) -> np.ndarray:
+        """float32 [3, 256]: the normalised value of every 8-bit level per channel (made once per rule object).
+
+        The same float operations transformers applies per pixel (rescale in float64, cast to float32,
+        then (x - mean) / std in float32), done once per level: a gather then gives bit-identical values.
+        """
+        scaled = (np.arange(256, dtype=np.float64) * self.rescale_factor).astype(np.float32)
+        mean = np.asarray(self.image_mean, dtype=np.float32)[:, None]
+        std = np.asarray(self.image_std, dtype=np.float32)[:, None]
+        return (scaled[None, :] - mean) / std
 
     @property
     def patch_dim(self) -> int:
@@ -359,7 +372,7 @@ def image_to_patches(
     blocks = pixels.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)
     blocks = blocks.reshape(gh * gw, 3, 1, p, p)
     out = np.empty((gh * gw, 3, t, p, p), dtype=np.float32)
-    out[:] = _normalise_table(rule)[np.arange(3).reshape(1, 3, 1, 1, 1), blocks]
+    out[:] = rule.normalise_table[np.arange(3).reshape(1, 3, 1, 1, 1), blocks]
     return out.reshape(gh * gw, rule.patch_dim)
 
 
@@ -388,22 +401,3 @@ def _to_rgb(img: Any) -> Any:
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")
     return img.convert("RGB")
-
-
-def _normalise_table(rule: ImageTokenRule) -> np.ndarray:
-    """float32 [3, 256]: the normalised value of every 8-bit level per channel.
-
-    The same float operations transformers applies per pixel (rescale in float64, cast to float32,
-    then (x - mean) / std in float32), done once per level: a gather then gives bit-identical values.
-    """
-    key = (rule.rescale_factor, rule.image_mean, rule.image_std)
-    table = _TABLES.get(key)
-    if table is None:
-        scaled = (np.arange(256, dtype=np.float64) * rule.rescale_factor).astype(np.float32)
-        mean = np.asarray(rule.image_mean, dtype=np.float32)[:, None]
-        std = np.asarray(rule.image_std, dtype=np.float32)[:, None]
-        table = _TABLES[key] = (scaled[None, :] - mean) / std
-    return table
-
-
-_TABLES: dict[tuple[float, tuple[float, ...], tuple[float, ...]], np.ndarray] = {}

@@ -66,28 +66,31 @@ def _imports(mod: Module, node: ast.AST, names: dict[str, Module]) -> Iterator[s
                 yield name
 
 
-def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
-    """The statements Python runs at import: the body, into if/try/with blocks but not `if TYPE_CHECKING`
-    nor `if __name__ == "__main__"`."""
+def _never_imported(test: ast.expr) -> bool:
+    """`if TYPE_CHECKING:` (annotations only) and `if __name__ == "__main__":` (run as a script, where the
+    module is `__main__`, not itself) hold no import of the module's own."""
+    if isinstance(test, ast.Name) and test.id == "TYPE_CHECKING":
+        return True
+    if isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING":
+        return True
+    return isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+
+
+def _module_level(body: list[ast.stmt], *, deferred: bool = False) -> Iterator[ast.stmt]:
+    """The statements Python runs at import: the body, into if/try/with blocks but not the blocks of
+    `_never_imported`; with `deferred`, the bodies of functions and classes too."""
     for node in body:
         if isinstance(node, ast.If):
-            test = node.test
-            checking = isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
-            checking |= isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-            # `if __name__ == "__main__":` runs only as a script, where the module is __main__, not itself
-            checking |= (
-                isinstance(test, ast.Compare)
-                and isinstance(test.left, ast.Name)
-                and test.left.id == "__name__"
-            )
-            if not checking:
-                yield from _module_level(node.body)
-            yield from _module_level(node.orelse)
+            if not _never_imported(node.test):
+                yield from _module_level(node.body, deferred=deferred)
+            yield from _module_level(node.orelse, deferred=deferred)
         elif isinstance(node, ast.Try):
             for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
-                yield from _module_level(block)
-        elif isinstance(node, ast.With):
-            yield from _module_level(node.body)
+                yield from _module_level(block, deferred=deferred)
+        elif isinstance(node, (ast.With, ast.For, ast.While)):
+            yield from _module_level(node.body, deferred=deferred)
+        elif deferred and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield from _module_level(node.body, deferred=True)
         else:
             yield node
 
@@ -98,7 +101,7 @@ def find_import_cycles(modules: dict[str, Module], *, deferred: bool = False) ->
     graph = {
         name: {
             t
-            for node in (ast.walk(m.tree) if deferred else _module_level(m.tree.body))
+            for node in _module_level(m.tree.body, deferred=deferred)
             for t in _imports(m, node, modules)
             if t != name
         }

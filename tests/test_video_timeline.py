@@ -15,7 +15,8 @@ from mmpack.dataloader.collate import CollateConfig, collate_bins
 from mmpack.dataloader.manifest import load_manifest
 from mmpack.dataloader.readers import ArrowShardReader
 from mmpack.dataloader.video import VideoDecodeError, decode_planned_frames, resize_frame
-from mmpack.offline_packing.inputs.video_probe import VideoProbeError, probe_video
+from mmpack.offline_packing.errors import VideoProbeError
+from mmpack.offline_packing.inputs.video_probe import probe_video
 from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.video_tokens import VideoTokenRule

@@ -27,8 +27,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-HF_CONFIG_NAME = "hf_config.json"  # the model's config.json, kept beside the trainer's checkpoints
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
@@ -88,7 +86,7 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
     from megatron.core import parallel_state as ps
 
     from mmpack.trainer import cpu_backend
-    from mmpack.trainer.checkpoint_commit import commit, staging_dir
+    from mmpack.trainer.checkpoint_commit import HF_CONFIG_NAME, commit, staging_dir
     from mmpack.trainer.models import read_hf_config
 
     cpu_backend.activate()

@@ -32,9 +32,8 @@ from mmpack.trainer.build import (
     model_hf_config,
 )
 from mmpack.trainer.checkpoint import CheckpointWriter, load_checkpoint
-from mmpack.trainer.checkpoint_commit import claim_checkpoint_folder
+from mmpack.trainer.checkpoint_commit import HF_CONFIG_NAME, claim_checkpoint_folder
 from mmpack.trainer.config import RunConfig, build_megatron_configs
-from mmpack.trainer.convert import HF_CONFIG_NAME
 from mmpack.trainer.data import (
     DataInfo,
     build_step_batches,

@@ -36,7 +36,7 @@ from typing import Any
 
 from mmpack.dataloader.manifest import ShardInfo, join_url
 from mmpack.dataloader.storage.config import ShardError, StorageConfig, local_root
-from mmpack.dataloader.storage.locks import _flock
+from mmpack.dataloader.storage.locks import flock
 from mmpack.dataloader.storage.metrics import StorageMetrics
 from mmpack.dataloader.storage.records import (
     CHUNK_BYTES,
@@ -103,7 +103,7 @@ class ShardStore:
         if self.config.is_local:
             return self._local_in_place(shard, wait=wait) is not None
         path = self._cache_path(shard)
-        with _flock(self._lock_path(os.path.basename(path)), blocking=wait) as got:
+        with flock(self._lock_path(os.path.basename(path)), blocking=wait) as got:
             if not got:
                 return False
             if os.path.exists(path) and self._cached_ok(shard, path):
@@ -152,7 +152,7 @@ class ShardStore:
             # One checker per shard at a time; the others wait for its record instead of hashing too. The
             # lock is held on the shard file itself: creating a lock file per shard costs more than the check
             # of a small shard on some disks.
-            locked = _flock(path, blocking=wait, create=False) if marker else contextlib.nullcontext(True)
+            locked = flock(path, blocking=wait, create=False) if marker else contextlib.nullcontext(True)
             with locked as got:
                 if not got:
                     return None
@@ -258,7 +258,7 @@ class ShardStore:
                 if size == shard.bytes and digest == shard.sha256:
                     # Under the cache lock: a rename racing a space scan's directory listing can hide both
                     # names from it, and the scan would then hand out space this shard holds.
-                    with _flock(self._lock_path(".cache")):
+                    with flock(self._lock_path(".cache")):
                         os.replace(part, path)
                     if record := self._cached_record(shard):  # what later processes check their use against
                         write_json_atomic(record, file_stamp(os.stat(path), shard))
@@ -329,7 +329,7 @@ class ShardStore:
             )
         deadline = time.monotonic() + 120.0
         while True:
-            with _flock(self._lock_path(".cache")):
+            with flock(self._lock_path(".cache")):
                 entries = self._cache_entries()
                 used = sum(size for _, size, _ in entries)
                 done = sorted((e for e in entries if not e[0].endswith(_PART_SUFFIX)), key=lambda e: e[2])
