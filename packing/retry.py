@@ -63,7 +63,8 @@ class RetriesExhausted(OSError):
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True for an error a retry can cure (see the module docstring), looking through its causes."""
+    """True for an error a retry can cure (see the module docstring), looking through its causes (and the
+    errors it was raised while handling)."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
@@ -72,7 +73,8 @@ def is_transient(exc: BaseException) -> bool:
         if _transient_here(current):
             return True
         seen.add(id(current))
-        current = current.__cause__ or current.__context__
+        hidden = current.__suppress_context__  # `raise ... from None`: what it replaced is not its cause
+        current = current.__cause__ or (None if hidden else current.__context__)
     return False
 
 
@@ -100,14 +102,17 @@ def _transient_here(exc: BaseException) -> bool:
 def _transient_botocore(exc: BaseException) -> bool:
     try:
         from botocore import exceptions as bx
+        from botocore.parsers import ResponseParserError
     except ImportError:  # a urllib3 error without botocore: its connection errors are transient
         return "Timeout" in type(exc).__name__ or "Connection" in type(exc).__name__
     if isinstance(exc, bx.ClientError):
         error = exc.response.get("Error", {})
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         return error.get("Code") in TRANSIENT_S3_CODES or status in TRANSIENT_HTTP_STATUS
-    transient = (bx.HTTPClientError, bx.IncompleteReadError, bx.ResponseStreamingError)
-    return isinstance(exc, (*transient, bx.ResponseParserError))
+    # a body cut or changed in transit (botocore checks its checksum) comes right on a new read
+    transient = (bx.HTTPClientError, bx.ConnectionError, bx.IncompleteReadError, bx.ResponseStreamingError)
+    transient += (bx.ChecksumError, bx.FlexibleChecksumError)
+    return isinstance(exc, (*transient, ResponseParserError))
 
 
 def retry_call(
