@@ -17,8 +17,9 @@ from typing import Any
 from mmpack.dataloader.storage import ShardError
 from mmpack.dataloader.transport import SlotReader, new_slot_flags
 from mmpack.dataloader.worker import Producer, ProducerSpec, to_torch, worker_loop
+from mmpack.packing.batch import MicroBatch
 
-Batches = Iterator[list[Any]]  # [micro-batch or None, seconds waited]
+Batches = Iterator[list[Any]]  # [micro-batch, seconds waited]
 
 
 def take_batch(pair: list[Any]) -> Any:
@@ -30,14 +31,6 @@ def take_batch(pair: list[Any]) -> Any:
     """
     batch, pair[0] = pair[0], None
     return batch
-
-
-def no_data(k_start: int, k_end: int | None) -> Batches:
-    """One None per micro-batch, for pipeline stages that take no data."""
-    k = k_start
-    while k_end is None or k < k_end:
-        yield [None, 0.0]
-        k += 1
 
 
 def run_in_process(
@@ -114,7 +107,7 @@ def run_workers(
                     received[w].extend(_get(conns[w], procs[w], pollers[w]))
                 kind, got_k, payload, worker_metrics = received[w].popleft()
                 if kind == "ok":
-                    payload = readers[w].take(payload)
+                    payload = MicroBatch(**readers[w].take(payload))
             except Exception as e:  # a dead worker, or a batch that cannot be received: report, never hang
                 raise RuntimeError(_why_not_received(procs[w], e)) from None
             wait_s = time.perf_counter() - t0

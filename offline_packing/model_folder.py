@@ -47,7 +47,7 @@ def resolve_image_rule(
     """
     folder = model_folder_of(model, tokenizer)
     if folder is None:
-        return tokenizer, ImageTokenRule(**flags)
+        return tokenizer, ImageTokenRule(**flags)  # type: ignore[arg-type]  # int fields only
     if not os.path.isdir(folder):
         raise ValueError(f"--model {folder}: not a folder (expected an HF model folder)")
     model_rule = load_model_image_rule(folder)

@@ -55,6 +55,29 @@ class ImageSizeError(MmpackError, ValueError):
         super().__init__(message, reason=reason)
 
 
+def smart_resize(
+    height: int, width: int, *, factor: int, min_pixels: float, max_pixels: float, video: bool = False
+) -> tuple[int, int]:
+    """Qwen-VL's resize rule, (h', w'): sides multiples of `factor`, area in [min_pixels, max_pixels], aspect
+    ratio about kept. The two upstream versions differ at the edges: images (transformers'
+    `Qwen2VLImageProcessor`) round the sides first and keep them at least `factor` when shrinking; videos
+    (`video=True`, qwen-vl-utils) take each side at least `factor` first and keep nothing when shrinking (a
+    side may come out below `factor`, which the video rule refuses)."""
+    least = factor if video else 0
+    h_bar = max(least, round(height / factor) * factor)
+    w_bar = max(least, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        least = 0 if video else factor
+        h_bar = max(least, math.floor(height / beta / factor) * factor)
+        w_bar = max(least, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 @dataclass(frozen=True)
 class ImageTokenRule:
     """How an image becomes vision patches and LLM tokens (Qwen2-VL rule; see the module docstring).
@@ -133,17 +156,9 @@ class ImageTokenRule:
                 f"image of {width}x{height} (w x h) has aspect ratio {aspect:.1f}, "
                 f"above the limit of {self.max_aspect_ratio}",
             )
-        h_bar = round(height / factor) * factor
-        w_bar = round(width / factor) * factor
-        if h_bar * w_bar > self.max_pixels:
-            beta = math.sqrt(height * width / self.max_pixels)
-            h_bar = max(factor, math.floor(height / beta / factor) * factor)
-            w_bar = max(factor, math.floor(width / beta / factor) * factor)
-        elif h_bar * w_bar < self.min_pixels:
-            beta = math.sqrt(self.min_pixels / (height * width))
-            h_bar = math.ceil(height * beta / factor) * factor
-            w_bar = math.ceil(width * beta / factor) * factor
-        return h_bar, w_bar
+        return smart_resize(
+            height, width, factor=factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels
+        )
 
     def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
         """(t, h, w) of the vision grid in patches (before the merge); t is 1 for images."""

@@ -11,11 +11,15 @@ for still images it equals the largest image position + 1). The ``<|video_pad|>`
 same height and width positions; its temporal positions are ``start + trunc(i_t * tokens_per_second *
 second_per_grid_t)`` (Qwen2.5-VL, `mmpack.packing.video_tokens.video_temporal_positions`), and the text after it
 continues at ``start + max(h, w) / m`` as after an image.
+
+`MRopeRule` holds a model family's choices (ids, merge size, video rate) and computes the positions; the
+loader's workers run it as they collate (`mmpack.packing.batch.PositionRule`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -129,3 +133,29 @@ def build_mrope_position_ids(
         if next(media[k], None) is not None:
             raise ValueError(f"more {name} grids than {name}s among the <|{name}_pad|> tokens")
     return out
+
+
+@dataclass(kw_only=True, frozen=True)
+class MRopeRule:
+    """A model family's MRoPE rule (`mmpack.packing.batch.PositionRule`): its pad ids, merge size and video
+    rate; `positions` applies it to a packed sequence."""
+
+    image_pad_id: int
+    merge_size: int
+    video_pad_id: int = -1
+    tokens_per_second: float = 2.0
+
+    def positions(
+        self,
+        input_ids: np.ndarray,
+        seq_lens: Sequence[int] | np.ndarray,
+        image_grid_thw: np.ndarray,
+        video_grid_thw: np.ndarray | None = None,
+        second_per_grid_ts: np.ndarray | Sequence[float] | None = None,
+    ) -> np.ndarray:
+        """[3, len(input_ids)] int64 positions (`build_mrope_position_ids` under this rule)."""
+        return build_mrope_position_ids(
+            input_ids, seq_lens, image_grid_thw, image_pad_id=self.image_pad_id, merge_size=self.merge_size,
+            video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts, video_pad_id=self.video_pad_id,
+            tokens_per_second=self.tokens_per_second,
+        )  # fmt: skip

@@ -110,9 +110,13 @@ def _transient_botocore(exc: BaseException) -> bool:
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         return error.get("Code") in TRANSIENT_S3_CODES or status in TRANSIENT_HTTP_STATUS
     # a body cut or changed in transit (botocore checks its checksum) comes right on a new read
-    transient = (bx.HTTPClientError, bx.ConnectionError, bx.IncompleteReadError, bx.ResponseStreamingError)
-    transient += (bx.ChecksumError, bx.FlexibleChecksumError)
-    return isinstance(exc, (*transient, ResponseParserError))
+    transient: tuple[type[BaseException], ...] = (
+        bx.HTTPClientError,
+        bx.ConnectionError,
+        bx.IncompleteReadError,
+    )
+    transient += (bx.ResponseStreamingError, bx.ChecksumError, bx.FlexibleChecksumError, ResponseParserError)
+    return isinstance(exc, transient)
 
 
 def retry_call(

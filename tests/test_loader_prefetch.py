@@ -228,7 +228,7 @@ def test_ranks_sharing_a_cache_download_each_shard_once(dataset: Path, tmp_path:
         gets = server.shard_gets()
     for r in range(2):
         assert_same(got[r], expected[r])
-    bins = np.concatenate([np.asarray(b["bin_ids"]) for batches in got for b in batches])
+    bins = np.concatenate([np.asarray(b.bin_ids) for batches in got for b in batches])
     needed = {f"/{dataset.name}/{m.shards[s].path}" for s in m.shard_of_bin(bins).tolist()}
     assert set(gets) >= needed and set(gets.values()) == {1}
 

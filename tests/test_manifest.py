@@ -284,7 +284,7 @@ def test_loader_refuses_an_image_over_the_manifest_limit_before_decoding() -> No
     def config(limit: int) -> CollateConfig:
         return CollateConfig(seq_len=64, pad_id=0, image_pad_id=9, rule=rule, max_image_pixels=limit)
 
-    assert collate_bins([record], config(56 * 84))["pixel_values"].shape[0] == 6 * 4  # control: at the limit
+    assert collate_bins([record], config(56 * 84)).pixel_values.shape[0] == 6 * 4  # control: at the limit
     with pytest.raises(ImageTooLargeError, match=r"bin t-000000007 image 0 is 56x84 .*4703 pixels"):
         collate_bins([record], config(56 * 84 - 1))
 

@@ -123,14 +123,14 @@ def test_pack_with_model_folder_end_to_end(
     )  # fmt: skip
     n_images = 0
     for batch in loader:
-        images = [im for b in batch["bin_ids"].tolist() for im in records[b]["images"]]
+        images = [im for b in batch.bin_ids.tolist() for im in records[b]["images"]]
         if not images:
             continue
         ref = processor(images=[Image.open(io.BytesIO(d)) for d in images], return_tensors="np")
-        np.testing.assert_array_equal(batch["image_grid_thw"].numpy(), ref["image_grid_thw"])
-        assert float(np.abs(batch["pixel_values"].numpy() - ref["pixel_values"]).max()) <= 1e-5
-        assert batch["pixel_values"].shape[1] == 3 * 2 * 14 * 14
-        n_pads = int((batch["tokens"] == raw["tokenizer"]["special_ids"]["image_pad"]).sum())
+        np.testing.assert_array_equal(batch.image_grid_thw.numpy(), ref["image_grid_thw"])
+        assert float(np.abs(batch.pixel_values.numpy() - ref["pixel_values"]).max()) <= 1e-5
+        assert batch.pixel_values.shape[1] == 3 * 2 * 14 * 14
+        n_pads = int((batch.tokens == raw["tokenizer"]["special_ids"]["image_pad"]).sum())
         assert n_pads == int(ref["image_grid_thw"].prod(axis=1).sum()) // 4  # offline count == loader's
         n_images += len(images)
     assert n_images == sum(len(r.get("images", [])) for r in json.loads(mllm_demo_json.read_text()))

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from mmpack.packing.batch import MicroBatch
+
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 
 
@@ -95,22 +97,20 @@ def vision_flops(arch: Any, image_grid_thw: np.ndarray) -> float:
     return per_patch * patches + attention + merger
 
 
-def sample_lengths(batch: dict[str, Any], pad_id: int) -> np.ndarray:
+def sample_lengths(batch: MicroBatch[torch.Tensor], pad_id: int) -> np.ndarray:
     """Lengths of the samples of a micro-batch: the ``cu_seqlens`` segments, less the padding segments."""
-    cu = batch["cu_seqlens"].detach().cpu().numpy().astype(np.int64)
-    starts = batch["tokens"].detach().reshape(-1).cpu().numpy()[cu[:-1]]
+    cu = batch.cu_seqlens.detach().cpu().numpy().astype(np.int64)
+    starts = batch.tokens.detach().reshape(-1).cpu().numpy()[cu[:-1]]
     lengths = np.diff(cu)
     return lengths[starts != pad_id]
 
 
-def step_flops(arch: Any, batches: list[dict[str, Any]], pad_id: int) -> float:
+def step_flops(arch: Any, batches: list[MicroBatch[torch.Tensor]], pad_id: int) -> float:
     """Model FLOPs (forward + backward) of one DP rank's micro-batches of a step."""
     forward = 0.0
     for b in batches:
         forward += language_flops(arch, sample_lengths(b, pad_id))
-        grid = b.get("image_grid_thw")
-        if grid is not None:
-            forward += vision_flops(arch, grid.detach().cpu().numpy().astype(np.int64))
+        forward += vision_flops(arch, b.image_grid_thw.detach().cpu().numpy().astype(np.int64))
     return 3.0 * forward
 
 
@@ -273,7 +273,7 @@ class Observer:
             self.timers(name).stop()
 
     def step_metrics(
-        self, batches: list[dict[str, Any]], *, wait_s: float, elapsed_s: float, num_zeros: Any
+        self, batches: list[MicroBatch[torch.Tensor]], *, wait_s: float, elapsed_s: float, num_zeros: Any
     ) -> dict[str, Any]:
         """TFLOPs, MFU, the slowest rank's data wait and step time, norms, memory. Collective."""
         flops = torch.tensor([step_flops(self.arch, batches, self.pad_id)], dtype=torch.float64)
