@@ -35,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"pretrain_vlm: error: {e}", file=sys.stderr)
         return 2
+    from mmpack.trainer.failures import describe_failure
     from mmpack.trainer.training import Trainer, shutdown
 
     trainer = None
@@ -45,6 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"pretrain_vlm: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a process gone (a helper or a peer rank): each rank says in one line what it saw
+        line = describe_failure(e, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
+        if line is None:
+            raise
+        print(f"pretrain_vlm: error: rank {os.environ.get('RANK', '0')}: {line}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if trainer is not None:
             trainer.close()
