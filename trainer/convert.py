@@ -16,6 +16,7 @@ The round trip is bit-exact.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import socket
@@ -23,7 +24,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mmpack.packing.processes import ProcessDiedError, describe_exit
+
 HF_CONFIG_NAME = "hf_config.json"  # the model's config.json, kept beside the trainer's checkpoints
+TIMEOUT_MINUTES = 10.0  # a converter rank waits this long in a collective for the others (as the trainer)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,15 +76,13 @@ def _build_stage(hf_config: dict[str, Any], tp: int, pp: int) -> tuple[Any, Any,
 
 def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, tp: int, pp: int) -> None:
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from mmpack.trainer import cpu_backend
     from mmpack.trainer.checkpoint import TRACKER, iteration_dir
+    from mmpack.trainer.checkpoint_watch import save_watched
     from mmpack.trainer.models import read_hf_config
 
-    cpu_backend.activate()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _init_rank(rank, world, port)
     try:
         hf_config = read_hf_config(hf_dir)
         fam, arch, model = _build_stage(hf_config, tp, pp)
@@ -98,7 +100,7 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
             "model_config": hf_config,
             "model": model.sharded_state_dict(),
         }
-        dist_checkpointing.save(state, str(folder))
+        save_watched(state, str(folder))
         dist.barrier()
         if rank == 0:
             (Path(out) / HF_CONFIG_NAME).write_text(json.dumps(hf_config, indent=2))
@@ -133,10 +135,7 @@ def _mcore_to_hf_rank(rank: int, port: int, ckpt: str, out: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from mmpack.trainer import cpu_backend
-
-    cpu_backend.activate()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    _init_rank(rank, 1, port)
     try:
         fam, arch, model, hf_config = load_tp1_model(ckpt)
         params = {name: p.detach() for name, p in model.named_parameters()}
@@ -150,7 +149,22 @@ def _mcore_to_hf_rank(rank: int, port: int, ckpt: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+def _init_rank(rank: int, world: int, port: int) -> None:
+    """CPU backend and the gloo group of one converter rank; a collective waits at most TIMEOUT_MINUTES."""
+    import torch.distributed as dist
+
+    from mmpack.trainer import cpu_backend
+
+    cpu_backend.activate()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(minutes=TIMEOUT_MINUTES),
+    )  # fmt: skip
+
+
 def _spawn(fn: Any, nprocs: int, args: tuple) -> None:
+    """``fn(rank, *args)`` on ``nprocs`` processes; the first that fails or dies ends them all (torch's
+    ``spawn`` stops the others) with one error naming it."""
     import torch.multiprocessing as mp
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -158,7 +172,15 @@ def _spawn(fn: Any, nprocs: int, args: tuple) -> None:
         mp.spawn(fn, args=args, nprocs=nprocs, join=True)
     except mp.ProcessRaisedException as e:
         last = str(e).strip().splitlines()[-1]
-        raise ValueError(last.split(": ", 1)[-1] if "Error" in last else last) from e
+        message = last.split(": ", 1)[-1] if "Error" in last else last
+        if last.startswith(f"{ProcessDiedError.__module__}.{ProcessDiedError.__name__}:"):
+            raise ProcessDiedError(message) from None  # a rank's checkpoint writer died
+        raise ValueError(message) from e
+    except mp.ProcessExitedException as e:
+        raise ProcessDiedError(
+            f"converter process {e.pid} (rank {e.error_index} of {nprocs}) {describe_exit(e.exit_code)}; "
+            "the other ranks were stopped and the output is incomplete"
+        ) from None
 
 
 def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int) -> Path:
@@ -193,9 +215,9 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             print(f"wrote {mcore_to_hf(args.ckpt, args.out)} and config.json")
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ProcessDiedError) as e:
         if args.debug:
             raise
         print(f"mmpack convert: error: {e}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(e, ProcessDiedError) else 2
     return 0
