@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# The plain install, checked as a new user meets it: README's by-hand install lines, run as they are in a
+# fresh copy of the repository (a new .venv with the runtime dependencies only), then the user's path on a small
+# generated dataset: pack -> train 2 iterations with --save -> resume -> convert both ways -> stats.
+# Then each extra alone: README's line for it on top of the plain install, the same path with the extra's own
+# feature switched on, and the extra's packages removed again before the next one.
+# Usage: bash .ci/plain_install.sh [extra ...]   (default: every extra README lists; "none" for the plain one only)
+# MMPACK_PLAIN_DIR keeps the work folder (default: a temporary one, removed at the end).
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+work="${MMPACK_PLAIN_DIR:-$(mktemp -d "${TMPDIR:-/var/tmp}/mmpack-plain.XXXXXX")}"
+[ -n "${MMPACK_PLAIN_DIR:-}" ] || trap 'rm -rf "$work"' EXIT
+mkdir -p "$work"
+log="$work/log"
+t_start=$SECONDS
+
+# The fenced bash block after README's marker line "<!-- $1 ..." (one command per line).
+readme_block() {
+  awk -v marker="<!-- $1" 'index($0, marker) == 1 {on = 1; next}
+    on && /^```bash/ {inside = 1; next} inside && /^```/ {exit} inside {print}' "$repo/README.md"
+}
+
+# Runs one command, its output to $log; on failure (or past $limit seconds: a hang) shows the log's end.
+step() {
+  local what=$1 t0=$SECONDS
+  shift
+  if ! timeout "${limit:-300}" "$@" >"$log" 2>&1; then
+    echo "plain install: FAILED: $what (exit $?, ${limit:-300} s limit): $*" >&2
+    tail -n 40 "$log" >&2
+    exit 1
+  fi
+  printf '  %-52s %4d s\n' "$what" $((SECONDS - t0))
+}
+
+expect() {  # expect WHAT FILE-OR-STRING PATTERN
+  if ! grep -q -- "$3" <<<"$2"; then
+    echo "plain install: FAILED: $1 (expected '$3')" >&2
+    exit 1
+  fi
+}
+
+# pack -> train --save -> resume -> convert both ways -> stats, in $work/run-$1; $2: extra pack flags, $3:
+# extra train flags.
+user_path() {
+  local d="$work/run-$1" pack_flags=$2 train_flags=$3
+  local train=(torchrun --standalone --nproc_per_node 1 -m mmpack.trainer.pretrain_vlm --model-size tiny
+    --data-path "$d/ds" --micro-batch-size 1 --global-batch-size 1 --num-workers 1)
+  # shellcheck disable=SC2086
+  step "pack" mmpack pack -i "$raw/data.jsonl" -r "$raw" -o "$d/ds" -L 1024 \
+    -t "$raw/tokenizer/tokenizer.json" $pack_flags
+  # shellcheck disable=SC2086
+  step "train 2 iterations, --save" "${train[@]}" --train-iters 2 --save "$d/ck" --save-interval 2 $train_flags
+  expect "checkpoint of iteration 2" "$(cat "$d/ck/latest_checkpointed_iteration.txt")" "^2$"
+  step "resume to iteration 3 (--load, --async-save)" "${train[@]}" --train-iters 3 --load "$d/ck" \
+    --save "$d/ck" --async-save
+  expect "resume" "$(cat "$log")" "resumed from $d/ck at iteration 2"
+  expect "checkpoint of iteration 3" "$(cat "$d/ck/latest_checkpointed_iteration.txt")" "^3$"
+  step "convert mcore-to-hf" mmpack convert mcore-to-hf --ckpt "$d/ck" --out "$d/hf"
+  step "convert hf-to-mcore --tp 2 --pp 2" mmpack convert hf-to-mcore --hf "$d/hf" --out "$d/mcore" --tp 2 --pp 2
+  step "stats" mmpack stats "$d/ds"
+  expect "stats" "$(cat "$log")" "fill"
+}
+
+# What each extra adds to the user's path, and what shows that it worked.
+extra_path() {
+  local d="$work/run-$1"
+  case $1 in
+    energon) user_path "$1" "--format both --energon" ""
+      expect "energon metadata" "$(ls "$d/ds/.nv-meta")" "dataset.yaml" ;;
+    ray) user_path "$1" "--engine ray" "" ;;
+    test) user_path "$1" "" "--tensorboard-dir $d/tb"
+      expect "tensorboard events" "$(ls "$d/tb")" "events.out.tfevents" ;;
+    *) user_path "$1" "" "" ;;
+  esac
+}
+
+# Runs README lines in this shell (the first one activates the venv), each timed, output to $log.
+readme_lines() {
+  local line t0
+  while IFS= read -r line; do
+    [ -n "$line" ] || continue
+    t0=$SECONDS
+    if ! eval "$line" >"$log" 2>&1; then  # in this shell: the venv it activates stays active
+      echo "plain install: FAILED: $line" >&2
+      tail -n 40 "$log" >&2
+      exit 1
+    fi
+    printf '  %-52s %4d s\n' "${line%%#*}" $((SECONDS - t0))
+  done <<<"$1"
+}
+
+# Removes what the last extra installed (and puts back a version it changed): the plain install again.
+remove_extra() {
+  local now
+  now="$(pip freeze --exclude-editable)"
+  comm -13 <(sort <<<"$plain") <(sort <<<"$now") | sed 's/[ =@].*//' | xargs -r pip uninstall -q -y
+  comm -23 <(sort <<<"$plain") <(sort <<<"$now") | xargs -r pip install -q --no-deps
+  if [ "$(pip freeze --exclude-editable)" != "$plain" ]; then
+    echo "plain install: FAILED: removing an extra did not give back the plain install" >&2
+    exit 1
+  fi
+}
+
+extras=("$@")
+if [ ${#extras[@]} -eq 0 ]; then
+  mapfile -t extras < <(readme_block "extras:" | sed -n 's/^pip install -e "\.\[\([a-z]*\)\]".*/\1/p')
+fi
+[ "${extras[*]}" != none ] || extras=()
+
+echo "== plain install in $work: README's lines as they are, in a fresh copy of the repository"
+mkdir -p "$work/mmpack"
+(cd "$repo" && git ls-files -z --cached --others --exclude-standard |
+  tar --null --ignore-failed-read -T - -cf -) | tar -xf - -C "$work/mmpack"
+cd "$work/mmpack"
+readme_lines "$(readme_block "plain install:")"
+plain="$(pip freeze --exclude-editable)"
+raw="$work/raw"
+step "a small raw dataset and tokenizer" python -m mmpack.offline_packing.demo.synthetic "$raw" \
+  --samples 40 --max-size 96 --tokenizer
+user_path plain "" ""
+
+for extra in "${extras[@]}"; do
+  echo "== extra $extra alone"
+  readme_lines "$(readme_block "extras:" | grep -F "\".[$extra]\"")"
+  extra_path "$extra"
+  t0=$SECONDS
+  remove_extra >"$log" 2>&1
+  printf '  %-52s %4d s\n' "remove the extra again" $((SECONDS - t0))
+done
+echo "== plain install and ${#extras[@]} extras: all passed in $((SECONDS - t_start)) s"
