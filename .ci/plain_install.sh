@@ -7,6 +7,7 @@
 # Usage: bash .ci/plain_install.sh [extra ...]   (default: every extra README lists; "none" for the plain one only)
 # MMPACK_PLAIN_DIR keeps the work folder (default: a temporary one, removed at the end).
 set -euo pipefail
+TIMEFORMAT='%R %U %S'
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 work="${MMPACK_PLAIN_DIR:-$(mktemp -d "${TMPDIR:-/var/tmp}/mmpack-plain.XXXXXX")}"
 [ -n "${MMPACK_PLAIN_DIR:-}" ] || trap 'rm -rf "$work"' EXIT
@@ -21,15 +22,23 @@ readme_block() {
 }
 
 # Runs one command, its output to $log; on failure (or past $limit seconds: a hang) shows the log's end.
+# Prints its wall time and the CPU time it and its processes used (what a busy machine does not inflate).
 step() {
-  local what=$1 t0=$SECONDS
+  local what=$1 status=0
   shift
-  if ! timeout "${limit:-300}" "$@" >"$log" 2>&1; then
-    echo "plain install: FAILED: $what (exit $?, ${limit:-300} s limit): $*" >&2
+  { time timeout "${limit:-300}" "$@" >"$log" 2>&1; } 2>"$work/time" || status=$?
+  if [ $status -ne 0 ]; then
+    echo "plain install: FAILED: $what (exit $status, ${limit:-300} s limit): $*" >&2
     tail -n 40 "$log" >&2
     exit 1
   fi
-  printf '  %-52s %4d s\n' "$what" $((SECONDS - t0))
+  report "$what"
+}
+
+report() {  # the line of one step, from the times `time` wrote to $work/time
+  awk -v what="$1" '{printf "  %-50s %5.0f s  (cpu %4.0f s)\n", what, $1, $2 + $3}' \
+    "$work/time"
+  awk '{print $2 + $3}' "$work/time" >>"$work/cpu"
 }
 
 expect() {  # expect WHAT FILE-OR-STRING PATTERN
@@ -76,16 +85,18 @@ extra_path() {
 
 # Runs README lines in this shell (the first one activates the venv), each timed, output to $log.
 readme_lines() {
-  local line t0
+  local line status
   while IFS= read -r line; do
     [ -n "$line" ] || continue
-    t0=$SECONDS
-    if ! eval "$line" >"$log" 2>&1; then  # in this shell: the venv it activates stays active
+    status=0
+    # in this shell: the venv it activates stays active
+    { time eval "$line" >"$log" 2>&1; } 2>"$work/time" || status=$?
+    if [ $status -ne 0 ]; then
       echo "plain install: FAILED: $line" >&2
       tail -n 40 "$log" >&2
       exit 1
     fi
-    printf '  %-52s %4d s\n' "${line%%#*}" $((SECONDS - t0))
+    report "${line%%  *}"
   done <<<"$1"
 }
 
@@ -123,8 +134,8 @@ for extra in "${extras[@]}"; do
   echo "== extra $extra alone"
   readme_lines "$(readme_block "extras:" | grep -F "\".[$extra]\"")"
   extra_path "$extra"
-  t0=$SECONDS
-  remove_extra >"$log" 2>&1
-  printf '  %-52s %4d s\n' "remove the extra again" $((SECONDS - t0))
+  { time remove_extra >"$log" 2>&1; } 2>"$work/time"
+  report "remove the extra again"
 done
-echo "== plain install and ${#extras[@]} extras: all passed in $((SECONDS - t_start)) s"
+cpu=$(awk '{s += $1} END {printf "%.0f", s}' "$work/cpu")
+echo "== plain install and ${#extras[@]} extra(s): all passed in $((SECONDS - t_start)) s (cpu $cpu s)"
