@@ -2,8 +2,8 @@
 # The plain install, checked as a new user meets it: README's by-hand install lines, run as they are in a
 # fresh copy of the repository (a new .venv with the runtime dependencies only), then the user's path on a small
 # generated dataset: pack -> train 2 iterations with --save -> resume -> convert both ways -> stats.
-# Then each extra alone: README's line for it on top of the plain install, the same path with the extra's own
-# feature switched on, and the extra's packages removed again before the next one.
+# Then each extra alone: README's line for it on top of the plain install, pack -> train --save -> stats with
+# the extra's own feature switched on, and the extra's packages removed again before the next one.
 # Usage: bash .ci/plain_install.sh [extra ...]   (default: every extra README lists; "none" for the plain one only)
 # MMPACK_PLAIN_DIR keeps the work folder (default: a temporary one, removed at the end).
 set -euo pipefail
@@ -48,20 +48,26 @@ expect() {  # expect WHAT FILE-OR-STRING PATTERN
   fi
 }
 
-# pack -> train --save -> resume -> convert both ways -> stats, in $work/run-$1; $2: extra pack flags, $3:
-# extra train flags.
-user_path() {
-  local d="$work/run-$1" pack_flags=$2 train_flags=$3
-  local train=(torchrun --standalone --nproc_per_node 1 -m mmpack.trainer.pretrain_vlm --model-size tiny
-    --data-path "$d/ds" --micro-batch-size 1 --global-batch-size 1 --num-workers 1)
+train=(torchrun --standalone --nproc_per_node 1 -m mmpack.trainer.pretrain_vlm --model-size tiny
+  --micro-batch-size 1 --global-batch-size 1 --num-workers 1)
+
+# pack -> train 2 iterations with --save, in $work/run-$1; $2: extra pack flags, $3: extra train flags.
+pack_and_train() {
+  local d="$work/run-$1"
   # shellcheck disable=SC2086
-  step "pack" mmpack pack -i "$raw/data.jsonl" -r "$raw" -o "$d/ds" -L 1024 \
-    -t "$raw/tokenizer/tokenizer.json" $pack_flags
+  step "pack" mmpack pack -i "$raw/data.jsonl" -r "$raw" -o "$d/ds" -L 1024 -t "$raw/tokenizer/tokenizer.json" $2
   # shellcheck disable=SC2086
-  step "train 2 iterations, --save" "${train[@]}" --train-iters 2 --save "$d/ck" --save-interval 2 $train_flags
+  step "train 2 iterations, --save" "${train[@]}" --data-path "$d/ds" --train-iters 2 --save "$d/ck" \
+    --save-interval 2 $3
   expect "checkpoint of iteration 2" "$(cat "$d/ck/latest_checkpointed_iteration.txt")" "^2$"
-  step "resume to iteration 3 (--load, --async-save)" "${train[@]}" --train-iters 3 --load "$d/ck" \
-    --save "$d/ck" --async-save
+}
+
+# The whole path: pack -> train --save -> resume -> convert both ways -> stats.
+user_path() {
+  local d="$work/run-plain"
+  pack_and_train plain "" ""
+  step "resume to iteration 3 (--load, --async-save)" "${train[@]}" --data-path "$d/ds" --train-iters 3 \
+    --load "$d/ck" --save "$d/ck" --async-save
   expect "resume" "$(cat "$log")" "resumed from $d/ck at iteration 2"
   expect "checkpoint of iteration 3" "$(cat "$d/ck/latest_checkpointed_iteration.txt")" "^3$"
   step "convert mcore-to-hf" mmpack convert mcore-to-hf --ckpt "$d/ck" --out "$d/hf"
@@ -70,53 +76,31 @@ user_path() {
   expect "stats" "$(cat "$log")" "fill"
 }
 
-# What each extra adds to the user's path, and what shows that it worked.
+# An extra's own feature on the path: pack (its flags) -> train --save (its flags) -> stats. Resume and convert
+# are left to the plain run: they import no extra's package, and an extra changes none of the plain install's
+# (extra_adds_only checks it).
 extra_path() {
   local d="$work/run-$1"
   case $1 in
-    energon) user_path "$1" "--format both --energon" ""
+    energon) pack_and_train "$1" "--format both --energon" ""
       expect "energon metadata" "$(ls "$d/ds/.nv-meta")" "dataset.yaml" ;;
-    ray) user_path "$1" "--engine ray" "" ;;
-    test) user_path "$1" "" "--tensorboard-dir $d/tb"
+    ray) pack_and_train "$1" "--engine ray" "" ;;
+    test) pack_and_train "$1" "" "--tensorboard-dir $d/tb"
       expect "tensorboard events" "$(ls "$d/tb")" "events.out.tfevents" ;;
-    *) user_path "$1" "" "" ;;
+    *) pack_and_train "$1" "" "" ;;
   esac
+  step "stats" mmpack stats "$d/ds"
 }
 
-# Runs README lines in this shell (the first one activates the venv), each timed, output to $log.
-readme_lines() {
-  local line status
-  while IFS= read -r line; do
-    [ -n "$line" ] || continue
-    status=0
-    # in this shell: the venv it activates stays active
-    { time eval "$line" >"$log" 2>&1; } 2>"$work/time" || status=$?
-    if [ $status -ne 0 ]; then
-      echo "plain install: FAILED: $line" >&2
-      tail -n 40 "$log" >&2
-      exit 1
-    fi
-    report "${line%%  *}"
-  done <<<"$1"
-}
-
-# Removes what the last extra installed (and puts back a version it changed): the plain install again.
-remove_extra() {
-  local now
-  now="$(pip freeze --exclude-editable)"
-  comm -13 <(sort <<<"$plain") <(sort <<<"$now") | sed 's/[ =@].*//' | xargs -r pip uninstall -q -y
-  comm -23 <(sort <<<"$plain") <(sort <<<"$now") | xargs -r pip install -q --no-deps
-  if [ "$(pip freeze --exclude-editable)" != "$plain" ]; then
-    echo "plain install: FAILED: removing an extra did not give back the plain install" >&2
+# Fails naming them when the extra just installed replaced a package of the plain install.
+extra_adds_only() {
+  local changed
+  changed="$(comm -23 <(sort <<<"$plain") <(pip freeze --exclude-editable | sort))"
+  if [ -n "$changed" ]; then
+    echo "plain install: FAILED: extra $1 changes packages of the plain install: $changed" >&2
     exit 1
   fi
 }
-
-extras=("$@")
-if [ ${#extras[@]} -eq 0 ]; then
-  mapfile -t extras < <(readme_block "extras:" | sed -n 's/^pip install -e "\.\[\([a-z]*\)\]".*/\1/p')
-fi
-[ "${extras[*]}" != none ] || extras=()
 
 echo "== plain install in $work: README's lines as they are, in a fresh copy of the repository"
 mkdir -p "$work/mmpack"
@@ -128,11 +112,12 @@ plain="$(pip freeze --exclude-editable)"
 raw="$work/raw"
 step "a small raw dataset and tokenizer" python -m mmpack.offline_packing.demo.synthetic "$raw" \
   --samples 40 --max-size 96 --tokenizer
-user_path plain "" ""
+user_path
 
 for extra in "${extras[@]}"; do
   echo "== extra $extra alone"
   readme_lines "$(readme_block "extras:" | grep -F "\".[$extra]\"")"
+  extra_adds_only "$extra"
   extra_path "$extra"
   { time remove_extra >"$log" 2>&1; } 2>"$work/time"
   report "remove the extra again"

@@ -178,7 +178,7 @@ def _spawn(fn: Any, nprocs: int, args: tuple) -> None:
         raise ValueError(message) from e
     except mp.ProcessExitedException as e:
         raise ProcessDiedError(
-            f"converter process {e.pid} (rank {e.error_index} of {nprocs}) {describe_exit(e.exit_code)}; "
+            f"converter process {e.error_pid} (rank {e.error_index} of {nprocs}) {describe_exit(e.exit_code)}; "
             "the other ranks were stopped and the output is incomplete"
         ) from None
 
