@@ -21,6 +21,7 @@ import json
 import os
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -162,14 +163,21 @@ def _init_rank(rank: int, world: int, port: int) -> None:
     )  # fmt: skip
 
 
-def _spawn(fn: Any, nprocs: int, args: tuple) -> None:
-    """``fn(rank, *args)`` on ``nprocs`` processes; the first that fails or dies ends them all (torch's
-    ``spawn`` stops the others) with one error naming it."""
+def _spawn(fn: Any, nprocs: int, args: tuple, start_method: str) -> None:
+    """``fn(rank, *args)`` on ``nprocs`` processes; the first that fails or dies stops the others, with one
+    error naming it.
+
+    Deaths are seen by polling each process's exit (``waitpid``): torch's ``join`` alone waits on pipes that a
+    rank's own children (its checkpoint writers) inherit, so a killed rank with a live writer went unseen."""
     import torch.multiprocessing as mp
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=start_method)
     try:
-        mp.spawn(fn, args=args, nprocs=nprocs, join=True)
+        while not context.join(timeout=0.5):
+            failed = [i for i, p in enumerate(context.processes) if p.exitcode not in (None, 0)]
+            if failed:
+                raise _failure(context, failed[0])
     except mp.ProcessRaisedException as e:
         last = str(e).strip().splitlines()[-1]
         message = last.split(": ", 1)[-1] if "Error" in last else last
@@ -181,10 +189,34 @@ def _spawn(fn: Any, nprocs: int, args: tuple) -> None:
             f"converter process {e.error_pid} (rank {e.error_index} of {nprocs}) {describe_exit(e.exit_code)}; "
             "the other ranks were stopped and the output is incomplete"
         ) from None
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+            p.join()
 
 
-def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int) -> Path:
-    """Writes the weights-only dist checkpoint at ``out``; returns its iteration folder."""
+def _failure(context: Any, index: int) -> Exception:
+    """torch's exception for process ``index`` of ``context``, which ended non-zero: its own error (from the
+    file torch's wrapper writes), or how it ended."""
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    process = context.processes[index]
+    if os.access(context.error_files[index], os.R_OK):
+        with open(context.error_files[index], "rb") as f:
+            trace = pickle.load(f)
+        return mp.ProcessRaisedException(trace, index, process.pid)
+    return mp.ProcessExitedException("", index, process.pid, process.exitcode)
+
+
+def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int, *, start_method: str = "spawn") -> Path:
+    """Writes the weights-only dist checkpoint at ``out``; returns its iteration folder. ``start_method``
+    of the rank processes: "fork" only from a process that has started no threads (the command line)."""
     from mmpack.trainer.checkpoint import iteration_dir
     from mmpack.trainer.models import family_of, read_hf_config
 
@@ -192,29 +224,42 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int) -> Path:
         raise ValueError("--tp and --pp must be >= 1")
     config = read_hf_config(hf_dir)
     family_of(config).arch_from_hf_config(config)  # a clear error before any process starts
-    _spawn(_hf_to_mcore_rank, tp * pp, (tp * pp, _free_port(), hf_dir, out, tp, pp))
+    _spawn(_hf_to_mcore_rank, tp * pp, (tp * pp, _free_port(), hf_dir, out, tp, pp), start_method)
     return iteration_dir(out, 0)
 
 
-def mcore_to_hf(ckpt: str, out: str) -> Path:
-    """Writes ``out/config.json`` and ``out/model.safetensors``; returns the weights file."""
+def mcore_to_hf(ckpt: str, out: str, *, start_method: str = "spawn") -> Path:
+    """Writes ``out/config.json`` and ``out/model.safetensors``; returns the weights file (``start_method``:
+    as :func:`hf_to_mcore`'s)."""
     from mmpack.trainer.checkpoint import latest_iteration
 
     if latest_iteration(ckpt) is None:
         raise ValueError(f"{ckpt} holds no checkpoint (no latest_checkpointed_iteration.txt)")
-    _spawn(_mcore_to_hf_rank, 1, (_free_port(), ckpt, out))
+    _spawn(_mcore_to_hf_rank, 1, (_free_port(), ckpt, out), start_method)
     return Path(out) / "model.safetensors"
 
 
+def _preload() -> None:
+    """Imports what every rank process needs once, here, so that forked ranks start at once (a rank started
+    by "spawn" imports it all again)."""
+    import megatron.core.dist_checkpointing  # noqa: F401
+
+    import mmpack.trainer.checkpoint_watch
+    import mmpack.trainer.config
+    import mmpack.trainer.models  # noqa: F401
+
+
 def run(args: argparse.Namespace) -> int:
+    _preload()
+    method = "fork" if threading.active_count() == 1 else "spawn"  # fork a process of one thread only
     try:
         if args.direction == "hf-to-mcore":
-            folder = hf_to_mcore(args.hf, args.out, args.tp, args.pp)
+            folder = hf_to_mcore(args.hf, args.out, args.tp, args.pp, start_method=method)
             print(
                 f"wrote {folder} (TP {args.tp} x PP {args.pp}); train from it with --load {args.out} --finetune"
             )
         else:
-            print(f"wrote {mcore_to_hf(args.ckpt, args.out)} and config.json")
+            print(f"wrote {mcore_to_hf(args.ckpt, args.out, start_method=method)} and config.json")
     except (ValueError, FileNotFoundError, ProcessDiedError) as e:
         if args.debug:
             raise
