@@ -102,6 +102,41 @@ extra_adds_only() {
   fi
 }
 
+# Runs README lines in this shell (the first one activates the venv), each timed, output to $log.
+readme_lines() {
+  local line status
+  while IFS= read -r line; do
+    [ -n "$line" ] || continue
+    status=0
+    # in this shell: the venv it activates stays active
+    { time eval "$line" >"$log" 2>&1; } 2>"$work/time" || status=$?
+    if [ $status -ne 0 ]; then
+      echo "plain install: FAILED: $line" >&2
+      tail -n 40 "$log" >&2
+      exit 1
+    fi
+    report "${line%%  *}"
+  done <<<"$1"
+}
+
+# Removes what the last extra installed (and puts back a version it changed): the plain install again.
+remove_extra() {
+  local now
+  now="$(pip freeze --exclude-editable)"
+  comm -13 <(sort <<<"$plain") <(sort <<<"$now") | sed 's/[ =@].*//' | xargs -r pip uninstall -q -y
+  comm -23 <(sort <<<"$plain") <(sort <<<"$now") | xargs -r pip install -q --no-deps
+  if [ "$(pip freeze --exclude-editable)" != "$plain" ]; then
+    echo "plain install: FAILED: removing an extra did not give back the plain install" >&2
+    exit 1
+  fi
+}
+
+extras=("$@")
+if [ ${#extras[@]} -eq 0 ]; then
+  mapfile -t extras < <(readme_block "extras:" | sed -n 's/^pip install -e "\.\[\([a-z]*\)\]".*/\1/p')
+fi
+[ "${extras[*]}" != none ] || extras=()
+
 echo "== plain install in $work: README's lines as they are, in a fresh copy of the repository"
 mkdir -p "$work/mmpack"
 (cd "$repo" && git ls-files -z --cached --others --exclude-standard |
