@@ -2,8 +2,9 @@
 # The plain install, checked as a new user meets it: README's by-hand install lines, run as they are in a
 # fresh copy of the repository (a new .venv with the runtime dependencies only), then the user's path on a small
 # generated dataset: pack -> train 2 iterations with --save -> resume -> convert both ways -> stats.
-# Then each extra alone: README's line for it on top of the plain install, pack -> train --save -> stats with
-# the extra's own feature switched on, and the extra's packages removed again before the next one.
+# Then each extra alone: README's line for it on top of the plain install, its own feature on the path (pack
+# --energon, pack --engine ray, training with --tensorboard-dir; bench: pack and stats), and the extra's
+# packages removed again before the next one.
 # Usage: bash .ci/plain_install.sh [extra ...]   (default: every extra README lists; "none" for the plain one only)
 # MMPACK_PLAIN_DIR keeps the work folder (default: a temporary one, removed at the end).
 set -euo pipefail
@@ -76,18 +77,22 @@ user_path() {
   expect "stats" "$(cat "$log")" "fill"
 }
 
-# An extra's own feature on the path: pack (its flags) -> train --save (its flags) -> stats. Resume and convert
-# are left to the plain run: they import no extra's package, and an extra changes none of the plain install's
-# (extra_adds_only checks it).
+# An extra's own feature on the path: pack (with its flags) -> stats, and training where the extra serves it
+# (test: --tensorboard-dir). Training, resume and convert with every extra installed at once are test.sh's (its
+# environment holds them all); an extra changes no package of the plain install (extra_adds_only checks it).
 extra_path() {
   local d="$work/run-$1"
   case $1 in
-    energon) pack_and_train "$1" "--format both --energon" ""
+    energon) step "pack --format both --energon" mmpack pack -i "$raw/data.jsonl" -r "$raw" -o "$d/ds" -L 1024 \
+        -t "$raw/tokenizer/tokenizer.json" --format both --energon
       expect "energon metadata" "$(ls "$d/ds/.nv-meta")" "dataset.yaml" ;;
-    ray) pack_and_train "$1" "--engine ray" "" ;;
+    ray) step "pack --engine ray" mmpack pack -i "$raw/data.jsonl" -r "$raw" -o "$d/ds" -L 1024 \
+        -t "$raw/tokenizer/tokenizer.json" --engine ray
+      expect "ray engine" "$(cat "$log")" "(ray)" ;;
     test) pack_and_train "$1" "" "--tensorboard-dir $d/tb"
       expect "tensorboard events" "$(ls "$d/tb")" "events.out.tfevents" ;;
-    *) pack_and_train "$1" "" "" ;;
+    *) step "pack" mmpack pack -i "$raw/data.jsonl" -r "$raw" -o "$d/ds" -L 1024 \
+        -t "$raw/tokenizer/tokenizer.json" ;;
   esac
   step "stats" mmpack stats "$d/ds"
 }
