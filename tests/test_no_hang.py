@@ -24,7 +24,7 @@ from tests.test_trainer_support import REPO, TINY, free_port, make_packed_datase
 DEADLINE_S = 60  # from the kill to the job's exit
 TRAIN = [
     "--tensor-model-parallel-size", "2", "--micro-batch-size", "1", "--global-batch-size", "2",
-    "--train-iters", "4", "--seed", "3",
+    "--train-iters", "3", "--seed", "3",
 ]  # fmt: skip
 
 
@@ -127,8 +127,8 @@ def test_control_training_run_finishes(data: Path, tmp_path: Path) -> None:
     run = start_training(data, tmp_path)
     code, _ = run.finish(timeout_s=420)
     assert code == 0, run.text()[-3000:]
-    assert iterations_done(run) == 4
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert iterations_done(run) == 3
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
 
 
 @pytest.mark.slow
@@ -174,7 +174,7 @@ def test_killed_checkpoint_writer_ends_the_job(data: Path, tmp_path: Path) -> No
     assert code != 0 and took_s < DEADLINE_S
     lines = [line for line in run.text().splitlines() if line.startswith("pretrain_vlm: error: rank 1:")]
     assert len(lines) == 1, run.text()[-3000:]
-    assert f"checkpoint writer process {writer} of rank 1 (writing {tmp_path}/ckpt/iter_0000004/" in lines[0]
+    assert f"checkpoint writer process {writer} of rank 1 (writing {tmp_path}/ckpt/iter_0000003/" in lines[0]
     assert lines[0].endswith("was killed by SIGKILL before it finished")
     assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()  # never recorded
 
