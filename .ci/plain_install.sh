@@ -14,6 +14,7 @@ work="${MMPACK_PLAIN_DIR:-$(mktemp -d "${TMPDIR:-/var/tmp}/mmpack-plain.XXXXXX")
 [ -n "${MMPACK_PLAIN_DIR:-}" ] || trap 'rm -rf "$work"' EXIT
 mkdir -p "$work"
 log="$work/log"
+: >"$work/cpu"  # CPU seconds of each step, summed at the end
 t_start=$SECONDS
 
 # The fenced bash block after README's marker line "<!-- $1 ..." (one command per line).
