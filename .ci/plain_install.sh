@@ -140,6 +140,10 @@ remove_extra() {
 extras=("$@")
 if [ ${#extras[@]} -eq 0 ]; then
   mapfile -t extras < <(readme_block "extras:" | sed -n 's/^pip install -e "\.\[\([a-z]*\)\]".*/\1/p')
+  if [ ${#extras[@]} -eq 0 ]; then
+    echo "plain install: FAILED: README has no extras block (<!-- extras: ... --> and a bash block)" >&2
+    exit 1
+  fi
 fi
 [ "${extras[*]}" != none ] || extras=()
 
@@ -148,7 +152,9 @@ mkdir -p "$work/mmpack"
 (cd "$repo" && git ls-files -z --cached --others --exclude-standard |
   tar --null --ignore-failed-read -T - -cf -) | tar -xf - -C "$work/mmpack"
 cd "$work/mmpack"
-readme_lines "$(readme_block "plain install:")"
+install_lines="$(readme_block "plain install:")"
+[ -n "$install_lines" ] || { echo "plain install: FAILED: README has no plain install block" >&2; exit 1; }
+readme_lines "$install_lines"
 plain="$(pip freeze --exclude-editable)"
 raw="$work/raw"
 step "a small raw dataset and tokenizer" python -m mmpack.offline_packing.demo.synthetic "$raw" \
