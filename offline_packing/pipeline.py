@@ -150,6 +150,10 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
     from mmpack.packing.tokenizer import tokenizer_files
 
     tokenizer_files(cfg.tokenizer)  # a missing tokenizer fails before the first stage, not after it
+    if cfg.energon:
+        from mmpack.offline_packing.outputs.energon_meta import require_energon
+
+        require_energon()
     remote.configure(cfg.storage_options)  # inputs (s3://...) are read with the output's storage options
     with use_engine(cfg.engine, cfg.ray_address):
         return _run_stages(cfg)

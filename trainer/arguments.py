@@ -141,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
         "works with --decoder-first/last-pipeline-num-layers when it divides every stage's layers)",
     )
 
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10.0,
+        help="a collective that waits longer than this for the other ranks fails with an error naming the "
+        "flag (gloo and NCCL), instead of hanging on a rank that is stuck or gone",
+    )
+
     g = p.add_argument_group("mixed precision")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and compute, fp32 master weights")
     g.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")

@@ -88,10 +88,16 @@ class ParallelConfig:
     # chunks per stage or as language layers per chunk (see virtual_pipeline_size)
     virtual_pipeline_model_parallel_size: int | None = None
     num_layers_per_virtual_pipeline_stage: int | None = None
+    # how long a collective may wait for the other ranks before it fails (Megatron-LM's flag and default)
+    distributed_timeout_minutes: float = 10.0
 
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
             raise ValueError("parallel sizes must be >= 1")
+        if not 0 < self.distributed_timeout_minutes < float("inf"):
+            raise ValueError(
+                f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}"
+            )
         virtual = (self.virtual_pipeline_model_parallel_size, self.num_layers_per_virtual_pipeline_stage)
         if all(n is not None for n in virtual):
             raise ValueError(

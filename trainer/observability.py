@@ -20,6 +20,7 @@ table of known devices; not reported on CPU).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import resource
 from collections.abc import Iterator
@@ -204,6 +205,11 @@ class MetricsSink:
                     project=cfg.wandb_project, name=cfg.wandb_exp_name, dir=cfg.wandb_save_dir or cfg.tensorboard_dir,
                     mode="offline", config=run_config,
                 )  # fmt: skip
+        if cfg.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:  # every rank stops
+            raise ValueError(
+                '--tensorboard-dir needs the tensorboard package: pip install -e ".[test]" (or pip install '
+                "tensorboard)"
+            )
         if cfg.tensorboard_dir and is_logger:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -38,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from mmpack.packing.errors import MmpackError
     from mmpack.trainer.exits import ExitSignals
+    from mmpack.trainer.failures import describe_failure
     from mmpack.trainer.training import Trainer, shutdown
 
     # installed before the data workers and checkpoint writers fork: they inherit it and live on until
@@ -55,6 +56,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             if os.environ.get("RANK", "0") == "0":
                 print(f"pretrain_vlm: error: {e}", file=sys.stderr)
             return 2
+        except (
+            Exception
+        ) as e:  # a process gone (a helper or a peer rank): each rank says in one line what it saw
+            line = describe_failure(e, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
+            if line is None:
+                raise
+            print(
+                f"pretrain_vlm: error: rank {os.environ.get('RANK', '0')}: {line}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
         finally:
             if trainer is not None:
                 trainer.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -87,16 +88,18 @@ def initialize_distributed(cfg: RunConfig, *, virtual_pipeline_size: int | None 
     """Process group (gloo on CPU, NCCL on CUDA), megatron-core parallel state (with the model chunks per
     stage of an interleaved pipeline) and seeds. Returns on_cpu."""
     on_cpu = cpu_backend.activate()
+    par = cfg.parallel
     if not dist.is_initialized():
         if not on_cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("gloo" if on_cpu else "nccl")
-    par = cfg.parallel
+        timeout = datetime.timedelta(minutes=par.distributed_timeout_minutes)
+        dist.init_process_group("gloo" if on_cpu else "nccl", timeout=timeout)
     par.data_parallel_size(dist.get_world_size())  # validates the layout divides the world
     ps.initialize_model_parallel(
         par.tensor_model_parallel_size,
         par.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_size,
+        distributed_timeout_minutes=par.distributed_timeout_minutes,  # type: ignore[arg-type]
     )
     seed = cfg.train.seed
     random.seed(seed)

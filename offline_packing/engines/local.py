@@ -9,7 +9,11 @@ from __future__ import annotations
 import multiprocessing
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
+
+from mmpack.packing.processes import ProcessDiedError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -38,7 +42,7 @@ def run_parallel(
     )
     results: list[R] = []
     try:
-        for i, result in enumerate(_map_ordered(fn, items, workers)):
+        for i, result in enumerate(_map_ordered(fn, items, workers, desc)):
             results.append(result)
             bar.update(weights[i])
     finally:
@@ -46,11 +50,24 @@ def run_parallel(
     return results
 
 
-def _map_ordered(fn: Callable[[T], R], items: list[T], workers: int) -> Iterator[R]:
+def _map_ordered(fn: Callable[[T], R], items: list[T], workers: int, desc: str) -> Iterator[R]:
     if workers <= 1 or len(items) <= 1:
         yield from map(fn, items)
         return
-    # fork: workers inherit imported modules (numba, tokenizers) instead of importing them again
+    # fork: workers inherit imported modules (numba, tokenizers) instead of importing them again. An executor,
+    # not a Pool: a Pool replaces a worker that dies and waits forever for the chunk it took with it.
     ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(min(workers, len(items))) as pool:
-        yield from pool.imap(fn, items, chunksize=1)
+    pool = ProcessPoolExecutor(min(workers, len(items)), mp_context=ctx)
+    try:
+        futures = [pool.submit(fn, item) for item in items]
+        for i, future in enumerate(futures):
+            try:
+                yield future.result()
+            except BrokenProcessPool:
+                raise ProcessDiedError(
+                    f"{desc or 'stage'}: a worker process of the local engine died (killed, or out of memory) "
+                    f"before chunk {i} of {len(items)} was done; rerun the same command: finished chunks "
+                    "are kept"
+                ) from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
