@@ -49,25 +49,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             trainer = Trainer(cfg, exit_signals=signals)
             trainer.train()
-        except (
-            ValueError,
-            MmpackError,
-        ) as e:  # what the user can fix: one clear line, not a traceback per rank
+        except Exception as e:
+            # a process gone (a helper or a peer rank): each rank says in one line what it saw
+            line = describe_failure(e, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
+            if line is not None:
+                rank = os.environ.get("RANK", "0")
+                print(f"pretrain_vlm: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+                return 1
+            if not isinstance(e, (ValueError, MmpackError)):
+                raise
+            # what the user can fix: one clear line, not a traceback per rank
             if os.environ.get("RANK", "0") == "0":
                 print(f"pretrain_vlm: error: {e}", file=sys.stderr)
             return 2
-        except (
-            Exception
-        ) as e:  # a process gone (a helper or a peer rank): each rank says in one line what it saw
-            line = describe_failure(e, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
-            if line is None:
-                raise
-            print(
-                f"pretrain_vlm: error: rank {os.environ.get('RANK', '0')}: {line}",
-                file=sys.stderr,
-                flush=True,
-            )
-            return 1
         finally:
             if trainer is not None:
                 trainer.close()
