@@ -174,7 +174,9 @@ def test_killed_checkpoint_writer_ends_the_job(data: Path, tmp_path: Path) -> No
     assert code != 0 and took_s < DEADLINE_S
     lines = [line for line in run.text().splitlines() if line.startswith("pretrain_vlm: error: rank 1:")]
     assert len(lines) == 1, run.text()[-3000:]
-    assert f"checkpoint writer process {writer} of rank 1 (writing {tmp_path}/ckpt/iter_0000003.tmp/" in lines[0]
+    assert (
+        f"checkpoint writer process {writer} of rank 1 (writing {tmp_path}/ckpt/iter_0000003.tmp/" in lines[0]
+    )
     assert lines[0].endswith("was killed by SIGKILL before it finished")
     assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()  # never recorded
 
