@@ -238,8 +238,8 @@ def test_gradients_match_and_zeroed_images_control(setup, tmp_path: Path) -> Non
     """TP2 x PP2: word-embedding and vision gradients of the packed step equal transformers'."""
     import torch
 
+    from mmpack.trainer.models.hf_weights import merge_tp_shards
     from mmpack.trainer.models.qwen2_5_vl import arch_from_hf_config, stage_rules
-    from mmpack.trainer.models.qwen2_5_vl.hf_io import merge_tp_shards
 
     _, hf_dir, packed, ref = setup
     _torchrun(4, [str(Path(__file__).resolve()), str(tmp_path), *_train_args(hf_dir, packed, 2, 2)], tmp_path)

@@ -147,7 +147,7 @@ def test_image_and_video_bin_loss_equals_transformers(tmp_path: Path) -> None:
 def test_a_dataset_video_pad_other_than_the_model_is_refused() -> None:
     from mmpack.trainer.build import check_data_matches_model
     from mmpack.trainer.data import DataInfo
-    from mmpack.trainer.models.qwen2_5_vl import arch_from_hf_config, tiny_hf_config
+    from mmpack.trainer.models.qwen2_5_vl import FAMILY, arch_from_hf_config, tiny_hf_config
 
     arch = arch_from_hf_config(
         tiny_hf_config(vocab_size=512, image_token_id=500, vision_start_token_id=501, vision_end_token_id=502)
@@ -163,7 +163,18 @@ def test_a_dataset_video_pad_other_than_the_model_is_refused() -> None:
         merge_size=2,
     )
     assert arch.video_token_id == 501  # tiny configs put it right after the image pad, as Qwen's vocabulary
-    check_data_matches_model(arch, DataInfo(**info, video_pad_id=501), "x")  # control: the same id passes
-    check_data_matches_model(arch, DataInfo(**info), "x")  # a dataset without videos has no video id to check
+    check_data_matches_model(
+        FAMILY, arch, DataInfo(**info, video_pad_id=501), "x"
+    )  # control: the same id passes
+    check_data_matches_model(
+        FAMILY, arch, DataInfo(**info), "x"
+    )  # a dataset without videos has no video id to check
     with pytest.raises(ValueError, match=r"<\|video_pad\|> is 503 in the dataset, 501 in the model"):
-        check_data_matches_model(arch, DataInfo(**info, video_pad_id=503), "x")
+        check_data_matches_model(FAMILY, arch, DataInfo(**info, video_pad_id=503), "x")
+    # videos planned by another processor's rule (other frames, sizes and tokens) are refused too
+    same_rule = DataInfo(**info, video_pad_id=501, video_rule="qwen-vl-utils")
+    check_data_matches_model(FAMILY, arch, same_rule, "x")
+    with pytest.raises(
+        ValueError, match="follow the qwen3_vl video rule, qwen2_5_vl's processor the qwen-vl"
+    ):
+        check_data_matches_model(FAMILY, arch, DataInfo(**info, video_pad_id=501, video_rule="qwen3_vl"), "x")

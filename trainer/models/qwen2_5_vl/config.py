@@ -13,6 +13,9 @@ from typing import Any
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
+from mmpack.trainer.models.qwen_lm import language_config
+from mmpack.trainer.models.vision_common import tower_configs
+
 MODEL_TYPE = "qwen2_5_vl"
 
 
@@ -220,50 +223,11 @@ def build_transformer_configs(
     arch: Qwen25VLArch, common: dict[str, Any], language_extra: dict[str, Any]
 ) -> Qwen25VLMegatronConfigs:
     """megatron-core configs from the architecture; ``common`` holds the run's parallel/precision fields."""
-    language = TransformerConfig(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_key_value_heads,
-        kv_channels=arch.head_dim,
-        ffn_hidden_size=arch.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=True,
-        mrope_section=list(arch.mrope_section),
-        **common,
-        **language_extra,
-    )
+    language = language_config(arch, common, language_extra, qkv_bias=True, qk_norm=False)
     v = arch.vision
-    vision_common = {**common, "pipeline_model_parallel_size": 1, "fp32_residual_connection": False}
-    vision = TransformerConfig(
-        num_layers=v.depth,
-        hidden_size=v.hidden_size,
-        num_attention_heads=v.num_heads,
-        kv_channels=v.head_dim,
-        ffn_hidden_size=v.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=True,
-        add_qkv_bias=True,
-        sequence_parallel=False,  # image patches are few and variable; they stay whole on every TP rank
-        **vision_common,
-    )
-    merged = v.hidden_size * v.spatial_merge_size**2
-    projector = TransformerConfig(
-        num_layers=1,
-        hidden_size=arch.hidden_size,
-        num_attention_heads=common["tensor_model_parallel_size"],  # unused by the MLP; TP must divide it
-        ffn_hidden_size=merged,
-        gated_linear_unit=False,
-        activation_func=F.gelu,
-        add_bias_linear=True,
-        sequence_parallel=False,
-        **vision_common,
-    )
+    vision, projector = tower_configs(
+        depth=v.depth, hidden_size=v.hidden_size, num_heads=v.num_heads, ffn_hidden_size=v.intermediate_size,
+        merged_size=v.hidden_size * v.spatial_merge_size**2, out_size=arch.hidden_size, common=common,
+        normalization="RMSNorm", activation=F.silu, gated=True,
+    )  # fmt: skip
     return Qwen25VLMegatronConfigs(language=language, vision=vision, projector=projector)
