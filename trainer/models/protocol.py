@@ -95,7 +95,7 @@ class ModelFamily(abc.ABC):
     video_rule: str  # `mmpack.packing.video_tokens.VideoTokenRule.style` of its video processor
 
     @abc.abstractmethod
-    def arch_from_hf_config(self, config: dict[str, Any]) -> Any:
+    def arch_from_hf_config(self, cfg: dict[str, Any]) -> Any:
         """The architecture (a :class:`ModelArch`) of a ``config.json`` dict; ValueError if unsupported."""
 
     @abc.abstractmethod

@@ -14,7 +14,8 @@ by the width position when j % 3 == 2 and j < 3 * section_w, else by the tempora
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,37 +28,64 @@ from mmpack.trainer.models.common import build_block_spec
 from mmpack.trainer.models.hf_weights import Rule
 
 
-class DecoderDims(Protocol):
-    """The language-model fields of a family's architecture (read from its ``config.json``)."""
+@dataclass(kw_only=True, frozen=True)
+class QwenLMArch:
+    """The language model of a family's architecture, from its ``config.json`` (a family's arch adds its
+    vision tower and special ids)."""
 
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def intermediate_size(self) -> int: ...
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def num_attention_heads(self) -> int: ...
-    @property
-    def num_key_value_heads(self) -> int: ...
-    @property
-    def rms_norm_eps(self) -> float: ...
-    @property
-    def rope_theta(self) -> float: ...
-    @property
-    def mrope_section(self) -> tuple[int, int, int]: ...
-    @property
-    def max_position_embeddings(self) -> int: ...
-    @property
-    def tie_word_embeddings(self) -> bool: ...
-    @property
-    def head_dim(self) -> int: ...
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, int, int]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    hidden_act: str
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if 2 * sum(self.mrope_section) != self.head_dim:
+            raise ValueError(
+                f"mrope_section {self.mrope_section} must sum to head_dim / 2 = {self.head_dim // 2}"
+            )
+        if self.hidden_act != "silu":
+            raise ValueError("only hidden_act 'silu' (SwiGLU) is supported")
+
+
+def lm_fields(
+    cfg: dict[str, Any], rope: tuple[float, tuple[int, int, int]], *, max_positions: int, own_head_dim: bool
+) -> dict[str, Any]:
+    """The :class:`QwenLMArch` fields of a ``config.json`` dict (its ``text_config``, or the top level of
+    transformers 4.x files); ``rope``: (theta, mrope_section); ``max_positions``: the default context;
+    ``own_head_dim``: the file may set ``head_dim`` (Qwen3), else it is hidden / heads (Qwen2)."""
+    text = {**cfg, **(cfg.get("text_config") or {})}
+    heads = int(text["num_attention_heads"])
+    head_dim = int(text["hidden_size"]) // heads
+    return dict(
+        vocab_size=int(text["vocab_size"]),
+        hidden_size=int(text["hidden_size"]),
+        intermediate_size=int(text["intermediate_size"]),
+        num_layers=int(text["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+        head_dim=int(text.get("head_dim") or head_dim) if own_head_dim else head_dim,
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope[0],
+        mrope_section=rope[1],
+        max_position_embeddings=int(text.get("max_position_embeddings", max_positions)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        hidden_act=str(text.get("hidden_act", "silu")),
+    )
 
 
 def language_config(
-    arch: DecoderDims, common: dict[str, Any], extra: dict[str, Any], *, qkv_bias: bool, qk_norm: bool
+    arch: QwenLMArch, common: dict[str, Any], extra: dict[str, Any], *, qkv_bias: bool, qk_norm: bool
 ) -> TransformerConfig:
     """megatron-core config of the language model; ``common`` holds the run's parallel/precision fields,
     ``extra`` the language model's own (sequence parallelism, pipeline split, recomputation)."""
@@ -103,7 +131,7 @@ class InterleavedMRoPE(MultimodalRotaryEmbedding):
 
 
 def build_language_model(
-    arch: DecoderDims, config: TransformerConfig, *, pre_process: bool, post_process: bool, use_te: bool,
+    arch: QwenLMArch, config: TransformerConfig, *, pre_process: bool, post_process: bool, use_te: bool,
     vp_stage: int | None, interleaved_mrope: bool = False,
 ) -> GPTModel:  # fmt: skip
     """The ``GPTModel`` of one pipeline stage (or model chunk ``vp_stage``), taking its input embeddings
@@ -131,7 +159,7 @@ def build_language_model(
 
 
 def decoder_rules(
-    arch: DecoderDims, first: int, count: int, *, hf_layers: str, qkv_bias: bool, qk_norm: bool
+    arch: QwenLMArch, first: int, count: int, *, hf_layers: str, qkv_bias: bool, qk_norm: bool
 ) -> dict[str, Rule]:
     """HF rules of ``count`` decoder layers from global layer ``first`` (HF names ``{hf_layers}{i}.``)."""
     attn = dict(heads=arch.num_attention_heads, groups=arch.num_key_value_heads, head_dim=arch.head_dim)

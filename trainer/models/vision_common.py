@@ -11,16 +11,25 @@ RoPE of Qwen2-VL, Qwen2.5-VL and Qwen3-VL).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
+
+from mmpack.trainer.models.common import build_layer_spec
+from mmpack.trainer.models.segment_attention import SegmentAttention
 
 
 def patch_hw_positions(grid_thw: np.ndarray, merge_size: int) -> np.ndarray:
@@ -57,6 +66,23 @@ def segments(lengths: np.ndarray, device: torch.device) -> PackedSeqParams:
 def frame_lengths(grid_thw: np.ndarray) -> np.ndarray:
     """Patches of each image and of each temporal patch of a video: the blocks of full attention."""
     return np.repeat(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
+
+
+@dataclass(kw_only=True, frozen=True)
+class VLMegatronConfigs:
+    """megatron-core configs of a vision-language model's parts: language model, vision transformer, patch
+    merger MLP."""
+
+    language: TransformerConfig
+    vision: TransformerConfig
+    projector: TransformerConfig
+
+
+def merger_mlp(projector_config: TransformerConfig, merged_size: int) -> MultimodalProjector:
+    """megatron-core's projector MLP of a patch merger: ``merged_size`` -> ``merged_size`` -> language hidden,
+    column- then row-parallel."""
+    submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    return MultimodalProjector(projector_config, submodules, "mlp", merged_size)
 
 
 def tower_configs(
@@ -98,18 +124,26 @@ def tower_configs(
 
 
 class VisionTowerBase(MegatronModule):
-    """A tower's patch embedding and its checkpoint shards. Subclasses build ``layers`` (and any other
-    ``ModuleList`` of TP-sharded modules) and the forward pass."""
+    """A tower's patch embedding, its layers (``arch``: in_channels, temporal_patch_size, patch_size,
+    hidden_size, depth) and its checkpoint shards. Subclasses add their merger(s) and the forward pass."""
 
     def __init__(
-        self, config: TransformerConfig, *, in_channels: int, temporal_patch_size: int, patch_size: int,
-        hidden_size: int, bias: bool,
-    ) -> None:  # fmt: skip
+        self, config: TransformerConfig, arch: Any, *, norm: type[torch.nn.Module], patch_bias: bool
+    ) -> None:
         super().__init__(config)
-        self.patch_shape = (in_channels, temporal_patch_size, patch_size, patch_size)
-        self.embed_size = hidden_size
-        kernel = (temporal_patch_size, patch_size, patch_size)
-        self.patch_embed = torch.nn.Conv3d(in_channels, hidden_size, kernel, stride=kernel, bias=bias)
+        self.arch = arch
+        self.patch_shape = (arch.in_channels, arch.temporal_patch_size, arch.patch_size, arch.patch_size)
+        self.embed_size = arch.hidden_size
+        kernel = self.patch_shape[1:]
+        self.patch_embed = torch.nn.Conv3d(
+            arch.in_channels, arch.hidden_size, kernel, stride=kernel, bias=patch_bias
+        )
+        # megatron-core's layer, its attention over the cu_seqlens segments of each forward
+        spec = build_layer_spec(AttnMaskType.no_mask, norm=norm)
+        spec.submodules.self_attention.submodules.core_attention = SegmentAttention
+        self.layers = torch.nn.ModuleList(
+            [build_module(spec, config=config, layer_number=i + 1) for i in range(arch.depth)]
+        )
 
     def _embed_patches(self, pixel_values: torch.Tensor) -> torch.Tensor:
         width = int(np.prod(self.patch_shape))

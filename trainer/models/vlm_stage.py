@@ -22,7 +22,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
-from mmpack.trainer.models.qwen_lm import build_language_model
+from mmpack.trainer.models.qwen_lm import build_language_model, language_config
+from mmpack.trainer.models.vision_common import VLMegatronConfigs, tower_configs
 
 
 @dataclass(frozen=True)
@@ -192,3 +193,19 @@ def build_stage(
         arch, language_model, tower() if pre_process else None, pre_process=pre_process,
         post_process=post_process, vp_stage=vp_stage, deepstack_layers=deepstack_layers,
     )  # fmt: skip
+
+
+def qwen_vl_configs(
+    arch: Any, common: dict[str, Any], language_extra: dict[str, Any], *, qk_norm: bool, vision_norm: str,
+    vision_activation: Callable[..., torch.Tensor], vision_gated: bool,
+) -> VLMegatronConfigs:  # fmt: skip
+    """megatron-core configs of a Qwen vision-language model: its language model (QKV bias without QK-norm,
+    Qwen2; none with it, Qwen3) and its vision tower (``arch.vision``) and merger."""
+    language = language_config(arch, common, language_extra, qkv_bias=not qk_norm, qk_norm=qk_norm)
+    v = arch.vision
+    vision, projector = tower_configs(
+        depth=v.depth, hidden_size=v.hidden_size, num_heads=v.num_heads, ffn_hidden_size=v.intermediate_size,
+        merged_size=v.hidden_size * v.spatial_merge_size**2, out_size=v.out_hidden_size, common=common,
+        normalization=vision_norm, activation=vision_activation, gated=vision_gated,
+    )  # fmt: skip
+    return VLMegatronConfigs(language=language, vision=vision, projector=projector)

@@ -9,10 +9,10 @@ import torch
 
 from mmpack.packing.cost import LanguageFlopShape, ModelFlopShape, VisionFlopShape
 from mmpack.packing.mrope import MRopeRule
-from mmpack.trainer.models.hf_weights import Rule
 from mmpack.trainer.models.protocol import ModelFamily, TinyModelSpec
 from mmpack.trainer.models.qwen2_5_vl import config, hf_io
 from mmpack.trainer.models.qwen2_5_vl.vision import VisionTower
+from mmpack.trainer.models.vision_common import VLMegatronConfigs
 from mmpack.trainer.models.vlm_stage import build_stage
 
 
@@ -22,19 +22,15 @@ class Qwen25VLFamily(ModelFamily):
     model_type = config.MODEL_TYPE
     video_rule = "qwen-vl-utils"
 
-    def arch_from_hf_config(self, cfg: dict[str, Any]) -> config.Qwen25VLArch:
-        return config.arch_from_hf_config(cfg)
+    arch_from_hf_config = staticmethod(config.arch_from_hf_config)
+    megatron_configs = staticmethod(config.build_transformer_configs)
+    part_rules = staticmethod(hf_io.part_rules)
 
     def tiny_hf_config(self, spec: TinyModelSpec) -> dict[str, Any]:
         return config.tiny_hf_config(**asdict(spec))
 
-    def megatron_configs(
-        self, arch: config.Qwen25VLArch, common: dict[str, Any], language_extra: dict[str, Any]
-    ) -> config.Qwen25VLMegatronConfigs:
-        return config.build_transformer_configs(arch, common, language_extra)
-
     def build_stage(
-        self, arch: config.Qwen25VLArch, configs: config.Qwen25VLMegatronConfigs, *, pre_process: bool,
+        self, arch: config.Qwen25VLArch, configs: VLMegatronConfigs, *, pre_process: bool,
         post_process: bool, use_te: bool = False, vp_stage: int | None = None,
     ) -> torch.nn.Module:  # fmt: skip
         """Its vision tower (window attention) and Qwen2.5 language model (QKV bias, MRoPE in sections)."""
@@ -42,11 +38,6 @@ class Qwen25VLFamily(ModelFamily):
             arch, configs.language, lambda: VisionTower(configs.vision, configs.projector, arch.vision),
             pre_process=pre_process, post_process=post_process, use_te=use_te, vp_stage=vp_stage,
         )  # fmt: skip
-
-    def part_rules(
-        self, arch: config.Qwen25VLArch, *, first: bool, last: bool, layers: tuple[int, int]
-    ) -> dict[str, Rule]:
-        return hf_io.part_rules(arch, first=first, last=last, layers=layers)
 
     def position_rule(self, arch: config.Qwen25VLArch) -> MRopeRule:
         return MRopeRule(

@@ -12,21 +12,16 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from megatron.core.models.vision.multimodal_projector import MultimodalProjector
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mmpack.trainer.models.common import RMSNorm, build_layer_spec
+from mmpack.trainer.models.common import RMSNorm
 from mmpack.trainer.models.qwen2_5_vl.config import VisionArch
 from mmpack.trainer.models.qwen2_5_vl.rope import window_order
-from mmpack.trainer.models.segment_attention import SegmentAttention
 from mmpack.trainer.models.vision_common import (
     VisionTowerBase,
     frame_lengths,
+    merger_mlp,
     patch_hw_positions,
     segments,
     vision_rotary_angles,
@@ -42,12 +37,7 @@ class PatchMerger(MegatronModule):
         super().__init__(projector_config)
         self.merged_size = vision_config.hidden_size * merge_units
         self.ln_q = RMSNorm(vision_config, vision_config.hidden_size, eps=1e-6)
-        self.projector = MultimodalProjector(
-            projector_config,
-            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-            "mlp",
-            self.merged_size,
-        )
+        self.projector = merger_mlp(projector_config, self.merged_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.projector(self.ln_q(hidden).reshape(-1, self.merged_size))
@@ -59,16 +49,7 @@ class VisionTower(VisionTowerBase):
     def __init__(
         self, config: TransformerConfig, projector_config: TransformerConfig, arch: VisionArch
     ) -> None:
-        super().__init__(
-            config, in_channels=arch.in_channels, temporal_patch_size=arch.temporal_patch_size,
-            patch_size=arch.patch_size, hidden_size=arch.hidden_size, bias=False,
-        )  # fmt: skip
-        self.arch = arch
-        spec = build_layer_spec(AttnMaskType.no_mask)
-        spec.submodules.self_attention.submodules.core_attention = SegmentAttention
-        self.layers = torch.nn.ModuleList(
-            [build_module(spec, config=config, layer_number=i + 1) for i in range(arch.depth)]
-        )
+        super().__init__(config, arch, norm=RMSNorm, patch_bias=False)
         self.merger = PatchMerger(config, projector_config, arch.spatial_merge_size**2)
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
