@@ -74,8 +74,7 @@ def _loss_and_grads(trainer: Any, model: Any, batch: dict[str, Any], use_thd: bo
     bare.zero_grad(set_to_none=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     b = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    inputs = model_inputs(b, use_thd=use_thd, image_pad_id=trainer.arch.image_token_id,
-                          merge_size=trainer.arch.vision.spatial_merge_size)  # fmt: skip
+    inputs = model_inputs(b, use_thd=use_thd, rule=trainer.family.position_rule(trainer.arch))
     mask = b["loss_mask"].reshape(-1).float()
     loss = (model(**inputs).float().reshape(-1) * mask).sum() / mask.sum()
     params = [p for p in bare.parameters() if p.requires_grad]

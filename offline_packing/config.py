@@ -94,6 +94,9 @@ class PackJobConfig:
     video_min_pixels: int = _VIDEO_DEFAULTS.min_pixels
     video_max_pixels: int = _VIDEO_DEFAULTS.max_pixels
     video_total_pixels: float = _VIDEO_DEFAULTS.total_pixels
+    video_rule_style: str = (
+        _VIDEO_DEFAULTS.style
+    )  # whose video rule: qwen-vl-utils or qwen3_vl (the processor's)
     max_video_seconds: float = 3 * 3600.0  # longer videos (from the container) are rejects
     default_system: str | None = None  # system prompt for records without one (overrides the template's)
     no_default_system: bool = False  # leave out the chat template's own default system turn
@@ -228,6 +231,7 @@ class LengthsConfig:
     video_max_pixels: int
     video_total_pixels: float
     video_check: str
+    video_rule_style: str
     default_system: str | None
     no_default_system: bool
     chat_template: str | None
@@ -279,7 +283,8 @@ def chat_template(cfg: PackJobConfig | LengthsConfig) -> ChatTemplate:
 
 
 def video_rule(cfg: PackJobConfig | LengthsConfig) -> VideoTokenRule:
-    """The video rule of a job (or lengths) config: the --video-* flags and the image rule's patch sizes."""
+    """The video rule of a job (or lengths) config: the --video-* flags (or --model DIR's video processor) and
+    the image rule's patch sizes."""
     return VideoTokenRule(
         fps=cfg.video_fps,
         min_frames=cfg.video_min_frames,
@@ -290,6 +295,7 @@ def video_rule(cfg: PackJobConfig | LengthsConfig) -> VideoTokenRule:
         patch_size=cfg.patch_size,
         merge_size=cfg.merge_size,
         temporal_patch_size=cfg.temporal_patch_size,
+        style=cfg.video_rule_style,
     )
 
 

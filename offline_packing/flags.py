@@ -19,12 +19,14 @@ from mmpack.offline_packing.config import (
 )
 from mmpack.offline_packing.model_folder import (
     RULE_FLAG_FIELDS,
+    VIDEO_FLAG_FIELDS,
     resolve_chat_template,
     resolve_job_image_options,
+    resolve_job_video_options,
 )
 from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
-from mmpack.packing.video_tokens import VideoTokenRule
+from mmpack.packing.video_tokens import VIDEO_RULE_STYLES, VideoTokenRule
 
 
 def _size(text: str) -> int:
@@ -98,8 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="HF model folder: tokenizer.json (unless -t), its chat template (chat_template.jinja, "
-        "chat_template.json or tokenizer_config.json) and the image rule of its preprocessor_config.json "
-        "(patch, merge, temporal patch, min/max pixels, mean/std), recorded in the manifest",
+        "chat_template.json or tokenizer_config.json), the image rule of its preprocessor_config.json "
+        "(patch, merge, temporal patch, min/max pixels, mean/std) and, for Qwen3-VL, the video rule of its "
+        "video_preprocessor_config.json, recorded in the manifest",
     )
     g.add_argument(
         "--overlength",
@@ -140,41 +143,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="records without a system prompt get none, even where the chat template adds a default one",
     )
     g = p.add_argument_group(
-        "video rule (qwen-vl-utils; patch, merge and temporal patch sizes as for images)"
+        "video rule (qwen-vl-utils, or Qwen3-VL's processor from --model DIR's video_preprocessor_config.json; "
+        "patch, merge and temporal patch sizes as for images)"
     )
     d = VideoTokenRule()
     g.add_argument(
-        "--video-fps", type=float, default=d.fps, help=f"frames sampled per second (default {d.fps})"
+        "--video-rule",
+        dest="video_rule_style",
+        choices=VIDEO_RULE_STYLES,
+        default=None,
+        help="whose frame sampling, frame size and video tokens: qwen-vl-utils (Qwen2-VL / Qwen2.5-VL, default) "
+        "or qwen3_vl (transformers' Qwen3-VL processor: timestamps before each temporal patch; the default "
+        "with a Qwen3-VL --model DIR)",
     )
     g.add_argument(
-        "--video-min-frames",
-        type=int,
-        default=d.min_frames,
-        help=f"fewest frames sampled (default {d.min_frames})",
+        "--video-fps", type=float, default=None, help=f"frames sampled per second (default {d.fps})"
     )
     g.add_argument(
-        "--video-max-frames",
-        type=int,
-        default=d.max_frames,
-        help=f"most frames sampled (default {d.max_frames})",
+        "--video-min-frames", type=int, default=None, help=f"fewest frames sampled (default {d.min_frames})"
+    )
+    g.add_argument(
+        "--video-max-frames", type=int, default=None, help=f"most frames sampled (default {d.max_frames})"
     )
     g.add_argument(
         "--video-min-pixels",
         type=int,
-        default=d.min_pixels,
-        help=f"smart_resize lower bound on a frame's h*w (default {d.min_pixels})",
+        default=None,
+        help=f"smart_resize lower bound on a frame's h*w (default {d.min_pixels}); qwen3_vl: on all sampled "
+        "frames' pixels together (its size.shortest_edge)",
     )
     g.add_argument(
         "--video-max-pixels",
         type=int,
-        default=d.max_pixels,
-        help=f"smart_resize upper bound on a frame's h*w (default {d.max_pixels})",
+        default=None,
+        help=f"smart_resize upper bound on a frame's h*w (default {d.max_pixels}); qwen3_vl: on all sampled "
+        "frames' pixels together (its size.longest_edge)",
     )
     g.add_argument(
         "--video-total-pixels",
         type=float,
-        default=d.total_pixels,
-        help=f"pixels all sampled frames of a video share, two frames per step (default {d.total_pixels:.0f})",
+        default=None,
+        help=f"pixels all sampled frames of a video share, two frames per step (default {d.total_pixels:.0f}; "
+        "qwen-vl-utils only)",
     )
     g.add_argument(
         "--video-check",
@@ -294,6 +304,8 @@ def config_from_args(args: argparse.Namespace, only_stage: int | None = None) ->
         model, named, {name: getattr(args, name) for name in RULE_FLAG_FIELDS}
     )
     template_options = resolve_chat_template(model, named, args.chat_template)
+    video_flags = {name: getattr(args, name) for name in VIDEO_FLAG_FIELDS}
+    video_options = resolve_job_video_options(model, named, video_flags, image_options)
     return PackJobConfig(
         inputs=tuple(args.inputs),
         image_root=args.image_root,
@@ -316,12 +328,7 @@ def config_from_args(args: argparse.Namespace, only_stage: int | None = None) ->
         default_system=args.default_system,
         no_default_system=args.no_default_system,
         **template_options,
-        video_fps=args.video_fps,
-        video_min_frames=args.video_min_frames,
-        video_max_frames=args.video_max_frames,
-        video_min_pixels=args.video_min_pixels,
-        video_max_pixels=args.video_max_pixels,
-        video_total_pixels=args.video_total_pixels,
+        **video_options,
         max_video_seconds=args.max_video_seconds,
         video_check=args.video_check,
         image_check=args.image_check,

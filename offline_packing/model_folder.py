@@ -14,9 +14,21 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mmpack.packing.image_tokens import PREPROCESSOR_CONFIG, ImageTokenRule, load_model_image_rule
+from mmpack.packing.image_tokens import (
+    PREPROCESSOR_CONFIG,
+    ImageTokenRule,
+    load_model_image_rule,
+    read_processor_config,
+)
 from mmpack.packing.jinja_chat import ChatTemplateError, read_folder_template
 from mmpack.packing.tokenizer import TOKENIZER_FILE
+from mmpack.packing.video_tokens import VideoTokenRule
+from mmpack.packing.video_tokens_qwen3 import (
+    PROCESSOR_DEFAULTS,
+    PROCESSOR_TYPE,
+    VIDEO_PREPROCESSOR_CONFIG,
+    rule_fields,
+)
 
 BUILTIN_TEMPLATE = "builtin"
 
@@ -73,6 +85,66 @@ def resolve_job_image_options(
             raise ValueError(f"--model {folder}: no {TOKENIZER_FILE} in it; pass -t TOKENIZER")
         tokenizer = folder
     return tokenizer, _job_fields(model_rule)
+
+
+# Video-rule job fields with a flag (--video-fps, ..., --video-rule) -> the VideoTokenRule field
+VIDEO_FLAG_FIELDS = {
+    "video_fps": "fps",
+    "video_min_frames": "min_frames",
+    "video_max_frames": "max_frames",
+    "video_min_pixels": "min_pixels",
+    "video_max_pixels": "max_pixels",
+    "video_total_pixels": "total_pixels",
+    "video_rule_style": "style",
+}
+
+
+def _model_video_fields(folder: str | None) -> tuple[str, dict[str, Any]] | None:
+    """(file, VideoTokenRule fields) of the folder's Qwen3-VL video preprocessor config; None without one."""
+    found = read_processor_config(folder, VIDEO_PREPROCESSOR_CONFIG) if folder else None
+    if found is None or found[1].get("video_processor_type") != PROCESSOR_TYPE:
+        return None  # other processors' videos follow qwen-vl-utils (the flags), as before
+    path, config = found
+    return path, rule_fields(config, source=path)
+
+
+def resolve_job_video_options(
+    model: str | None, tokenizer: str | None, flags: dict[str, Any], image: dict[str, Any]
+) -> dict[str, Any]:
+    """The video-rule fields of the job config from `--model DIR`'s video preprocessor config, else the
+    --video-* flags (`flags`: each of VIDEO_FLAG_FIELDS, None where not given) over the defaults of the
+    chosen `--video-rule`; `image`: the job's image-rule fields (the videos' patch sizes).
+
+    Raises:
+        ValueError: a flag contradicts the model folder, or its video patch sizes are not its image rule's.
+    """
+    given = {k: v for k, v in flags.items() if v is not None}
+    found = _model_video_fields(model_folder_of(model, tokenizer))
+    if found is None:
+        style = given.get("video_rule_style", VideoTokenRule().style)
+        rule = VideoTokenRule(style=style)
+        base = {k: getattr(rule, f) for k, f in VIDEO_FLAG_FIELDS.items()}
+        if style == "qwen3_vl":  # the processor's defaults, not qwen-vl-utils'
+            base |= {
+                k: PROCESSOR_DEFAULTS[f] for k, f in VIDEO_FLAG_FIELDS.items() if f in PROCESSOR_DEFAULTS
+            }
+        return base | given
+    path, fields = found
+    for name in ("patch_size", "merge_size", "temporal_patch_size"):
+        if fields[name] != image[name]:
+            raise ValueError(
+                f"{path}: {name} {fields[name]} differs from the image rule's {image[name]}: mmpack cuts videos "
+                "into the image rule's patches"
+            )
+    options = {k: fields.get(f, getattr(VideoTokenRule(), f)) for k, f in VIDEO_FLAG_FIELDS.items()}
+    for name, value in given.items():
+        if value != options[name]:
+            flag = "--" + name.replace("_", "-").replace("-style", "")
+            raise ValueError(
+                f"{flag} {value} disagrees with {path} ({options[name]}): the videos would get other tokens than "
+                f"the model's processor gives; drop {flag} or change the model folder's {VIDEO_PREPROCESSOR_CONFIG}"
+            )
+    return options
 
 
 def _job_fields(rule: ImageTokenRule) -> dict[str, Any]:

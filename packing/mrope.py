@@ -10,12 +10,17 @@ in row-major order, and the text after it continues at ``start + max(h, w) / m``
 for still images it equals the largest image position + 1). The ``<|video_pad|>`` tokens of a video take the
 same height and width positions; its temporal positions are ``start + trunc(i_t * tokens_per_second *
 second_per_grid_t)`` (Qwen2.5-VL, `mmpack.packing.video_tokens.video_temporal_positions`), and the text after it
-continues at ``start + max(h, w) / m`` as after an image.
+continues at ``start + max(h, w) / m`` as after an image. Qwen3-VL writes each temporal patch of a video as
+its own run of ``<|video_pad|>`` tokens between timestamp text (``video_frames_apart``): each run is placed
+as an image of grid (1, h, w), as its ``get_rope_index`` splits ``video_grid_thw``.
+
+`MRopeRule` holds a model family's choices (ids, merge size, the video rule) and computes the positions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -84,6 +89,7 @@ def build_mrope_position_ids(
     second_per_grid_ts: np.ndarray | Sequence[float] | None = None,
     video_pad_id: int = -1,
     tokens_per_second: float = 2.0,
+    video_frames_apart: bool = False,
 ) -> np.ndarray:
     """[3, len(input_ids)] int64 MRoPE positions of a packed sequence.
 
@@ -98,6 +104,7 @@ def build_mrope_position_ids(
             ``tokens_per_second`` 1 that is Qwen2-VL's one position per temporal patch).
         video_pad_id: the ``<|video_pad|>`` token id (-1: no videos).
         tokens_per_second: the model's ``vision_config.tokens_per_second`` (2 for Qwen2.5-VL).
+        video_frames_apart: each temporal patch of a video is its own run of pads (Qwen3-VL).
     """
     ids = np.asarray(input_ids).reshape(-1)
     lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
@@ -106,7 +113,12 @@ def build_mrope_position_ids(
     image_grids = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3).tolist()
     no_videos = np.zeros((0, 3), dtype=np.int64)
     video_grids = np.asarray(video_grid_thw if video_grid_thw is not None else no_videos, dtype=np.int64)
-    video_grids_list: list[list[int]] = video_grids.reshape(-1, 3).tolist()
+    video_grids = video_grids.reshape(-1, 3)
+    if video_frames_apart:  # one (1, h, w) grid per temporal patch; the interval does not matter
+        video_grids = np.repeat(video_grids, video_grids[:, 0], axis=0)
+        video_grids[:, 0] = 1
+        second_per_grid_ts = None
+    video_grids_list: list[list[int]] = video_grids.tolist()
     intervals = [1.0] * len(video_grids_list) if second_per_grid_ts is None else list(second_per_grid_ts)
     if len(intervals) != len(video_grids_list):
         raise ValueError(f"{len(intervals)} second_per_grid_ts for {len(video_grids_list)} video grids")
@@ -129,3 +141,30 @@ def build_mrope_position_ids(
         if next(media[k], None) is not None:
             raise ValueError(f"more {name} grids than {name}s among the <|{name}_pad|> tokens")
     return out
+
+
+@dataclass(kw_only=True, frozen=True)
+class MRopeRule:
+    """A model family's MRoPE rule: its pad ids, merge size and how its videos are laid out (see the module
+    docstring); `positions` applies it to a packed sequence."""
+
+    image_pad_id: int
+    merge_size: int
+    video_pad_id: int = -1
+    tokens_per_second: float = 2.0
+    video_frames_apart: bool = False
+
+    def positions(
+        self,
+        input_ids: np.ndarray,
+        seq_lens: Sequence[int] | np.ndarray,
+        image_grid_thw: np.ndarray,
+        video_grid_thw: np.ndarray | None = None,
+        second_per_grid_ts: np.ndarray | Sequence[float] | None = None,
+    ) -> np.ndarray:
+        """[3, len(input_ids)] int64 positions (`build_mrope_position_ids` under this rule)."""
+        return build_mrope_position_ids(
+            input_ids, seq_lens, image_grid_thw, image_pad_id=self.image_pad_id, merge_size=self.merge_size,
+            video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts, video_pad_id=self.video_pad_id,
+            tokens_per_second=self.tokens_per_second, video_frames_apart=self.video_frames_apart,
+        )  # fmt: skip

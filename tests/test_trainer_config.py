@@ -111,6 +111,7 @@ def test_block_causal_mask_from_cu_seqlens() -> None:
 
 
 def test_thd_inputs_flatten_the_micro_batch() -> None:
+    from mmpack.packing.mrope import MRopeRule
     from mmpack.trainer.batches import Sample, make_micro_batch
     from mmpack.trainer.data import model_inputs
 
@@ -123,7 +124,7 @@ def test_thd_inputs_flatten_the_micro_batch() -> None:
         )
 
     batch = make_micro_batch([[sample(3), sample(2)], [sample(4)]], 6, 0, attention_mask=False)
-    thd = model_inputs(batch, use_thd=True, image_pad_id=-1, merge_size=2)
+    thd = model_inputs(batch, use_thd=True, rule=MRopeRule(image_pad_id=-1, merge_size=2))
     params = thd["packed_seq_params"]
     assert params.qkv_format == "thd" and thd["attention_mask"] is None
     assert thd["tokens"].shape == (1, 12)
@@ -131,7 +132,7 @@ def test_thd_inputs_flatten_the_micro_batch() -> None:
     assert params.max_seqlen_q == 4
     assert thd["position_ids"].shape == (3, 1, 12)
     assert thd["position_ids"][0, 0].tolist() == [0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 0, 1]  # restart per segment
-    dense = model_inputs(batch, use_thd=False, image_pad_id=-1, merge_size=2)
+    dense = model_inputs(batch, use_thd=False, rule=MRopeRule(image_pad_id=-1, merge_size=2))
     assert dense["attention_mask"].shape == (2, 1, 6, 6) and "packed_seq_params" not in dense
     assert (dense["labels"] >= 0).all()  # ignored positions are masked by loss_mask, not by -100
 

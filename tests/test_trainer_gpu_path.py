@@ -30,6 +30,7 @@ def _batch() -> dict:
 
 
 def test_thd_padding_adds_a_dummy_trailing_segment() -> None:
+    from mmpack.packing.mrope import MRopeRule
     from mmpack.trainer.data import model_inputs, pad_flat_batch
 
     batch = _batch()
@@ -41,7 +42,7 @@ def test_thd_padding_adds_a_dummy_trailing_segment() -> None:
     assert padded["labels"][0, 10:].tolist() == [IGNORE_INDEX] * 2
     assert padded["loss_mask"].sum() == batch["loss_mask"].sum()
     assert padded["max_seqlen"] == batch["max_seqlen"]
-    inputs = model_inputs(padded, use_thd=True, image_pad_id=99, merge_size=2)
+    inputs = model_inputs(padded, use_thd=True, rule=MRopeRule(image_pad_id=99, merge_size=2))
     assert inputs["tokens"].shape == (1, 12) and inputs["position_ids"].shape == (3, 1, 12)
     assert inputs["packed_seq_params"].cu_seqlens_q.tolist() == [0, 4, 7, 10, 12]
     assert inputs["position_ids"][0, 0, :7].tolist() == [0, 1, 2, 3, 0, 1, 2]  # samples still restart at 0
@@ -49,13 +50,9 @@ def test_thd_padding_adds_a_dummy_trailing_segment() -> None:
 
 
 def test_te_fused_norm_weights_are_norms() -> None:
+    from mmpack.trainer.models.hf_weights import RandomHFWeights, local_param_name, read_shard
     from mmpack.trainer.models.qwen2_5_vl.config import arch_from_hf_config, tiny_hf_config
-    from mmpack.trainer.models.qwen2_5_vl.hf_io import (
-        RandomHFWeights,
-        local_param_name,
-        read_shard,
-        stage_rules,
-    )
+    from mmpack.trainer.models.qwen2_5_vl.hf_io import stage_rules
 
     arch = arch_from_hf_config(
         tiny_hf_config(vocab_size=256, image_token_id=250, vision_start_token_id=251, vision_end_token_id=252)

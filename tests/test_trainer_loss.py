@@ -56,10 +56,7 @@ def _worker(out: Path) -> None:
         works in place)."""
         out = []
         for b in batches:
-            inputs = model_inputs(
-                b, use_thd=False, image_pad_id=t.arch.image_token_id,
-                merge_size=t.arch.vision.spatial_merge_size,
-            )  # fmt: skip
+            inputs = model_inputs(b, use_thd=False, rule=t.family.position_rule(t.arch))
             out.append((model(**inputs).float() * b["loss_mask"]).sum())
         return out
 

@@ -102,6 +102,7 @@ def _loader_bin_and_samples(data_path: str, seq: int, image_pad_id: int, merge: 
 def _worker(out_path: str, tp: int, source: str) -> None:
     import torch
 
+    from mmpack.packing.mrope import MRopeRule
     from mmpack.trainer.batches import block_causal_mask
     from mmpack.trainer.build import build_stage_model, model_hf_config
     from mmpack.trainer.config import (
@@ -138,7 +139,7 @@ def _worker(out_path: str, tp: int, source: str) -> None:
         packed, alone = _loader_bin_and_samples(source, seq, image_pad, merge)
 
     def run(batch: dict, mask_override: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = model_inputs(batch, use_thd=False, image_pad_id=image_pad, merge_size=merge)
+        inputs = model_inputs(batch, use_thd=False, rule=MRopeRule(image_pad_id=image_pad, merge_size=merge))
         if mask_override is not None:
             inputs["attention_mask"] = mask_override
         per_token = model(**inputs)

@@ -355,7 +355,7 @@ def build_megatron_configs(cfg: RunConfig, arch: Any, *, use_te: bool = False) -
     `use_te`: the model is built with Transformer Engine on CUDA; only then are the fusion flags switched on
     (on CPU megatron-core would compile its fused ops with torch.compile, for no gain).
     """
-    from mmpack.trainer.models import family
+    from mmpack.trainer.models import family_of
 
     m, par, prec, tr = cfg.model, cfg.parallel, cfg.precision, cfg.train
     pipeline_dtype = torch.float32 if prec.fp32_residual_connection else prec.params_dtype
@@ -402,7 +402,7 @@ def build_megatron_configs(cfg: RunConfig, arch: Any, *, use_te: bool = False) -
         **interleaved,
         **recompute,
     }
-    parts = family(m.model_type).build_transformer_configs(arch, common, language_extra)
+    parts = family_of(arch.source).megatron_configs(arch, common, language_extra)
     ddp = DistributedDataParallelConfig(
         grad_reduce_in_fp32=prec.accumulate_allreduce_grads_in_fp32,
         use_distributed_optimizer=par.use_distributed_optimizer,

@@ -81,7 +81,7 @@ def _build_stage(hf_config: dict[str, Any], tp: int, pp: int) -> tuple[Any, Any,
     arch = fam.arch_from_hf_config(hf_config)
     cfg = RunConfig(parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
     parts = build_megatron_configs(cfg, arch).model
-    model = fam.Model(
+    model = fam.build_stage(
         arch, parts, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage()
     )
     return fam, arch, model

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from mmpack.packing.layout import IGNORE_INDEX
-from mmpack.packing.mrope import build_mrope_position_ids
+from mmpack.packing.mrope import MRopeRule
 from mmpack.packing.tokenizer import ByteTokenizer
 from mmpack.trainer.batches import SyntheticLoader, SyntheticSpec, block_causal_mask
 
@@ -33,6 +33,7 @@ class DataInfo:
     patch_size: int
     merge_size: int
     video_pad_id: int = -1  # the dataset's <|video_pad|> id where it holds videos, else -1
+    video_rule: str = ""  # the style of the video rule its videos were planned with, where it holds videos
 
 
 class StepBatches:
@@ -88,6 +89,8 @@ def dataset_info(data_path: str | None, seq_length: int) -> DataInfo:
     if seq_length and seq_length != manifest.seq_len:
         raise ValueError(f"--seq-length {seq_length} differs from the dataset's seq_len {manifest.seq_len}")
     vocab = int(manifest.raw.get("tokenizer", {}).get("vocab_size", 0))
+    has_videos = bool(manifest.dataset.counts and manifest.dataset.counts.videos)
+    video_rule = manifest.dataset.video_rule
     if vocab <= 0:
         raise ValueError(f"manifest of {data_path} has no tokenizer vocab_size")
     return DataInfo(
@@ -99,9 +102,8 @@ def dataset_info(data_path: str | None, seq_length: int) -> DataInfo:
         vision_end_id=manifest.dataset.special_id("vision_end", -1),
         patch_size=manifest.patch_size,
         merge_size=manifest.merge_size,
-        video_pad_id=manifest.video_pad_id
-        if (manifest.dataset.counts and manifest.dataset.counts.videos)
-        else -1,
+        video_pad_id=manifest.video_pad_id if has_videos else -1,
+        video_rule=video_rule.style if has_videos and video_rule is not None else "",
     )
 
 
@@ -162,17 +164,11 @@ def build_step_batches(
     return StepBatches(loader)
 
 
-def mrope_position_ids(
-    batch: dict[str, Any],
-    *,
-    image_pad_id: int,
-    merge_size: int,
-    video_pad_id: int = -1,
-    tokens_per_second: float = 2.0,
-) -> torch.Tensor:
+def mrope_position_ids(batch: dict[str, Any], rule: MRopeRule) -> torch.Tensor:
     """[3, B, L] MRoPE positions of a micro-batch: per sample (segments of ``cu_seqlens``), as transformers'
-    ``get_rope_index`` gives each sample alone. Every stage derives them from tokens, cu_seqlens,
-    image_grid_thw, video_grid_thw and second_per_grid_ts, which the loader gives every stage."""
+    ``get_rope_index`` gives each sample alone, under the model family's ``rule``. Every stage derives them
+    from tokens, cu_seqlens, image_grid_thw, video_grid_thw and second_per_grid_ts, which the loader gives
+    every stage."""
     tokens = batch["tokens"]
     b, seq = tokens.shape
     cu = batch["cu_seqlens"].detach().cpu().numpy().astype(np.int64)
@@ -181,12 +177,10 @@ def mrope_position_ids(
         value = batch.get(key)
         return empty if value is None else value.detach().cpu().numpy()
 
-    pos = build_mrope_position_ids(
+    pos = rule.positions(
         tokens.detach().cpu().numpy().reshape(-1), np.diff(cu), host("image_grid_thw", np.zeros((0, 3), np.int64)),
-        image_pad_id=image_pad_id, merge_size=merge_size,
         video_grid_thw=host("video_grid_thw", np.zeros((0, 3), np.int64)),
         second_per_grid_ts=host("second_per_grid_ts", np.zeros(0, np.float32)),
-        video_pad_id=video_pad_id, tokens_per_second=tokens_per_second,
     )  # fmt: skip
     return torch.from_numpy(pos).reshape(3, b, seq).to(tokens.device)
 
@@ -219,29 +213,15 @@ def pad_flat_batch(batch: dict[str, Any], multiple: int, pad_id: int) -> dict[st
     return out
 
 
-def model_inputs(
-    batch: dict[str, Any],
-    *,
-    use_thd: bool,
-    image_pad_id: int,
-    merge_size: int,
-    video_pad_id: int = -1,
-    tokens_per_second: float = 2.0,
-) -> dict[str, Any]:
-    """Model keyword arguments from a loader micro-batch: MRoPE positions, packed mask (dense on CPU, THD
-    with TE)."""
+def model_inputs(batch: dict[str, Any], *, use_thd: bool, rule: MRopeRule) -> dict[str, Any]:
+    """Model keyword arguments from a loader micro-batch: MRoPE positions (the family's ``rule``), packed mask
+    (dense on CPU, THD with TE)."""
     tokens = batch["tokens"]
     b, seq = tokens.shape
     labels = batch["labels"]
     inputs: dict[str, Any] = {
         "tokens": tokens,
-        "position_ids": mrope_position_ids(
-            batch,
-            image_pad_id=image_pad_id,
-            merge_size=merge_size,
-            video_pad_id=video_pad_id,
-            tokens_per_second=tokens_per_second,
-        ),
+        "position_ids": mrope_position_ids(batch, rule),
         "labels": labels.masked_fill(labels == IGNORE_INDEX, 0),  # masked out by loss_mask
         "pixel_values": batch.get("pixel_values"),
         "image_grid_thw": batch.get("image_grid_thw"),

@@ -81,16 +81,13 @@ def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        _, arch, model, _ = load_tp1_model(ckpt)
+        fam, arch, model, _ = load_tp1_model(ckpt)
         model.eval()
         tokens = sample.tokens[None]
         n = tokens.shape[1]
         cu = torch.tensor([0, n], dtype=torch.int32)
         batch: dict[str, Any] = {"tokens": tokens, "cu_seqlens": cu, "image_grid_thw": sample.image_grid_thw}
-        positions = mrope_position_ids(
-            batch, image_pad_id=arch.image_token_id, merge_size=arch.vision.spatial_merge_size,
-            video_pad_id=arch.video_token_id, tokens_per_second=arch.tokens_per_second,
-        )  # fmt: skip
+        positions = mrope_position_ids(batch, fam.position_rule(arch))
         with torch.no_grad():
             logits = model(
                 tokens, positions, block_causal_mask(cu, 1, n), labels=None,
@@ -103,10 +100,10 @@ def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
 
 
 def hf_logits(hf_dir: str, sample: Sample) -> torch.Tensor:
-    """[L, V] logits of ``sample`` from the HF folder loaded by transformers."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    """[L, V] logits of ``sample`` from the HF folder loaded by transformers (its image-text-to-text class)."""
+    from transformers import AutoModelForImageTextToText
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32)
     model.eval()
     ids = sample.tokens[None]
     with torch.no_grad():
