@@ -18,6 +18,7 @@ from mmpack.dataloader.storage import ShardError
 from mmpack.dataloader.transport import SlotReader, new_slot_flags
 from mmpack.dataloader.worker import Producer, ProducerSpec, to_torch, worker_loop
 from mmpack.packing.batch import MicroBatch
+from mmpack.packing.processes import ProcessDiedError, describe_exit
 
 Batches = Iterator[list[Any]]  # [micro-batch, seconds waited]
 
@@ -97,18 +98,22 @@ def run_workers(
         pollers[-1].register(conn.fileno(), select.POLLIN)
     readers = [SlotReader(flags[w], ahead[w]) for w in range(n)]
     received: list[deque[Any]] = [deque() for _ in range(n)]  # per worker: batches not yet taken
+    watch = _WorkerWatch(procs)
     k = k_start
     try:
         while k_end is None or k < k_end:
             w = (k - k_start) % n
             t0 = time.perf_counter()
+            watch.check()  # a dead worker ends the job now, not once its batches would be next
             try:
                 if not received[w]:
-                    received[w].extend(_get(conns[w], procs[w], pollers[w]))
+                    received[w].extend(_get(conns[w], watch, pollers[w]))
                 kind, got_k, payload, worker_metrics = received[w].popleft()
                 if kind == "ok":
                     payload = MicroBatch(**readers[w].take(payload))
-            except Exception as e:  # a dead worker, or a batch that cannot be received: report, never hang
+            except ProcessDiedError:
+                raise
+            except Exception as e:  # a batch that cannot be received: report, never hang
                 raise RuntimeError(_why_not_received(procs[w], e)) from None
             wait_s = time.perf_counter() - t0
             if worker_metrics is not None:  # a message's last batch carries its worker's counters
@@ -133,19 +138,39 @@ def run_workers(
             conn.close()
 
 
+class _WorkerWatch:
+    """Raises :class:`ProcessDiedError` naming a worker once one has ended: workers stay until the consumer
+    stops them, so any exit before that means one died (killed, out of memory). Looks at most every
+    `interval_s` (one `waitpid` per worker)."""
+
+    def __init__(self, procs: list[Any], interval_s: float = 0.1) -> None:
+        self.procs, self.interval_s, self.next_s = procs, interval_s, 0.0
+
+    def check(self, *, now: bool = False) -> None:
+        t = time.monotonic()
+        if not now and t < self.next_s:
+            return
+        self.next_s = t + self.interval_s
+        for proc in self.procs:
+            if proc.exitcode is not None:
+                raise ProcessDiedError(
+                    f"loader worker {proc.name} (pid {proc.pid}) {describe_exit(proc.exitcode)}; the loader "
+                    "stops (its batches cannot be made elsewhere)"
+                )
+
+
 def _why_not_received(proc: Any, error: BaseException) -> str:
     """Names a worker that died (the usual reason a batch cannot be received), else the error itself."""
     proc.join(timeout=1.0)
     if not proc.is_alive():
-        return f"loader worker {proc.name} exited with code {proc.exitcode} without sending its batch"
+        return f"loader worker {proc.name} {describe_exit(proc.exitcode)} without sending its batch"
     return f"cannot receive a batch from loader worker {proc.name}: {type(error).__name__}: {error}"
 
 
-def _get(conn: Any, proc: Any, poller: Any) -> list[tuple[str, int, Any, dict[str, int] | None]]:
-    """The next message (one or more batches) from one worker; an error, never a hang, once it is gone.
+def _get(conn: Any, watch: _WorkerWatch, poller: Any) -> list[tuple[str, int, Any, dict[str, int] | None]]:
+    """The next message (one or more batches) from one worker; an error, never a hang, once any is gone.
 
     `poller`: a `select.poll` with the pipe's descriptor registered (readable, or closed by a dead worker)."""
     while not poller.poll(100):
-        if not proc.is_alive():
-            raise RuntimeError("no message")
+        watch.check(now=True)
     return conn.recv()  # type: ignore[no-any-return]

@@ -3,7 +3,8 @@ LLaVA-OneVision-2's options into them), parsed in this one place into a `PackJob
 
 Each flag sets the option of its name (`mmpack.offline_packing.options`: `--video-fps` sets `video_fps`), and a
 flag not given leaves its option to the config's default. Three flags are resolved first: `--model` (and `-t`
-naming a model folder) into the tokenizer, the image rule and the chat template (`model_folder`),
+naming a model folder) into the tokenizer, the image and video rules and the chat template (`model_folder`;
+the video flags `--video-*` and `--video-rule` are checked against a Qwen3-VL folder's video processor),
 `--chat-template` into the chat template, `--s3-endpoint` into the storage options.
 """
 
@@ -23,9 +24,16 @@ from mmpack.offline_packing.config import (
     VIDEO_CHECKS,
     PackJobConfig,
 )
-from mmpack.offline_packing.model_folder import RULE_FLAG_FIELDS, resolve_chat_template, resolve_image_rule
+from mmpack.offline_packing.model_folder import (
+    RULE_FLAG_FIELDS,
+    VIDEO_FLAG_FIELDS,
+    resolve_chat_template,
+    resolve_image_rule,
+    resolve_video_rule,
+)
 from mmpack.offline_packing.options import job_config, option_default
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
+from mmpack.packing.video_tokens import VIDEO_RULE_STYLES
 
 
 def _size(text: str) -> int:
@@ -105,8 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model",
         metavar="DIR",
         help="HF model folder: tokenizer.json (unless -t), its chat template (chat_template.jinja, "
-        "chat_template.json or tokenizer_config.json) and the image rule of its preprocessor_config.json "
-        "(patch, merge, temporal patch, min/max pixels, mean/std), recorded in the manifest",
+        "chat_template.json or tokenizer_config.json), the image rule of its preprocessor_config.json "
+        "(patch, merge, temporal patch, min/max pixels, mean/std) and, for Qwen3-VL, the video rule of its "
+        "video_preprocessor_config.json, recorded in the manifest",
     )
     _add(
         g,
@@ -146,8 +155,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="records without a system prompt get none, even where the chat template adds a default one",
     )
     g = p.add_argument_group(
-        "video rule (qwen-vl-utils; patch, merge and temporal patch sizes as for images)"
+        "video rule (qwen-vl-utils, or Qwen3-VL's processor from --model DIR's video_preprocessor_config.json; "
+        "patch, merge and temporal patch sizes as for images)"
     )
+    _add(
+        g,
+        "--video-rule",
+        dest="video_style",
+        choices=VIDEO_RULE_STYLES,
+        help="whose frame sampling, frame size and video tokens: qwen-vl-utils (Qwen2-VL / Qwen2.5-VL, default) "
+        "or qwen3_vl (transformers' Qwen3-VL processor: timestamps before each temporal patch; the default "
+        "with a Qwen3-VL --model DIR)",
+    )
+    qwen3 = "; qwen3_vl: on all sampled frames' pixels together (its size.{})"
     for name, kind, what in (
         ("fps", float, "frames sampled per second"),
         ("min_frames", int, "fewest frames sampled"),
@@ -157,14 +177,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("total_pixels", float, "pixels all sampled frames of a video share, two frames per step"),
     ):
         default = option_default(f"video_{name}")
+        shown = f"{default:.0f}" if kind is float and default > 100 else f"{default}"
+        note = {
+            "min_pixels": qwen3.format("shortest_edge"),
+            "max_pixels": qwen3.format("longest_edge"),
+            "total_pixels": "; qwen-vl-utils only",
+        }.get(name, "")
         _add(
             g,
             f"--video-{name.replace('_', '-')}",
             dest=f"video_{name}",
             type=kind,
-            help=f"{what} (default {default:.0f})"
-            if kind is float and default > 100
-            else f"{what} (default {default})",
+            help=f"{what} (default {shown}{note})",
         )
     _add(
         g,
@@ -309,6 +333,8 @@ def config_from_args(args: argparse.Namespace, only_stage: int | None = None) ->
     named = named if named in (None, BYTE_TOKENIZER) else os.path.abspath(named)
     flags = {name: options.pop(name) for name in RULE_FLAG_FIELDS if name in options}
     tokenizer, options["image_rule"] = resolve_image_rule(model, named, flags)
+    video_flags = {name: options.pop(name) for name in VIDEO_FLAG_FIELDS if name in options}
+    options["video_rule"] = resolve_video_rule(model, named, video_flags, options["image_rule"])
     options |= resolve_chat_template(model, named, options.pop("chat_template_file", None))
     options["inputs"] = tuple(options["inputs"])
     options["storage_options"] = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}

@@ -76,6 +76,7 @@ def prepare_scanned(
     from mmpack.packing.chat import Conversation, prepare_conversation
     from mmpack.packing.image_tokens import ImageSizeError
     from mmpack.packing.jinja_chat import ChatTemplateError
+    from mmpack.packing.video_tokens_qwen3 import placeholder_ids
 
     rule, options = cfg.lengths.image_rule, cfg.lengths
     grids = []
@@ -96,9 +97,13 @@ def prepare_scanned(
         sample_id=sample["id"],
         videos=tuple(sample.get("videos", ())),
     )
+    # the one pad of a video becomes its timestamps and frames where its rule writes them (Qwen3-VL); a
+    # tokenizer without a video pad is refused by prepare_conversation
+    timestamped = bool(plans) and bool(plans[0].timestamps_s) and "video_pad" in tokenizer.special_ids
+    expansions = [placeholder_ids(tokenizer, p) for p in plans] if timestamped else []
     try:
         prep = prepare_conversation(
-            conv, tokenizer, counts, options.chat_template, [p.num_tokens for p in plans]
+            conv, tokenizer, counts, options.chat_template, [p.num_tokens for p in plans], expansions
         )
     except ChatTemplateError as exc:
         raise SampleReject("chat_template_mismatch", str(exc)) from None

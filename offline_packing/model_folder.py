@@ -1,12 +1,15 @@
-"""`mmpack pack --model DIR`: the tokenizer, the image rule and the chat template of a job from an HF model folder.
+"""`mmpack pack --model DIR`: the tokenizer, the image and video rules and the chat template of a job from an HF
+model folder.
 
 A model folder (as `save_pretrained` writes it) holds `tokenizer.json`, `preprocessor_config.json` and its chat
 template; the preprocessor config settles patch, merge and temporal patch sizes, min/max pixels, mean/std,
 rescale factor and resampling, read as transformers 5 reads it (`ImageTokenRule.from_preprocessor_config`).
 `-t DIR` where DIR holds a `preprocessor_config.json` is the same as `--model DIR`. Without a model folder, the
-image flags and their defaults give the rule. The chat template (`mmpack.packing.jinja_chat`) is that of
-`--model DIR`, else of `-t DIR` (a folder); `--chat-template FILE` names another, `--chat-template builtin`
-(and a tokenizer file or a folder without one) gives mmpack's built-in Qwen rendering.
+image flags and their defaults give the rule. A Qwen3-VL folder's `video_preprocessor_config.json` gives the
+video rule (`resolve_video_rule`); otherwise the --video-* flags do. The chat template
+(`mmpack.packing.jinja_chat`) is that of `--model DIR`, else of `-t DIR` (a folder); `--chat-template FILE`
+names another, `--chat-template builtin` (and a tokenizer file or a folder without one) gives mmpack's built-in
+Qwen rendering.
 """
 
 from __future__ import annotations
@@ -14,9 +17,22 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mmpack.packing.image_tokens import PREPROCESSOR_CONFIG, ImageTokenRule, load_model_image_rule
+from mmpack.offline_packing.config import SHARED_PATCH_FIELDS
+from mmpack.packing.image_tokens import (
+    PREPROCESSOR_CONFIG,
+    ImageTokenRule,
+    load_model_image_rule,
+    read_processor_config,
+)
 from mmpack.packing.jinja_chat import ChatTemplateError, read_folder_template
 from mmpack.packing.tokenizer import TOKENIZER_FILE
+from mmpack.packing.video_tokens import VideoTokenRule
+from mmpack.packing.video_tokens_qwen3 import (
+    PROCESSOR_DEFAULTS,
+    PROCESSOR_TYPE,
+    VIDEO_PREPROCESSOR_CONFIG,
+    rule_fields,
+)
 
 BUILTIN_TEMPLATE = "builtin"
 
@@ -69,6 +85,68 @@ def resolve_image_rule(
             raise ValueError(f"--model {folder}: no {TOKENIZER_FILE} in it; pass -t TOKENIZER")
         tokenizer = folder
     return tokenizer, model_rule
+
+
+# Video-rule options with a flag (--video-fps, ..., --video-rule) -> the VideoTokenRule field each sets
+VIDEO_FLAG_FIELDS = {
+    "video_fps": "fps",
+    "video_min_frames": "min_frames",
+    "video_max_frames": "max_frames",
+    "video_min_pixels": "min_pixels",
+    "video_max_pixels": "max_pixels",
+    "video_total_pixels": "total_pixels",
+    "video_style": "style",
+}
+
+
+def _video_flag(option: str) -> str:
+    return "--video-rule" if option == "video_style" else "--" + option.replace("_", "-")
+
+
+def _model_video_fields(folder: str | None) -> tuple[str, dict[str, Any]] | None:
+    """(file, VideoTokenRule fields) of the folder's Qwen3-VL video preprocessor config; None without one."""
+    found = read_processor_config(folder, VIDEO_PREPROCESSOR_CONFIG) if folder else None
+    if found is None or found[1].get("video_processor_type") != PROCESSOR_TYPE:
+        return None  # other processors' videos follow qwen-vl-utils (the flags), as before
+    path, config = found
+    return path, rule_fields(config, source=path)
+
+
+def resolve_video_rule(
+    model: str | None, tokenizer: str | None, flags: dict[str, Any], image_rule: ImageTokenRule
+) -> VideoTokenRule:
+    """The video rule of the job from `--model DIR`'s Qwen3-VL video preprocessor config, else the --video-*
+    flags (`flags`: those of VIDEO_FLAG_FIELDS given) over the defaults of the chosen `--video-rule`; its patch,
+    merge and temporal patch sizes are `image_rule`'s (one vision tower).
+
+    Raises:
+        ValueError: a flag contradicts the model folder, or its video patch sizes are not its image rule's.
+    """
+    given = {VIDEO_FLAG_FIELDS[name]: value for name, value in flags.items()}
+    patch = {name: getattr(image_rule, name) for name in SHARED_PATCH_FIELDS}
+    found = _model_video_fields(model_folder_of(model, tokenizer))
+    if found is None:
+        base: dict[str, Any] = {}
+        if given.get("style") == "qwen3_vl":  # the processor's defaults, not qwen-vl-utils'
+            base = {f: PROCESSOR_DEFAULTS[f] for f in VIDEO_FLAG_FIELDS.values() if f in PROCESSOR_DEFAULTS}
+        return VideoTokenRule(**base, **given, **patch)
+    path, fields = found
+    for name, value in patch.items():
+        if fields[name] != value:
+            raise ValueError(
+                f"{path}: {name} {fields[name]} differs from the image rule's {value}: mmpack cuts videos "
+                "into the image rule's patches"
+            )
+    rule = VideoTokenRule(**{f: fields[f] for f in VIDEO_FLAG_FIELDS.values() if f in fields}, **patch)
+    for option, value in flags.items():
+        wanted = getattr(rule, VIDEO_FLAG_FIELDS[option])
+        if value != wanted:
+            flag = _video_flag(option)
+            raise ValueError(
+                f"{flag} {value} disagrees with {path} ({wanted}): the videos would get other tokens than "
+                f"the model's processor gives; drop {flag} or change the model folder's {VIDEO_PREPROCESSOR_CONFIG}"
+            )
+    return rule
 
 
 def resolve_chat_template(model: str | None, tokenizer: str | None, flag: str | None) -> dict[str, Any]:

@@ -132,6 +132,10 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tokenizer_files(cfg.tokenizer)  # a missing tokenizer fails before the first stage, not after it
+    if cfg.write.energon:
+        from mmpack.offline_packing.outputs.energon_meta import require_energon
+
+        require_energon()
     control = cfg.control
     if control.engine == "ray":
         from mmpack.offline_packing.engines.ray import connect

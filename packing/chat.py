@@ -8,8 +8,9 @@ there is none, mmpack's built-in Qwen rendering
     <|im_start|>{role}\\n{content}<|im_end|>\\n        (per message)
 
 In both, each `<image>` is `<|vision_start|>` + N x `<|image_pad|>` + `<|vision_end|>` (each `<video>`
-`<|vision_start|>` + N x `<|video_pad|>` + `<|vision_end|>`, N from the video rule); the whole string is
-encoded once (so the ids equal a direct tokenizer encode of the rendered text) and the loss mask comes from
+`<|vision_start|>` + N x `<|video_pad|>` + `<|vision_end|>`, N from the video rule; under a rule that writes
+timestamps, Qwen3-VL's, the one pad becomes `mmpack.packing.video_tokens_qwen3.placeholder_ids`); the whole
+string is encoded once (so the ids equal a direct tokenizer encode of the rendered text) and the loss mask comes from
 the token offsets. `truncate_sample` implements the `truncate` over-length policy.
 """
 
@@ -259,6 +260,7 @@ class PreparedConversation:
     messages: tuple[tuple[str, str], ...]
     image_token_counts: tuple[int, ...]
     video_token_counts: tuple[int, ...]
+    video_expansions: tuple[np.ndarray | None, ...] = ()  # per video: the ids its one pad becomes (or pads)
 
 
 def prepare_conversation(
@@ -267,10 +269,15 @@ def prepare_conversation(
     image_token_counts: Sequence[int],
     template: ChatTemplate | None = None,
     video_token_counts: Sequence[int] = (),
+    video_expansions: Sequence[np.ndarray | None] = (),
 ) -> PreparedConversation:
-    """Check `conv` against the media token counts and render it for encoding (ValueError where they differ)."""
+    """Check `conv` against the media token counts and render it for encoding (ValueError where they differ).
+    `video_expansions`: per video the ids its pad becomes (`video_tokens_qwen3.placeholder_ids`), else its pads
+    repeated."""
     counts = _checked_counts(image_token_counts, conv.images, "image")
     video_counts = _checked_counts(video_token_counts, conv.videos, "video")
+    if video_expansions and len(video_expansions) != len(video_counts):
+        raise ValueError(f"{len(video_expansions)} video expansions for {len(video_counts)} videos")
     if video_counts and "video_pad" not in tokenizer.special_ids:
         raise ValueError(
             f"tokenizer {tokenizer.name} has no {VIDEO_PAD} token, needed for videos; use a "
@@ -285,7 +292,9 @@ def prepare_conversation(
     # the model's pre-tokenizer runs, so the ids are those of the fully expanded text, at a fraction of the
     # cost for large images (thousands of pads each).
     rendered = template.render(messages, [1] * len(counts), [1] * len(video_counts))
-    return PreparedConversation(rendered.text, rendered, tuple(messages), tuple(counts), tuple(video_counts))
+    return PreparedConversation(
+        rendered.text, rendered, tuple(messages), tuple(counts), tuple(video_counts), tuple(video_expansions)
+    )
 
 
 def encode_texts(tokenizer: TextTokenizer, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -380,6 +389,8 @@ def _finish_one(
     if rendered.media_char_spans:
         repeats = np.ones(n, dtype=np.int64)
         n_of = {IMAGE_TAG: iter(prep.image_token_counts), VIDEO_TAG: iter(prep.video_token_counts)}
+        expansions = iter(prep.video_expansions or [None] * len(prep.video_token_counts))
+        replaced: list[tuple[int, np.ndarray]] = []  # (compact index, ids it becomes)
         pad_role = {IMAGE_TAG: "image_pad", VIDEO_TAG: "video_pad"}
         for tag, a, b in rendered.media_char_spans:
             expected = [tokenizer.special_ids[k] for k in ("vision_start", pad_role[tag], "vision_end")]
@@ -393,10 +404,16 @@ def _finish_one(
                 )
             loss[inside] = 0
             repeats[inside[1]] = next(n_of[tag])
+            expansion = next(expansions) if tag == VIDEO_TAG else None
+            if expansion is not None:
+                repeats[inside[1]] = len(expansion)
+                replaced.append((int(inside[1]), expansion))
             compact_spans[tag].append((int(inside[0]), int(inside[-1]) + 1))
         new_index = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(repeats, out=new_index[1:])
         compact_ids, loss = np.repeat(compact_ids, repeats), np.repeat(loss, repeats)
+        for k, ids in replaced:
+            compact_ids[new_index[k] : new_index[k + 1]] = ids
 
     def at(k: int) -> int:
         return int(k) if new_index is None else int(new_index[k])

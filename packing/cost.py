@@ -6,16 +6,26 @@
 score work of block-diagonal causal attention, `image_patches` the vision tower's per-patch work (patches
 before the merge, t*h*w per image) and `sum(image_patches^2)` its full attention within each image.
 
-Default coefficients (`CostModel.dense`) count training FLOPs (forward + backward = 3x forward) in units of
-one text token's dense-layer work, 72 * h^2 * L for a language model of hidden size h and L layers:
-a = 1; b = 6 * h * L / (72 * h^2 * L) = 1 / (12 h) (causal attention scores and values, 2 * s^2 * h
-forward per layer); for a ViT of hidden size hv and Lv layers with full attention per image,
-c = hv^2 * Lv / (h^2 * L) and d = 12 * hv * Lv / (72 * h^2 * L). A ViT that attends within windows of W
-patches in all but Lf layers (Qwen2.5-VL) moves the windowed layers' attention into c (12 * hv * W per patch
-and layer) and keeps Lf in d. `DEFAULT_COST_MODEL` is Qwen2.5-VL-7B's shape (h 3584, L 28, hv 1280, Lv 32)
-counted with full attention in every ViT layer, an upper bound on the image attention (the real tower
-attends over whole images in 4 of the 32 layers); the trainer builds the model of the run it trains
-(`mmpack.trainer.training.balance_cost_model`). Measured step times give better coefficients: `CostModel.fit`.
+The coefficients that count FLOPs come from one formula, `forward_flop_model`: the forward FLOPs of a bin
+(a multiply-add counts 2) of a model given by its dimensions (`ModelFlopShape`), linear in the four features.
+Per token: 2 * L * (h * (q + 2 kv) + q * h + m * h * f) + 2 * h * V (QKV with query width q and key/value
+width kv, output projection, an MLP of m = 3 (gated) or 2 matrices of width f, logits); causal attention
+within each sample of n tokens, n (n + 1) / 2 pairs of 4 * q FLOPs per layer, gives 2 * q * L to `tokens` and
+to `sum_sq_seq_len`. Per patch of the vision tower: the patch embedding 2 * (pixels per patch) * hv, its
+layers 2 * Lv * (4 hv^2 + m * hv * fv), windowed attention 4 * hv * W per patch and windowed layer (counted
+as full windows of W patches: an upper bound for edge windows), each merger 2 * (k hv * k hv + k hv * h) /
+k with k = merge_size^2; full attention over each image (each temporal patch of a video) of m patches,
+4 * hv * m^2 per full-attention layer, in `sum_sq_image_patches`. The trainer's MFU counts 3x this (forward
++ backward) and `--balance compute` evens it out over DP ranks: one count for both, from its model family
+(`mmpack.trainer.models.protocol.ModelFamily.flop_model`).
+
+`CostModel.dense` is the same formula for a GPT-shaped model (multi-head attention, a 4h MLP of two
+matrices, logits not counted) in units of one text token's dense-layer work, 72 * h^2 * L for training:
+a = 1 + 1 / (12 h), b = 1 / (12 h); for a ViT of hidden size hv and Lv layers with full attention per
+image, c = hv^2 * Lv / (h^2 * L) and d = 12 * hv * Lv / (72 * h^2 * L); windowed layers move their
+attention into c. `DEFAULT_COST_MODEL` is Qwen2.5-VL-7B's shape (h 3584, L 28, hv 1280, Lv 32) counted with
+full attention in every ViT layer, an upper bound on the image attention. Measured step times give better
+coefficients: `CostModel.fit`.
 """
 
 from __future__ import annotations
@@ -100,6 +110,10 @@ class CostModel:
             raise ValueError(f"features must have {len(COST_FEATURES)} columns, got shape {features.shape}")
         return features @ self.coefficients
 
+    def scaled(self, factor: float) -> CostModel:
+        """The same model with every coefficient times `factor` (> 0): the same balance, other units."""
+        return CostModel.from_coefficients((self.coefficients * factor).tolist())
+
     @classmethod
     def from_coefficients(cls, values: Sequence[float]) -> CostModel:
         """The model with these four coefficients, in `COST_FEATURES` order (a, b, c, d)."""
@@ -134,18 +148,18 @@ class CostModel:
                 f"vision_full_attention_layers must be in [0, vision_layers={vision_layers}] and "
                 f"vision_window_patches >= 0, got {full} and {vision_window_patches}"
             )
-        unit = 72.0 * hidden_size**2 * num_layers
-        windowed = vision_layers - full
-        return cls(
-            tokens=1.0,
-            sum_sq_seq_len=6.0 * hidden_size * num_layers / unit if language_attention_by_sample else 0.0,
-            image_patches=(
-                72.0 * vision_hidden_size**2 * vision_layers
-                + 12.0 * vision_hidden_size * vision_window_patches * windowed
-            )
-            / unit,
-            sum_sq_image_patches=12.0 * vision_hidden_size * full / unit,
-        )
+        h, hv = hidden_size, vision_hidden_size
+        language = LanguageFlopShape(
+            hidden_size=h, num_layers=num_layers, attention_size=h, kv_size=h, ffn_hidden_size=4 * h,
+            gated_mlp=False,
+        )  # fmt: skip
+        vision = VisionFlopShape(
+            hidden_size=hv, num_layers=vision_layers, ffn_hidden_size=4 * hv, gated_mlp=False,
+            full_attention_layers=full, window_patches=vision_window_patches, mergers=0,
+        )  # fmt: skip
+        shape = ModelFlopShape(language=language, vision=vision if vision_layers else None)
+        forward = forward_flop_model(shape, attention_by_sample=language_attention_by_sample)
+        return forward.scaled(3.0 / (72.0 * h * h * num_layers))
 
     @classmethod
     def fit(cls, features: np.ndarray, times_s: np.ndarray) -> CostModel:
@@ -180,6 +194,77 @@ class CostModel:
         if best is None:
             raise ValueError("no non-negative cost model fits these measurements (are the times positive?)")
         return cls.from_coefficients(best[1].tolist())
+
+
+@dataclass(kw_only=True, frozen=True)
+class LanguageFlopShape:
+    """The dimensions of a language model that its FLOPs depend on (see the module docstring)."""
+
+    hidden_size: int
+    num_layers: int
+    attention_size: int  # query heads x head size
+    kv_size: int  # key/value groups x head size
+    ffn_hidden_size: int
+    gated_mlp: bool = True  # SwiGLU: three matrices
+    vocab_size: int = 0  # the logits' FLOPs; 0: not counted
+
+
+@dataclass(kw_only=True, frozen=True)
+class VisionFlopShape:
+    """The dimensions of a vision tower and its merger(s) that their FLOPs depend on."""
+
+    hidden_size: int
+    num_layers: int
+    ffn_hidden_size: int
+    gated_mlp: bool = True
+    patch_pixels: int = 0  # values per patch (channels x temporal patch x patch^2); 0: embedding not counted
+    full_attention_layers: int | None = None  # layers attending over whole images (None: all)
+    window_patches: int = 0  # patches per window of the other layers
+    merge_units: int = 4  # patches merged into one token (merge_size^2)
+    out_hidden_size: int = 0  # the merger's output width (the language model's hidden size)
+    mergers: int = 1  # patch mergers run on every merged token (1 + DeepStack mergers)
+
+    def __post_init__(self) -> None:
+        full = self.num_layers if self.full_attention_layers is None else self.full_attention_layers
+        if not 0 <= full <= self.num_layers or self.window_patches < 0:
+            raise ValueError(
+                f"full_attention_layers must be in [0, {self.num_layers}] and window_patches >= 0, got "
+                f"{full} and {self.window_patches}"
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelFlopShape:
+    """A vision-language model for the FLOP count: its language model and vision tower (if any)."""
+
+    language: LanguageFlopShape
+    vision: VisionFlopShape | None = None
+
+
+def forward_flop_model(shape: ModelFlopShape, *, attention_by_sample: bool = True) -> CostModel:
+    """Forward FLOPs of a bin, as a cost model over its features (the formula of the module docstring).
+
+    `attention_by_sample=False`: the language model attends over the whole sequence whatever its samples
+    (a dense block mask), so its attention costs the same in every bin and is left out.
+    """
+    lang = shape.language
+    h, q, kv, layers = lang.hidden_size, lang.attention_size, lang.kv_size, lang.num_layers
+    mlp = (3 if lang.gated_mlp else 2) * h * lang.ffn_hidden_size
+    tokens = 2.0 * layers * (h * (q + 2 * kv) + q * h + mlp) + 2.0 * h * lang.vocab_size
+    causal = 2.0 * q * layers if attention_by_sample else 0.0  # n (n + 1) / 2 pairs x 4 q x L
+    patches = squares = 0.0
+    v = shape.vision
+    if v is not None:
+        hv, k = v.hidden_size, v.merge_units
+        full = v.num_layers if v.full_attention_layers is None else v.full_attention_layers
+        v_mlp = (3 if v.gated_mlp else 2) * hv * v.ffn_hidden_size
+        patches = 2.0 * v.patch_pixels * hv + 2.0 * v.num_layers * (4 * hv * hv + v_mlp)
+        patches += 4.0 * hv * v.window_patches * (v.num_layers - full)
+        if v.mergers:
+            patches += v.mergers * 2.0 * (k * hv * k * hv + k * hv * v.out_hidden_size) / k
+        squares = 4.0 * hv * full
+    return CostModel(tokens=tokens + causal, sum_sq_seq_len=causal, image_patches=patches,
+                     sum_sq_image_patches=squares)  # fmt: skip
 
 
 DEFAULT_COST_MODEL = CostModel.dense(

@@ -232,11 +232,11 @@ class ImageTokenRule:
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 
 
-def load_model_image_rule(model_dir: str | os.PathLike[str]) -> ImageTokenRule | None:
-    """The rule of `model_dir/preprocessor_config.json`; None when the folder has no such file."""
+def read_processor_config(model_dir: str | os.PathLike[str], name: str) -> tuple[str, dict[str, Any]] | None:
+    """(path, JSON object) of a model folder's processor config file `name`; None when there is none."""
     import json
 
-    path = os.path.join(os.fspath(model_dir), PREPROCESSOR_CONFIG)
+    path = os.path.join(os.fspath(model_dir), name)
     if not os.path.isfile(path):
         return None
     try:
@@ -246,6 +246,15 @@ def load_model_image_rule(model_dir: str | os.PathLike[str]) -> ImageTokenRule |
         raise ValueError(f"cannot read {path}: {exc}") from exc
     if not isinstance(config, dict):
         raise ValueError(f"{path} is not a JSON object")
+    return path, config
+
+
+def load_model_image_rule(model_dir: str | os.PathLike[str]) -> ImageTokenRule | None:
+    """The rule of `model_dir/preprocessor_config.json`; None when the folder has no such file."""
+    found = read_processor_config(model_dir, PREPROCESSOR_CONFIG)
+    if found is None:
+        return None
+    path, config = found
     return ImageTokenRule.from_preprocessor_config(config, source=path)
 
 

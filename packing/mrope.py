@@ -10,10 +10,13 @@ in row-major order, and the text after it continues at ``start + max(h, w) / m``
 for still images it equals the largest image position + 1). The ``<|video_pad|>`` tokens of a video take the
 same height and width positions; its temporal positions are ``start + trunc(i_t * tokens_per_second *
 second_per_grid_t)`` (Qwen2.5-VL, `mmpack.packing.video_tokens.video_temporal_positions`), and the text after it
-continues at ``start + max(h, w) / m`` as after an image.
+continues at ``start + max(h, w) / m`` as after an image. Qwen3-VL writes each temporal patch of a video as
+its own run of ``<|video_pad|>`` tokens between timestamp text (``video_frames_apart``): each run is placed
+as an image of grid (1, h, w), as its ``get_rope_index`` splits ``video_grid_thw``.
 
-`MRopeRule` holds a model family's choices (ids, merge size, video rate) and computes the positions; the
-loader's workers run it as they collate (`mmpack.packing.batch.PositionRule`).
+`MRopeRule` holds a model family's choices (ids, merge size, the video rule) and computes the positions; the
+model family names its rule (``ModelFamily.position_rule``) and the loader's workers run it as they collate
+(`mmpack.packing.batch.PositionRule`).
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def build_mrope_position_ids(
     second_per_grid_ts: np.ndarray | Sequence[float] | None = None,
     video_pad_id: int = -1,
     tokens_per_second: float = 2.0,
+    video_frames_apart: bool = False,
 ) -> np.ndarray:
     """[3, len(input_ids)] int64 MRoPE positions of a packed sequence.
 
@@ -102,6 +106,7 @@ def build_mrope_position_ids(
             ``tokens_per_second`` 1 that is Qwen2-VL's one position per temporal patch).
         video_pad_id: the ``<|video_pad|>`` token id (-1: no videos).
         tokens_per_second: the model's ``vision_config.tokens_per_second`` (2 for Qwen2.5-VL).
+        video_frames_apart: each temporal patch of a video is its own run of pads (Qwen3-VL).
     """
     ids = np.asarray(input_ids).reshape(-1)
     lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
@@ -110,7 +115,12 @@ def build_mrope_position_ids(
     image_grids = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3).tolist()
     no_videos = np.zeros((0, 3), dtype=np.int64)
     video_grids = np.asarray(video_grid_thw if video_grid_thw is not None else no_videos, dtype=np.int64)
-    video_grids_list: list[list[int]] = video_grids.reshape(-1, 3).tolist()
+    video_grids = video_grids.reshape(-1, 3)
+    if video_frames_apart:  # one (1, h, w) grid per temporal patch; the interval does not matter
+        video_grids = np.repeat(video_grids, video_grids[:, 0], axis=0)
+        video_grids[:, 0] = 1
+        second_per_grid_ts = None
+    video_grids_list: list[list[int]] = video_grids.tolist()
     intervals = [1.0] * len(video_grids_list) if second_per_grid_ts is None else list(second_per_grid_ts)
     if len(intervals) != len(video_grids_list):
         raise ValueError(f"{len(intervals)} second_per_grid_ts for {len(video_grids_list)} video grids")
@@ -137,13 +147,14 @@ def build_mrope_position_ids(
 
 @dataclass(kw_only=True, frozen=True)
 class MRopeRule:
-    """A model family's MRoPE rule (`mmpack.packing.batch.PositionRule`): its pad ids, merge size and video
-    rate; `positions` applies it to a packed sequence."""
+    """A model family's MRoPE rule (`mmpack.packing.batch.PositionRule`): its pad ids, merge size and how its
+    videos are laid out (see the module docstring); `positions` applies it to a packed sequence."""
 
     image_pad_id: int
     merge_size: int
     video_pad_id: int = -1
     tokens_per_second: float = 2.0
+    video_frames_apart: bool = False
 
     def positions(
         self,
@@ -157,5 +168,5 @@ class MRopeRule:
         return build_mrope_position_ids(
             input_ids, seq_lens, image_grid_thw, image_pad_id=self.image_pad_id, merge_size=self.merge_size,
             video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts, video_pad_id=self.video_pad_id,
-            tokens_per_second=self.tokens_per_second,
+            tokens_per_second=self.tokens_per_second, video_frames_apart=self.video_frames_apart,
         )  # fmt: skip

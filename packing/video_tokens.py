@@ -18,6 +18,11 @@ total_pixels MODEL_SEQ_LEN*28*28*0.9 with MODEL_SEQ_LEN 128000 (qwen-vl-utils re
 variable; here it is the `total_pixels` field, never the environment). Where `total` comes from
 duration x frame rate (containers without a frame count), frame k is the frame shown at time k / video_fps
 (see `VideoMeta.frame_count_exact`).
+
+`style="qwen3_vl"` is the rule of transformers' Qwen3-VL processor instead (`mmpack.packing.video_tokens_qwen3`):
+its own frame sampling and `smart_resize`, `min_pixels` / `max_pixels` being its `size.shortest_edge` /
+`size.longest_edge` (pixels of all sampled frames together; `total_pixels` unused), and a timestamp before each
+temporal patch (`VideoPlan.timestamps_s`).
 """
 
 from __future__ import annotations
@@ -28,8 +33,11 @@ from typing import Any
 
 import numpy as np
 
+from mmpack.packing import video_tokens_qwen3 as qwen3
 from mmpack.packing.errors import MmpackError
 from mmpack.packing.image_tokens import smart_resize
+
+VIDEO_RULE_STYLES = ("qwen-vl-utils", "qwen3_vl")
 
 
 class VideoRuleError(MmpackError, ValueError):
@@ -74,13 +82,18 @@ class VideoPlan:
     second_per_grid_t: float
     frame_count_exact: bool
     video_fps: float
+    timestamps_s: tuple[float, ...] = ()  # per temporal patch, where the rule writes them (qwen3_vl)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (lists, not tuples)."""
+        """JSON-ready form (lists, not tuples; no timestamps where the rule writes none)."""
         d = asdict(self)
         d["frame_indices"] = list(self.frame_indices)
         d["resized_hw"] = list(self.resized_hw)
         d["grid_thw"] = list(self.grid_thw)
+        if self.timestamps_s:
+            d["timestamps_s"] = list(self.timestamps_s)
+        else:
+            del d["timestamps_s"]
         return d
 
     @classmethod
@@ -95,6 +108,7 @@ class VideoPlan:
             second_per_grid_t=float(d["second_per_grid_t"]),
             frame_count_exact=bool(d["frame_count_exact"]),
             video_fps=float(d["video_fps"]),
+            timestamps_s=tuple(float(t) for t in d.get("timestamps_s", ())),
         )
 
 
@@ -113,8 +127,11 @@ class VideoTokenRule:
     merge_size: int = 2
     temporal_patch_size: int = 2
     max_aspect_ratio: float = 200
+    style: str = "qwen-vl-utils"  # whose rule: VIDEO_RULE_STYLES
 
     def __post_init__(self) -> None:
+        if self.style not in VIDEO_RULE_STYLES:
+            raise ValueError(f"video rule style must be one of {VIDEO_RULE_STYLES}, got {self.style!r}")
         if not self.fps > 0:
             raise ValueError(f"video fps must be > 0, got {self.fps} (--video-fps)")
         if not 1 <= self.min_frames <= self.max_frames:
@@ -146,6 +163,16 @@ class VideoTokenRule:
 
     def num_frames(self, total_frames: int, video_fps: float) -> int:
         """Frames sampled from a video of `total_frames` at `video_fps` (qwen-vl-utils `smart_nframes`)."""
+        if self.style == "qwen3_vl":
+            n = qwen3.num_frames(
+                total_frames, video_fps, fps=self.fps, min_frames=self.min_frames, max_frames=self.max_frames
+            )
+            if n < self.temporal_patch_size:
+                raise VideoRuleError(
+                    "video_too_short", f"a video of {total_frames} frames gives {n} sampled frames; at "
+                    f"least {self.temporal_patch_size} are needed",
+                )  # fmt: skip
+            return n
         ff = self.frame_factor
         min_frames = math.ceil(self.min_frames / ff) * ff
         max_frames = math.floor(min(self.max_frames, total_frames) / ff) * ff
@@ -167,6 +194,16 @@ class VideoTokenRule:
     def resized_hw(self, height: int, width: int, nframes: int) -> tuple[int, int]:
         """(h', w') every sampled frame is resized to (qwen-vl-utils `smart_resize` for videos)."""
         factor = self.factor
+        if self.style == "qwen3_vl":
+            try:
+                return qwen3.resized_hw(
+                    nframes, height, width, factor=factor, temporal_factor=self.temporal_patch_size,
+                    min_pixels=self.min_pixels, max_pixels=self.max_pixels,
+                )  # fmt: skip
+            except ValueError as exc:
+                raise VideoRuleError(
+                    "video_aspect_ratio", f"video of {width}x{height} (w x h): {exc}"
+                ) from None
         aspect = max(height, width) / min(height, width)
         if aspect > self.max_aspect_ratio:
             raise VideoRuleError(
@@ -190,17 +227,22 @@ class VideoTokenRule:
         """Frames, size, grid and tokens of a video from its container metadata."""
         nframes = self.num_frames(meta.total_frames, meta.fps)
         h_bar, w_bar = self.resized_hw(meta.height, meta.width, nframes)
-        grid = (nframes // self.temporal_patch_size, h_bar // self.patch_size, w_bar // self.patch_size)
+        tp = self.temporal_patch_size
+        grid = (-(-nframes // tp), h_bar // self.patch_size, w_bar // self.patch_size)
         sample_fps = nframes / max(meta.total_frames, 1e-6) * meta.fps
+        qwen3_vl = self.style == "qwen3_vl"
+        sample = qwen3.frame_indices if qwen3_vl else sample_frame_indices
+        indices = [int(i) for i in sample(meta.total_frames, nframes)]
         return VideoPlan(
-            frame_indices=tuple(int(i) for i in sample_frame_indices(meta.total_frames, nframes)),
+            frame_indices=tuple(indices),
             resized_hw=(h_bar, w_bar),
             grid_thw=grid,
             num_tokens=self.tokens_of_grid(grid),
             sample_fps=sample_fps,
-            second_per_grid_t=self.temporal_patch_size / sample_fps,
+            second_per_grid_t=tp / sample_fps,
             frame_count_exact=meta.frame_count_exact,
             video_fps=meta.fps,
+            timestamps_s=qwen3.timestamps(indices, meta.fps, tp) if qwen3_vl else (),
         )
 
     def tokens_of_grid(self, grid_thw: tuple[int, int, int]) -> int:
@@ -209,8 +251,12 @@ class VideoTokenRule:
         return int(t * gh * gw) // (self.merge_size**2)
 
     def to_dict(self) -> dict[str, Any]:
-        """The manifest's "video_rule" entry."""
-        return asdict(self)
+        """The manifest's "video_rule" entry; `style` only where it is not qwen-vl-utils (the rule of the
+        manifests written before there was a choice)."""
+        d = asdict(self)
+        if d["style"] == VIDEO_RULE_STYLES[0]:
+            del d["style"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VideoTokenRule:

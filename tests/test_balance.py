@@ -294,27 +294,40 @@ def test_dense_cost_model_counts_windowed_vision_layers_per_patch() -> None:
 
 
 def test_trainer_cost_model_follows_the_model_and_its_attention() -> None:
+    """`--balance compute` evens out the FLOPs MFU reports (one formula), here worked out by hand."""
+    from mmpack.trainer.models.qwen2_5_vl import FAMILY
     from mmpack.trainer.training import balance_cost_model
     from tests.test_trainer_observability import _arch
 
     arch = _arch()
     h, n, hv, lv = arch.hidden_size, arch.num_layers, arch.vision.hidden_size, arch.vision.depth
+    g, d, f, fv = (
+        arch.num_key_value_heads,
+        arch.head_dim,
+        arch.intermediate_size,
+        arch.vision.intermediate_size,
+    )
     # the tiny tower: windows of 2 x 2 merged units of 2 x 2 patches (16 patches), its last layer full
     assert (arch.vision.window_size, arch.vision.fullatt_block_indexes) == (56, (lv - 1,))
-    unit = 72.0 * h * h * n
-    with_te = balance_cost_model(arch, use_te=True)
-    assert with_te.tokens == 1.0
-    assert with_te.sum_sq_seq_len == pytest.approx(1 / (12 * h))
-    assert with_te.image_patches == pytest.approx((72.0 * hv * hv * lv + 12.0 * hv * 16 * (lv - 1)) / unit)
-    assert with_te.sum_sq_image_patches == pytest.approx(12.0 * hv / unit)
+    with_te = balance_cost_model(FAMILY, arch, use_te=True)
+    assert with_te == FAMILY.flop_model(arch)  # the count the trainer's MFU reports
+    per_token = 2 * n * (h * (h + 2 * g * d) + h * h + 3 * h * f) + 2 * h * arch.vocab_size
+    assert with_te.tokens == pytest.approx(per_token + 2 * h * n)
+    assert with_te.sum_sq_seq_len == pytest.approx(2 * h * n)
+    merger = 2 * (4 * hv * 4 * hv + 4 * hv * h) / 4
+    per_patch = (
+        2 * 3 * 2 * 14 * 14 * hv + 2 * lv * (4 * hv * hv + 3 * hv * fv) + merger + 4 * hv * 16 * (lv - 1)
+    )
+    assert with_te.image_patches == pytest.approx(per_patch)
+    assert with_te.sum_sq_image_patches == pytest.approx(4 * hv)
     # without Transformer Engine the packed mask is dense: sample lengths do not change a bin's cost
-    without = balance_cost_model(arch, use_te=False)
-    assert without.sum_sq_seq_len == 0
+    without = balance_cost_model(FAMILY, arch, use_te=False)
+    assert without.sum_sq_seq_len == 0 and without.tokens == pytest.approx(per_token)
     assert (without.image_patches, without.sum_sq_image_patches) == (
         with_te.image_patches,
         with_te.sum_sq_image_patches,
     )
-    assert balance_cost_model(arch, use_te=False, given=(1.0, 2.0, 3.0, 4.0)) == CostModel(
+    assert balance_cost_model(FAMILY, arch, use_te=False, given=(1.0, 2.0, 3.0, 4.0)) == CostModel(
         tokens=1.0, sum_sq_seq_len=2.0, image_patches=3.0, sum_sq_image_patches=4.0
     )
 

@@ -7,7 +7,7 @@ import pytest
 
 from mmpack.offline_packing.context import JobContext
 from mmpack.offline_packing.engines import run_parallel
-from mmpack.offline_packing.errors import PackError
+from mmpack.packing.processes import ProcessDiedError
 from tests.engine_tasks import fail_on
 
 CTX = JobContext(work_dir="unused")
@@ -23,5 +23,9 @@ def test_results_and_first_error_do_not_depend_on_workers(workers: int) -> None:
 
 
 def test_a_dead_worker_is_an_error() -> None:
-    with pytest.raises(PackError, match=r"worker process died: mmpack-pack-\d \(exit code 3\)"):
+    with pytest.raises(
+        ProcessDiedError,
+        match=r"worker process of the local engine died \(mmpack-pack-\d exited "
+        r"with code 3\) before chunk 1 of 3",
+    ):
         run_parallel(CTX, fail_on, [(0, set()), (-1, set()), (2, set())], workers=2, progress=False)

@@ -19,6 +19,8 @@ def test_module_names_and_flags() -> None:
 
     assert modules_of("vision.merger.projector.encoder.linear_fc1.weight", tied=False) == {"adapter"}
     assert modules_of("vision.layers.0.self_attention.linear_qkv.weight", tied=False) == {"vision_model"}
+    assert modules_of("vision.deepstack_mergers.1.norm.weight", tied=False) == {"adapter"}  # Qwen3-VL's
+    assert modules_of("vision.pos_embed.weight", tied=False) == {"vision_model"}
     assert modules_of("language_model.output_layer.weight", tied=True) == {
         "language_model", "embedding", "output_layer",
     }  # fmt: skip

@@ -52,13 +52,9 @@ def test_thd_padding_adds_a_dummy_trailing_segment() -> None:
 
 
 def test_te_fused_norm_weights_are_norms() -> None:
+    from mmpack.trainer.models.hf_weights import RandomHFWeights, local_param_name, read_shard
     from mmpack.trainer.models.qwen2_5_vl.config import arch_from_hf_config, tiny_hf_config
-    from mmpack.trainer.models.qwen2_5_vl.hf_io import (
-        RandomHFWeights,
-        local_param_name,
-        read_shard,
-        stage_rules,
-    )
+    from mmpack.trainer.models.qwen2_5_vl.hf_io import stage_rules
 
     arch = arch_from_hf_config(
         tiny_hf_config(vocab_size=256, image_token_id=250, vision_start_token_id=251, vision_end_token_id=252)

@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mmpack.trainer.models.qwen2_5_vl import arch_from_hf_config, stage_rules, tiny_hf_config
-from mmpack.trainer.models.qwen2_5_vl.hf_io import (
+from mmpack.trainer.models.hf_weights import (
     RandomHFWeights,
     hf_shapes,
     merge_tp_shards,
     open_hf_weights,
     read_shard,
 )
+from mmpack.trainer.models.qwen2_5_vl import arch_from_hf_config, stage_rules, tiny_hf_config
 
 
 def _arch(**kw):

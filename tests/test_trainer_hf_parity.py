@@ -149,7 +149,6 @@ def _reference(hf_dir: Path, packed: Path, max_pixels: int = MAX_PIXELS) -> dict
     """transformers' loss on each sample alone (images through Qwen2VLImageProcessorPil), summed over loss
     tokens / their count, and the gradients of that loss."""
     import torch
-    import torch.nn.functional as F
     from PIL import Image
     from transformers import Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -158,19 +157,31 @@ def _reference(hf_dir: Path, packed: Path, max_pixels: int = MAX_PIXELS) -> dict
     model.train()  # no dropout in the config; gradients on
     processor = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=max_pixels)
     samples, image_pad = _samples_of_bin(packed)
-    total, count = torch.zeros(()), 0
+    inputs = []
     for s in samples:
-        ids = s["tokens"][None]
         kwargs = {}
         if s["images"]:
             pix = processor([Image.open(io.BytesIO(b)) for b in s["images"]], return_tensors="pt")
             kwargs = {"pixel_values": pix["pixel_values"], "image_grid_thw": pix["image_grid_thw"]}
-        logits = model(input_ids=ids, mm_token_type_ids=(ids == image_pad).int(), **kwargs).logits[0]
-        keep = s["labels"] != -100
-        total = total + F.cross_entropy(logits[keep].float(), s["labels"][keep], reduction="sum")
+        inputs.append((s["tokens"], s["labels"], (s["tokens"] == image_pad).int(), kwargs))
+    return loss_and_grads(model, inputs)
+
+
+def loss_and_grads(model, inputs: list) -> dict:  # type: ignore[no-untyped-def]
+    """transformers' loss over samples run one by one ((tokens, labels, mm_token_type_ids, model kwargs) each):
+    the sum of token cross-entropies over the loss tokens / their count, and its gradients where they are on."""
+    import torch
+    import torch.nn.functional as F
+
+    total, count = torch.zeros(()), 0
+    for tokens, labels, types, kwargs in inputs:
+        logits = model(input_ids=tokens[None], mm_token_type_ids=types[None], **kwargs).logits[0]
+        keep = labels != -100
+        total = total + F.cross_entropy(logits[keep].float(), labels[keep], reduction="sum")
         count += int(keep.sum())
     loss = total / count
-    loss.backward()
+    if loss.requires_grad:
+        loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     return {"loss": float(loss.detach()), "grads": grads, "tokens": count}
 
@@ -204,7 +215,9 @@ def _torchrun(nproc: int, args: list[str], cwd: Path, timeout_s: int = 600) -> s
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), *args]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # the worker may be a test file that imports tests.*: the repository root goes on its path
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return proc
@@ -238,8 +251,8 @@ def test_gradients_match_and_zeroed_images_control(setup, tmp_path: Path) -> Non
     """TP2 x PP2: word-embedding and vision gradients of the packed step equal transformers'."""
     import torch
 
+    from mmpack.trainer.models.hf_weights import merge_tp_shards
     from mmpack.trainer.models.qwen2_5_vl import arch_from_hf_config, stage_rules
-    from mmpack.trainer.models.qwen2_5_vl.hf_io import merge_tp_shards
 
     _, hf_dir, packed, ref = setup
     _torchrun(4, [str(Path(__file__).resolve()), str(tmp_path), *_train_args(hf_dir, packed, 2, 2)], tmp_path)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mmpack.trainer.models.qwen2_5_vl import arch_from_hf_config, check_hf_weights, tiny_hf_config
+from mmpack.trainer.models.qwen2_5_vl import FAMILY, arch_from_hf_config, tiny_hf_config
 from mmpack.trainer.models.qwen2_5_vl.hf_check import hf_tensor_shapes
 
 SPECIAL = dict(vocab_size=256, image_token_id=250, vision_start_token_id=251, vision_end_token_id=252)
@@ -55,7 +55,7 @@ def test_expected_tensors_are_what_transformers_writes(tmp_path: Path, tied: boo
     written = {k: tuple(v.shape) for k, v in load_file(str(folder / "model.safetensors")).items()}
     arch = arch_from_hf_config(json.loads((folder / "config.json").read_text()))
     assert hf_tensor_shapes(arch) == written
-    check_hf_weights(folder, arch)  # control: the untouched folder passes
+    FAMILY.check_hf_weights(folder, arch)  # control: the untouched folder passes
 
 
 def test_int8_weights_are_refused(hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -132,3 +132,31 @@ def test_size_flags_that_agree_are_accepted(hf_dir: Path) -> None:
     cfg = parse_args(["--mock-data", "--seq-length", "64", "--hf-model", str(hf_dir), "--num-layers", "2",
                       "--hidden-size", "64"])  # fmt: skip
     assert model_hf_config(cfg, dataset_info(None, 64))["text_config"]["num_hidden_layers"] == 2
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen3_vl_weights_are_checked_by_name(tmp_path: Path, tied: bool) -> None:
+    """A family without a shape table (Qwen3-VL) is checked by the HF names its weight rules read: exactly
+    what transformers' save_pretrained writes (the oracle); a missing layer and an int8 tensor are refused."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from mmpack.trainer.models.protocol import TinyModelSpec
+    from mmpack.trainer.models.qwen3_vl import FAMILY as QWEN3_VL
+
+    spec = TinyModelSpec(**SPECIAL, num_layers=2, patch_size=16, tie_word_embeddings=tied)
+    config = QWEN3_VL.tiny_hf_config(spec)
+    torch.manual_seed(0)
+    folder = tmp_path / "qwen3"
+    Qwen3VLForConditionalGeneration(Qwen3VLConfig(**config)).save_pretrained(folder)
+    arch = QWEN3_VL.arch_from_hf_config(json.loads((folder / "config.json").read_text()))
+    QWEN3_VL.check_hf_weights(folder, arch)  # control: what transformers wrote passes
+    tensors = load_file(str(folder / "model.safetensors"))
+    layer = [k for k in tensors if ".layers.1." in k and "language_model" in k]
+    assert layer
+    without = _copy(folder, tmp_path / "fewer", tensors={k: v for k, v in tensors.items() if k not in layer})
+    with pytest.raises(ValueError, match="missing"):
+        QWEN3_VL.check_hf_weights(without, arch)
+    int8 = dict(tensors)
+    int8[layer[0]] = int8[layer[0]].to(torch.int8)
+    with pytest.raises(ValueError, match="is I8, not a float"):
+        QWEN3_VL.check_hf_weights(_copy(folder, tmp_path / "int8", tensors=int8), arch)

@@ -48,17 +48,30 @@ def _arch():  # type: ignore[no-untyped-def]
     )
 
 
-def test_packed_attention_flops_are_counted_per_sample() -> None:
-    from mmpack.trainer.observability import language_flops, vision_flops
+def _batch(lengths: list[int], grids: list[list[int]] | None = None, pad: int = 0) -> dict:
+    """A micro-batch of samples of these lengths (and a padding segment), with images of these grids."""
+    import torch
+
+    n = sum(lengths)
+    tokens = torch.cat([torch.ones(n, dtype=torch.long), torch.full((3,), pad)])[None]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum([*lengths, 3])]), dtype=torch.int32)
+    batch = {"tokens": tokens, "cu_seqlens": cu}
+    if grids:
+        batch["image_grid_thw"] = torch.tensor(grids)
+    return batch
+
+
+def test_flops_are_the_family_formula_counted_per_sample() -> None:
+    from mmpack.trainer.models.qwen2_5_vl import FAMILY
+    from mmpack.trainer.observability import step_flops
 
     arch = _arch()
-    packed = language_flops(arch, np.array([100, 300]))
-    assert packed == pytest.approx(
-        language_flops(arch, np.array([100])) + language_flops(arch, np.array([300]))
-    )
-    as_one_sequence = language_flops(arch, np.array([400]))  # control: the bin counted as one sample
+    model = FAMILY.flop_model(arch)
+    packed = step_flops(model, [_batch([100, 300])], pad_id=0)
+    assert packed == pytest.approx(step_flops(model, [_batch([100]), _batch([300])], pad_id=0))
+    as_one_sequence = step_flops(model, [_batch([400])], pad_id=0)  # control: the bin counted as one sample
     assert as_one_sequence > packed * 1.001
-    # the linear part: 2 * (layers * per-layer weights + logits) per token
+    # worked out by hand: 3 x forward; per token 2 * (layers * per-layer weights + logits), one causal pair
     h, g, d, f, v = (
         arch.hidden_size,
         arch.num_key_value_heads,
@@ -67,10 +80,20 @@ def test_packed_attention_flops_are_counted_per_sample() -> None:
         arch.vocab_size,
     )
     weights = arch.num_layers * (h * (h + 2 * g * d) + h * h + 3 * h * f) + h * v
-    attention = arch.num_layers * 4 * h * 1 * 2 / 2  # one sample of 1 token: n(n+1)/2 = 1 pair
-    assert language_flops(arch, np.array([1])) == pytest.approx(2 * weights + attention)
-    assert vision_flops(arch, np.array([[1, 8, 8]])) > vision_flops(arch, np.array([[1, 4, 4]])) > 0
-    assert vision_flops(arch, np.zeros((0, 3), dtype=np.int64)) == 0
+    attention = arch.num_layers * 4 * h * 1  # a sample of 1 token: n(n+1)/2 = 1 pair of 4h FLOPs per layer
+    assert step_flops(model, [_batch([1])], pad_id=0) == pytest.approx(3 * (2 * weights + attention))
+    # one image of 4 x 4 patches = one window of the tiny tower (16 patches): every layer attends over 16
+    vis = arch.vision
+    hv, fv, k = vis.hidden_size, vis.intermediate_size, vis.spatial_merge_size**2
+    per_patch = 2 * 3 * 2 * 14 * 14 * hv + 2 * vis.depth * (4 * hv * hv + 3 * hv * fv)
+    per_patch += 2 * (k * hv * k * hv + k * hv * h) / k + vis.depth * 4 * hv * 16
+    image = step_flops(model, [_batch([1], [[1, 4, 4]])], pad_id=0) - step_flops(
+        model, [_batch([1])], pad_id=0
+    )
+    assert image == pytest.approx(3 * 16 * per_patch)
+    assert step_flops(model, [_batch([1], [[1, 8, 8]])], pad_id=0) > step_flops(
+        model, [_batch([1], [[1, 4, 4]])], pad_id=0
+    )
 
 
 def test_wandb_without_the_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER, SHARED_DIR
-from tests.test_trainer_hf_parity import _tiny_hf_model, _torchrun, _train_args
+from tests.test_trainer_hf_parity import _tiny_hf_model, _torchrun, _train_args, loss_and_grads
 
 VIDEO_DEMO = SHARED_DIR / "data" / "mllm_video_demo"
 VIDEO_FLAGS = ["--video-max-frames", "8", "--video-min-pixels", "3136", "--video-max-pixels", "50176"]
@@ -38,8 +38,9 @@ def _inputs(root: Path) -> Path:
     return path
 
 
-def _samples(packed: Path) -> list[dict]:
-    """Each sample of bin 0 as the loader gives it, with its slices of the image and video inputs."""
+def _samples(packed: Path, layout: list | None = None) -> list[dict]:
+    """Each sample of bin 0 as the loader gives it, with its slices of the image and video inputs; `layout`:
+    which samples must hold (images, videos), in any order (default: this file's two samples)."""
     import torch
 
     from mmpack.dataloader import Topology, build_loader
@@ -81,34 +82,40 @@ def _samples(packed: Path) -> list[dict]:
                 if kind == "video":
                     sample["seconds"] = torch.stack([next(seconds) for _ in mine])
         samples.append(sample)
-    assert [("image" in s, "video" in s) for s in samples] == [(True, False), (False, True)]
+    if layout is None:
+        layout = [(True, False), (False, True)]
+    assert sorted(("image" in s, "video" in s) for s in samples) == sorted(layout)
     return samples
+
+
+def model_inputs_of(samples: list[dict], *, zero_videos: bool = False, seconds: bool = True) -> list:
+    """(tokens, labels, mm_token_type_ids, model kwargs) of each sample for transformers (`seconds`: with
+    Qwen2.5-VL's second_per_grid_ts)."""
+    import torch
+
+    out = []
+    for s in samples:
+        kwargs: dict = {}
+        if "image" in s:
+            kwargs |= {"pixel_values": s["image"][0], "image_grid_thw": s["image"][1]}
+        if "video" in s:
+            pixels = torch.zeros_like(s["video"][0]) if zero_videos else s["video"][0]
+            kwargs |= {"pixel_values_videos": pixels, "video_grid_thw": s["video"][1]}
+            if seconds:
+                kwargs["second_per_grid_ts"] = s["seconds"]
+        types = (s["tokens"] == s["image_pad"]).int() + 2 * (s["tokens"] == s["video_pad"]).int()
+        out.append((s["tokens"], s["labels"], types, kwargs))
+    return out
 
 
 def _reference(hf_dir: Path, packed: Path, zero_videos: bool = False) -> dict:
     """transformers' loss on each sample alone: sum of token cross-entropies over the loss tokens / count."""
     import torch
-    import torch.nn.functional as F
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, torch_dtype=torch.float32)
-    total, count = torch.zeros(()), 0
     with torch.no_grad():
-        for s in _samples(packed):
-            ids = s["tokens"][None]
-            kwargs: dict = {}
-            if "image" in s:
-                kwargs |= {"pixel_values": s["image"][0], "image_grid_thw": s["image"][1]}
-            if "video" in s:
-                pixels = torch.zeros_like(s["video"][0]) if zero_videos else s["video"][0]
-                kwargs |= {"pixel_values_videos": pixels, "video_grid_thw": s["video"][1]}
-                kwargs["second_per_grid_ts"] = s["seconds"]
-            types = (ids == s["image_pad"]).int() + 2 * (ids == s["video_pad"]).int()
-            logits = model(input_ids=ids, mm_token_type_ids=types, **kwargs).logits[0]
-            keep = s["labels"] != -100
-            total = total + F.cross_entropy(logits[keep].float(), s["labels"][keep], reduction="sum")
-            count += int(keep.sum())
-    return {"loss": float(total / count), "tokens": count}
+        return loss_and_grads(model, model_inputs_of(_samples(packed), zero_videos=zero_videos))
 
 
 @pytest.mark.slow
@@ -146,7 +153,7 @@ def test_image_and_video_bin_loss_equals_transformers(tmp_path: Path) -> None:
 def test_a_dataset_video_pad_other_than_the_model_is_refused() -> None:
     from mmpack.trainer.build import check_data_matches_model
     from mmpack.trainer.data import DataInfo
-    from mmpack.trainer.models.qwen2_5_vl import arch_from_hf_config, tiny_hf_config
+    from mmpack.trainer.models.qwen2_5_vl import FAMILY, arch_from_hf_config, tiny_hf_config
 
     arch = arch_from_hf_config(
         tiny_hf_config(vocab_size=512, image_token_id=500, vision_start_token_id=501, vision_end_token_id=502)
@@ -162,7 +169,18 @@ def test_a_dataset_video_pad_other_than_the_model_is_refused() -> None:
         merge_size=2,
     )
     assert arch.video_token_id == 501  # tiny configs put it right after the image pad, as Qwen's vocabulary
-    check_data_matches_model(arch, DataInfo(**info, video_pad_id=501), "x")  # control: the same id passes
-    check_data_matches_model(arch, DataInfo(**info), "x")  # a dataset without videos has no video id to check
+    check_data_matches_model(
+        FAMILY, arch, DataInfo(**info, video_pad_id=501), "x"
+    )  # control: the same id passes
+    check_data_matches_model(
+        FAMILY, arch, DataInfo(**info), "x"
+    )  # a dataset without videos has no video id to check
     with pytest.raises(ValueError, match=r"<\|video_pad\|> is 503 in the dataset, 501 in the model"):
-        check_data_matches_model(arch, DataInfo(**info, video_pad_id=503), "x")
+        check_data_matches_model(FAMILY, arch, DataInfo(**info, video_pad_id=503), "x")
+    # videos planned by another processor's rule (other frames, sizes and tokens) are refused too
+    same_rule = DataInfo(**info, video_pad_id=501, video_rule="qwen-vl-utils")
+    check_data_matches_model(FAMILY, arch, same_rule, "x")
+    with pytest.raises(
+        ValueError, match="follow the qwen3_vl video rule, qwen2_5_vl's processor the qwen-vl"
+    ):
+        check_data_matches_model(FAMILY, arch, DataInfo(**info, video_pad_id=501, video_rule="qwen3_vl"), "x")

@@ -20,6 +20,7 @@ from mmpack.trainer.config import (
 )
 from mmpack.trainer.exits import ExitConfig
 from mmpack.trainer.freeze import parse_modules
+from mmpack.trainer.models import FAMILIES
 from mmpack.trainer.observability import ObservabilityConfig
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     """All flags, grouped like Megatron-LM's."""
     p = argparse.ArgumentParser(
         prog="torchrun --nproc_per_node N -m mmpack.trainer.pretrain_vlm",
-        description="Train a vision-language model (Qwen2.5-VL architecture on megatron-core) on a packed "
+        description="Train a vision-language model (a model family of mmpack.trainer.models on megatron-core) on a packed "
         "dataset with TP x PP x DP, from a HuggingFace checkpoint (--hf-model) or a small random model (size "
         "flags). Without CUDA it runs on CPU processes with gloo.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -65,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="HuggingFace model folder (save_pretrained: config.json + safetensors); each rank reads its "
         "TP/PP slice. Without it a random model is built from the size flags.",
+    )
+    g.add_argument(
+        "--model-type",
+        choices=sorted(FAMILIES),
+        default="qwen2_5_vl",
+        help="random model: its family (HF model_type); with --hf-model its config.json says",
     )
     g.add_argument(
         "--model-size",
@@ -139,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="interleaved pipeline: model chunks per stage (instead of --num-layers-per-virtual-pipeline-stage; "
         "works with --decoder-first/last-pipeline-num-layers when it divides every stage's layers)",
+    )
+
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10.0,
+        help="a collective that waits longer than this for the other ranks fails with an error naming the "
+        "flag (gloo and NCCL), instead of hanging on a rank that is stuck or gone",
     )
 
     g = p.add_argument_group("mixed precision")

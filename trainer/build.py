@@ -18,6 +18,7 @@ from mmpack.trainer.config import MegatronConfigs, ModelConfig, RunConfig
 from mmpack.trainer.data import DataInfo
 from mmpack.trainer.freeze import apply_freeze
 from mmpack.trainer.models import family, family_of, read_hf_config
+from mmpack.trainer.models.protocol import ModelFamily, TinyModelSpec
 
 
 def model_hf_config(cfg: RunConfig, info: DataInfo) -> dict[str, Any]:
@@ -33,7 +34,7 @@ def model_hf_config(cfg: RunConfig, info: DataInfo) -> dict[str, Any]:
         config = json.loads(kept.read_text())
         check_size_flags(m, config, f"the checkpoint of --load {cfg.checkpoint.load} (its {HF_CONFIG_NAME})")
         return config
-    return family(m.model_type).tiny_hf_config(
+    spec = TinyModelSpec(
         vocab_size=m.padded_vocab_size(info.vocab_size),
         image_token_id=info.image_pad_id,
         vision_start_token_id=info.vision_start_id,
@@ -49,6 +50,7 @@ def model_hf_config(cfg: RunConfig, info: DataInfo) -> dict[str, Any]:
         patch_size=info.patch_size,
         merge_size=info.merge_size,
     )
+    return family(m.model_type).tiny_hf_config(spec)
 
 
 def check_size_flags(m: ModelConfig, config: dict[str, Any], source: str) -> None:
@@ -66,8 +68,9 @@ def check_size_flags(m: ModelConfig, config: dict[str, Any], source: str) -> Non
         )
 
 
-def check_data_matches_model(arch: Any, info: DataInfo, where: str) -> None:
-    """The dataset's tokenizer and image geometry must be the model's; ValueError saying which differs."""
+def check_data_matches_model(fam: ModelFamily, arch: Any, info: DataInfo, where: str) -> None:
+    """The dataset's tokenizer, image geometry and video rule must be the model's; ValueError saying which
+    differs."""
     problems = []
     if info.vocab_size > arch.vocab_size:
         problems.append(f"the dataset's tokenizer has {info.vocab_size} tokens, the model {arch.vocab_size}")
@@ -83,6 +86,11 @@ def check_data_matches_model(arch: Any, info: DataInfo, where: str) -> None:
         problems.append(
             f"patch/merge size {info.patch_size}/{info.merge_size} in the dataset, "
             f"{arch.vision.patch_size}/{arch.vision.spatial_merge_size} in the model"
+        )
+    if info.video_rule and info.video_rule != fam.video_rule:
+        problems.append(
+            f"the dataset's videos follow the {info.video_rule} video rule, {fam.model_type}'s processor the "
+            f"{fam.video_rule} one"
         )
     if problems:
         raise ValueError(f"dataset and model {where} disagree: " + "; ".join(problems) + " (repack the data)")
@@ -105,7 +113,7 @@ def build_stage_model(
     chunk ``vp_stage`` of this stage (the vision tower only in chunk 0 of the first stage, the output layer
     only in the last chunk of the last stage)."""
     fam = family_of(arch.source)
-    model = fam.Model(
+    model = fam.build_stage(
         arch, mcfg.model, use_te=use_te, vp_stage=vp_stage,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),

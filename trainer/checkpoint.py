@@ -57,6 +57,7 @@ from mmpack.trainer.checkpoint_commit import (
     verify_checkpoint,
 )
 from mmpack.trainer.checkpoint_commit import latest_iteration as latest_iteration
+from mmpack.trainer.checkpoint_watch import AsyncSaveWatch, save_watched, started_process, watched_request
 
 # The distributed optimizer's reshardable format: its flat buffers are all-gathered over DP and cut back into
 # tensors of the parameters' shapes (so they reshard like the model); the writes stay spread over ranks.
@@ -177,6 +178,7 @@ class CheckpointWriter:
         self.root = root
         self.async_save = async_save
         self.queue = AsyncCallsQueue() if async_save else None
+        self.watch: AsyncSaveWatch | None = None  # the async save in flight
 
     def save(
         self,
@@ -196,16 +198,27 @@ class CheckpointWriter:
             folder.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         state = _state_for_save(iteration, model, optimizer, scheduler, loader_state, model_config)
-        request = dist_checkpointing.save(state, str(folder), async_sharded_save=self.async_save)
-        if request is None:
+        if not self.async_save:
+            save_watched(state, str(folder))
             commit(self.root, iteration)
             return
+        request = dist_checkpointing.save(state, str(folder), async_sharded_save=True)
+        watch = AsyncSaveWatch(dist.get_rank(), f"iteration {iteration} in {folder}")
+        request = watched_request(request, report=watch.send_end)
         request.add_finalize_fn(lambda: commit(self.root, iteration))
-        assert self.queue is not None
-        self.queue.schedule_async_request(request)
+        queue = self.queue
+        assert queue is not None
+        watch.started(started_process(lambda: queue.schedule_async_request(request)))
+        self.watch = watch
+        if request.async_fn is None:  # nothing to write on this rank: no process to watch
+            watch.conn.close()
+            self.watch = None
 
     def finalize(self, *, blocking: bool = False) -> None:
-        """Completes finished async saves (all of them when ``blocking``). Collective."""
+        """Completes finished async saves (all of them when ``blocking``); raises
+        :class:`~mmpack.packing.processes.ProcessDiedError` on the rank whose writer died. Collective."""
+        if self.watch is not None and self.watch.check(blocking=blocking):
+            self.watch = None
         if self.queue is not None:
             self.queue.maybe_finalize_async_calls(blocking=blocking)
 

@@ -88,10 +88,16 @@ class ParallelConfig:
     # chunks per stage or as language layers per chunk (see virtual_pipeline_size)
     virtual_pipeline_model_parallel_size: int | None = None
     num_layers_per_virtual_pipeline_stage: int | None = None
+    # how long a collective may wait for the other ranks before it fails (Megatron-LM's flag and default)
+    distributed_timeout_minutes: float = 10.0
 
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
             raise ValueError("parallel sizes must be >= 1")
+        if not 0 < self.distributed_timeout_minutes < float("inf"):
+            raise ValueError(
+                f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}"
+            )
         virtual = (self.virtual_pipeline_model_parallel_size, self.num_layers_per_virtual_pipeline_stage)
         if all(n is not None for n in virtual):
             raise ValueError(
@@ -349,7 +355,7 @@ def build_megatron_configs(cfg: RunConfig, arch: Any, *, use_te: bool = False) -
     `use_te`: the model is built with Transformer Engine on CUDA; only then are the fusion flags switched on
     (on CPU megatron-core would compile its fused ops with torch.compile, for no gain).
     """
-    from mmpack.trainer.models import family
+    from mmpack.trainer.models import family_of
 
     m, par, prec, tr = cfg.model, cfg.parallel, cfg.precision, cfg.train
     pipeline_dtype = torch.float32 if prec.fp32_residual_connection else prec.params_dtype
@@ -396,7 +402,7 @@ def build_megatron_configs(cfg: RunConfig, arch: Any, *, use_te: bool = False) -
         **interleaved,
         **recompute,
     }
-    parts = family(m.model_type).build_transformer_configs(arch, common, language_extra)
+    parts = family_of(arch.source).megatron_configs(arch, common, language_extra)
     ddp = DistributedDataParallelConfig(
         grad_reduce_in_fp32=prec.accumulate_allreduce_grads_in_fp32,
         use_distributed_optimizer=par.use_distributed_optimizer,

@@ -20,12 +20,18 @@ mmpack-marked folder. ``hf-to-mcore`` refuses a training run's folder (its track
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Any
+
+from mmpack.packing.processes import ProcessDiedError, describe_exit
+
+TIMEOUT_MINUTES = 10.0  # a converter rank waits this long in a collective for the others (as the trainer)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +80,7 @@ def _build_stage(hf_config: dict[str, Any], tp: int, pp: int) -> tuple[Any, Any,
     arch = fam.arch_from_hf_config(hf_config)
     cfg = RunConfig(parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
     parts = build_megatron_configs(cfg, arch).model
-    model = fam.Model(
+    model = fam.build_stage(
         arch, parts, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage()
     )
     return fam, arch, model
@@ -82,15 +88,13 @@ def _build_stage(hf_config: dict[str, Any], tp: int, pp: int) -> tuple[Any, Any,
 
 def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, tp: int, pp: int) -> None:
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from mmpack.trainer import cpu_backend
     from mmpack.trainer.checkpoint_commit import HF_CONFIG_NAME, commit, staging_dir
+    from mmpack.trainer.checkpoint_watch import save_watched
     from mmpack.trainer.models import read_hf_config
 
-    cpu_backend.activate()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _init_rank(rank, world, port)
     try:
         hf_config = read_hf_config(hf_dir)
         fam, arch, model = _build_stage(hf_config, tp, pp)
@@ -108,7 +112,7 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
             "model_config": hf_config,
             "model": model.sharded_state_dict(),
         }
-        dist_checkpointing.save(state, str(folder))
+        save_watched(state, str(folder))
         if rank == 0:
             (Path(out) / HF_CONFIG_NAME).write_text(json.dumps(hf_config, indent=2))
         commit(out, 0)  # checksums, iter_0000000, then the tracker
@@ -147,10 +151,8 @@ def _mcore_to_hf_rank(rank: int, port: int, ckpt: str, out: str, verify: bool) -
     from safetensors.torch import save_file
 
     from mmpack.packing.ownership import open_owned
-    from mmpack.trainer import cpu_backend
 
-    cpu_backend.activate()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    _init_rank(rank, 1, port)
     try:
         fam, arch, model, hf_config = load_tp1_model(ckpt, verify=verify)
         params = {name: p.detach() for name, p in model.named_parameters()}
@@ -194,19 +196,73 @@ def _refuse_training_run(out: str) -> None:
         )
 
 
-def _spawn(fn: Any, nprocs: int, args: tuple) -> None:
+def _init_rank(rank: int, world: int, port: int) -> None:
+    """CPU backend and the gloo group of one converter rank; a collective waits at most TIMEOUT_MINUTES."""
+    import torch.distributed as dist
+
+    from mmpack.trainer import cpu_backend
+
+    cpu_backend.activate()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(minutes=TIMEOUT_MINUTES),
+    )  # fmt: skip
+
+
+def _spawn(fn: Any, nprocs: int, args: tuple, start_method: str) -> None:
+    """``fn(rank, *args)`` on ``nprocs`` processes; the first that fails or dies stops the others, with one
+    error naming it.
+
+    Deaths are seen by polling each process's exit (``waitpid``): torch's ``join`` alone waits on pipes that a
+    rank's own children (its checkpoint writers) inherit, so a killed rank with a live writer went unseen."""
     import torch.multiprocessing as mp
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=start_method)
     try:
-        mp.spawn(fn, args=args, nprocs=nprocs, join=True)
+        while not context.join(timeout=0.5):
+            failed = [i for i, p in enumerate(context.processes) if p.exitcode not in (None, 0)]
+            if failed:
+                raise _failure(context, failed[0])
     except mp.ProcessRaisedException as e:
         last = str(e).strip().splitlines()[-1]
-        raise ValueError(last.split(": ", 1)[-1] if "Error" in last else last) from e
+        message = last.split(": ", 1)[-1] if "Error" in last else last
+        if last.startswith(f"{ProcessDiedError.__module__}.{ProcessDiedError.__name__}:"):
+            raise ProcessDiedError(message) from None  # a rank's checkpoint writer died
+        raise ValueError(message) from e
+    except mp.ProcessExitedException as e:
+        raise ProcessDiedError(
+            f"converter process {e.error_pid} (rank {e.error_index} of {nprocs}) {describe_exit(e.exit_code)}; "
+            "the other ranks were stopped and the output is incomplete"
+        ) from None
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+            p.join()
 
 
-def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int) -> Path:
-    """Writes the weights-only dist checkpoint at ``out``; returns its iteration folder."""
+def _failure(context: Any, index: int) -> Exception:
+    """torch's exception for process ``index`` of ``context``, which ended non-zero: its own error (from the
+    file torch's wrapper writes), or how it ended."""
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    process = context.processes[index]
+    if os.access(context.error_files[index], os.R_OK):
+        with open(context.error_files[index], "rb") as f:
+            trace = pickle.load(f)
+        return mp.ProcessRaisedException(trace, index, process.pid)
+    return mp.ProcessExitedException("", index, process.pid, process.exitcode)
+
+
+def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int, *, start_method: str = "spawn") -> Path:
+    """Writes the weights-only dist checkpoint at ``out``; returns its iteration folder. ``start_method``
+    of the rank processes: "fork" only from a process that has started no threads (the command line)."""
     from mmpack.trainer.checkpoint_commit import claim_checkpoint_folder, iteration_dir
     from mmpack.trainer.models import family_of, read_hf_config
 
@@ -217,38 +273,52 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int) -> Path:
     fam = family_of(config)
     fam.check_hf_weights(hf_dir, fam.arch_from_hf_config(config))
     claim_checkpoint_folder(out, role="checkpoint folder (--out)")
-    _spawn(_hf_to_mcore_rank, tp * pp, (tp * pp, _free_port(), hf_dir, out, tp, pp))
+    _spawn(_hf_to_mcore_rank, tp * pp, (tp * pp, _free_port(), hf_dir, out, tp, pp), start_method)
     return iteration_dir(out, 0)
 
 
-def mcore_to_hf(ckpt: str, out: str, *, verify: bool = True) -> Path:
+def mcore_to_hf(ckpt: str, out: str, *, verify: bool = True, start_method: str = "spawn") -> Path:
     """Writes ``out/config.json`` and ``out/model.safetensors`` (an earlier export there replaced, shards and
-    index included); returns the weights file."""
+    index included); returns the weights file (``start_method``: as :func:`hf_to_mcore`'s)."""
     from mmpack.packing.ownership import claim_folder
     from mmpack.trainer.checkpoint_commit import latest_iteration
 
     if latest_iteration(ckpt) is None:
         raise ValueError(f"{ckpt} holds no checkpoint (no latest_checkpointed_iteration.txt)")
     claim_folder(out, "hf-export", role="HF export folder (--out)")
-    _spawn(_mcore_to_hf_rank, 1, (_free_port(), ckpt, out, verify))
+    _spawn(_mcore_to_hf_rank, 1, (_free_port(), ckpt, out, verify), start_method)
     return Path(out) / "model.safetensors"
+
+
+def _preload() -> None:
+    """Imports what every rank process needs once, here, so that forked ranks start at once (a rank started
+    by "spawn" imports it all again)."""
+    import megatron.core.dist_checkpointing  # noqa: F401
+
+    import mmpack.trainer.checkpoint_watch
+    import mmpack.trainer.config
+    import mmpack.trainer.models  # noqa: F401
 
 
 def run(args: argparse.Namespace) -> int:
     from mmpack.packing.errors import MmpackError
 
+    _preload()
+    method = "fork" if threading.active_count() == 1 else "spawn"  # fork a process of one thread only
     try:
         if args.direction == "hf-to-mcore":
-            folder = hf_to_mcore(args.hf, args.out, args.tp, args.pp)
+            folder = hf_to_mcore(args.hf, args.out, args.tp, args.pp, start_method=method)
             print(
                 f"wrote {folder} (TP {args.tp} x PP {args.pp}); train from it with --load {args.out} --finetune"
             )
         else:
-            weights = mcore_to_hf(args.ckpt, args.out, verify=not args.no_verify_checkpoint)
+            weights = mcore_to_hf(
+                args.ckpt, args.out, verify=not args.no_verify_checkpoint, start_method=method
+            )
             print(f"wrote {weights} and config.json")
-    except (ValueError, FileNotFoundError, MmpackError) as e:
+    except (ValueError, FileNotFoundError, MmpackError, ProcessDiedError) as e:
         if args.debug:
             raise
         print(f"mmpack convert: error: {e}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(e, ProcessDiedError) else 2
     return 0

@@ -12,7 +12,6 @@ import torch
 
 from mmpack.packing.batch import MicroBatch, PositionRule
 from mmpack.packing.layout import IGNORE_INDEX
-from mmpack.packing.mrope import MRopeRule
 from mmpack.packing.tokenizer import ByteTokenizer
 from mmpack.trainer.batches import SyntheticLoader, SyntheticSpec, block_causal_mask
 
@@ -33,6 +32,7 @@ class DataInfo:
     patch_size: int
     merge_size: int
     video_pad_id: int = -1  # the dataset's <|video_pad|> id where it holds videos, else -1
+    video_rule: str = ""  # the style of the video rule its videos were planned with, where it holds videos
 
 
 class StepBatches:
@@ -88,6 +88,8 @@ def dataset_info(data_path: str | None, seq_length: int) -> DataInfo:
     if seq_length and seq_length != manifest.seq_len:
         raise ValueError(f"--seq-length {seq_length} differs from the dataset's seq_len {manifest.seq_len}")
     vocab = int(manifest.raw.get("tokenizer", {}).get("vocab_size", 0))
+    has_videos = bool(manifest.dataset.counts and manifest.dataset.counts.videos)
+    video_rule = manifest.dataset.video_rule
     if vocab <= 0:
         raise ValueError(f"manifest of {data_path} has no tokenizer vocab_size")
     return DataInfo(
@@ -99,9 +101,8 @@ def dataset_info(data_path: str | None, seq_length: int) -> DataInfo:
         vision_end_id=manifest.dataset.special_id("vision_end", -1),
         patch_size=manifest.patch_size,
         merge_size=manifest.merge_size,
-        video_pad_id=manifest.video_pad_id
-        if (manifest.dataset.counts and manifest.dataset.counts.videos)
-        else -1,
+        video_pad_id=manifest.video_pad_id if has_videos else -1,
+        video_rule=video_rule.style if has_videos and video_rule is not None else "",
     )
 
 
@@ -160,17 +161,6 @@ def build_step_batches(
         position_rule=position_rule,
     )
     return StepBatches(loader)
-
-
-def model_position_rule(arch: Any) -> MRopeRule:
-    """The model's M-RoPE rule, which the loader workers apply to every micro-batch (and the synthetic
-    batches too)."""
-    return MRopeRule(
-        image_pad_id=arch.image_token_id,
-        merge_size=arch.vision.spatial_merge_size,
-        video_pad_id=arch.video_token_id,
-        tokens_per_second=arch.tokens_per_second,
-    )
 
 
 def thd_length(num_tokens: int, multiple: int) -> int:

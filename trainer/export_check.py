@@ -69,7 +69,6 @@ def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
     from mmpack.trainer import cpu_backend
     from mmpack.trainer.batches import block_causal_mask
     from mmpack.trainer.convert import load_tp1_model
-    from mmpack.trainer.data import model_position_rule
 
     cpu_backend.activate()
     with socket.socket() as s:
@@ -77,14 +76,14 @@ def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        _, arch, model, _ = load_tp1_model(ckpt)
+        fam, arch, model, _ = load_tp1_model(ckpt)
         model.eval()
         tokens = sample.tokens[None]
         n = tokens.shape[1]
         cu = torch.tensor([0, n], dtype=torch.int32)
         grid_thw = sample.image_grid_thw
         grids = grid_thw.numpy().astype("int64") if grid_thw is not None else np.zeros((0, 3), dtype=np.int64)
-        rule = model_position_rule(arch)
+        rule = fam.position_rule(arch)
         positions = torch.from_numpy(rule.positions(tokens[0].numpy(), [n], grids)).reshape(3, 1, n)
         with torch.no_grad():
             logits = model(
@@ -98,10 +97,10 @@ def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
 
 
 def hf_logits(hf_dir: str, sample: Sample) -> torch.Tensor:
-    """[L, V] logits of ``sample`` from the HF folder loaded by transformers."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    """[L, V] logits of ``sample`` from the HF folder loaded by transformers (its image-text-to-text class)."""
+    from transformers import AutoModelForImageTextToText
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32)
     model.eval()
     ids = sample.tokens[None]
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """Which parameters train (``--freeze-vision``, ``--freeze-llm``, ``--trainable-modules``).
 
-A stage model's parameters fall into modules by name: ``adapter`` (the patch merger / projector),
+A stage model's parameters fall into modules by name: ``adapter`` (the patch merger / projector, and Qwen3-VL's
+DeepStack mergers),
 ``vision_model`` (the rest of the vision tower), ``language_model`` (everything of the language model),
 ``embedding`` (its word embeddings) and ``output_layer`` (its output projection). With tied embeddings
 ``embedding`` and ``output_layer`` are the same weight (on the last pipeline stage a copy of it) and are named
@@ -36,7 +37,7 @@ def parse_modules(text: str | Iterable[str] | None) -> tuple[str, ...] | None:
 def modules_of(name: str, *, tied: bool) -> set[str]:
     """The modules a stage-model parameter ``name`` belongs to (e.g. "vision.merger.ln_q.weight" ->
     {"adapter"})."""
-    if name.startswith("vision.merger."):
+    if name.startswith(("vision.merger.", "vision.deepstack_mergers.")):
         return {"adapter"}
     if name.startswith("vision."):
         return {"vision_model"}

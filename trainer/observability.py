@@ -4,14 +4,10 @@ the parameter norm (``--log-params-norm``), the zeros in the gradient (``--log-n
 TFLOPs and MFU per iteration, memory, and the data wait as the maximum over all ranks.
 
 FLOPs of one step (model FLOPs: what the model needs, whatever recomputation the run adds) are 3 x the
-forward FLOPs (the backward pass costs twice the forward). Forward FLOPs, counting a multiply-add as 2:
-
-- language model, per token: ``2 * L * (h*(h + 2*g*d) + h*h + 3*h*f) + 2*h*V`` (QKV with g key/value groups
-  of head size d, output projection, SwiGLU MLP, logits); attention per *sample* of n tokens (packed bins
-  count each sample alone, its causal half): ``L * 2 * 2 * h * n*(n+1)/2``;
-- vision tower, per patch: ``2*C*T*p*p*hv`` (patch embedding) + ``2 * Lv * (4*hv*hv + 3*hv*fv)``; attention
-  over each window (window layers) or image (full-attention layers) of m patches: ``2 * 2 * hv * m*m``;
-  merger per merged token: ``2 * (k*hv*k*hv + k*hv*h)`` with k = merge_size**2.
+forward FLOPs (the backward pass costs twice the forward). The forward FLOPs of a micro-batch are its model
+family's FLOP count (``ModelFamily.flop_model``, the formula of ``mmpack.packing.cost``: language model per
+token and per sample's causal attention, vision tower per patch and per image's attention, mergers) over the
+micro-batch's features (samples, image and video grids): the same count ``--balance compute`` evens out.
 
 MFU = achieved model TFLOPs per GPU / the GPU's peak dense bf16 TFLOPs (``--peak-tflops-per-gpu``, else a
 table of known devices; not reported on CPU).
@@ -20,6 +16,7 @@ table of known devices; not reported on CPU).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import resource
 from collections.abc import Iterator
@@ -32,6 +29,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from mmpack.packing.batch import MicroBatch
+from mmpack.packing.cost import CostModel, add_video_features, bin_cost_features
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 
@@ -56,47 +54,6 @@ class ObservabilityConfig:
             raise ValueError("--peak-tflops-per-gpu must be > 0")
 
 
-def _attention_pairs(lengths: np.ndarray, causal: bool) -> float:
-    n = lengths.astype(np.float64)
-    return float((n * (n + 1) / 2).sum() if causal else (n * n).sum())
-
-
-def language_flops(arch: Any, sample_lengths: np.ndarray) -> float:
-    """Forward FLOPs of the language model over samples of the given lengths (see the module docstring)."""
-    h, d, g = arch.hidden_size, arch.head_dim, arch.num_key_value_heads
-    per_token = 2 * arch.num_layers * (h * (h + 2 * g * d) + h * h + 3 * h * arch.intermediate_size)
-    per_token += 2 * h * arch.vocab_size
-    attention = arch.num_layers * 4 * h * _attention_pairs(sample_lengths, causal=True)
-    return float(per_token * sample_lengths.sum()) + attention
-
-
-def vision_flops(arch: Any, image_grid_thw: np.ndarray) -> float:
-    """Forward FLOPs of the vision tower and merger over the images of ``image_grid_thw``."""
-    from mmpack.trainer.models.qwen2_5_vl.rope import window_order
-
-    v = arch.vision
-    if len(image_grid_thw) == 0:
-        return 0.0
-    patches = float(image_grid_thw.prod(axis=1).sum())
-    hv, k = v.hidden_size, v.spatial_merge_size**2
-    per_patch = 2 * v.in_channels * v.temporal_patch_size * v.patch_size**2 * hv
-    per_patch += 2 * v.depth * (4 * hv * hv + 3 * hv * v.intermediate_size)
-    _, windows = window_order(
-        image_grid_thw, merge_size=v.spatial_merge_size, window_size=v.window_size, patch_size=v.patch_size
-    )
-    full = len(v.fullatt_block_indexes)
-    attention = (
-        4
-        * hv
-        * (
-            full * _attention_pairs(image_grid_thw.prod(axis=1), causal=False)
-            + (v.depth - full) * _attention_pairs(windows, causal=False)
-        )
-    )
-    merger = 2 * (k * hv * k * hv + k * hv * arch.hidden_size) * patches / k
-    return per_patch * patches + attention + merger
-
-
 def sample_lengths(batch: MicroBatch[torch.Tensor], pad_id: int) -> np.ndarray:
     """Lengths of the samples of a micro-batch: the ``cu_seqlens`` segments, less the padding segments."""
     cu = batch.cu_seqlens.detach().cpu().numpy().astype(np.int64)
@@ -105,13 +62,21 @@ def sample_lengths(batch: MicroBatch[torch.Tensor], pad_id: int) -> np.ndarray:
     return lengths[starts != pad_id]
 
 
-def step_flops(arch: Any, batches: list[MicroBatch[torch.Tensor]], pad_id: int) -> float:
-    """Model FLOPs (forward + backward) of one DP rank's micro-batches of a step."""
-    forward = 0.0
-    for b in batches:
-        forward += language_flops(arch, sample_lengths(b, pad_id))
-        forward += vision_flops(arch, b.image_grid_thw.detach().cpu().numpy().astype(np.int64))
-    return 3.0 * forward
+def _grids(grid: torch.Tensor) -> np.ndarray:
+    return grid.detach().cpu().numpy().astype(np.int64).reshape(-1, 3)
+
+
+def micro_batch_features(batch: MicroBatch[torch.Tensor], pad_id: int) -> np.ndarray:
+    """The cost features (``mmpack.packing.cost.COST_FEATURES``) of a micro-batch: its samples, images and
+    videos (each temporal patch of a video attends alone, as an image)."""
+    features = bin_cost_features(sample_lengths(batch, pad_id), _grids(batch.image_grid_thw))
+    videos = _grids(batch.video_grid_thw)
+    return add_video_features(features[None], videos, np.array([0, len(videos)]))[0]
+
+
+def step_flops(flop_model: CostModel, batches: list[MicroBatch[torch.Tensor]], pad_id: int) -> float:
+    """Model FLOPs (forward + backward = 3x the forward ``flop_model``) of one DP rank's micro-batches."""
+    return 3.0 * sum(float(flop_model.cost(micro_batch_features(b, pad_id))) for b in batches)
 
 
 def peak_tflops(cfg: ObservabilityConfig) -> float | None:
@@ -204,6 +169,11 @@ class MetricsSink:
                     project=cfg.wandb_project, name=cfg.wandb_exp_name, dir=cfg.wandb_save_dir or cfg.tensorboard_dir,
                     mode="offline", config=run_config,
                 )  # fmt: skip
+        if cfg.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:  # every rank stops
+            raise ValueError(
+                '--tensorboard-dir needs the tensorboard package: pip install -e ".[test]" (or pip install '
+                "tensorboard)"
+            )
         if cfg.tensorboard_dir and is_logger:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -246,12 +216,12 @@ class Observer:
     """The metrics of each step beyond loss and learning rate, and where they are written."""
 
     def __init__(
-        self, cfg: ObservabilityConfig, *, arch: Any, pad_id: int, model: Any, optimizer: Any,
+        self, cfg: ObservabilityConfig, *, flop_model: CostModel, pad_id: int, model: Any, optimizer: Any,
         language_config: Any, is_logger: bool, run_config: dict[str, Any],
     ) -> None:  # fmt: skip
         from megatron.core.timers import Timers
 
-        self.cfg, self.arch, self.pad_id, self.model = cfg, arch, pad_id, model
+        self.cfg, self.flop_model, self.pad_id, self.model = cfg, flop_model, pad_id, model
         self.sink = MetricsSink(cfg, is_logger=is_logger, run_config=run_config)
         self.peak = peak_tflops(cfg)
         self.timers = Timers(2, "max") if cfg.log_timers_to_tensorboard else None
@@ -276,7 +246,7 @@ class Observer:
         self, batches: list[MicroBatch[torch.Tensor]], *, wait_s: float, elapsed_s: float, num_zeros: Any
     ) -> dict[str, Any]:
         """TFLOPs, MFU, the slowest rank's data wait and step time, norms, memory. Collective."""
-        flops = torch.tensor([step_flops(self.arch, batches, self.pad_id)], dtype=torch.float64)
+        flops = torch.tensor([step_flops(self.flop_model, batches, self.pad_id)], dtype=torch.float64)
         flops = flops.to("cuda" if torch.cuda.is_available() else "cpu")
         dist.all_reduce(flops, group=ps.get_data_parallel_group())
         wait_max, step_max = max_over_ranks([wait_s, elapsed_s])

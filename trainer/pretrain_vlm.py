@@ -38,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from mmpack.packing.errors import MmpackError
     from mmpack.trainer.exits import ExitSignals
+    from mmpack.trainer.failures import describe_failure
     from mmpack.trainer.training import Trainer, shutdown
 
     # installed before the data workers and checkpoint writers fork: they inherit it and live on until
@@ -48,10 +49,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             trainer = Trainer(cfg, exit_signals=signals)
             trainer.train()
-        except (
-            ValueError,
-            MmpackError,
-        ) as e:  # what the user can fix: one clear line, not a traceback per rank
+        except Exception as e:
+            # a process gone (a helper or a peer rank): each rank says in one line what it saw
+            line = describe_failure(e, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
+            if line is not None:
+                rank = os.environ.get("RANK", "0")
+                print(f"pretrain_vlm: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+                return 1
+            if not isinstance(e, (ValueError, MmpackError)):
+                raise
+            # what the user can fix: one clear line, not a traceback per rank
             if os.environ.get("RANK", "0") == "0":
                 print(f"pretrain_vlm: error: {e}", file=sys.stderr)
             return 2

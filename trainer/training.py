@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -40,37 +41,29 @@ from mmpack.trainer.data import (
     build_step_batches,
     dataset_info,
     model_inputs,
-    model_position_rule,
     pad_flat_batch,
     thd_length,
 )
 from mmpack.trainer.exits import ExitPolicy, ExitSignals
 from mmpack.trainer.freeze import count_parameters
 from mmpack.trainer.models import family_of
+from mmpack.trainer.models.protocol import ModelFamily
 from mmpack.trainer.observability import Observer
 from mmpack.trainer.shared_batches import SharedStepBatches, shared_step_batches
 
 
-def balance_cost_model(arch: Any, *, use_te: bool, given: tuple[float, ...] | None = None) -> CostModel:
+def balance_cost_model(
+    family: ModelFamily, arch: Any, *, use_te: bool, given: tuple[float, ...] | None = None
+) -> CostModel:
     """The bin cost `--balance compute` evens out over DP ranks: `given` coefficients (`--balance-cost`), else
-    the FLOP counts of the model being trained (`mmpack.packing.cost.CostModel.dense`).
+    the FLOP count of the model being trained (its family's `flop_model`, the count MFU reports).
 
     Without Transformer Engine the language model attends through a dense [seq, seq] block mask, whose work
     is the same for every bin, so only with TE (attention per sample, THD) does the sum of squared sample
-    lengths count. The vision tower attends within windows except in its full-attention layers."""
+    lengths count."""
     if given is not None:
         return CostModel.from_coefficients(given)
-    vision = arch.vision
-    side = vision.window_size // vision.spatial_merge_size // vision.patch_size * vision.spatial_merge_size
-    return CostModel.dense(
-        hidden_size=arch.hidden_size,
-        num_layers=arch.num_layers,
-        vision_hidden_size=vision.hidden_size,
-        vision_layers=vision.depth,
-        vision_full_attention_layers=len(vision.fullatt_block_indexes),
-        vision_window_patches=side * side,
-        language_attention_by_sample=use_te,
-    )
+    return family.flop_model(arch, attention_by_sample=use_te)
 
 
 def te_available() -> bool:
@@ -88,16 +81,18 @@ def initialize_distributed(cfg: RunConfig, *, virtual_pipeline_size: int | None 
     """Process group (gloo on CPU, NCCL on CUDA), megatron-core parallel state (with the model chunks per
     stage of an interleaved pipeline) and seeds. Returns on_cpu."""
     on_cpu = cpu_backend.activate()
+    par = cfg.parallel
     if not dist.is_initialized():
         if not on_cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("gloo" if on_cpu else "nccl")
-    par = cfg.parallel
+        timeout = datetime.timedelta(minutes=par.distributed_timeout_minutes)
+        dist.init_process_group("gloo" if on_cpu else "nccl", timeout=timeout)
     par.data_parallel_size(dist.get_world_size())  # validates the layout divides the world
     ps.initialize_model_parallel(
         par.tensor_model_parallel_size,
         par.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_size,
+        distributed_timeout_minutes=par.distributed_timeout_minutes,  # type: ignore[arg-type]
     )
     seed = cfg.train.seed
     random.seed(seed)
@@ -175,14 +170,17 @@ class Trainer:
         self.exit_policy = ExitPolicy(cfg.exit, exit_signals, start_s=time.time())
         info = dataset_info(cfg.data.data_path, cfg.train.seq_length)
         self.hf_config = model_hf_config(cfg, info)
-        self.arch = family_of(self.hf_config).arch_from_hf_config(self.hf_config)
+        self.family = family_of(self.hf_config)
+        self.arch = self.family.arch_from_hf_config(self.hf_config)
         self.virtual_pipeline_size = cfg.parallel.virtual_pipeline_size(self.arch.num_layers)
         self.on_cpu = initialize_distributed(cfg, virtual_pipeline_size=self.virtual_pipeline_size)
         if cfg.checkpoint.save:  # refused before any work when it is not mmpack's to write into
             claim_checkpoint_folder(cfg.checkpoint.save, role="checkpoint folder (--save)")
         self.dp_size = ps.get_data_parallel_world_size()
         self.cfg = cfg = resolve_train_config(cfg, info, self.dp_size)
-        check_data_matches_model(self.arch, info, cfg.model.hf_model or "(random, from the size flags)")
+        check_data_matches_model(
+            self.family, self.arch, info, cfg.model.hf_model or "(random, from the size flags)"
+        )
         if cfg.model.hf_model and cfg.data.data_path:  # tokenizer file and the whole image rule too
             check_dataset_for_hf_model(cfg.data.data_path, cfg.model.hf_model)
         self.use_te = te_available()
@@ -211,10 +209,12 @@ class Trainer:
             num_workers=cfg.data.num_workers,
             cache_dir=cfg.data.cache_dir,
             balance=cfg.data.balance,
-            cost_model=balance_cost_model(self.arch, use_te=self.use_te, given=cfg.data.balance_cost)
+            cost_model=balance_cost_model(
+                self.family, self.arch, use_te=self.use_te, given=cfg.data.balance_cost
+            )
             if cfg.data.balance == "compute"
             else None,
-            position_rule=model_position_rule(self.arch),
+            position_rule=self.family.position_rule(self.arch),
         )
         self.train_data = shared_step_batches(partial(step_batches, cfg.data.data_path, seed=cfg.train.seed))
         self.eval_data: SharedStepBatches | None = None
@@ -227,7 +227,8 @@ class Trainer:
         self.skipped = 0
         self.is_logger = dist.get_rank() == dist.get_world_size() - 1
         self.observer = Observer(
-            cfg.logging, arch=self.arch, pad_id=info.pad_id, model=torch.nn.ModuleList(self.chunks),
+            cfg.logging, flop_model=self.family.flop_model(self.arch), pad_id=info.pad_id,
+            model=torch.nn.ModuleList(self.chunks),
             optimizer=self.optimizer,
             language_config=self.mcfg.language, is_logger=self.is_logger, run_config=dataclasses.asdict(cfg),
         )  # fmt: skip

@@ -47,6 +47,6 @@ def run_parallel(
             return run_ray(ctx, fn, items, desc=desc, done=lambda i: bar.update(weights[i]))
         from mmpack.offline_packing.engines.local import run_local
 
-        return run_local(ctx, fn, items, workers=workers, done=lambda i: bar.update(weights[i]))
+        return run_local(ctx, fn, items, workers=workers, done=lambda i: bar.update(weights[i]), desc=desc)
     finally:
         bar.close()

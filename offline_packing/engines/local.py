@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mmpack.offline_packing.errors import PackError
+from mmpack.packing.processes import ProcessDiedError, describe_exit
 
 if TYPE_CHECKING:
     from mmpack.offline_packing.context import JobContext
@@ -32,11 +33,13 @@ def run_local(
     *,
     workers: int,
     done: Callable[[int], None] = lambda i: None,
+    desc: str = "",
 ) -> list[R]:
     """`[fn(ctx, x) for x in items]` on `workers` forked processes; `done(i)` as item i completes.
 
     An item's error is raised once every item before it has completed, so the error raised is that of the
-    first failing item, whatever the number of workers.
+    first failing item, whatever the number of workers. A worker that dies (killed, out of memory) is a
+    `ProcessDiedError` naming the stage (`desc`), the worker and the first chunk not done, never a hang.
     """
     if workers <= 1 or len(items) <= 1:
         results = []
@@ -57,7 +60,7 @@ def run_local(
     for _ in procs:
         tasks.put(None)
     try:
-        return _collect(answers, procs, len(items), done)
+        return _collect(answers, procs, len(items), done, desc)
     finally:
         for p in procs:
             if p.is_alive():
@@ -65,7 +68,7 @@ def run_local(
             p.join()
 
 
-def _collect(answers: Any, procs: list[Any], n: int, done: Callable[[int], None]) -> list[Any]:
+def _collect(answers: Any, procs: list[Any], n: int, done: Callable[[int], None], desc: str) -> list[Any]:
     results: list[Any] = [None] * n
     finished = [False] * n
     first_error: tuple[int, BaseException] | None = None
@@ -73,10 +76,12 @@ def _collect(answers: Any, procs: list[Any], n: int, done: Callable[[int], None]
         try:
             i, ok, value = answers.get(timeout=POLL_S)
         except queue.Empty:
-            dead = [f"{p.name} (exit code {p.exitcode})" for p in procs if p.exitcode not in (None, 0)]
+            dead = [f"{p.name} {describe_exit(p.exitcode)}" for p in procs if p.exitcode not in (None, 0)]
             if dead or all(p.exitcode == 0 for p in procs):
-                raise PackError(
-                    f"a worker process died: {', '.join(dead) or 'unknown'}; rerun to resume"
+                raise ProcessDiedError(
+                    f"{desc or 'stage'}: a worker process of the local engine died ({', '.join(dead) or 'unknown'}"
+                    f") before chunk {finished.index(False)} of {n} was done; rerun the same command: finished "
+                    "chunks are kept"
                 ) from None
             continue
         finished[i] = True

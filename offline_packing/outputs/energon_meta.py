@@ -15,6 +15,8 @@ import io
 import uuid
 from pathlib import Path
 
+from mmpack.offline_packing.errors import PackError
+
 DATASET_YAML = """\
 sample_type:
   __module__: mmpack.offline_packing.outputs.energon_sample
@@ -54,6 +56,17 @@ def _videos(raw: dict, meta: dict) -> dict:
 def part_filter(part: str) -> bool:
     return True
 '''
+
+
+def require_energon() -> None:
+    """Raises PackError with the install line when Megatron-Energon (the `energon` extra) is missing."""
+    try:
+        import megatron.energon  # noqa: F401
+    except ImportError:
+        raise PackError(
+            '--energon needs Megatron-Energon, which is not installed: pip install -e ".[energon]" '
+            "(or pip install megatron-energon), or leave out --energon"
+        ) from None
 
 
 def write_energon_metadata(out_dir: Path, wds_shards: list[dict], workers: int = 1) -> Path:

@@ -1,27 +1,39 @@
-"""Model families by HuggingFace ``model_type``: each is one subpackage exposing the same names
-(``Model``, ``Arch``, ``arch_from_hf_config``, ``tiny_hf_config``, ``build_transformer_configs``,
-``load_stage_weights``, ``check_hf_weights``, ``init_stage_random``, ``stage_state_dict``, ``hf_state_dict``,
-``stage_rules``), so a new family is one new module plus one line here."""
+"""The registry of model families, keyed by the HuggingFace ``model_type`` of ``config.json``.
+
+Each family is one subpackage whose ``FAMILY`` is a :class:`mmpack.trainer.models.protocol.ModelFamily`; a new
+family is one new subpackage plus one line in :data:`FAMILIES`. Generic trainer code reaches a family only
+through :func:`family` / :func:`family_of`; family modules are imported when first asked for.
+"""
 
 from __future__ import annotations
 
 import importlib
 import json
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-FAMILIES = {"qwen2_5_vl": "mmpack.trainer.models.qwen2_5_vl"}
+if TYPE_CHECKING:
+    from mmpack.trainer.models.protocol import ModelFamily
+
+FAMILIES: dict[str, str] = {
+    "qwen2_5_vl": "mmpack.trainer.models.qwen2_5_vl",
+    "qwen3_vl": "mmpack.trainer.models.qwen3_vl",
+}
 
 
-def family(model_type: str) -> ModuleType:
-    """The module of a model family; ValueError listing the known ones otherwise."""
+def family(model_type: str) -> ModelFamily:
+    """The family of a ``model_type``; ValueError listing the known ones otherwise."""
+    from mmpack.trainer.models.protocol import ModelFamily
+
     if model_type not in FAMILIES:
         raise ValueError(f"model_type {model_type!r} is not supported (known: {', '.join(sorted(FAMILIES))})")
-    return importlib.import_module(FAMILIES[model_type])
+    found = getattr(importlib.import_module(FAMILIES[model_type]), "FAMILY", None)
+    if not isinstance(found, ModelFamily) or found.model_type != model_type:
+        raise TypeError(f"{FAMILIES[model_type]}.FAMILY is not the ModelFamily of {model_type!r}")
+    return found
 
 
-def family_of(hf_config: dict[str, Any]) -> ModuleType:
+def family_of(hf_config: dict[str, Any]) -> ModelFamily:
     """The family of a ``config.json`` dict."""
     return family(str(hf_config.get("model_type")))
 

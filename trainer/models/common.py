@@ -1,4 +1,5 @@
-"""megatron-core pieces shared by the model families: the RMSNorm, the residual add and the layer specs.
+"""megatron-core pieces shared by the model families: the RMSNorm and LayerNorm, the residual add and the
+layer specs.
 
 megatron-core's local spec uses ``WrappedTorchNorm``, which refuses ``sequence_parallel`` and cannot take an
 fp32 residual stream with half-precision weights. :class:`RMSNorm` does both (the role Apex's fused norms play
@@ -36,6 +37,22 @@ class RMSNorm(torch.nn.Module):
         return (self.weight * x.to(hidden_states.dtype)).to(self.weight.dtype)
 
 
+class LayerNorm(torch.nn.Module):
+    """LayerNorm with weight and bias (the vision towers' norms, transformers' ``nn.LayerNorm``), computed in
+    the input dtype; sequence-parallel aware as :class:`RMSNorm`."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: Any) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.bias = torch.nn.Parameter(torch.zeros(hidden_size))
+        for p in (self.weight, self.bias):
+            p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.bias, self.eps)
+
+
 def get_residual_bias_dropout_add(training: bool, fused: bool = False):
     """Bias-dropout-add that keeps the residual stream in its own dtype.
 
@@ -54,12 +71,18 @@ def get_residual_bias_dropout_add(training: bool, fused: bool = False):
     return bias_dropout_add
 
 
-def build_layer_spec(attn_mask_type: AttnMaskType) -> ModuleSpec:
-    """megatron-core's local (no Transformer Engine) GPT layer with our RMSNorm and the given mask type."""
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+def build_layer_spec(
+    attn_mask_type: AttnMaskType, *, norm: type[torch.nn.Module] = RMSNorm, qk_norm: bool = False
+) -> ModuleSpec:
+    """megatron-core's local (no Transformer Engine) GPT layer with our ``norm`` (RMSNorm or LayerNorm) and
+    the given mask type; ``qk_norm``: RMSNorm over each query and key head (Qwen3)."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm))
     sub = spec.submodules
-    sub.input_layernorm = RMSNorm
-    sub.pre_mlp_layernorm = RMSNorm
+    sub.input_layernorm = norm
+    sub.pre_mlp_layernorm = norm
+    if qk_norm:
+        sub.self_attention.submodules.q_layernorm = RMSNorm
+        sub.self_attention.submodules.k_layernorm = RMSNorm
     sub.self_attn_bda = get_residual_bias_dropout_add
     sub.mlp_bda = get_residual_bias_dropout_add
     sub.self_attention.params = {**sub.self_attention.params, "attn_mask_type": attn_mask_type}
@@ -67,9 +90,10 @@ def build_layer_spec(attn_mask_type: AttnMaskType) -> ModuleSpec:
 
 
 def build_block_spec(
-    num_local_layers: int, *, use_te: bool = False, fp32_residual: bool = False
+    num_local_layers: int, *, use_te: bool = False, fp32_residual: bool = False, qk_norm: bool = False
 ) -> TransformerBlockSubmodules:
-    """Decoder block spec: ``num_local_layers`` layers of this pipeline stage plus the final norm.
+    """Decoder block spec: ``num_local_layers`` layers of this pipeline stage plus the final norm
+    (``qk_norm``: with RMSNorm over each query and key head).
 
     Without TE the block-diagonal packed mask is passed densely (``AttnMaskType.arbitrary``); with TE the
     attention takes ``PackedSeqParams`` (THD, cu_seqlens) and its own causal-per-segment kernel.
@@ -78,13 +102,13 @@ def build_block_spec(
         from megatron.core.extensions.transformer_engine import TENorm
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        layer = get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm")
+        layer = get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
         if fp32_residual:
             return TransformerBlockSubmodules(
                 layer_specs=[unfused_te_layer_spec(layer)] * num_local_layers, layer_norm=RMSNorm
             )
         return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=TENorm)
-    layer = build_layer_spec(AttnMaskType.arbitrary)
+    layer = build_layer_spec(AttnMaskType.arbitrary, qk_norm=qk_norm)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=RMSNorm)
 
 

@@ -5,34 +5,19 @@ from mmpack.trainer.models.qwen2_5_vl.config import (
     Qwen25VLArch,
     arch_from_hf_config,
     build_transformer_configs,
-    size_flags_of,
     tiny_hf_config,
 )
-from mmpack.trainer.models.qwen2_5_vl.hf_io import (
-    check_hf_weights,
-    hf_state_dict,
-    init_stage_random,
-    load_stage_weights,
-    stage_rules,
-    stage_state_dict,
-)
-from mmpack.trainer.models.qwen2_5_vl.model import Qwen25VLModel
-
-Model = Qwen25VLModel
-Arch = Qwen25VLArch
+from mmpack.trainer.models.qwen2_5_vl.family import FAMILY, Qwen25VLFamily
+from mmpack.trainer.models.qwen2_5_vl.hf_io import part_rules, stage_rules
 
 __all__ = [
+    "FAMILY",
     "MODEL_TYPE",
-    "Arch",
-    "Model",
+    "Qwen25VLArch",
+    "Qwen25VLFamily",
     "arch_from_hf_config",
     "build_transformer_configs",
-    "check_hf_weights",
-    "hf_state_dict",
-    "init_stage_random",
-    "load_stage_weights",
-    "size_flags_of",
+    "part_rules",
     "stage_rules",
-    "stage_state_dict",
     "tiny_hf_config",
 ]

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.nn.functional as F
-from megatron.core.transformer import TransformerConfig
+
+from mmpack.trainer.models.qwen_lm import QwenLMArch, lm_fields
+from mmpack.trainer.models.vision_common import VLMegatronConfigs
+from mmpack.trainer.models.vlm_stage import qwen_vl_configs
 
 MODEL_TYPE = "qwen2_5_vl"
 
@@ -40,41 +43,20 @@ class VisionArch:
 
 
 @dataclass(kw_only=True, frozen=True)
-class Qwen25VLArch:
+class Qwen25VLArch(QwenLMArch):
     """Everything about the model that comes from ``config.json`` (sizes, special ids, RoPE)."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    rms_norm_eps: float
-    rope_theta: float
-    mrope_section: tuple[int, int, int]
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    hidden_act: str
     image_token_id: int
     vision_start_token_id: int
     vision: VisionArch
     source: dict[str, Any]  # the config.json it was read from, written back on export
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be divisible by num_attention_heads")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if 2 * sum(self.mrope_section) != self.head_dim:
-            raise ValueError(
-                f"mrope_section {self.mrope_section} must sum to head_dim / 2 = {self.head_dim // 2}"
-            )
-        if self.hidden_act != "silu" or self.vision.hidden_act != "silu":
+        if self.vision.hidden_act != "silu":
             raise ValueError("only hidden_act 'silu' (SwiGLU) is supported")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     @property
     def video_token_id(self) -> int:
@@ -120,39 +102,13 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> Qwen25VLArch:
         rope_theta=float(vrope),
         hidden_act=str(v.get("hidden_act", "silu")),
     )
-    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     return Qwen25VLArch(
-        vocab_size=int(text["vocab_size"]),
-        hidden_size=int(text["hidden_size"]),
-        intermediate_size=int(text["intermediate_size"]),
-        num_layers=int(text["num_hidden_layers"]),
-        num_attention_heads=int(text["num_attention_heads"]),
-        num_key_value_heads=int(text.get("num_key_value_heads", text["num_attention_heads"])),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        mrope_section=section,
-        max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-        tie_word_embeddings=bool(tie),
-        hidden_act=str(text.get("hidden_act", "silu")),
+        **lm_fields(cfg, (theta, section), max_positions=32768, own_head_dim=False),
         image_token_id=int(cfg.get("image_token_id", 151655)),
         vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
         vision=vision,
         source=cfg,
     )
-
-
-def size_flags_of(arch: Qwen25VLArch) -> dict[str, int]:
-    """The model's sizes under the trainer's size-flag names (``ModelConfig`` fields)."""
-    return {
-        "num_layers": arch.num_layers,
-        "hidden_size": arch.hidden_size,
-        "num_attention_heads": arch.num_attention_heads,
-        "num_query_groups": arch.num_key_value_heads,
-        "ffn_hidden_size": arch.intermediate_size,
-        "vision_num_layers": arch.vision.depth,
-        "vision_hidden_size": arch.vision.hidden_size,
-        "vision_num_attention_heads": arch.vision.num_heads,
-    }
 
 
 def tiny_hf_config(
@@ -221,63 +177,10 @@ def tiny_hf_config(
     }
 
 
-@dataclass(kw_only=True, frozen=True)
-class Qwen25VLMegatronConfigs:
-    """megatron-core configs of the three parts: language model, vision transformer, patch merger MLP."""
-
-    language: TransformerConfig
-    vision: TransformerConfig
-    projector: TransformerConfig
-
-
 def build_transformer_configs(
-    arch: Qwen25VLArch, common: dict[str, Any], language_extra: dict[str, Any]
-) -> Qwen25VLMegatronConfigs:
+    arch: Any, common: dict[str, Any], language_extra: dict[str, Any]
+) -> VLMegatronConfigs:
     """megatron-core configs from the architecture; ``common`` holds the run's parallel/precision fields."""
-    language = TransformerConfig(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_key_value_heads,
-        kv_channels=arch.head_dim,
-        ffn_hidden_size=arch.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=True,
-        mrope_section=list(arch.mrope_section),
-        **common,
-        **language_extra,
-    )
-    v = arch.vision
-    vision_common = {**common, "pipeline_model_parallel_size": 1, "fp32_residual_connection": False}
-    vision = TransformerConfig(
-        num_layers=v.depth,
-        hidden_size=v.hidden_size,
-        num_attention_heads=v.num_heads,
-        kv_channels=v.head_dim,
-        ffn_hidden_size=v.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=True,
-        add_qkv_bias=True,
-        sequence_parallel=False,  # image patches are few and variable; they stay whole on every TP rank
-        **vision_common,
-    )
-    merged = v.hidden_size * v.spatial_merge_size**2
-    projector = TransformerConfig(
-        num_layers=1,
-        hidden_size=arch.hidden_size,
-        num_attention_heads=common["tensor_model_parallel_size"],  # unused by the MLP; TP must divide it
-        ffn_hidden_size=merged,
-        gated_linear_unit=False,
-        activation_func=F.gelu,
-        add_bias_linear=True,
-        sequence_parallel=False,
-        **vision_common,
-    )
-    return Qwen25VLMegatronConfigs(language=language, vision=vision, projector=projector)
+    return qwen_vl_configs(
+        arch, common, language_extra, qk_norm=False, vision_norm="RMSNorm", vision_activation=F.silu, vision_gated=True
+    )  # fmt: skip

@@ -1,18 +1,9 @@
-"""What a HuggingFace Qwen2.5-VL checkpoint must hold to be this ``config.json``'s model: every tensor
-``save_pretrained`` writes for it, by name and shape, in a float dtype, and nothing else. Integer or
-quantized weights would be cast into nonsense, and a config.json with fewer layers than the files would load
-part of the model without a word."""
+"""The tensors a HuggingFace Qwen2.5-VL checkpoint holds for its ``config.json``: every one ``save_pretrained``
+writes, by name and shape (the table :mod:`mmpack.trainer.models.hf_check` checks the files against)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from mmpack.trainer.models.qwen2_5_vl.config import Qwen25VLArch
-
-# Float formats the weights are read from (and cast to the run's dtype).
-FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
-# Tensors some checkpoints carry that the model computes itself.
-_IGNORED_SUFFIXES = (".inv_freq",)
 
 
 def _language_shapes(arch: Qwen25VLArch) -> dict[str, tuple[int, ...]]:
@@ -76,38 +67,3 @@ def _vision_shapes(arch: Qwen25VLArch) -> dict[str, tuple[int, ...]]:
 def hf_tensor_shapes(arch: Qwen25VLArch) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor ``save_pretrained`` writes for this architecture."""
     return _language_shapes(arch) | _vision_shapes(arch)
-
-
-def _some(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-
-
-def check_weight_files(reader: Any, arch: Qwen25VLArch) -> None:
-    """``reader`` (a ``SafetensorsReader``) holds exactly the tensors ``config.json`` describes, with their
-    shapes, all of float dtypes; ValueError in one line naming the first that is not."""
-    dtypes: dict[str, str] = reader.dtypes()
-    for name, dtype in sorted(dtypes.items()):
-        if dtype not in FLOAT_DTYPES:
-            raise ValueError(
-                f"{reader.root}: tensor {name} is {dtype}, not a float ({', '.join(FLOAT_DTYPES)}): quantized "
-                "or integer weights cannot be trained from; give the unquantized checkpoint"
-            )
-    expected = hf_tensor_shapes(arch)
-    tolerated = {"lm_head.weight"} if arch.tie_word_embeddings else set()  # a copy of the tied embedding
-    extra = sorted(n for n in set(dtypes) - set(expected) - tolerated if not n.endswith(_IGNORED_SUFFIXES))
-    missing = sorted(set(expected) - set(dtypes))
-    described = f"config.json ({arch.num_layers} language layers, {arch.vision.depth} vision blocks)"
-    if extra or missing:
-        what = [f"{len(extra)} tensors it does not describe ({_some(extra)})"] if extra else []
-        what += [f"no {_some(missing)} ({len(missing)} missing)"] if missing else []
-        raise ValueError(
-            f"{reader.root}: {described} and the weights disagree: the files hold {' and '.join(what)}; give "
-            "the config.json the weights were saved with"
-        )
-    for name, shape in sorted(expected.items()):
-        found = tuple(reader.shape(name))
-        if found != shape:
-            raise ValueError(
-                f"{reader.root}: tensor {name} is {list(found)}, {described} gives {list(shape)}: config.json "
-                "and the weights disagree; give the config.json the weights were saved with"
-            )

@@ -10,39 +10,22 @@ to attention as cu_seqlens (:class:`mmpack.trainer.models.segment_attention.Segm
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
-from megatron.core import parallel_state as ps
-from megatron.core.models.vision.multimodal_projector import MultimodalProjector
-from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
 
-from mmpack.trainer.models.common import RMSNorm, build_layer_spec
+from mmpack.trainer.models.common import RMSNorm
 from mmpack.trainer.models.qwen2_5_vl.config import VisionArch
-from mmpack.trainer.models.qwen2_5_vl.rope import (
+from mmpack.trainer.models.qwen2_5_vl.rope import window_order
+from mmpack.trainer.models.vision_common import (
+    VisionTowerBase,
+    frame_lengths,
+    merger_mlp,
     patch_hw_positions,
+    segments,
     vision_rotary_angles,
-    window_order,
 )
-from mmpack.trainer.models.segment_attention import SegmentAttention
-
-
-def _segments(lengths: np.ndarray, device: torch.device) -> PackedSeqParams:
-    """Attention blocks of ``lengths`` patches as cu_seqlens (``sbhd``: rotary angles stay per patch)."""
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
-    cu[1:] = torch.as_tensor(np.cumsum(lengths), dtype=torch.int32, device=device)
-    longest = int(lengths.max()) if len(lengths) else 0
-    return PackedSeqParams(
-        qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
-    )
 
 
 class PatchMerger(MegatronModule):
@@ -54,69 +37,20 @@ class PatchMerger(MegatronModule):
         super().__init__(projector_config)
         self.merged_size = vision_config.hidden_size * merge_units
         self.ln_q = RMSNorm(vision_config, vision_config.hidden_size, eps=1e-6)
-        self.projector = MultimodalProjector(
-            projector_config,
-            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-            "mlp",
-            self.merged_size,
-        )
+        self.projector = merger_mlp(projector_config, self.merged_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.projector(self.ln_q(hidden).reshape(-1, self.merged_size))
 
 
-class VisionTower(MegatronModule):
+class VisionTower(VisionTowerBase):
     """pixel_values [P, C*T*p*p] (processor order) + image_grid_thw -> [P / merge**2, language hidden]."""
 
     def __init__(
         self, config: TransformerConfig, projector_config: TransformerConfig, arch: VisionArch
     ) -> None:
-        super().__init__(config)
-        self.arch = arch
-        kernel = (arch.temporal_patch_size, arch.patch_size, arch.patch_size)
-        self.patch_embed = torch.nn.Conv3d(
-            arch.in_channels, arch.hidden_size, kernel, stride=kernel, bias=False
-        )
-        spec = build_layer_spec(AttnMaskType.no_mask)
-        spec.submodules.self_attention.submodules.core_attention = SegmentAttention
-        self.layers = torch.nn.ModuleList(
-            [build_module(spec, config=config, layer_number=i + 1) for i in range(arch.depth)]
-        )
+        super().__init__(config, arch, norm=RMSNorm, patch_bias=False)
         self.merger = PatchMerger(config, projector_config, arch.spatial_merge_size**2)
-
-    def _embed_patches(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        a = self.arch
-        width = a.in_channels * a.temporal_patch_size * a.patch_size**2
-        if pixel_values.shape[-1] != width:
-            raise ValueError(
-                f"pixel_values rows have {pixel_values.shape[-1]} values, the model takes {width}"
-            )
-        x = pixel_values.reshape(-1, a.in_channels, a.temporal_patch_size, a.patch_size, a.patch_size)
-        return self.patch_embed(x.to(self.patch_embed.weight.dtype)).reshape(-1, a.hidden_size)
-
-    def sharded_state_dict(
-        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
-    ) -> dict:
-        """Checkpoint shards: megatron-core's default would treat the plain ``ModuleList`` of layers as
-        replicated over TP; each layer's own ``sharded_state_dict`` knows its tensor-parallel cuts."""
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
-        out: dict = {}
-        for name, child in self.named_children():
-            if name == "layers":
-                for i in range(len(self.layers)):
-                    layer: Any = self.layers[i]
-                    out.update(layer.sharded_state_dict(f"{prefix}layers.{i}.", sharded_offsets, metadata))
-            else:
-                out.update(
-                    sharded_state_dict_default(
-                        child,
-                        f"{prefix}{name}.",
-                        sharded_offsets,
-                        metadata,
-                        tp_group=ps.get_tensor_model_parallel_group(),
-                    )
-                )
-        return out
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         a, device = self.arch, pixel_values.device
@@ -126,7 +60,7 @@ class VisionTower(MegatronModule):
             grids, merge_size=a.spatial_merge_size, window_size=a.window_size, patch_size=a.patch_size
         )
         # full attention within each image and each frame pair of a video (per temporal patch), as transformers
-        image_lengths = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
+        image_lengths = frame_lengths(grids)
         patch_order = torch.as_tensor((order[:, None] * unit + np.arange(unit)).reshape(-1), device=device)
         positions = torch.as_tensor(patch_hw_positions(grids, a.spatial_merge_size), device=device)
 
@@ -134,10 +68,10 @@ class VisionTower(MegatronModule):
         angles = vision_rotary_angles(positions[patch_order], a.head_dim, a.rope_theta)
         rotary = angles[:, None, None, :]  # [P, 1, 1, head_dim], megatron-core's [s, b, 1, d]
         # windows are contiguous after the reordering, and every image is a run of whole windows
-        windows, images = (_segments(lengths, device) for lengths in (window_lengths, image_lengths))
+        windows, images = (segments(lengths, device) for lengths in (window_lengths, image_lengths))
         hidden = hidden.unsqueeze(1)  # [P, 1, h]
         for i, layer in enumerate(self.layers):
-            segments = images if i in a.fullatt_block_indexes else windows
-            hidden, _ = layer(hidden, attention_mask=None, rotary_pos_emb=rotary, packed_seq_params=segments)
+            blocks = images if i in a.fullatt_block_indexes else windows
+            hidden, _ = layer(hidden, attention_mask=None, rotary_pos_emb=rotary, packed_seq_params=blocks)
         merged = self.merger(hidden.squeeze(1))
         return merged[torch.as_tensor(np.argsort(order), device=device)]
