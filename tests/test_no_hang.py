@@ -290,7 +290,7 @@ def test_killed_offline_worker_ends_the_stage_and_the_same_run_finishes() -> Non
     with pytest.raises(
         ProcessDiedError,
         match=r"^scan: a worker process of the local engine died \(mmpack-pack-\d was killed by SIGKILL\) "
-        r"before chunk 5 of 8",
+        r"before chunk \d of 8",
     ):
         run_parallel(ctx, _run_or_die, list(range(8)), workers=2, desc="scan", progress=False)
     assert time.monotonic() - start < DEADLINE_S

@@ -26,6 +26,6 @@ def test_a_dead_worker_is_an_error() -> None:
     with pytest.raises(
         ProcessDiedError,
         match=r"worker process of the local engine died \(mmpack-pack-\d exited "
-        r"with code 3\) before chunk 1 of 3",
+        r"with code 3\) before chunk [01] of 3",
     ):
         run_parallel(CTX, fail_on, [(0, set()), (-1, set()), (2, set())], workers=2, progress=False)

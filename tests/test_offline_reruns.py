@@ -237,6 +237,7 @@ def _changed(name: str, value: object) -> object:
         "image_std": (0.5, 0.5, 0.5),
         "temporal_patch_size": 1,
         "video_frame_factor": 4,
+        "video_style": "qwen3_vl",
         "resample": 2,
         "chat_source": "{{ messages }}",
         "chat_variables": (("bos_token", "<s>"),),
