@@ -56,23 +56,34 @@ class ImageSizeError(MmpackError, ValueError):
 
 
 def smart_resize(
-    height: int, width: int, *, factor: int, min_pixels: float, max_pixels: float, video: bool = False
+    height: int,
+    width: int,
+    *,
+    factor: int,
+    min_pixels: float,
+    max_pixels: float,
+    video: bool = False,
+    frames: int = 1,
+    temporal_factor: int = 1,
 ) -> tuple[int, int]:
     """Qwen-VL's resize rule, (h', w'): sides multiples of `factor`, area in [min_pixels, max_pixels], aspect
-    ratio about kept. The two upstream versions differ at the edges: images (transformers'
+    ratio about kept. The upstream versions differ at the edges: images (transformers'
     `Qwen2VLImageProcessor`) round the sides first and keep them at least `factor` when shrinking; videos
     (`video=True`, qwen-vl-utils) take each side at least `factor` first and keep nothing when shrinking (a
-    side may come out below `factor`, which the video rule refuses)."""
+    side may come out below `factor`, which the video rule refuses). Qwen3-VL's video processor is the image
+    variant over all `frames` sampled frames together: the bounds hold for t' x h' x w' (t' = `frames`
+    rounded to a multiple of `temporal_factor`) and the scale comes from `frames` x h x w."""
     least = factor if video else 0
     h_bar = max(least, round(height / factor) * factor)
     w_bar = max(least, round(width / factor) * factor)
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
+    t_bar = round(frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
         least = 0 if video else factor
         h_bar = max(least, math.floor(height / beta / factor) * factor)
         w_bar = max(least, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
