@@ -50,7 +50,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -61,8 +60,8 @@ from mmpack.dataloader import Topology, build_loader, load_manifest  # noqa: E40
 from mmpack.dataloader.collate import CollateConfig, collate_bins  # noqa: E402
 from mmpack.dataloader.readers import WdsShardReader, decode_wds_bin  # noqa: E402
 from mmpack.dataloader.storage import ShardStore, StorageConfig  # noqa: E402
-from mmpack.dataloader.worker import to_torch  # noqa: E402
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset  # noqa: E402
+from mmpack.packing.batch import MicroBatch  # noqa: E402
 from tests.storage_servers import link_proxy_process, moto_s3, s3_storage_options  # noqa: E402
 
 
@@ -86,6 +85,16 @@ def fsspec_opener(
     return open_urls
 
 
+def _collate_dict(records: list[dict[str, Any]], cfg: CollateConfig) -> dict[str, Any]:
+    """`collate_bins` as a plain dict of its fields: what a contender's own loader moves between processes."""
+    return dict(collate_bins(records, cfg).items())
+
+
+def _rows(batch: Any) -> int:
+    """Bins of a micro-batch: a `MicroBatch` (mmpack's loader) or its fields as a dict (the contenders')."""
+    return int(batch.shape[0]) if isinstance(batch, MicroBatch) else int(batch["tokens"].shape[0])
+
+
 def webdataset_loader(
     urls: list[str], cfg: CollateConfig, micro: int, workers: int, storage_options: dict[str, Any] | None
 ) -> Iterable[Any]:
@@ -100,7 +109,7 @@ def webdataset_loader(
         wds.pipelinefilter(tar_file_expander)(),
         wds.pipelinefilter(group_by_keys)(),
         wds.map(wds_sample_to_record),
-        wds.batched(micro, collation_fn=partial(collate_bins, cfg=cfg), partial=False),
+        wds.batched(micro, collation_fn=partial(_collate_dict, cfg=cfg), partial=False),
     )
     return wds.WebLoader(pipe, batch_size=None, num_workers=workers, persistent_workers=False)
 
@@ -141,7 +150,7 @@ def energon_loader(root: str, cfg: CollateConfig, micro: int, workers: int) -> I
             return rec | no_videos()
 
         def batch(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
-            return collate_bins(samples, cfg)
+            return _collate_dict(samples, cfg)
 
         def encode_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
             return batch
@@ -222,8 +231,7 @@ def measure(
             first, t_first = now - t0, now
         else:
             wait += now - t_req  # data wait after the first batch (that one is time to first batch)
-        batch = batch if isinstance(batch.get("tokens"), torch.Tensor) else to_torch(batch)
-        bins += int(batch["tokens"].shape[0])
+        bins += _rows(batch)
         if batches == 0:
             first_bins = bins
         batches += 1
@@ -285,7 +293,7 @@ def _decode_share(
             if path not in readers:
                 readers[path] = WdsShardReader(path, label=path)
             records.append(readers[path].read(row))
-        done += int(collate_bins(records, cfg)["tokens"].shape[0])
+        done += collate_bins(records, cfg).shape[0]
     for reader in readers.values():
         reader.close()
     out[share[0]] = (done, time.perf_counter() - t0)

@@ -32,7 +32,6 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mmpack.offline_packing.config import PackJobConfig  # noqa: E402
+from mmpack.offline_packing.options import job_config, with_options  # noqa: E402
 from mmpack.offline_packing.pipeline import read_manifest, run_pack  # noqa: E402
 from tests.fixtures_data import make_synthetic_dataset, train_tiny_bpe  # noqa: E402
 
@@ -198,7 +198,7 @@ def video_scan_cost(data_dir: Path, repeats: int = 20) -> list[dict]:
 def _job(
     jsonl: Path, image_root: Path, out: Path, tokenizer: str, workers: int, args: argparse.Namespace
 ) -> PackJobConfig:
-    return PackJobConfig(
+    return job_config(
         inputs=(str(jsonl),),
         image_root=str(image_root),
         output=str(out),
@@ -220,32 +220,28 @@ def lengths_vs_encode_batch(jsonl: Path, image_root: Path, tokenizer: str, args:
     `tokenize_chunk_samples` (render, batch encode, loss mask, expansion, over-length policy, metadata row),
     `per_sample` the same one sample at a time (`tokenize_scanned`).
     """
-    from mmpack.offline_packing.lengths import (
-        get_tokenizer,
-        image_rule,
-        prepare_scanned,
-        tokenize_chunk_samples,
-        tokenize_scanned,
-    )
-    from mmpack.offline_packing.workdir import WorkDir, read_jsonl
+    from mmpack.offline_packing.context import JobContext
+    from mmpack.offline_packing.lengths import prepare_scanned, tokenize_chunk_samples, tokenize_scanned
+    from mmpack.offline_packing.workdir import read_jsonl
     from mmpack.packing.chat import render_conversation
 
     out = args.data_dir / "lengths-scan"
     shutil.rmtree(out, ignore_errors=True)
     cfg = _job(jsonl, image_root, out, tokenizer, 1, args)
-    run_pack(replace(cfg, only_stage=1))
-    wd = WorkDir(str(out / "_work"))
+    run_pack(with_options(cfg, only_stage=1))
+    ctx = JobContext(work_dir=str(out / "_work"))
+    wd = ctx.work
     samples = [
         s
         for c in range(len(wd.read_marker("scan")["chunks"]))
         for s in read_jsonl(wd.chunk_path("scan", c, "samples.jsonl"))
     ]
     lcfg = cfg.stage_config("lengths")
-    tok, rule = get_tokenizer(tokenizer), image_rule(lcfg)
+    tok = ctx.tokenizer(tokenizer)
     full_texts, compact_texts, by_stage = [], [], []
-    for smp, result in tokenize_chunk_samples(samples, lcfg, rule, tok):
+    for smp, result in tokenize_chunk_samples(samples, lcfg, tok):
         if isinstance(result, tuple) and result[1]["truncated_from"] is None:  # kept whole
-            prep = prepare_scanned(smp, lcfg, rule, tok).prep
+            prep = prepare_scanned(smp, lcfg, tok).prep
             full_texts.append(
                 render_conversation(prep.messages, prep.image_token_counts, None, prep.video_token_counts)
             )
@@ -260,8 +256,8 @@ def lengths_vs_encode_batch(jsonl: Path, image_root: Path, tokenizer: str, args:
     contenders = {
         "ceiling": lambda: raw.encode_batch(full_texts, add_special_tokens=False),
         "ceiling_compact": lambda: raw.encode_batch(compact_texts, add_special_tokens=False),
-        "stage": lambda: list(tokenize_chunk_samples(samples, lcfg, rule, tok)),
-        "per_sample": lambda: [_try(tokenize_scanned, smp, lcfg, rule, tok) for smp in samples],
+        "stage": lambda: list(tokenize_chunk_samples(samples, lcfg, tok)),
+        "per_sample": lambda: [_try(tokenize_scanned, smp, lcfg, tok) for smp in samples],
     }
     times: dict[str, list[float]] = {k: [] for k in contenders}
     for _ in range(args.lengths_repeats):
@@ -313,7 +309,7 @@ def run_once(jsonl: Path, image_root: Path, tokenizer: str, workers: int, args: 
     t = time.perf_counter()
     for number, name in enumerate(("scan", "lengths", "binpack", "write"), start=1):
         cpu0, wall0 = _cpu_s(), time.perf_counter()
-        summary = run_pack(replace(cfg, only_stage=number))
+        summary = run_pack(with_options(cfg, only_stage=number))
         stages[name] = {"seconds": time.perf_counter() - wall0, "cpu_seconds": _cpu_s() - cpu0}
     total_s = time.perf_counter() - t
     summary = run_pack(cfg)  # all stages complete: just the summary

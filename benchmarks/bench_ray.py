@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mmpack.offline_packing.config import PackJobConfig  # noqa: E402
+from mmpack.offline_packing.options import job_config  # noqa: E402
 from mmpack.offline_packing.pipeline import run_pack  # noqa: E402
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe  # noqa: E402
 
@@ -55,7 +56,7 @@ def _dataset(data_dir: Path, samples: int) -> Path:
 
 
 def _job(src: Path, tok: Path, out: Path, **kw: Any) -> PackJobConfig:
-    return PackJobConfig(
+    return job_config(
         inputs=(str(src),),
         output=str(out),
         seq_len=SEQ_LEN,
@@ -120,7 +121,7 @@ import json, resource, time
 import numpy as np
 import mmpack.packing.binpack
 from mmpack.offline_packing.binpack import pack_bins
-from mmpack.offline_packing.config import BinpackConfig
+from mmpack.offline_packing.config import BinpackConfig, BinpackStage
 mmpack.packing.binpack.pack_lengths(np.array([3, 5, 2]), 8)  # numba kernels loaded (cached) before the baseline
 imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 rng = np.random.default_rng(0)
@@ -129,8 +130,7 @@ n = {n}
 lengths = (rng.integers(64, 1025, n) + rng.integers(20, 1501, n)).astype(np.int64)
 images = np.ones(n, dtype=np.int64)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-cfg = BinpackConfig(seq_len={SEQ_LEN}, max_samples_per_bin=None, max_images_per_bin=None, algorithm="auto",
-                    seed=0, max_bins_per_shard=1024, max_shard_bytes=256 << 20)
+cfg = BinpackStage(binpack=BinpackConfig(), seq_len={SEQ_LEN}, max_images_per_bin=None)
 t = time.perf_counter()
 bins, algorithm = pack_bins(lengths, images, cfg)
 seconds = time.perf_counter() - t

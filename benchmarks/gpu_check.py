@@ -64,7 +64,7 @@ def _train(flags: list[str], work: Path, name: str, *, timeout_s: int) -> list[d
 # -- phase 1: runs inside one torchrun process --------------------------------------------------------------
 
 
-def _loss_and_grads(trainer: Any, model: Any, batch: dict[str, Any], use_thd: bool) -> tuple[float, Any]:
+def _loss_and_grads(trainer: Any, model: Any, batch: Any, use_thd: bool) -> tuple[float, Any]:
     import torch
 
     from mmpack.trainer.checkpoint import _bare
@@ -73,9 +73,9 @@ def _loss_and_grads(trainer: Any, model: Any, batch: dict[str, Any], use_thd: bo
     bare = _bare(model)
     bare.zero_grad(set_to_none=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    b = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    inputs = model_inputs(b, use_thd=use_thd, rule=trainer.family.position_rule(trainer.arch))
-    mask = b["loss_mask"].reshape(-1).float()
+    b = batch.map_arrays(lambda v: v.to(device))
+    inputs = model_inputs(b, use_thd=use_thd)
+    mask = b.loss_mask.reshape(-1).float()
     loss = (model(**inputs).float().reshape(-1) * mask).sum() / mask.sum()
     params = [p for p in bare.parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, params, allow_unused=True)

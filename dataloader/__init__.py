@@ -9,7 +9,7 @@ global order and the rank assignment are decided. Typical use on one rank::
     it = iter(loader)
     for step in range(train_iters):
         for _ in range(loader.micro_batches_per_step):
-            batch = next(it)                          # dict of tensors (None on middle pipeline stages)
+            batch = next(it)                          # a MicroBatch of tensors (mmpack.packing.batch)
         checkpoint["loader"] = loader.state_dict()    # between steps
         log(loader.metrics())                         # data_wait_s, bytes_read, cache_hits, ...
 """

@@ -1,4 +1,5 @@
-"""Turns the bin records of one micro-batch into the loader's output arrays (numpy; torch only in loader.py).
+"""Turns the bin records of one micro-batch into a `mmpack.packing.batch.MicroBatch` (numpy; torch only in
+loader.py).
 
 Images are decoded with Pillow; videos (format version 3 datasets) by `mmpack.dataloader.video`, which decodes only
 the frames the offline plan recorded, in the worker that collates.
@@ -9,16 +10,17 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
 
 from mmpack.dataloader.readers import BinRecord
 from mmpack.dataloader.video import VideoPixels, collate_videos, load_video
+from mmpack.packing.batch import MicroBatch, PositionRule
 from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS
 from mmpack.packing.image_tokens import ImageTokenRule, image_to_patches
-from mmpack.packing.layout import IGNORE_INDEX, build_attention_mask_from_cu_seqlens
+from mmpack.packing.layout import IGNORE_INDEX, block_mask, build_labels, build_position_ids, segment_ids
 from mmpack.packing.video_tokens import VideoPlan
 
 if TYPE_CHECKING:
@@ -36,9 +38,16 @@ class CollateConfig:
     build_attention_mask: bool = False
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # the manifest's image_rule.max_image_pixels
     video_pad_id: int = -1  # the manifest's <|video_pad|> id (-1: the tokenizer has none)
+    position_rule: PositionRule | None = None  # the model family's positions (None: restart per sample)
 
     @classmethod
-    def from_manifest(cls, manifest: Manifest, *, build_attention_mask: bool = False) -> CollateConfig:
+    def from_manifest(
+        cls,
+        manifest: Manifest,
+        *,
+        build_attention_mask: bool = False,
+        position_rule: PositionRule | None = None,
+    ) -> CollateConfig:
         """The collation of a packed dataset: its length, pad ids, image rule and pixel limit."""
         return cls(
             seq_len=manifest.seq_len,
@@ -48,6 +57,7 @@ class CollateConfig:
             build_attention_mask=build_attention_mask,
             max_image_pixels=manifest.max_image_pixels,
             video_pad_id=manifest.video_pad_id,
+            position_rule=position_rule,
         )
 
 
@@ -87,23 +97,23 @@ def collate_bins(
     records: Sequence[BinRecord],
     cfg: CollateConfig,
     pixel_out: Callable[[int, int], np.ndarray] | None = None,
-) -> dict[str, Any]:
-    """One micro-batch, as numpy: the packed layout of every bin plus the image patches.
+    bin_ids: np.ndarray | None = None,
+) -> MicroBatch[np.ndarray]:
+    """One micro-batch, as numpy: the packed layout of every bin, its positions and the image patches.
 
-    Rows are written straight into the batch arrays; the result equals `mmpack.packing.layout.collate_packed` over
-    `build_packed_sequence` of each bin (the reference, checked by the tests), without its per-row copies.
-    Each image's patches go straight into `pixel_values`, sized from the grids before decoding, so a batch
-    never holds its patches twice; `pixel_out(rows, width)` may provide that float32 array (a loader worker
-    hands out shared memory, so the patches need no copy on their way to the consumer).
+    Each row is laid out by the rules of `mmpack.packing.layout` (labels, positions, mask) straight into the
+    batch arrays, so the result equals `collate_packed` over `build_packed_sequence` of each bin (checked by
+    the tests); positions are the config's position rule's where it has one. Each image's patches go
+    straight into `pixel_values`, sized from the grids before decoding, so a batch never holds its patches
+    twice; `pixel_out(rows, width)` may provide that float32 array (a loader worker hands out shared memory,
+    so the patches need no copy on their way to the consumer). `bin_ids`: the records' global bin indices.
     """
     if not records:
         raise ValueError("collate_bins needs at least one bin")
     b, length = len(records), cfg.seq_len
     width = cfg.rule.patch_dim
-    n_rows = sum(
-        int(np.prod(np.asarray(rec["image_grid_thw"], dtype=np.int64).reshape(-1, 3), axis=1).sum())
-        for rec in records
-    )
+    grids = [_checked_grids(rec) for rec in records]
+    n_rows = sum(int(np.prod(g, axis=1).sum()) for g in grids)
     pixels = (
         np.zeros((0, width), dtype=np.float32)
         if n_rows == 0
@@ -114,56 +124,20 @@ def collate_bins(
     row_at = 0
     tokens = np.full((b, length), cfg.pad_id, dtype=np.int64)
     labels = np.full((b, length), IGNORE_INDEX, dtype=np.int64)
-    position_ids = np.empty((b, length), dtype=np.int64)
-    cu: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
-    max_seqlen = num_real = 0
-    grids: list[np.ndarray] = []
-    videos: list[VideoPixels] = []
+    segments: list[np.ndarray] = []  # per row: its segment lengths, padding included
+    videos: list[list[VideoPixels]] = []
+    num_real = 0
     for row, rec in enumerate(records):
-        ids = np.asarray(rec["input_ids"]).reshape(-1)
-        mask = np.asarray(rec["loss_mask"]).reshape(-1)
-        lens = np.asarray(rec["seq_lens"], dtype=np.int64).reshape(-1)
+        ids, mask, lens = _checked_row(rec, length)
         total = int(ids.shape[0])
-        if total > length:
-            raise ValueError(f"bin {rec['key']} has {total} tokens > seq_len {length}")
-        ends = np.cumsum(lens)
-        if mask.shape[0] != total or (ends[-1] if lens.size else 0) != total:
-            raise ValueError(
-                f"bin {rec['key']}: input_ids ({total}) and loss_mask ({mask.shape[0]}) must both have "
-                f"sum(seq_lens) = {int(ends[-1]) if lens.size else 0} tokens"
-            )
-        if lens.size and int(lens.min()) < 1:
-            raise ValueError(f"bin {rec['key']}: seq_lens must all be >= 1, got {lens.tolist()}")
         tokens[row, :total] = ids
-        if total > 1:
-            # Position i predicts i + 1 when that is a target of the same sample and not an image pad.
-            nxt = tokens[row, 1:total]
-            keep = mask[1:] != 0
-            keep[ends[:-1] - 1] = False
-            if cfg.image_pad_id >= 0:
-                keep &= nxt != cfg.image_pad_id
-            if cfg.video_pad_id >= 0:
-                keep &= nxt != cfg.video_pad_id
-            np.copyto(labels[row, : total - 1], nxt, where=keep)
-        segment_ends = ends if total == length else np.append(ends, length)
-        segment_lens = np.diff(segment_ends, prepend=0)
-        position_ids[row] = np.arange(length, dtype=np.int64) - np.repeat(
-            segment_ends - segment_lens, segment_lens
+        build_labels(
+            ids, mask, lens, ignore_ids=(cfg.image_pad_id, cfg.video_pad_id), out=labels[row, :total]
         )
-        cu.append(segment_ends + row * length)
-        max_seqlen = max(max_seqlen, int(segment_lens.max()))
+        segments.append(lens if total == length else np.append(lens, length - total))
         num_real += total
-        grid = np.asarray(rec["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
-        if len(grid) != len(rec["images"]):
-            raise ValueError(f"bin {rec['key']}: {len(rec['images'])} images but {len(grid)} grids")
-        if len(grid):
-            expected_pads = sum(cfg.rule.tokens_of_grid(tuple(g)) for g in grid)
-            got_pads = int(np.count_nonzero(ids == cfg.image_pad_id))
-            if got_pads != expected_pads:
-                raise ValueError(
-                    f"bin {rec['key']}: {got_pads} <|image_pad|> tokens, its images need {expected_pads}"
-                )
-        for i, (data, g) in enumerate(zip(rec["images"], grid)):
+        _check_image_pads(rec, ids, grids[row], cfg)
+        for i, (data, g) in enumerate(zip(rec["images"], grids[row])):
             where = f"bin {rec['key']} image {i}"
             try:
                 patches = decode_image_patches(
@@ -173,33 +147,92 @@ def collate_bins(
                 raise ImageTooLargeError(str(e), row=row) from None
             pixels[row_at : row_at + len(patches)] = patches
             row_at += len(patches)
-            grids.append(g)
-        videos += decode_bin_videos(rec, ids, cfg)
-    cu_seqlens = np.concatenate(cu).astype(np.int32)
-    out: dict[str, Any] = {
-        "tokens": tokens,
-        "labels": labels,
-        "loss_mask": (labels != IGNORE_INDEX).astype(np.float32),
-        "position_ids": position_ids,
-        "cu_seqlens": cu_seqlens,
-        "max_seqlen": max_seqlen,
-        "num_real_tokens": num_real,
-    }
-    if cfg.build_attention_mask:
-        out["attention_mask"] = np.stack(
-            [
-                build_attention_mask_from_cu_seqlens(np.concatenate([[0], c - r * length]))[None]
-                for r, c in enumerate(cu[1:])
-            ]
-        )
+        videos.append(decode_bin_videos(rec, ids, cfg))
     if row_at != n_rows:  # the grids said how many; decode_image_patches makes that many per image
         raise ValueError(f"bins {[rec['key'] for rec in records]}: {row_at} patch rows, grids need {n_rows}")
-    out["pixel_values"] = pixels
-    out["image_grid_thw"] = np.stack(grids) if grids else np.zeros((0, 3), dtype=np.int64)
-    out |= collate_videos(videos)
-    if not videos:
-        out["pixel_values_videos"] = np.zeros((0, width), dtype=np.float32)
-    return out
+    vision = collate_videos([v for row in videos for v in row])
+    cu = np.concatenate([[0], np.cumsum(np.concatenate(segments))]).astype(np.int32)
+    return MicroBatch(
+        tokens=tokens,
+        labels=labels,
+        loss_mask=(labels != IGNORE_INDEX).astype(np.float32),
+        position_ids=_positions(cfg.position_rule, tokens, segments, grids, videos),
+        cu_seqlens=cu,
+        max_seqlen=max(int(s.max()) for s in segments),
+        num_real_tokens=num_real,
+        pixel_values=pixels,
+        image_grid_thw=np.concatenate(grids) if n_rows else np.zeros((0, 3), dtype=np.int64),
+        pixel_values_videos=vision["pixel_values_videos"]
+        if len(vision["video_grid_thw"])
+        else np.zeros((0, width), dtype=np.float32),
+        video_grid_thw=vision["video_grid_thw"],
+        second_per_grid_ts=vision["second_per_grid_ts"],
+        bin_ids=None if bin_ids is None else np.asarray(bin_ids, dtype=np.int64),
+        attention_mask=np.stack([block_mask(segment_ids(s))[None] for s in segments])
+        if cfg.build_attention_mask
+        else None,
+    )
+
+
+def _checked_grids(rec: BinRecord) -> np.ndarray:
+    grid = np.asarray(rec["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
+    if len(grid) != len(rec["images"]):
+        raise ValueError(f"bin {rec['key']}: {len(rec['images'])} images but {len(grid)} grids")
+    return grid
+
+
+def _checked_row(rec: BinRecord, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(input_ids, loss_mask, seq_lens) of one bin, checked against each other and the row length."""
+    ids = np.asarray(rec["input_ids"]).reshape(-1)
+    mask = np.asarray(rec["loss_mask"]).reshape(-1)
+    lens = np.asarray(rec["seq_lens"], dtype=np.int64).reshape(-1)
+    total = int(ids.shape[0])
+    if total > length:
+        raise ValueError(f"bin {rec['key']} has {total} tokens > seq_len {length}")
+    summed = int(lens.sum())
+    if mask.shape[0] != total or summed != total:
+        raise ValueError(
+            f"bin {rec['key']}: input_ids ({total}) and loss_mask ({mask.shape[0]}) must both have "
+            f"sum(seq_lens) = {summed} tokens"
+        )
+    if lens.size and int(lens.min()) < 1:
+        raise ValueError(f"bin {rec['key']}: seq_lens must all be >= 1, got {lens.tolist()}")
+    return ids, mask, lens
+
+
+def _check_image_pads(rec: BinRecord, ids: np.ndarray, grid: np.ndarray, cfg: CollateConfig) -> None:
+    if len(grid):
+        expected_pads = sum(cfg.rule.tokens_of_grid(tuple(g)) for g in grid)
+        got_pads = int(np.count_nonzero(ids == cfg.image_pad_id))
+        if got_pads != expected_pads:
+            raise ValueError(
+                f"bin {rec['key']}: {got_pads} <|image_pad|> tokens, its images need {expected_pads}"
+            )
+
+
+def _positions(
+    rule: PositionRule | None,
+    tokens: np.ndarray,
+    segments: list[np.ndarray],
+    grids: list[np.ndarray],
+    videos: list[list[VideoPixels]],
+) -> np.ndarray:
+    """[B, L] positions restarting per segment (no rule), else the rule's [A, B, L], row by row."""
+    if rule is None:
+        return np.stack([build_position_ids(s) for s in segments])
+    rows = []
+    for row, segs in enumerate(segments):
+        vids = videos[row]
+        rows.append(
+            rule.positions(
+                tokens[row],
+                segs,
+                grids[row],
+                np.asarray([v.video_grid_thw for v in vids], dtype=np.int64).reshape(-1, 3),
+                np.asarray([v.second_per_grid_t for v in vids], dtype=np.float32),
+            )
+        )
+    return np.stack(rows, axis=1)
 
 
 def decode_bin_videos(rec: BinRecord, ids: np.ndarray, cfg: CollateConfig) -> list[VideoPixels]:

@@ -5,17 +5,21 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mmpack.dataloader.balance import BALANCE_MODES, ComputeBalance, compute_balance
 from mmpack.dataloader.collate import CollateConfig
 from mmpack.dataloader.manifest import Manifest, load_manifest
 from mmpack.dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan
-from mmpack.dataloader.pool import no_data, run_in_process, run_workers, take_batch
+from mmpack.dataloader.pool import run_in_process, run_workers, take_batch
 from mmpack.dataloader.storage import ShardStore, StorageConfig
 from mmpack.dataloader.topology import Topology
 from mmpack.dataloader.worker import ProducerSpec
+from mmpack.packing.batch import MicroBatch, PositionRule
 from mmpack.packing.cost import CostModel
+
+if TYPE_CHECKING:
+    import torch
 
 STATE_VERSION = 1
 
@@ -56,7 +60,10 @@ class PackedLoader:
 
     `state_dict()` is (epoch, bins consumed in whole global batches, micro-batches into the current step).
 
-    Every rank yields `micro_batches_per_step` items per step; pipeline stages that take no data yield None.
+    It yields `micro_batches_per_step` micro-batches (`mmpack.packing.batch.MicroBatch` of tensors) per step,
+    those of the topology's DP rank: a loader is built on the rank of each DP replica that reads, and the
+    trainer hands the batches to that replica's TP and PP peers (`mmpack.trainer.shared_batches`, the one
+    owner of that distribution).
     The state counts the micro-batches handed out, so any checkpoint resumes exactly: one taken between steps
     with any DP size, one taken inside a step with the same DP size and micro-batch size.
     """
@@ -178,7 +185,7 @@ class PackedLoader:
         return totals
 
     # -- iteration ----------------------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[dict[str, Any] | None]:
+    def __iter__(self) -> Iterator[MicroBatch[torch.Tensor]]:
         self.close()
         it = self._iterate()
         self._active = it
@@ -194,15 +201,13 @@ class PackedLoader:
         with contextlib.suppress(Exception):
             self.close()
 
-    def _iterate(self) -> Iterator[dict[str, Any] | None]:
+    def _iterate(self) -> Iterator[MicroBatch[torch.Tensor]]:
         m = self.micro_batches_per_step
         k_start = self._micro_batches_done
         end_step = self._end_step()
         k_end = None if end_step is None else end_step * m
         source: Iterator[list[Any]]
-        if not self.topology.needs_data:
-            source = no_data(k_start, k_end)
-        elif self.config.num_workers == 0:
+        if self.config.num_workers == 0:
             source = run_in_process(self.spec, k_start, k_end, metrics=self._worker_metrics)
         else:
             source = run_workers(
@@ -248,6 +253,7 @@ def build_loader(
     download_concurrency: int = 4,
     balance: str = "none",
     cost_model: CostModel | None = None,
+    position_rule: PositionRule | None = None,
 ) -> PackedLoader:
     """A loader of the packed dataset at `path` (folder or fsspec URL) for the rank `topology`.
 
@@ -260,7 +266,8 @@ def build_loader(
     `handover_batches`: up to this many small micro-batches travel from a worker in one message (fewer
     wake-ups of the consumer); each worker runs up to `prefetch_batches + handover_batches` small
     micro-batches ahead, or `prefetch_batches` large ones (together over 4 MiB per message), the one being
-    made included.
+    made included. `position_rule`: the model family's positions (`mmpack.packing.batch.PositionRule`, e.g.
+    `mmpack.packing.mrope.MRopeRule`), computed in the loader workers; None: positions restart at 0 per sample.
     """
     manifest = load_manifest(
         path, storage_options=storage_options, shard_format=shard_format, max_attempts=max_attempts
@@ -286,6 +293,8 @@ def build_loader(
         max_attempts=max_attempts,
         download_concurrency=download_concurrency,
     )
-    collate = CollateConfig.from_manifest(manifest, build_attention_mask=build_attention_mask)
+    collate = CollateConfig.from_manifest(
+        manifest, build_attention_mask=build_attention_mask, position_rule=position_rule
+    )
     costs = compute_balance(manifest, storage, cost_model) if balance == "compute" else None
     return PackedLoader(path, manifest, topology, config, storage, collate, balance=costs)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -21,6 +20,7 @@ from mmpack.packing.format import MANIFEST_NAME
 from mmpack.packing.image_tokens import ImageTokenRule
 from mmpack.packing.manifest import Manifest as DatasetManifest
 from mmpack.packing.manifest import ManifestError, ShardEntry
+from mmpack.packing.retry import RetriesExhausted, RetryPolicy, is_transient, retry_call
 
 ShardInfo = ShardEntry  # one shard file: its path relative to the dataset root and the global bins it holds
 
@@ -122,16 +122,18 @@ def load_manifest(
 
     url = join_url(root, MANIFEST_NAME)
     fs, fs_path = url_to_fs(url, **resolve_storage_options(url, storage_options))
-    for attempt in range(max_attempts):
-        try:
-            raw = json.loads(fs.cat_file(fs_path))
-            break
-        except FileNotFoundError as e:
-            raise FileNotFoundError(f"no packed dataset at {root!r}: {url} not found") from e
-        except Exception as e:  # transient network errors and truncated bodies: retry with backoff
-            if attempt == max_attempts - 1:
-                raise OSError(
-                    f"cannot read {url} after {max_attempts} attempts: {type(e).__name__}: {e}"
-                ) from e
-            time.sleep(min(4.0, 0.1 * 2**attempt))
+    policy = RetryPolicy(max_attempts=max_attempts, backoff_s=0.1, max_backoff_s=4.0)
+    try:
+        # a body cut or changed in transit reads as bad JSON: read again (the manifest has no checksum)
+        raw = retry_call(
+            lambda: json.loads(fs.cat_file(fs_path)),
+            policy,
+            transient=lambda e: isinstance(e, ValueError) or is_transient(e),
+        )
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"no packed dataset at {root!r}: {url} not found") from e
+    except RetriesExhausted as e:
+        raise OSError(
+            f"cannot read {url} after {e.attempts} attempts: {type(e.last).__name__}: {e.last}"
+        ) from e
     return Manifest.from_dict(raw, shard_format=shard_format, source=url)

@@ -110,7 +110,8 @@ def micro_batch_bins(
 ) -> np.ndarray:
     """Global bin ids of micro-batch `micro_batch` of global step `step` on this rank.
 
-    Empty for pipeline stages that take no data. `step` counts global batches from the stream start.
+    Only the DP coordinate counts (TP and PP peers of a DP rank read the same bins). `step` counts global
+    batches from the stream start.
     With `balance`, the same global batch is laid out over ranks and micro-batches by cost
     (`mmpack.dataloader.balance`) instead of in stream order.
     """
@@ -118,8 +119,6 @@ def micro_batch_bins(
         raise ValueError(f"plan is for dp_size={plan.dp_size}, topology has dp_size={topology.dp_size}")
     if not 0 <= micro_batch < plan.micro_batches_per_step:
         raise ValueError(f"micro_batch must be in [0, {plan.micro_batches_per_step}), got {micro_batch}")
-    if not topology.needs_data:
-        return np.zeros(0, dtype=np.int64)
     if balance is not None:
         global_bins = stream.positions(step * plan.global_batch_size, plan.global_batch_size)
         layout = balance.layout(step, global_bins, plan.dp_size, plan.micro_batch_size)

@@ -17,9 +17,10 @@ from typing import Any
 from mmpack.dataloader.storage import ShardError
 from mmpack.dataloader.transport import SlotReader, new_slot_flags
 from mmpack.dataloader.worker import Producer, ProducerSpec, to_torch, worker_loop
+from mmpack.packing.batch import MicroBatch
 from mmpack.packing.processes import ProcessDiedError, describe_exit
 
-Batches = Iterator[list[Any]]  # [micro-batch or None, seconds waited]
+Batches = Iterator[list[Any]]  # [micro-batch, seconds waited]
 
 
 def take_batch(pair: list[Any]) -> Any:
@@ -31,14 +32,6 @@ def take_batch(pair: list[Any]) -> Any:
     """
     batch, pair[0] = pair[0], None
     return batch
-
-
-def no_data(k_start: int, k_end: int | None) -> Batches:
-    """One None per micro-batch, for pipeline stages that take no data."""
-    k = k_start
-    while k_end is None or k < k_end:
-        yield [None, 0.0]
-        k += 1
 
 
 def run_in_process(
@@ -117,7 +110,7 @@ def run_workers(
                     received[w].extend(_get(conns[w], watch, pollers[w]))
                 kind, got_k, payload, worker_metrics = received[w].popleft()
                 if kind == "ok":
-                    payload = readers[w].take(payload)
+                    payload = MicroBatch(**readers[w].take(payload))
             except ProcessDiedError:
                 raise
             except Exception as e:  # a batch that cannot be received: report, never hang

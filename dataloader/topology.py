@@ -9,8 +9,8 @@ from dataclasses import dataclass
 class Topology:
     """Data-parallel, tensor-parallel and pipeline-parallel rank and size of one process.
 
-    Only the DP coordinate decides which bins a rank reads; TP ranks of one DP rank read the same bins,
-    and pipeline stages other than the first and the last read nothing.
+    Only the DP coordinate decides which bins a rank reads: TP and PP peers of one DP rank would read the
+    same bins, so the trainer builds a loader on one of them and broadcasts (`mmpack.trainer.shared_batches`).
     """
 
     dp_rank: int
@@ -27,11 +27,6 @@ class Topology:
                 raise ValueError(f"{name}_size must be >= 1, got {size}")
             if not 0 <= rank < size:
                 raise ValueError(f"{name}_rank must be in [0, {size}), got {rank}")
-
-    @property
-    def needs_data(self) -> bool:
-        """True on the first and the last pipeline stage: only they consume batches."""
-        return self.pp_rank == 0 or self.pp_rank == self.pp_size - 1
 
     @property
     def world_size(self) -> int:

@@ -19,7 +19,6 @@ a free slot too small for a batch is replaced by a larger buffer under the same 
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import mmap
 import weakref
@@ -35,23 +34,27 @@ HANDOVER_MAX_BYTES = 4 << 20  # a message carries several batches only while the
 TRIM_MIN_BYTES = 1 << 20  # pages past a slot's batch are given back once they are at least this many
 IN_PLACE_MIN_BYTES = 4096  # an array smaller than this is copied into the slot even when made in place
 _MADV_REMOVE = 9  # linux: free the shared memory behind a range of a shared mapping
-_LIBC: Any = None
+
+
+def _load_libc() -> Any:
+    """The C library (for madvise), or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
 
 
 def _give_back_pages(buffer: torch.Tensor, start: int, end: int) -> bool:
     """Frees the shared pages of bytes [start, end) of `buffer` (rounded inwards to pages); False if the
     system refused (the pages then stay, which costs memory, not correctness)."""
-    global _LIBC
     page = mmap.PAGESIZE
     lo, hi = -(-start // page) * page, end // page * page
     if hi <= lo:
         return True
     if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL(None, use_errno=True)
-        except OSError:
-            _LIBC = False
-    if not _LIBC:
         return False
     addr = buffer.data_ptr()
     if addr % page:
@@ -100,6 +103,7 @@ class SlotWriter:
         self._resident: list[int] = []
         self._unsent: set[int] = set()  # slots whose (new) buffer the consumer has not been sent yet
         self._staged = -1  # the slot `stage` handed out for the next batch
+        self._dtype_names: dict[np.dtype, str] = {}  # `dtype.str` builds its string anew at each call
 
     def wait_for_room(self) -> bool:
         """Blocks until the consumer has taken enough batches; False if stopped meanwhile."""
@@ -170,11 +174,19 @@ class SlotWriter:
         return SlotMessage(
             slot=slot,
             buffer=self._buffers[slot] if new_buffer else None,
-            arrays=tuple((key, _dtype_name(arr.dtype), arr.shape, offset) for key, arr, offset in placed),
+            arrays=tuple(
+                (key, self._dtype_name(arr.dtype), arr.shape, offset) for key, arr, offset in placed
+            ),
             nbytes=need,
             values=values,
             order=tuple(batch),
         )
+
+    def _dtype_name(self, dtype: np.dtype) -> str:
+        name = self._dtype_names.get(dtype)
+        if name is None:
+            name = self._dtype_names[dtype] = dtype.str
+        return name
 
     def _ensure(self, slot: int, need: int) -> None:
         """Makes slot `slot` (possibly a new id) hold `need` bytes: a new buffer if it has none or a smaller
@@ -212,16 +224,6 @@ class SlotWriter:
         return len(self._buffers) if len(self._buffers) < MAX_SLOTS else -1
 
 
-@functools.cache
-def _dtype(name: str) -> np.dtype:
-    return np.dtype(name)
-
-
-@functools.cache
-def _dtype_name(dtype: np.dtype) -> str:  # `dtype.str` builds its string anew at each call
-    return dtype.str
-
-
 def _release(flags: Any, slot: int) -> None:
     flags[slot] = 0
 
@@ -232,6 +234,7 @@ class SlotReader:
     def __init__(self, flags: Any, ahead: Any) -> None:
         self.flags, self.ahead = flags, ahead
         self._buffers: dict[int, np.ndarray] = {}
+        self._dtypes: dict[str, np.dtype] = {}
 
     def take(self, msg: SlotMessage) -> dict[str, Any]:
         self.ahead.release()  # the worker may make another batch
@@ -248,6 +251,9 @@ class SlotReader:
         weakref.finalize(lease, _release, self.flags, msg.slot)
         arrays: dict[str, torch.Tensor] = {}
         for key, dtype, shape, offset in msg.arrays:
-            arr = np.ndarray(shape, dtype=_dtype(dtype), buffer=lease, offset=offset)
+            kind = self._dtypes.get(dtype)
+            if kind is None:
+                kind = self._dtypes[dtype] = np.dtype(dtype)
+            arr = np.ndarray(shape, dtype=kind, buffer=lease, offset=offset)
             arrays[key] = torch.from_numpy(arr)
         return {key: arrays[key] if key in arrays else msg.values[key] for key in msg.order}

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from mmpack.packing.errors import MmpackError
-from mmpack.packing.image_tokens import ImageTokenRule, _normalise_table
+from mmpack.packing.image_tokens import ImageTokenRule
 from mmpack.packing.video_tokens import VideoPlan
 
 
@@ -224,7 +224,7 @@ def video_to_patches(frames: np.ndarray, rule: ImageTokenRule | None = None) -> 
     blocks = frames.reshape(gt, tp, gh // m, m, p, gw // m, m, p, 3).transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
     blocks = blocks.reshape(gt * gh * gw, 3, tp, p, p)
     out = np.empty(blocks.shape, dtype=np.float32)
-    out[:] = _normalise_table(rule)[np.arange(3).reshape(1, 3, 1, 1, 1), blocks]
+    out[:] = rule.normalise_table[np.arange(3).reshape(1, 3, 1, 1, 1), blocks]
     return out.reshape(gt * gh * gw, rule.patch_dim)
 
 

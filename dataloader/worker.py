@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import os
 import threading
 import traceback
@@ -38,6 +37,7 @@ from mmpack.dataloader.readers import (
 from mmpack.dataloader.storage import ShardError, ShardStore, StorageConfig
 from mmpack.dataloader.topology import Topology
 from mmpack.dataloader.transport import HANDOVER_MAX_BYTES, SlotWriter
+from mmpack.packing.batch import MicroBatch
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -154,7 +154,9 @@ class Producer:
         bins = self._planned[k] = self.bins(k)
         return bins
 
-    def produce(self, k: int, pixel_out: Callable[[int, int], np.ndarray] | None = None) -> dict[str, Any]:
+    def produce(
+        self, k: int, pixel_out: Callable[[int, int], np.ndarray] | None = None
+    ) -> MicroBatch[np.ndarray]:
         """Micro-batch k, as numpy (`pixel_out`: where its image patches go, see `collate_bins`)."""
         self.prefetcher.advance(k)
         bins = self._planned.pop(k, None)
@@ -164,16 +166,13 @@ class Producer:
             for old in [j for j in list(self._planned) if j < k]:
                 self._planned.pop(old, None)
         try:
-            batch = collate_bins(
-                [self.readers.read_bin(int(b)) for b in bins], self.spec.collate, pixel_out=pixel_out
-            )
+            records = [self.readers.read_bin(int(b)) for b in bins]
+            return collate_bins(records, self.spec.collate, pixel_out=pixel_out, bin_ids=bins)
         except ImageTooLargeError as e:  # name the shard too
             shard = self.spec.manifest.shards[
                 int(self.spec.manifest.shard_of_bin(bins[e.row : e.row + 1])[0])
             ]
             raise ImageTooLargeError(f"shard {shard.path}: {e}", row=e.row) from None
-        batch["bin_ids"] = bins
-        return batch
 
     def new_shards(self, k: int, recent: OrderedDict[int, None]) -> list[int]:
         """Shards of micro-batch k not among the `recent` ones (which it updates, keeping a few)."""
@@ -252,9 +251,6 @@ class LocalReadAhead:
         pass
 
 
-_PREFETCHER_IDS = itertools.count()
-
-
 class Prefetcher(threading.Thread):
     """Fetches the remote shards of the coming micro-batches in stream order of first need (local ones:
     `LocalReadAhead`).
@@ -274,7 +270,7 @@ class Prefetcher(threading.Thread):
         super().__init__(daemon=True, name="mmpack-prefetch")
         self.producer, self.k_start, self.k_end, self.ahead = producer, k_start, k_end, ahead
         self.threads = threads or producer.spec.storage.download_concurrency
-        self.thread_prefix = f"mmpack-download-{next(_PREFETCHER_IDS)}"  # names this prefetcher's threads
+        self.thread_prefix = f"mmpack-download-{id(self):x}"  # names this prefetcher's threads
         self.position = k_start  # the consumer's current micro-batch (set through `advance`)
         self.stop = threading.Event()
         self._changed = threading.Condition()  # position, running count or stop changed
@@ -351,9 +347,9 @@ class Prefetcher(threading.Thread):
             return
 
 
-def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
-    """Numpy arrays to tensors (sharing memory with the array); other values as they are."""
-    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+def to_torch(batch: MicroBatch[np.ndarray]) -> MicroBatch[torch.Tensor]:
+    """The batch's arrays as tensors sharing their memory."""
+    return batch.map_arrays(torch.from_numpy)
 
 
 def worker_loop(
@@ -426,7 +422,7 @@ def worker_loop(
                     break
             item: tuple[str, int, Any, dict[str, int] | None]
             try:
-                msg = writer.put(producer.produce(k, pixel_out=pixel_out))
+                msg = writer.put(dict(producer.produce(k, pixel_out=pixel_out).items()))
                 item = ("ok", k, msg, None)
                 pending_bytes += msg.nbytes
                 large = msg.nbytes * handover > HANDOVER_MAX_BYTES

@@ -74,6 +74,14 @@ class SampleReject(MmpackError):
         super().__init__(message, reason=reason)
 
 
+class VideoProbeError(MmpackError, ValueError):
+    """A video the scan rejects; `reason` is a video reason of `REJECT_REASONS` and `message` says what to do."""
+
+    def __init__(self, reason: str, message: str):
+        assert reason in REJECT_REASONS, reason
+        super().__init__(message, reason=reason)
+
+
 def reject_row(
     source: str, line: int, reason: str, message: str, stage: str, sample_id: str | None = None
 ) -> dict:

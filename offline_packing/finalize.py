@@ -12,6 +12,7 @@ from importlib import metadata
 import numpy as np
 
 from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.context import JobContext
 from mmpack.offline_packing.storage import OutputStore
 from mmpack.offline_packing.workdir import WorkDir, read_jsonl
 from mmpack.packing.fileio import json_bytes
@@ -68,7 +69,7 @@ def compute_stats(wd: WorkDir, cfg: PackJobConfig, counts: ManifestCounts) -> di
     # no "path": the dataset may be copied or moved, and reruns into another folder stay byte-identical
     stats["source"] = {"kind": "dataset", "algorithm": wd.read_marker("binpack")["algorithm"]}
     stats["source"] |= caps_bound_field(
-        lengths, cfg.seq_len, nimg, cfg.max_samples_per_bin, cfg.max_images_per_bin
+        lengths, cfg.seq_len, nimg, cfg.binpack.max_samples_per_bin, cfg.max_images_per_bin
     )
     if len(lengths):
         stats["length_distribution"] = length_distribution(lengths, cfg.seq_len)
@@ -89,28 +90,28 @@ def fill_efficiency(stats: dict) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
 
 
-def build_manifest(cfg: PackJobConfig, wd: WorkDir, counts: ManifestCounts, shards: list[dict]) -> Manifest:
-    from mmpack.offline_packing.config import chat_template, video_rule
-    from mmpack.offline_packing.lengths import get_tokenizer, image_rule
+def build_manifest(
+    ctx: JobContext, cfg: PackJobConfig, counts: ManifestCounts, shards: list[dict]
+) -> Manifest:
     from mmpack.packing.tokenizer import tokenizer_info
 
-    rule = image_rule(cfg)
+    lengths = cfg.lengths
     return Manifest(
         seq_len=cfg.seq_len,
         shards=tuple(ShardEntry.from_dict(e, f"shard {e['path']}") for e in shards),
-        formats=tuple(cfg.formats),
-        tokenizer=tokenizer_info(get_tokenizer(cfg.tokenizer)),
-        image_rule=ManifestImageRule.from_rule(rule, cfg.max_image_pixels),
-        video_rule=video_rule(cfg),
-        chat_template=chat_template(cfg).to_dict(),
+        formats=tuple(cfg.write.formats),
+        tokenizer=tokenizer_info(ctx.tokenizer(cfg.tokenizer)),
+        image_rule=ManifestImageRule.from_rule(lengths.image_rule, cfg.scan.max_image_pixels),
+        video_rule=lengths.video_rule,
+        chat_template=lengths.chat_template.to_dict(),
         algorithm={
-            "name": wd.read_marker("binpack")["algorithm"],
-            "requested": cfg.algorithm,
-            "max_items_per_bin": cfg.max_samples_per_bin,
+            "name": ctx.work.read_marker("binpack")["algorithm"],
+            "requested": cfg.binpack.algorithm,
+            "max_items_per_bin": cfg.binpack.max_samples_per_bin,
             "max_images_per_bin": cfg.max_images_per_bin,
         },
-        seed=cfg.seed,
-        overlength=cfg.overlength,
+        seed=cfg.binpack.seed,
+        overlength=lengths.overlength,
         counts=counts,
         created_by=f"mmpack {_version()}",
     )
@@ -123,23 +124,25 @@ def _version() -> str:
         return "unknown"
 
 
-def finalize(cfg: PackJobConfig, wd: WorkDir, shards: list[dict]) -> Manifest:
+def finalize(ctx: JobContext, cfg: PackJobConfig, shards: list[dict]) -> Manifest:
     """Write rejects.jsonl, stats.json, .nv-meta (--energon) and manifest.json; returns the manifest."""
-    store = OutputStore(cfg.output, cfg.storage_options, staging_dir=wd.stage_dir("write"))
+    wd = ctx.work
+    store = OutputStore(cfg.output, ctx.storage_options, staging_dir=wd.stage_dir("write"))
     rejects = collect_rejects(wd)
     counts = compute_counts(wd, rejects)
     rows = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rejects)
     store.write_bytes(REJECTS_NAME, rows.encode())
     store.write_bytes(STATS_NAME, json_bytes(compute_stats(wd, cfg, counts)))
-    if cfg.energon:
+    if cfg.write.energon:
         from mmpack.offline_packing.outputs.energon_meta import write_energon_metadata
 
         if not store.is_local:
             raise ValueError("--energon needs a local output folder (energon prepare indexes local tars)")
         from mmpack.offline_packing.write import WriteRecord, energon_files
 
-        write_energon_metadata(store.local_path(""), [e for e in shards if e["format"] == "wds"], cfg.workers)
+        wds = [e for e in shards if e["format"] == "wds"]
+        write_energon_metadata(store.local_path(""), wds, cfg.control.workers)
         WriteRecord(wd).add(energon_files(store))  # what Energon wrote there is this job's to remove later
-    manifest = build_manifest(cfg, wd, counts, shards)
+    manifest = build_manifest(ctx, cfg, counts, shards)
     store.write_bytes(MANIFEST_NAME, manifest.to_json())
     return manifest

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from typing import Any
 
 from mmpack.offline_packing.config import StageConfig
+from mmpack.offline_packing.inputs.remote import RemoteFiles, is_url
 
 FileIdentity = list  # [canonical path, size, mtime_ns or sha256]
 
@@ -28,15 +29,13 @@ def digest(*parts: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def file_identity(path: str, verify: str) -> FileIdentity:
+def file_identity(remote: RemoteFiles, path: str, verify: str) -> FileIdentity:
     """(canonical path, size, mtime_ns) of a local file, or (canonical path, size, sha256) with verify="sha256".
 
     A missing file has identity (path, None, None): it differs from any existing file's. A remote input
-    (URL) has identity (URL, size, ETag or mtime from the object store), see `inputs.remote.identity`.
+    (URL) has identity (URL, size, ETag or mtime from the object store), see `RemoteFiles.identity`.
     """
-    from mmpack.offline_packing.inputs import remote
-
-    if remote.is_url(path):
+    if is_url(path):
         return remote.identity(path, verify)
     real = os.path.realpath(path)
     try:
@@ -60,8 +59,8 @@ def _sha256_of_file(path: str) -> str:
     return h.hexdigest()
 
 
-def identities(paths: Iterable[str], verify: str) -> list[FileIdentity]:
-    return [file_identity(p, verify) for p in paths]
+def identities(remote: RemoteFiles, paths: Iterable[str], verify: str) -> list[FileIdentity]:
+    return [file_identity(remote, p, verify) for p in paths]
 
 
 def stage_fingerprint(

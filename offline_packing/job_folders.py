@@ -56,9 +56,9 @@ def claim_job_folders(cfg: PackJobConfig, work_address: str) -> Iterator[JobFold
         return claim_folder(
             url,
             kind,
-            overwrite=cfg.overwrite,
+            overwrite=cfg.control.overwrite,
             overwrite_flag="--overwrite",
-            storage_options=cfg.storage_options,
+            storage_options=cfg.control.storage_options,
             role=role,
         )
 
@@ -67,7 +67,9 @@ def claim_job_folders(cfg: PackJobConfig, work_address: str) -> Iterator[JobFold
     try:
         with ExitStack() as stack:
             locks = tuple(
-                stack.enter_context(hold_lock(folder.url, role=role, storage_options=cfg.storage_options))
+                stack.enter_context(
+                    hold_lock(folder.url, role=role, storage_options=cfg.control.storage_options)
+                )
                 for folder, role in ((output, _OUTPUT), (work, _WORK))
             )
             yield JobFolders(output, work, locks)

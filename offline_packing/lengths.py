@@ -19,22 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from mmpack.offline_packing.config import LengthsConfig, chat_template, video_rule
+from mmpack.offline_packing.config import LengthsStage
+from mmpack.offline_packing.context import JobContext
 from mmpack.offline_packing.engines import run_parallel
 from mmpack.offline_packing.errors import PackError, SampleReject, reject_row
-from mmpack.offline_packing.workdir import (
-    WorkDir,
-    atomic_write_bytes,
-    atomic_write_json,
-    atomic_write_npy,
-    jsonl_line,
-    read_done_marker,
-    read_jsonl,
-    write_jsonl,
-)
+from mmpack.offline_packing.inputs.remote import RemoteFiles
+from mmpack.offline_packing.workdir import WorkDir, jsonl_line, read_done_marker, read_jsonl
 
 STAGE = "lengths"
-_TOKENIZERS: dict[str, Any] = {}  # one tokenizer per worker process
 ENCODE_BATCH = 256  # samples whose rendered texts are encoded in one tokenizer call
 
 
@@ -43,41 +35,23 @@ class LengthsTask:
     """One scanned chunk to tokenize (picklable)."""
 
     chunk: int
-    work_dir: str
-    cfg: LengthsConfig
+    cfg: LengthsStage
     fingerprint: str
 
 
-def get_tokenizer(path: str) -> Any:
-    """The tokenizer at `path`, loaded once per process."""
-    from mmpack.packing.tokenizer import load_tokenizer
-
-    if path not in _TOKENIZERS:
-        _TOKENIZERS[path] = load_tokenizer(path)
-    return _TOKENIZERS[path]
-
-
-def image_rule(cfg: Any) -> Any:
-    """The image rule of a config carrying the fields of `mmpack.offline_packing.model_folder.RULE_JOB_FIELDS`."""
-    from mmpack.offline_packing.model_folder import RULE_JOB_FIELDS
-    from mmpack.packing.image_tokens import ImageTokenRule
-
-    return ImageTokenRule(**{name: getattr(cfg, name) for name in RULE_JOB_FIELDS})
-
-
-def plan_videos(sample: dict, vrule: Any, decode_check: bool = False) -> list[Any]:
-    """The `VideoPlan` of each video of a scanned sample; SampleReject where the rule refuses one (or, with
-    `decode_check`, where its planned frames do not decode)."""
+def plan_videos(sample: dict, vrule: Any, remote: RemoteFiles | None = None) -> list[Any]:
+    """The `VideoPlan` of each video of a scanned sample; SampleReject where the rule refuses one (or, given
+    `remote` to read them with, where its planned frames do not decode: `--video-check decode`)."""
+    from mmpack.offline_packing.errors import VideoProbeError
     from mmpack.offline_packing.inputs import video_timeline
-    from mmpack.offline_packing.inputs.video_probe import VideoProbeError
     from mmpack.packing.video_tokens import VideoMeta, VideoRuleError
 
     plans = []
     for path, info in zip(sample.get("videos", ()), sample.get("video_info", ())):
         try:
             plans.append(vrule.plan(VideoMeta(**info["meta"])))
-            if decode_check:
-                video_timeline.decode_check(path, plans[-1], name=path)
+            if remote is not None:
+                video_timeline.decode_check(remote, path, plans[-1], name=path)
         except (VideoRuleError, VideoProbeError) as exc:  # a network error past the retries ends the job
             raise SampleReject(exc.reason, f"video {path}: {exc.message}") from None
     return plans
@@ -94,16 +68,17 @@ class ScannedPrep:
 
 
 def prepare_scanned(
-    sample: dict, cfg: LengthsConfig, rule: Any, tokenizer: Any, vrule: Any = None, template: Any = None
+    sample: dict, cfg: LengthsStage, tokenizer: Any, remote: RemoteFiles | None = None
 ) -> ScannedPrep:
     """Image grids, video plans and the rendered conversation of one scanned sample (SampleReject where a rule
     refuses an image or video, or the chat template renders it in a way the loss mask cannot be read from).
-    `template`: the job's `ChatTemplate`, built once per chunk (default: from `cfg`)."""
+    `remote`: what `--video-check decode` reads videos with (`plan_videos`)."""
     from mmpack.packing.chat import Conversation, prepare_conversation
     from mmpack.packing.image_tokens import ImageSizeError
     from mmpack.packing.jinja_chat import ChatTemplateError
     from mmpack.packing.video_tokens_qwen3 import placeholder_ids
 
+    rule, options = cfg.lengths.image_rule, cfg.lengths
     grids = []
     for w, h in sample["wh"]:
         try:
@@ -115,7 +90,7 @@ def prepare_scanned(
             "too_many_images", f"{len(grids)} images > --max-images-per-bin {cfg.max_images_per_bin}"
         )
     counts = [rule.tokens_of_grid(g) for g in grids]
-    plans = plan_videos(sample, vrule or video_rule(cfg), cfg.video_check == "decode")
+    plans = plan_videos(sample, options.video_rule, remote if options.video_check == "decode" else None)
     conv = Conversation(
         messages=tuple((r, c) for r, c in sample["messages"]),
         images=tuple(sample["images"]),
@@ -128,7 +103,7 @@ def prepare_scanned(
     expansions = [placeholder_ids(tokenizer, p) for p in plans] if timestamped else []
     try:
         prep = prepare_conversation(
-            conv, tokenizer, counts, template or chat_template(cfg), [p.num_tokens for p in plans], expansions
+            conv, tokenizer, counts, options.chat_template, [p.num_tokens for p in plans], expansions
         )
     except ChatTemplateError as exc:
         raise SampleReject("chat_template_mismatch", str(exc)) from None
@@ -139,7 +114,7 @@ def prepare_scanned(
     return ScannedPrep(sample, grids, plans, prep)
 
 
-def finish_scanned(pending: ScannedPrep, cfg: LengthsConfig, tok: Any) -> tuple[Any, dict]:
+def finish_scanned(pending: ScannedPrep, cfg: LengthsStage, tok: Any) -> tuple[Any, dict]:
     """A prepared sample's tokens (`TokenizedSample` of its text) under the over-length policy, and its
     metadata row."""
     from mmpack.packing.chat import truncate_sample
@@ -148,9 +123,9 @@ def finish_scanned(pending: ScannedPrep, cfg: LengthsConfig, tok: Any) -> tuple[
     full_len = len(tok)
     if full_len > cfg.seq_len:
         message = f"{len(tok)} tokens > seq_len {cfg.seq_len}"
-        if cfg.overlength == "error":
+        if cfg.lengths.overlength == "error":
             raise PackError(f"{sample['src']}:{sample['line']}: overlength: {message} (--overlength error)")
-        if cfg.overlength == "drop":
+        if cfg.lengths.overlength == "drop":
             raise SampleReject("overlength", message)
         cut = truncate_sample(tok, cfg.seq_len)
         if cut is None:
@@ -186,30 +161,24 @@ def finish_scanned(pending: ScannedPrep, cfg: LengthsConfig, tok: Any) -> tuple[
 
 
 def tokenize_scanned(
-    sample: dict, cfg: LengthsConfig, rule: Any, tokenizer: Any, vrule: Any = None, template: Any = None
+    sample: dict, cfg: LengthsStage, tokenizer: Any, remote: RemoteFiles | None = None
 ) -> tuple[Any, dict]:
     """Token ids + loss mask of one scanned sample under the over-length policy, and its metadata row."""
     from mmpack.packing.chat import encode_texts, finish_tokenized
 
-    pending = prepare_scanned(sample, cfg, rule, tokenizer, vrule, template)
+    pending = prepare_scanned(sample, cfg, tokenizer, remote)
     [tok] = finish_tokenized([pending.prep], tokenizer, encode_texts(tokenizer, [pending.prep.text]))
     return finish_scanned(pending, cfg, tok)
 
 
 def tokenize_chunk_samples(
-    samples: Iterable[dict],
-    cfg: LengthsConfig,
-    rule: Any,
-    tokenizer: Any,
-    vrule: Any = None,
-    template: Any = None,
+    samples: Iterable[dict], cfg: LengthsStage, tokenizer: Any, remote: RemoteFiles | None = None
 ) -> Iterator[tuple[dict, Any]]:
     """(sample, (tok, meta) or its SampleReject) per scanned sample, in order, as `tokenize_scanned` gives them,
     with the texts of each `ENCODE_BATCH` samples encoded in one tokenizer call. Other errors are raised at
     the sample that causes them, after the samples before it."""
     from mmpack.packing.chat import encode_texts, finish_tokenized
 
-    template = template or chat_template(cfg)
     it = iter(samples)
     while True:
         batch: list[dict] = []
@@ -221,7 +190,7 @@ def tokenize_chunk_samples(
         prepared: list[ScannedPrep | Exception] = []
         for sample in batch:
             try:
-                prepared.append(prepare_scanned(sample, cfg, rule, tokenizer, vrule, template))
+                prepared.append(prepare_scanned(sample, cfg, tokenizer, remote))
             except Exception as exc:  # raised in order below
                 prepared.append(exc)
         preps = [p.prep for p in prepared if isinstance(p, ScannedPrep)]
@@ -243,17 +212,17 @@ def tokenize_chunk_samples(
             return
 
 
-def lengths_chunk(task: LengthsTask) -> dict:
+def lengths_chunk(ctx: JobContext, task: LengthsTask) -> dict:
     """Tokenize one scanned chunk and write its arrays; returns its counts. Pure function of the task."""
-    wd = WorkDir(task.work_dir)
+    wd = ctx.work
     done = wd.chunk_path(STAGE, task.chunk, "done.json")
     if (marker := read_done_marker(done, task.fingerprint)) is not None:
         return marker
     cfg = task.cfg
-    rule, vrule, tokenizer = image_rule(cfg), video_rule(cfg), get_tokenizer(cfg.tokenizer)
+    tokenizer = ctx.tokenizer(cfg.tokenizer)
     ids, masks, metas, rejects = [], [], [], []
     scanned = read_jsonl(wd.chunk_path("scan", task.chunk, "samples.jsonl"))
-    for sample, result in tokenize_chunk_samples(scanned, cfg, rule, tokenizer, vrule):
+    for sample, result in tokenize_chunk_samples(scanned, cfg, tokenizer, ctx.remote):
         if isinstance(result, SampleReject):
             exc = result
             if cfg.strict:
@@ -269,18 +238,18 @@ def lengths_chunk(task: LengthsTask) -> dict:
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(x) for x in ids], dtype=np.int64)
     path = lambda suffix: wd.chunk_path(STAGE, task.chunk, suffix)  # noqa: E731
-    atomic_write_npy(path("ids.npy"), np.concatenate(ids) if ids else np.zeros(0, np.uint32))
-    atomic_write_npy(path("mask.npy"), np.concatenate(masks) if masks else np.zeros(0, np.uint8))
-    atomic_write_npy(path("offsets.npy"), offsets)
-    atomic_write_npy(path("nimg.npy"), np.array([len(m["images"]) for m in metas], dtype=np.int64))
+    wd.write_npy(path("ids.npy"), np.concatenate(ids) if ids else np.zeros(0, np.uint32))
+    wd.write_npy(path("mask.npy"), np.concatenate(masks) if masks else np.zeros(0, np.uint8))
+    wd.write_npy(path("offsets.npy"), offsets)
+    wd.write_npy(path("nimg.npy"), np.array([len(m["images"]) for m in metas], dtype=np.int64))
     media_bytes = [sum(m["nbytes"]) + sum(m.get("vbytes", ())) for m in metas]
-    atomic_write_npy(path("ibytes.npy"), np.array(media_bytes, dtype=np.int64))
+    wd.write_npy(path("ibytes.npy"), np.array(media_bytes, dtype=np.int64))
     lines = [jsonl_line(m) for m in metas]
     line_offsets = np.zeros(len(lines) + 1, dtype=np.int64)
     line_offsets[1:] = np.cumsum([len(x) for x in lines], dtype=np.int64)
-    atomic_write_bytes(path("samples.jsonl"), b"".join(lines))
-    atomic_write_npy(path("meta_offsets.npy"), line_offsets)  # random access for the write stage
-    write_jsonl(path("rejects.jsonl"), rejects)
+    wd.write_bytes(path("samples.jsonl"), b"".join(lines))
+    wd.write_npy(path("meta_offsets.npy"), line_offsets)  # random access for the write stage
+    wd.write_jsonl(path("rejects.jsonl"), rejects)
     counts = {
         "fingerprint": task.fingerprint,
         "accepted": len(metas),
@@ -290,7 +259,7 @@ def lengths_chunk(task: LengthsTask) -> dict:
         "videos": sum(len(m.get("videos", ())) for m in metas),
         "truncated": sum(m["truncated_from"] is not None for m in metas),
     }
-    atomic_write_json(done, counts)
+    wd.write_json(done, counts)
     return counts
 
 
@@ -303,13 +272,17 @@ def load_lengths(wd: WorkDir, n_chunks: int) -> tuple[np.ndarray, np.ndarray, np
     return cat(lengths), cat(nimg), cat(ibytes)
 
 
-def run_lengths(cfg: LengthsConfig, wd: WorkDir, fingerprint: str, *, workers: int, progress: bool) -> dict:
+def run_lengths(
+    ctx: JobContext, cfg: LengthsStage, fingerprint: str, *, workers: int, progress: bool
+) -> dict:
     """Stage 2 over all scanned chunks; returns the marker info."""
+    wd = ctx.work
     scan_info = wd.read_marker("scan")
     n_chunks = len(scan_info["chunks"])
-    tasks = [LengthsTask(c, wd.address, cfg, fingerprint) for c in range(n_chunks)]
-    get_tokenizer(cfg.tokenizer)  # loaded once here; forked workers inherit it instead of each parsing it
+    tasks = [LengthsTask(c, cfg, fingerprint) for c in range(n_chunks)]
+    ctx.tokenizer(cfg.tokenizer)  # loaded once here; forked workers inherit it instead of each parsing it
     results = run_parallel(
+        ctx,
         lengths_chunk,
         tasks,
         workers=workers,

@@ -1,12 +1,15 @@
-"""`mmpack pack --model DIR`: the tokenizer, the image rule and the chat template of a job from an HF model folder.
+"""`mmpack pack --model DIR`: the tokenizer, the image and video rules and the chat template of a job from an HF
+model folder.
 
 A model folder (as `save_pretrained` writes it) holds `tokenizer.json`, `preprocessor_config.json` and its chat
 template; the preprocessor config settles patch, merge and temporal patch sizes, min/max pixels, mean/std,
 rescale factor and resampling, read as transformers 5 reads it (`ImageTokenRule.from_preprocessor_config`).
 `-t DIR` where DIR holds a `preprocessor_config.json` is the same as `--model DIR`. Without a model folder, the
-image flags and their defaults give the rule. The chat template (`mmpack.packing.jinja_chat`) is that of
-`--model DIR`, else of `-t DIR` (a folder); `--chat-template FILE` names another, `--chat-template builtin`
-(and a tokenizer file or a folder without one) gives mmpack's built-in Qwen rendering.
+image flags and their defaults give the rule. A Qwen3-VL folder's `video_preprocessor_config.json` gives the
+video rule (`resolve_video_rule`); otherwise the --video-* flags do. The chat template
+(`mmpack.packing.jinja_chat`) is that of `--model DIR`, else of `-t DIR` (a folder); `--chat-template FILE`
+names another, `--chat-template builtin` (and a tokenizer file or a folder without one) gives mmpack's built-in
+Qwen rendering.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from mmpack.offline_packing.config import SHARED_PATCH_FIELDS
 from mmpack.packing.image_tokens import (
     PREPROCESSOR_CONFIG,
     ImageTokenRule,
@@ -35,8 +39,6 @@ BUILTIN_TEMPLATE = "builtin"
 # Image-rule fields that also have a flag (--patch-size, ...): a flag that contradicts the model folder is an
 # error, since the trainer refuses a dataset whose rule differs from its model's.
 RULE_FLAG_FIELDS = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels")
-# Every ImageTokenRule field the job config carries (all but max_aspect_ratio, fixed at transformers' 200).
-RULE_JOB_FIELDS = (*RULE_FLAG_FIELDS, "image_mean", "image_std", "rescale_factor", "resample")
 
 
 def model_folder_of(model: str | None, tokenizer: str | None) -> str | None:
@@ -48,22 +50,20 @@ def model_folder_of(model: str | None, tokenizer: str | None) -> str | None:
     return None
 
 
-def resolve_job_image_options(
-    model: str | None, tokenizer: str | None, flags: dict[str, int | None]
-) -> tuple[str | None, dict[str, Any]]:
-    """(tokenizer path, image-rule fields of the job config) from `--model`, `-t` and the image flags.
+def resolve_image_rule(
+    model: str | None, tokenizer: str | None, flags: dict[str, int]
+) -> tuple[str | None, ImageTokenRule]:
+    """(tokenizer path, image rule of the job) from `--model`, `-t` and the image flags.
 
-    `flags` maps each of RULE_FLAG_FIELDS to its flag's value, None where the flag was not given.
+    `flags` maps those of RULE_FLAG_FIELDS given on the command line to their values; without a model folder
+    they and the rule's defaults are the rule.
 
     Raises:
         ValueError: the model folder is missing a file, or a flag contradicts its preprocessor config.
     """
     folder = model_folder_of(model, tokenizer)
     if folder is None:
-        defaults = ImageTokenRule()
-        given = {k: v for k, v in flags.items() if v is not None}
-        rule = ImageTokenRule(**{k: given.get(k, getattr(defaults, k)) for k in RULE_FLAG_FIELDS})
-        return tokenizer, _job_fields(rule)
+        return tokenizer, ImageTokenRule(**flags)  # type: ignore[arg-type]  # int fields only
     if not os.path.isdir(folder):
         raise ValueError(f"--model {folder}: not a folder (expected an HF model folder)")
     model_rule = load_model_image_rule(folder)
@@ -73,7 +73,7 @@ def resolve_job_image_options(
             "(--min-pixels, --max-pixels, ...) instead"
         )
     for name, value in flags.items():
-        if value is not None and value != getattr(model_rule, name):
+        if value != getattr(model_rule, name):
             flag = "--" + name.replace("_", "-")
             raise ValueError(
                 f"{flag} {value} disagrees with {os.path.join(folder, PREPROCESSOR_CONFIG)} ({name} "
@@ -84,10 +84,10 @@ def resolve_job_image_options(
         if not os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
             raise ValueError(f"--model {folder}: no {TOKENIZER_FILE} in it; pass -t TOKENIZER")
         tokenizer = folder
-    return tokenizer, _job_fields(model_rule)
+    return tokenizer, model_rule
 
 
-# Video-rule job fields with a flag (--video-fps, ..., --video-rule) -> the VideoTokenRule field
+# Video-rule options with a flag (--video-fps, ..., --video-rule) -> the VideoTokenRule field each sets
 VIDEO_FLAG_FIELDS = {
     "video_fps": "fps",
     "video_min_frames": "min_frames",
@@ -95,8 +95,12 @@ VIDEO_FLAG_FIELDS = {
     "video_min_pixels": "min_pixels",
     "video_max_pixels": "max_pixels",
     "video_total_pixels": "total_pixels",
-    "video_rule_style": "style",
+    "video_style": "style",
 }
+
+
+def _video_flag(option: str) -> str:
+    return "--video-rule" if option == "video_style" else "--" + option.replace("_", "-")
 
 
 def _model_video_fields(folder: str | None) -> tuple[str, dict[str, Any]] | None:
@@ -108,58 +112,52 @@ def _model_video_fields(folder: str | None) -> tuple[str, dict[str, Any]] | None
     return path, rule_fields(config, source=path)
 
 
-def resolve_job_video_options(
-    model: str | None, tokenizer: str | None, flags: dict[str, Any], image: dict[str, Any]
-) -> dict[str, Any]:
-    """The video-rule fields of the job config from `--model DIR`'s video preprocessor config, else the
-    --video-* flags (`flags`: each of VIDEO_FLAG_FIELDS, None where not given) over the defaults of the
-    chosen `--video-rule`; `image`: the job's image-rule fields (the videos' patch sizes).
+def resolve_video_rule(
+    model: str | None, tokenizer: str | None, flags: dict[str, Any], image_rule: ImageTokenRule
+) -> VideoTokenRule:
+    """The video rule of the job from `--model DIR`'s Qwen3-VL video preprocessor config, else the --video-*
+    flags (`flags`: those of VIDEO_FLAG_FIELDS given) over the defaults of the chosen `--video-rule`; its patch,
+    merge and temporal patch sizes are `image_rule`'s (one vision tower).
 
     Raises:
         ValueError: a flag contradicts the model folder, or its video patch sizes are not its image rule's.
     """
-    given = {k: v for k, v in flags.items() if v is not None}
+    given = {VIDEO_FLAG_FIELDS[name]: value for name, value in flags.items()}
+    patch = {name: getattr(image_rule, name) for name in SHARED_PATCH_FIELDS}
     found = _model_video_fields(model_folder_of(model, tokenizer))
     if found is None:
-        style = given.get("video_rule_style", VideoTokenRule().style)
-        rule = VideoTokenRule(style=style)
-        base = {k: getattr(rule, f) for k, f in VIDEO_FLAG_FIELDS.items()}
-        if style == "qwen3_vl":  # the processor's defaults, not qwen-vl-utils'
-            base |= {
-                k: PROCESSOR_DEFAULTS[f] for k, f in VIDEO_FLAG_FIELDS.items() if f in PROCESSOR_DEFAULTS
-            }
-        return base | given
+        base: dict[str, Any] = {}
+        if given.get("style") == "qwen3_vl":  # the processor's defaults, not qwen-vl-utils'
+            base = {f: PROCESSOR_DEFAULTS[f] for f in VIDEO_FLAG_FIELDS.values() if f in PROCESSOR_DEFAULTS}
+        return VideoTokenRule(**base, **given, **patch)
     path, fields = found
-    for name in ("patch_size", "merge_size", "temporal_patch_size"):
-        if fields[name] != image[name]:
+    for name, value in patch.items():
+        if fields[name] != value:
             raise ValueError(
-                f"{path}: {name} {fields[name]} differs from the image rule's {image[name]}: mmpack cuts videos "
+                f"{path}: {name} {fields[name]} differs from the image rule's {value}: mmpack cuts videos "
                 "into the image rule's patches"
             )
-    options = {k: fields.get(f, getattr(VideoTokenRule(), f)) for k, f in VIDEO_FLAG_FIELDS.items()}
-    for name, value in given.items():
-        if value != options[name]:
-            flag = "--" + name.replace("_", "-").replace("-style", "")
+    rule = VideoTokenRule(**{f: fields[f] for f in VIDEO_FLAG_FIELDS.values() if f in fields}, **patch)
+    for option, value in flags.items():
+        wanted = getattr(rule, VIDEO_FLAG_FIELDS[option])
+        if value != wanted:
+            flag = _video_flag(option)
             raise ValueError(
-                f"{flag} {value} disagrees with {path} ({options[name]}): the videos would get other tokens than "
+                f"{flag} {value} disagrees with {path} ({wanted}): the videos would get other tokens than "
                 f"the model's processor gives; drop {flag} or change the model folder's {VIDEO_PREPROCESSOR_CONFIG}"
             )
-    return options
-
-
-def _job_fields(rule: ImageTokenRule) -> dict[str, Any]:
-    return {name: getattr(rule, name) for name in RULE_JOB_FIELDS}
+    return rule
 
 
 def resolve_chat_template(model: str | None, tokenizer: str | None, flag: str | None) -> dict[str, Any]:
-    """The chat-template fields of the job config (`chat_template`, `chat_template_origin`,
-    `chat_template_vars`) from `--model`, `-t` and `--chat-template` (a .jinja file, or "builtin").
+    """The chat template's options of the job (`chat_source`, `chat_origin`, `chat_variables`; see
+    `mmpack.offline_packing.options`) from `--model`, `-t` and `--chat-template` (a .jinja file, or "builtin").
 
     Raises:
         ValueError: `--chat-template` names no file, or a template file cannot be read.
     """
     folder = model if model is not None else tokenizer if tokenizer and os.path.isdir(tokenizer) else None
-    builtin: dict[str, Any] = {"chat_template": None, "chat_template_origin": "", "chat_template_vars": ()}
+    builtin: dict[str, Any] = {"chat_source": None, "chat_variables": ()}
     if flag == BUILTIN_TEMPLATE:
         return builtin
     found = read_folder_template(folder) if folder is not None and os.path.isdir(folder) else None
@@ -180,8 +178,4 @@ def resolve_chat_template(model: str | None, tokenizer: str | None, flag: str | 
         JinjaChat(source, variables, origin)
     except ChatTemplateError as exc:
         raise ValueError(f"{origin}: {exc}") from None
-    return {
-        "chat_template": source,
-        "chat_template_origin": origin,
-        "chat_template_vars": tuple(sorted(variables.items())),
-    }
+    return {"chat_source": source, "chat_origin": origin, "chat_variables": tuple(sorted(variables.items()))}

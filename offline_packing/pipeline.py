@@ -18,20 +18,29 @@ import time
 import traceback
 from pathlib import Path
 
-from mmpack.offline_packing.config import STAGES, PackJobConfig, PackSummary
+from mmpack.offline_packing.binpack import run_binpack
+from mmpack.offline_packing.config import STAGES, PackJobConfig
+from mmpack.offline_packing.context import JobContext
 from mmpack.offline_packing.errors import PackError, describe_failure
+from mmpack.offline_packing.finalize import fill_efficiency, finalize
 from mmpack.offline_packing.fingerprint import identities, stage_fingerprint
-from mmpack.offline_packing.job_folders import JobFolders
+from mmpack.offline_packing.inputs.sources import expand_inputs
+from mmpack.offline_packing.job_folders import JobFolders, claim_job_folders, remove_work_files
+from mmpack.offline_packing.lengths import run_lengths
+from mmpack.offline_packing.scan import run_scan, scan_output_fingerprint
 from mmpack.offline_packing.storage import OutputStore
-from mmpack.offline_packing.workdir import WorkDir
+from mmpack.offline_packing.summary import PackSummary
+from mmpack.offline_packing.write import record_previous_dataset, remove_unlisted_outputs, run_write_shards
 from mmpack.packing.format import MANIFEST_NAME, STATS_NAME
 from mmpack.packing.manifest import Manifest
 from mmpack.packing.ownership import OwnedFolder
+from mmpack.packing.tokenizer import tokenizer_files
 
 
 def resolve_work_dir(cfg: PackJobConfig) -> str:
     """The work folder of a job (a local path or a URL): `work_dir_of` its output, work dir and engine."""
-    return work_dir_of(cfg.output, cfg.work_dir, cfg.engine, cfg.storage_options)
+    control = cfg.control
+    return work_dir_of(cfg.output, control.work_dir, control.engine, control.storage_options)
 
 
 def work_dir_of(
@@ -51,83 +60,61 @@ def work_dir_of(
     return str(Path(tempfile.gettempdir()) / f"mmpack-work-{digest}")
 
 
-def _fingerprint(cfg: PackJobConfig, stage: str, previous: str, files: list[str]) -> str:
+def _fingerprint(ctx: JobContext, cfg: PackJobConfig, stage: str, previous: str, files: list[str]) -> str:
     """The fingerprint `stage` has now, after a stage whose output fingerprint is `previous`."""
     inputs: list[str] = []
     if stage == "scan":
         inputs = files
     elif stage == "lengths":
-        from mmpack.packing.tokenizer import tokenizer_files
-
         inputs = tokenizer_files(cfg.tokenizer)
-    return stage_fingerprint(stage, cfg.stage_config(stage), previous, identities(inputs, cfg.verify_inputs))
+    read = identities(ctx.remote, inputs, cfg.verify_inputs)
+    return stage_fingerprint(stage, cfg.stage_config(stage), previous, read)
 
 
-def _completed(cfg: PackJobConfig, wd: WorkDir, stage: str, fingerprint: str) -> str | None:
+def _completed(ctx: JobContext, cfg: PackJobConfig, stage: str, fingerprint: str) -> str | None:
     """The output fingerprint of `stage` if it completed with `fingerprint` and is still current, else None."""
     if stage == "scan":
-        from mmpack.offline_packing.scan import scan_output_fingerprint
-
-        return scan_output_fingerprint(wd, fingerprint, cfg.verify_inputs)
-    if not wd.is_done(stage, fingerprint) or not _outputs_present(cfg, stage):
+        return scan_output_fingerprint(ctx, fingerprint, cfg.verify_inputs)
+    if not ctx.work.is_done(stage, fingerprint) or not _outputs_present(ctx, cfg, stage):
         return None
     return fingerprint
 
 
 def _run_stage(
-    cfg: PackJobConfig, wd: WorkDir, stage: str, fingerprint: str, files: list[str], output: OwnedFolder
+    ctx: JobContext, cfg: PackJobConfig, stage: str, fingerprint: str, files: list[str], output: OwnedFolder
 ) -> str:
     """Run `stage`; returns its output fingerprint (what the next stage builds on)."""
+    workers, progress = cfg.control.workers, cfg.control.progress
     if stage == "scan":
-        from mmpack.offline_packing.scan import run_scan
-
-        info = run_scan(
-            cfg.stage_config("scan"), files, wd, fingerprint, workers=cfg.workers, progress=cfg.progress
-        )
+        info = run_scan(ctx, cfg.stage_config("scan"), files, fingerprint, workers=workers, progress=progress)
         return str(info["output_fingerprint"])
     if stage == "lengths":
-        from mmpack.offline_packing.lengths import get_tokenizer, run_lengths
-
-        get_tokenizer(cfg.tokenizer)  # loaded once here; forked workers inherit it
-        run_lengths(cfg.stage_config("lengths"), wd, fingerprint, workers=cfg.workers, progress=cfg.progress)
+        run_lengths(ctx, cfg.stage_config("lengths"), fingerprint, workers=workers, progress=progress)
     elif stage == "binpack":
-        from mmpack.offline_packing.binpack import run_binpack
-
-        run_binpack(cfg.stage_config("binpack"), wd, fingerprint)
+        run_binpack(ctx.work, cfg.stage_config("binpack"), fingerprint)
     else:
-        _run_write(cfg, wd, fingerprint, output)
+        _run_write(ctx, cfg, fingerprint, output)
     return fingerprint
 
 
-def _run_write(cfg: PackJobConfig, wd: WorkDir, fingerprint: str, output: OwnedFolder) -> None:
-    from mmpack.offline_packing.finalize import finalize
-    from mmpack.offline_packing.write import (
-        record_previous_dataset,
-        remove_unlisted_outputs,
-        run_write_shards,
-    )
-
-    write_cfg = cfg.stage_config("write")
-    store = OutputStore(cfg.output, cfg.storage_options, staging_dir=wd.stage_dir("write"))
+def _run_write(ctx: JobContext, cfg: PackJobConfig, fingerprint: str, output: OwnedFolder) -> None:
+    wd = ctx.work
+    store = OutputStore(cfg.output, ctx.storage_options, staging_dir=wd.stage_dir("write"))
     if not output.created:  # a folder adopted now (--overwrite): its old manifest lists the user's files
         record_previous_dataset(store, wd)
     store.remove(MANIFEST_NAME)  # the dataset is uncommitted while its shards are (re)written
+    control = cfg.control
     shards = run_write_shards(
-        write_cfg,
-        cfg.storage_options,
-        wd,
-        fingerprint,
-        workers=cfg.workers,
-        progress=cfg.progress,
+        ctx, cfg.stage_config("write"), fingerprint, workers=control.workers, progress=control.progress
     )
-    finalize(cfg, wd, shards)
-    remove_unlisted_outputs(output, wd, write_cfg, shards)
+    finalize(ctx, cfg, shards)
+    remove_unlisted_outputs(output, wd, cfg.write, shards)
     wd.mark_done("write", fingerprint, {})
 
 
-def _clear_chunk_markers(wd: WorkDir, stage: str) -> None:
-    wd.remove(f"{stage}/*.done.json")
-    wd.remove(f"{stage}/shard-*.json")
+def _clear_chunk_markers(ctx: JobContext, stage: str) -> None:
+    ctx.work.remove(f"{stage}/*.done.json")
+    ctx.work.remove(f"{stage}/shard-*.json")
 
 
 def run_pack(cfg: PackJobConfig) -> PackSummary:
@@ -143,38 +130,32 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
         FileNotFoundError: an input (-i) or the tokenizer does not exist.
         OSError: the output or work folder cannot be written; an input is not a regular file.
     """
-    from mmpack.offline_packing.engines import use_engine
-    from mmpack.offline_packing.inputs import remote
-
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from mmpack.packing.tokenizer import tokenizer_files
-
     tokenizer_files(cfg.tokenizer)  # a missing tokenizer fails before the first stage, not after it
-    if cfg.energon:
+    if cfg.write.energon:
         from mmpack.offline_packing.outputs.energon_meta import require_energon
 
         require_energon()
-    remote.configure(cfg.storage_options)  # inputs (s3://...) are read with the output's storage options
-    with use_engine(cfg.engine, cfg.ray_address):
-        return _run_stages(cfg)
+    control = cfg.control
+    if control.engine == "ray":
+        from mmpack.offline_packing.engines.ray import connect
 
-
-def _run_stages(cfg: PackJobConfig) -> PackSummary:
-    from mmpack.offline_packing import workdir
-    from mmpack.offline_packing.inputs.sources import expand_inputs
-    from mmpack.offline_packing.job_folders import claim_job_folders, remove_work_files
-
-    work_address = resolve_work_dir(cfg)
-    with claim_job_folders(cfg, work_address) as folders:
-        files = expand_inputs(cfg.inputs, exclude=(cfg.output, work_address))  # never the job's own files
-        workdir.start_run()  # a URL work folder starts from an empty local cache: nothing stale is read
-        wd = WorkDir(work_address)
+        connect(control.ray_address)
+    # inputs (s3://...) are read with the output's storage options
+    ctx = JobContext(
+        work_dir=resolve_work_dir(cfg), storage_options=control.storage_options, engine=control.engine
+    )
+    with claim_job_folders(cfg, ctx.work_dir) as folders:
+        files = expand_inputs(
+            ctx.remote, cfg.inputs, exclude=(cfg.output, ctx.work_dir)
+        )  # never its own files
+        wd = ctx.work  # a URL work folder: this run's empty local cache, so nothing stale is read
         wd.root.mkdir(parents=True, exist_ok=True)
         try:
-            summary = _run_stages_in(cfg, files, wd, folders)
+            summary = _run_stages_in(ctx, cfg, files, folders)
         finally:
             wd.close()
-        clean = cfg.clean_work and "write" in (*summary.stage_seconds, *summary.stages_skipped)
+        clean = control.clean_work and "write" in (*summary.stage_seconds, *summary.stages_skipped)
         if clean:
             remove_work_files(folders.work)
     if clean:
@@ -182,15 +163,17 @@ def _run_stages(cfg: PackJobConfig) -> PackSummary:
     return summary
 
 
-def _run_stages_in(cfg: PackJobConfig, files: list[str], wd: WorkDir, folders: JobFolders) -> PackSummary:
-    first = cfg.only_stage or cfg.start_stage or 1
-    last = cfg.only_stage or len(STAGES)
+def _run_stages_in(ctx: JobContext, cfg: PackJobConfig, files: list[str], folders: JobFolders) -> PackSummary:
+    control = cfg.control
+    first = control.only_stage or control.start_stage or 1
+    last = control.only_stage or len(STAGES)
     summary = PackSummary(output=cfg.output)
-    forced = cfg.only_stage is not None or cfg.start_stage is not None
+    forced = control.only_stage is not None or control.start_stage is not None
     previous, redo_rest, wrote = "", False, False
+    wd = ctx.work
     for n, name in enumerate(STAGES[:last], start=1):
-        fingerprint = _fingerprint(cfg, name, previous, files)
-        completed = _completed(cfg, wd, name, fingerprint)
+        fingerprint = _fingerprint(ctx, cfg, name, previous, files)
+        completed = _completed(ctx, cfg, name, fingerprint)
         if n < first:
             if completed is None:
                 raise PackError(
@@ -209,13 +192,14 @@ def _run_stages_in(cfg: PackJobConfig, files: list[str], wd: WorkDir, folders: J
         wd.forget(name)  # a URL work folder: this stage's files are about to change
         wd.clear_marker(name)
         if forced:
-            _clear_chunk_markers(wd, name)
+            _clear_chunk_markers(ctx, name)
         start = time.perf_counter()
-        previous = _run_stage(cfg, wd, name, fingerprint, files, folders.output)
+        previous = _run_stage(ctx, cfg, name, fingerprint, files, folders.output)
         summary.stage_seconds[name] = time.perf_counter() - start
         wrote = name == "write"
+    summary.tasks_per_node = dict(ctx.report.tasks_per_node)
     if wrote:
-        _fill_summary(summary, cfg)
+        _fill_summary(summary, ctx, cfg)
     return summary
 
 
@@ -228,7 +212,7 @@ def run_pack_reporting(cfg: PackJobConfig, command: str = "mmpack pack") -> int:
         print(f"{command}: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     except Exception as exc:
-        if cfg.debug:
+        if cfg.control.debug:
             traceback.print_exc()
         print(f"{command}: error: {describe_failure(exc)}", file=sys.stderr)
         return 1
@@ -247,17 +231,15 @@ def stage_main(stage: str, argv: list[str] | None = None) -> int:
     return run_pack_reporting(cfg, prog)
 
 
-def _outputs_present(cfg: PackJobConfig, stage: str) -> bool:
+def _outputs_present(ctx: JobContext, cfg: PackJobConfig, stage: str) -> bool:
     """The write stage also needs its manifest to still be in the output (it may have been deleted)."""
     if stage != "write":
         return True
-    return OutputStore(cfg.output, cfg.storage_options).size(MANIFEST_NAME) is not None
+    return OutputStore(cfg.output, ctx.storage_options).size(MANIFEST_NAME) is not None
 
 
-def _fill_summary(summary: PackSummary, cfg: PackJobConfig) -> None:
-    from mmpack.offline_packing.finalize import fill_efficiency
-
-    store = OutputStore(cfg.output, cfg.storage_options)
+def _fill_summary(summary: PackSummary, ctx: JobContext, cfg: PackJobConfig) -> None:
+    store = OutputStore(cfg.output, ctx.storage_options)
     manifest = _read_output_manifest(store)
     stats = _read_output_json(store, STATS_NAME)
     counts = manifest.counts

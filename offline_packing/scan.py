@@ -16,20 +16,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, cast
 
-from mmpack.offline_packing.config import ScanConfig
+from mmpack.offline_packing.config import ScanStage
+from mmpack.offline_packing.context import JobContext
 from mmpack.offline_packing.engines import run_parallel
 from mmpack.offline_packing.errors import PackError, SampleReject, reject_row
 from mmpack.offline_packing.fingerprint import FileIdentity, digest, file_identity, identities
 from mmpack.offline_packing.inputs.chunks import Chunk, plan_chunks, read_chunk
 from mmpack.offline_packing.inputs.json_records import RawRecord, lone_surrogate
+from mmpack.offline_packing.inputs.remote import InputReadError, RemoteFiles, is_url
 from mmpack.offline_packing.inputs.sources import input_folder, resolve_image_path
-from mmpack.offline_packing.workdir import (
-    WorkDir,
-    atomic_write_json,
-    read_done_marker,
-    read_json,
-    write_jsonl,
-)
+from mmpack.offline_packing.workdir import WorkDir, read_done_marker, read_json
 from mmpack.packing.errors import MmpackError
 from mmpack.packing.fileio import NotRegularFileError, open_regular
 
@@ -41,8 +37,7 @@ class ScanTask:
     """One chunk of scan work: everything the worker needs, nothing else (picklable)."""
 
     chunk: Chunk
-    work_dir: str
-    cfg: ScanConfig
+    cfg: ScanStage
     fingerprint: str
 
 
@@ -55,18 +50,17 @@ class ImageCheck:
     max_video_seconds: float = 3 * 3600.0
 
 
-def _read_image(path: str, check: ImageCheck) -> tuple[int, int, str, int]:
+def _read_image(remote: RemoteFiles, path: str, check: ImageCheck) -> tuple[int, int, str, int]:
     """(width, height, format, size_bytes) of an image file; SampleReject if missing, unreadable or too large."""
-    from mmpack.offline_packing.inputs import remote
     from mmpack.offline_packing.tar_source import is_member_ref, read_image_bytes
     from mmpack.packing.image_tokens import read_image_size
 
     full_decode = check.full_decode
-    if remote.is_url(path):
-        return _read_remote_image(path, check)
+    if is_url(path):
+        return _read_remote_image(remote, path, check)
     try:
         if is_member_ref(path):  # tar members are small reads from one open file
-            data = read_image_bytes(path)
+            data = read_image_bytes(remote, path)
             w, h, fmt = read_image_size(data, check_truncated=True, max_image_pixels=check.max_image_pixels)
             if full_decode:
                 _decode_fully(data, path)
@@ -75,7 +69,7 @@ def _read_image(path: str, check: ImageCheck) -> tuple[int, int, str, int]:
             w, h, fmt = read_image_size(f, check_truncated=True, max_image_pixels=check.max_image_pixels)
             size = os.fstat(f.fileno()).st_size
         if full_decode:
-            _decode_fully(read_image_bytes(path), path)
+            _decode_fully(read_image_bytes(remote, path), path)
         return w, h, fmt, size
     except FileNotFoundError:
         raise SampleReject("missing_image", f"image file {path} does not exist") from None
@@ -87,10 +81,9 @@ def _read_image(path: str, check: ImageCheck) -> tuple[int, int, str, int]:
         raise SampleReject("unreadable_image", str(exc)) from None
 
 
-def _read_remote_image(url: str, check: ImageCheck) -> tuple[int, int, str, int]:
+def _read_remote_image(remote: RemoteFiles, url: str, check: ImageCheck) -> tuple[int, int, str, int]:
     """`_read_image` of an image URL: ranged reads of the blocks the header check touches, not the image
     (the whole image only with `--image-check decode`). Network errors past the retries end the job."""
-    from mmpack.offline_packing.inputs import remote
     from mmpack.packing.image_tokens import read_image_size
 
     try:
@@ -102,7 +95,7 @@ def _read_remote_image(url: str, check: ImageCheck) -> tuple[int, int, str, int]
         return w, h, fmt, f.size
     except FileNotFoundError:
         raise SampleReject("missing_image", f"image {url} does not exist") from None
-    except remote.InputReadError:
+    except InputReadError:
         raise
     except MmpackError as exc:
         raise SampleReject(exc.reason, exc.message) from None
@@ -121,24 +114,23 @@ def _decode_fully(data: bytes, name: str) -> None:
         decode_or_raise(im, name)
 
 
-def _read_video(path: str, check: ImageCheck) -> dict:
+def _read_video(remote: RemoteFiles, path: str, check: ImageCheck) -> dict:
     """Container metadata of a video file, URL or tar member (no frame decoded); SampleReject with the probe's
     reason (missing, unreadable, empty, not a video, corrupt or truncated, too long, frames too large)."""
-    from mmpack.offline_packing.inputs import remote
     from mmpack.offline_packing.inputs.video_probe import VideoProbeConfig, probe_video
     from mmpack.offline_packing.tar_source import is_member_ref, read_image_bytes
 
     config = VideoProbeConfig(max_duration_s=check.max_video_seconds, max_frame_pixels=check.max_image_pixels)
     try:
         if is_member_ref(path):
-            probe = probe_video(read_image_bytes(path), config, name=path)
-        elif remote.is_url(path):
+            probe = probe_video(read_image_bytes(remote, path), config, name=path)
+        elif is_url(path):
             probe = probe_video(cast(IO[bytes], remote.open_ranged(path)), config, name=path)
         else:
             probe = probe_video(path, config)
     except FileNotFoundError:
         raise SampleReject("missing_video", f"video {path} does not exist") from None
-    except remote.InputReadError:
+    except InputReadError:
         raise
     except MmpackError as exc:
         raise SampleReject(exc.reason, exc.message) from None
@@ -181,6 +173,7 @@ def _locate_image(image: str, rec: RawRecord, source: str, image_root: str, kind
 
 
 def scan_record(
+    remote: RemoteFiles,
     rec: RawRecord,
     source: str,
     image_root: str,
@@ -215,9 +208,9 @@ def scan_record(
     for image in conv.images:
         path = _locate_image(image, rec, source, image_root)
         if read_files is not None and path not in read_files and rec.tar_sample is None:
-            read_files[path] = file_identity(path, verify)  # before reading: a later edit shows as a change
+            read_files[path] = file_identity(remote, path, verify)  # before reading: a later edit shows
         if path not in seen:
-            seen[path] = _read_image(path, check)
+            seen[path] = _read_image(remote, path, check)
         w, h, fmt, size = seen[path]
         paths.append(path)
         sizes.append([w, h])
@@ -229,9 +222,9 @@ def scan_record(
     for video in conv.videos:
         path = _locate_image(video, rec, source, image_root, kind="video")
         if read_files is not None and path not in read_files and rec.tar_sample is None:
-            read_files[path] = file_identity(path, verify)
+            read_files[path] = file_identity(remote, path, verify)
         if path not in probed:
-            probed[path] = _read_video(path, check)
+            probed[path] = _read_video(remote, path, check)
         videos.append(path)
         video_info.append({**probed[path], "fmt": video_format(video)})
     row = {
@@ -249,22 +242,21 @@ def scan_record(
     return row
 
 
-def scan_chunk(task: ScanTask) -> dict:
+def scan_chunk(ctx: JobContext, task: ScanTask) -> dict:
     """Scan one chunk and write its outputs; returns its counts. Pure function of the task and the files."""
-    wd = WorkDir(task.work_dir)
-    cfg = task.cfg
+    wd = ctx.work
+    cfg, options = task.cfg, task.cfg.scan
     done = wd.chunk_path(STAGE, task.chunk.index, "done.json")
     marker = read_done_marker(done, task.fingerprint)
-    if marker is not None and _chunk_images_digest(wd, task.chunk.index, cfg.verify_inputs) == marker.get(
-        "images"
-    ):
+    current = _chunk_images_digest(ctx, task.chunk.index, cfg.verify_inputs)
+    if marker is not None and current == marker.get("images"):
         return marker
     chunk = task.chunk
-    image_root = cfg.image_root or input_folder(chunk.path)
+    image_root = options.image_root or input_folder(chunk.path)
     check = ImageCheck(
-        full_decode=cfg.image_check == "decode",
-        max_image_pixels=cfg.max_image_pixels,
-        max_video_seconds=cfg.max_video_seconds,
+        full_decode=options.image_check == "decode",
+        max_image_pixels=options.max_image_pixels,
+        max_video_seconds=options.max_video_seconds,
     )
     rejects: list[dict] = []
     read_files: dict[str, FileIdentity] = {}
@@ -272,19 +264,21 @@ def scan_chunk(task: ScanTask) -> dict:
 
     def scanned() -> Iterator[dict]:  # written as they come: memory holds one record, not the chunk
         nonlocal n_read
-        for rec in read_chunk(chunk, cfg.max_record_bytes):
+        for rec in read_chunk(ctx, chunk, options.max_record_bytes):
             n_read += 1
             try:
-                yield scan_record(rec, chunk.path, image_root, check, read_files, cfg.verify_inputs)
+                yield scan_record(
+                    ctx.remote, rec, chunk.path, image_root, check, read_files, cfg.verify_inputs
+                )
             except SampleReject as exc:
                 if cfg.strict:
                     raise PackError(f"{chunk.path}:{rec.line}: {exc.reason}: {exc.message}") from None
                 rejects.append(reject_row(chunk.path, rec.line, exc.reason, exc.message, STAGE))
 
-    accepted = write_jsonl(wd.chunk_path(STAGE, chunk.index, "samples.jsonl"), scanned())
-    write_jsonl(wd.chunk_path(STAGE, chunk.index, "rejects.jsonl"), rejects)
+    accepted = wd.write_jsonl(wd.chunk_path(STAGE, chunk.index, "samples.jsonl"), scanned())
+    wd.write_jsonl(wd.chunk_path(STAGE, chunk.index, "rejects.jsonl"), rejects)
     images = sorted(read_files.values())
-    atomic_write_json(wd.chunk_path(STAGE, chunk.index, "images.json"), images)
+    wd.write_json(wd.chunk_path(STAGE, chunk.index, "images.json"), images)
     counts = {
         "fingerprint": task.fingerprint,
         "read": n_read,
@@ -292,36 +286,38 @@ def scan_chunk(task: ScanTask) -> dict:
         "rejected": len(rejects),
         "images": digest(images),
     }
-    atomic_write_json(done, counts)
+    wd.write_json(done, counts)
     return counts
 
 
-def _chunk_images_digest(wd: WorkDir, chunk: int, verify: str) -> str | None:
+def _chunk_images_digest(ctx: JobContext, chunk: int, verify: str) -> str | None:
     """Digest of the current identities of the image files chunk `chunk` read (None: no record of them)."""
-    path = wd.chunk_path(STAGE, chunk, "images.json")
+    path = ctx.work.chunk_path(STAGE, chunk, "images.json")
     if not path.is_file():
         return None
-    return digest(identities((row[0] for row in read_json(path)), verify))
+    return digest(identities(ctx.remote, (row[0] for row in read_json(path)), verify))
 
 
-def scan_output_fingerprint(wd: WorkDir, fingerprint: str, verify: str) -> str | None:
+def scan_output_fingerprint(ctx: JobContext, fingerprint: str, verify: str) -> str | None:
     """The fingerprint the next stage builds on: the scan's own, plus the current identity of every image it
     read. None unless the scan completed with `fingerprint` and no image it read has changed since."""
+    wd: WorkDir = ctx.work
     if not wd.is_done(STAGE, fingerprint):
         return None
     info = wd.read_marker(STAGE)
-    current = [_chunk_images_digest(wd, c["index"], verify) for c in info["chunks"]]
+    current = [_chunk_images_digest(ctx, c["index"], verify) for c in info["chunks"]]
     output = digest(fingerprint, current)
     return output if output == info.get("output_fingerprint") else None
 
 
 def run_scan(
-    cfg: ScanConfig, files: list[str], wd: WorkDir, fingerprint: str, *, workers: int, progress: bool
+    ctx: JobContext, cfg: ScanStage, files: list[str], fingerprint: str, *, workers: int, progress: bool
 ) -> dict:
     """Stage 1 over all chunks of `files` (canonical input paths); returns the marker info."""
-    chunks = plan_chunks(files, cfg.chunk_size, cfg.max_record_bytes)
-    tasks = [ScanTask(c, wd.address, cfg, fingerprint) for c in chunks]
+    chunks = plan_chunks(ctx, files, cfg.scan.chunk_size, cfg.scan.max_record_bytes)
+    tasks = [ScanTask(c, cfg, fingerprint) for c in chunks]
     results = run_parallel(
+        ctx,
         scan_chunk,
         tasks,
         workers=workers,
@@ -337,7 +333,7 @@ def run_scan(
         "rejected": sum(r["rejected"] for r in results),
         "output_fingerprint": digest(fingerprint, [r["images"] for r in results]),
     }
-    wd.mark_done(STAGE, fingerprint, info)
+    ctx.work.mark_done(STAGE, fingerprint, info)
     return info
 
 

@@ -14,10 +14,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from functools import lru_cache
+from typing import TYPE_CHECKING
 
+from mmpack.offline_packing.inputs.remote import RemoteFiles, is_url
 from mmpack.packing.fileio import open_regular
 from mmpack.packing.tar_index import index_tar as walk_tar
+
+if TYPE_CHECKING:
+    from mmpack.offline_packing.context import JobContext
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 _REF_PREFIX = "tar::"
@@ -38,21 +42,18 @@ def _split_name(name: str) -> tuple[str, str]:
     return (f"{dirname}/{stem}" if dirname else stem), suffix if dot else ""
 
 
-def index_tar(path: str) -> tuple[TarSample, ...]:
-    """The samples of a tar, in member order (headers only; data is skipped by seeking). `path` may be a URL."""
-    from mmpack.offline_packing.inputs import remote
+def index_tar(ctx: JobContext, path: str) -> tuple[TarSample, ...]:
+    """The samples of a tar, in member order (headers only; data is skipped by seeking). `path` may be a URL.
+    Kept in the job's caches by identity (a rewritten tar is indexed again)."""
+    if is_url(path):
+        _, size, version = ctx.remote.identity(path, "stat")
+    else:
+        st = os.stat(path)
+        size, version = st.st_size, st.st_mtime_ns
+    return ctx.caches.get("tar_index", (path, size, version), lambda: _index_tar(ctx.remote, path), maxsize=2)
 
-    if remote.is_url(path):
-        _, size, version = remote.identity(path, "stat")
-        return _index_tar(path, size, version)
-    st = os.stat(path)
-    return _index_tar(path, st.st_size, st.st_mtime_ns)
 
-
-@lru_cache(maxsize=2)
-def _index_tar(path: str, size: int, version: int | str | None) -> tuple[TarSample, ...]:
-    from mmpack.offline_packing.inputs import remote
-
+def _index_tar(remote: RemoteFiles, path: str) -> tuple[TarSample, ...]:
     samples: list[TarSample] = []
     with remote.open_binary(path) as f:
         entries = walk_tar(f, label=path, non_regular="skip")
@@ -75,13 +76,11 @@ def is_member_ref(path: str) -> bool:
     return path.startswith(_REF_PREFIX)
 
 
-def read_image_bytes(path: str) -> bytes:
+def read_image_bytes(remote: RemoteFiles, path: str) -> bytes:
     """Bytes of an image file or of a tar member reference (remote ones by ranged reads with retries)."""
-    from mmpack.offline_packing.inputs import remote
-
     if is_member_ref(path):
         tar_path, offset, size = path[len(_REF_PREFIX) :].rsplit("::", 2)
-        if remote.is_url(tar_path):
+        if is_url(tar_path):
             return remote.read_range(tar_path, int(offset), int(offset) + int(size))
         with open_regular(tar_path) as f:
             f.seek(int(offset))
@@ -89,16 +88,16 @@ def read_image_bytes(path: str) -> bytes:
         if len(data) != int(size):
             raise OSError(f"tar member at {offset} of {tar_path} is truncated")
         return data
-    if remote.is_url(path):
+    if is_url(path):
         return remote.read_all(path)
     with open_regular(path) as f:
         return f.read()
 
 
-def sample_record(tar_path: str, sample: TarSample) -> dict:
+def sample_record(remote: RemoteFiles, tar_path: str, sample: TarSample) -> dict:
     """The raw record of a tar sample (ValueError if it has none or its JSON is invalid)."""
     if "json" in sample.members:
-        obj = json.loads(read_image_bytes(member_ref(tar_path, *sample.members["json"])))
+        obj = json.loads(read_image_bytes(remote, member_ref(tar_path, *sample.members["json"])))
         if isinstance(obj, dict) and not any(k in obj for k in ("image", "images")):
             images = sorted(s for s in sample.members if s.rsplit(".", 1)[-1].lower() in IMAGE_SUFFIXES)
             if images:
@@ -106,7 +105,7 @@ def sample_record(tar_path: str, sample: TarSample) -> dict:
         return obj
     images = [s for s in sample.members if s.rsplit(".", 1)[-1].lower() in IMAGE_SUFFIXES]
     if "txt" in sample.members and len(images) == 1:
-        text = read_image_bytes(member_ref(tar_path, *sample.members["txt"])).decode("utf-8")
+        text = read_image_bytes(remote, member_ref(tar_path, *sample.members["txt"])).decode("utf-8")
         return {"id": sample.key, "caption": text, "image": images[0]}
     raise ValueError(f"sample {sample.key!r} has no .json record (nor a .txt caption with one image)")
 

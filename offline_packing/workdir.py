@@ -5,11 +5,11 @@ outputs, so a killed job leaves either complete files or none, never a partial o
 
 The work folder is a local path (one machine, or a filesystem every node mounts) or an fsspec URL
 (`s3://bucket/work`), which every node of a Ray cluster reaches without a shared filesystem. A URL work
-folder is mirrored: stage code reads and writes local paths under a cache folder of this process's run
-(`<tmp>/mmpack-work/<url digest>/<run>[-<node>]`); a file is fetched from the URL the first time it is
-asked for (`WorkDir.file`), and every file written through this module is uploaded after its local
-rename, markers last as locally. Files do not change within a stage once written, and each run starts
-with an empty cache (`start_run`), so a cached copy is never stale; the driver drops its copies of a
+folder is mirrored: stage code reads and writes local paths under a cache folder of the job's run
+(`<tmp>/mmpack-work/<url digest>/<run>[-<node>]`, named by the job context); a file is fetched from the URL
+the first time it is asked for (`WorkDir.file`), and every file written through `WorkDir.write_*` is
+uploaded after its local rename, markers last as locally. Files do not change within a stage once written,
+and each run starts with an empty cache, so a cached copy is never stale; the driver drops its copies of a
 stage's files before running that stage (`WorkDir.forget`), which is the one time they change.
 """
 
@@ -25,16 +25,16 @@ import tempfile
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mmpack.offline_packing.config import STAGES
+from mmpack.offline_packing.inputs.remote import is_url, local_path, with_retries
 from mmpack.packing import fileio
 
-# The run this process works for and the node it is on: a URL work folder's cache is per (run, node).
-_RUN: dict[str, str] = {"run": uuid.uuid4().hex[:12], "node": ""}
-_MIRRORS: dict[str, str] = {}  # local cache root -> the work folder URL it mirrors
+if TYPE_CHECKING:
+    from mmpack.offline_packing.context import JobContext
 
 
 # The names of the files the job writes into a work folder (and of their temporaries, ".<name>.tmp-..." and
@@ -63,68 +63,20 @@ def is_work_file(rel: str) -> bool:
     return _WORK_FILE.match(rel) is not None
 
 
-def start_run(run: str | None = None, node: str = "") -> str:
-    """Begin a run in this process: URL work folders get a fresh cache (`run`: a new id when None; Ray
-    workers take the driver's, with their node's id). Returns the run id."""
-    run = run or uuid.uuid4().hex[:12]
-    if (_RUN["run"], _RUN["node"]) != (run, node):
-        _RUN.update(run=run, node=node)
-        _MIRRORS.clear()
-    return run
-
-
-def current_run() -> str:
-    return _RUN["run"]
-
-
-def _cache_root(url: str) -> Path:
+def cache_root(url: str, run: str, node: str = "") -> Path:
+    """The local cache of work folder `url` in run `run` on node `node`."""
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-    tag = _RUN["run"] + (f"-{_RUN['node']}" if _RUN["node"] else "")
-    return Path(tempfile.gettempdir()) / "mmpack-work" / digest / tag
+    return Path(tempfile.gettempdir()) / "mmpack-work" / digest / (run + (f"-{node}" if node else ""))
 
 
-def drop_other_caches(url: str) -> None:
-    """Remove this machine's caches of `url` left by earlier runs (a run removes its own when it ends)."""
-    mine = _cache_root(url)
-    if mine.parent.is_dir():
-        for d in mine.parent.iterdir():
-            if d.name.split("-")[0] != _RUN["run"]:
+def drop_other_caches(url: str, run: str) -> None:
+    """Remove this machine's caches of `url` left by runs other than `run` (a run removes its own when it
+    ends)."""
+    parent = cache_root(url, run).parent
+    if parent.is_dir():
+        for d in parent.iterdir():
+            if d.name.split("-")[0] != run:
                 shutil.rmtree(d, ignore_errors=True)
-
-
-def _mirror_of(path: Path) -> tuple[str, str] | None:
-    """(work folder URL, path relative to it) of a file under a URL work folder's cache, else None."""
-    for root, url in _MIRRORS.items():
-        try:
-            rel = path.relative_to(root)
-        except ValueError:
-            continue
-        return url, rel.as_posix()
-    return None
-
-
-def _publish(path: str | os.PathLike[str]) -> None:
-    """Upload a file just written under a URL work folder's cache to the URL."""
-    mirror = _mirror_of(Path(path))
-    if mirror is None:
-        return
-    from mmpack.offline_packing.inputs import remote
-
-    url, rel = mirror
-    fs, root = remote.filesystem(url)
-    target = f"{root.rstrip('/')}/{rel}"
-    remote.with_retries(f"{url}/{rel}", "upload", lambda: fs.put_file(str(path), target))
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Writes `data` to `path` atomically (`mmpack.packing.fileio`), then to the work folder URL when mirrored."""
-    fileio.atomic_write_bytes(path, data)
-    _publish(path)
-
-
-def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 1) -> None:
-    """Writes `obj` as deterministic JSON to `path` atomically (see `atomic_write_bytes`)."""
-    atomic_write_bytes(path, fileio.json_bytes(obj, indent=indent))
 
 
 def npy_bytes(arr: np.ndarray) -> bytes:
@@ -132,11 +84,6 @@ def npy_bytes(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
     return buf.getvalue()
-
-
-def atomic_write_npy(path: Path, arr: np.ndarray) -> None:
-    """Write `arr` to `path` as a .npy file, atomically."""
-    atomic_write_bytes(path, npy_bytes(arr))
 
 
 def read_json(path: Path) -> Any:
@@ -147,18 +94,6 @@ def read_json(path: Path) -> Any:
 def jsonl_line(row: dict) -> bytes:
     """One compact sorted-key JSON object and its newline (deterministic bytes)."""
     return (json.dumps(row, ensure_ascii=False, sort_keys=True, separators=(",", ":")) + "\n").encode()
-
-
-def write_jsonl(path: Path, rows: Iterable[dict]) -> int:
-    """Atomically write one compact sorted-key JSON object per line, each as it comes (memory holds one row);
-    returns the number of rows."""
-    n = 0
-    with fileio.atomic_open(path) as f:
-        for row in rows:
-            f.write(jsonl_line(row))
-            n += 1
-    _publish(path)
-    return n
 
 
 def read_done_marker(path: Path, fingerprint: str) -> dict | None:
@@ -177,24 +112,22 @@ def read_jsonl(path: Path) -> list[dict]:
 class WorkDir:
     """Layout of the work folder: `<root>/<stage>/...` plus `<root>/<stage>.done.json` markers.
 
-    `address` is what the job was given (a local path or a URL); tasks carry it, so a Ray worker on another
-    node opens the same work folder. `root` is the local folder the stage code reads and writes: the
-    address itself, or this run's cache of the URL.
+    `address` is what the job was given (a local path or a URL); the job context carries it, so a Ray worker
+    on another node opens the same work folder. `root` is the local folder the stage code reads and writes:
+    the address itself, or the run's cache of the URL on this node (earlier runs' caches are removed when a
+    process first opens it).
     """
 
-    def __init__(self, address: str | Path):
-        from mmpack.offline_packing.inputs import remote
-
-        self.address = str(address)
+    def __init__(self, ctx: JobContext):
+        self.address = ctx.work_dir
         self.url: str | None = None
-        if remote.is_url(self.address):
+        self._remote = ctx.remote
+        if is_url(self.address):
             self.url = self.address.rstrip("/")
-            self.root = _cache_root(self.url)
-            if str(self.root) not in _MIRRORS:  # first use in this run: earlier runs' caches go
-                _MIRRORS[str(self.root)] = self.url
-                drop_other_caches(self.url)
+            self.root = cache_root(self.url, ctx.run_id, ctx.node)
+            drop_other_caches(self.url, ctx.run_id)
         else:
-            self.root = Path(remote.local_path(self.address))
+            self.root = Path(local_path(self.address))
 
     def stage_dir(self, stage: str) -> Path:
         """The local folder of `stage` (created); its files are fetched one by one with `file`."""
@@ -209,12 +142,10 @@ class WorkDir:
         path.parent.mkdir(parents=True, exist_ok=True)
         if self.url is None or path.exists():
             return path
-        from mmpack.offline_packing.inputs import remote
-
-        fs, root = remote.filesystem(self.url)
+        fs, root = self._remote.filesystem(self.url)
         tmp = path.with_name(f".{path.name}.fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
-            remote.with_retries(f"{self.url}/{rel}", "fetch", lambda: fs.get_file(f"{root}/{rel}", str(tmp)))
+            with_retries(f"{self.url}/{rel}", "fetch", lambda: fs.get_file(f"{root}/{rel}", str(tmp)))
             os.replace(tmp, path)
         except FileNotFoundError:
             pass
@@ -231,18 +162,50 @@ class WorkDir:
     def marker(self, stage: str) -> Path:
         return self.file(f"{stage}.done.json")
 
+    # -- writes: atomic locally (`mmpack.packing.fileio`), then uploaded to a URL work folder ---------------
+    def write_bytes(self, path: str | os.PathLike[str], data: bytes) -> None:
+        """Writes `data` to `path` (under `root`) atomically, then to the work folder URL."""
+        fileio.atomic_write_bytes(path, data)
+        self._publish(Path(path))
+
+    def write_json(self, path: str | os.PathLike[str], obj: Any, *, indent: int | None = 1) -> None:
+        """Writes `obj` as deterministic JSON (see `write_bytes`)."""
+        self.write_bytes(path, fileio.json_bytes(obj, indent=indent))
+
+    def write_npy(self, path: Path, arr: np.ndarray) -> None:
+        """Writes `arr` as a .npy file (see `write_bytes`)."""
+        self.write_bytes(path, npy_bytes(arr))
+
+    def write_jsonl(self, path: Path, rows: Iterable[dict]) -> int:
+        """Writes one compact sorted-key JSON object per line, each as it comes (memory holds one row), then
+        to the URL; returns the number of rows."""
+        n = 0
+        with fileio.atomic_open(path) as f:
+            for row in rows:
+                f.write(jsonl_line(row))
+                n += 1
+        self._publish(path)
+        return n
+
+    def _publish(self, path: Path) -> None:
+        """Upload a file just written under a URL work folder's cache to the URL."""
+        if self.url is None:
+            return
+        rel = path.relative_to(self.root).as_posix()
+        fs, root = self._remote.filesystem(self.url)
+        target = f"{root.rstrip('/')}/{rel}"
+        with_retries(f"{self.url}/{rel}", "upload", lambda: fs.put_file(str(path), target))
+
     def remove(self, rel_glob: str) -> None:
         """Delete the files matching `rel_glob` ("lengths/*.done.json", "scan.done.json") here and at the URL."""
         for p in self.root.glob(rel_glob):
             if p.is_file():
                 p.unlink()
         if self.url is not None:
-            from mmpack.offline_packing.inputs import remote
-
-            fs, root = remote.filesystem(self.url)
-            found = remote.with_retries(self.url, "list", lambda: fs.glob(f"{root}/{rel_glob}"))
+            fs, root = self._remote.filesystem(self.url)
+            found = with_retries(self.url, "list", lambda: fs.glob(f"{root}/{rel_glob}"))
             if found:
-                remote.with_retries(self.url, "delete files of", lambda: fs.rm(found))
+                with_retries(self.url, "delete files of", lambda: fs.rm(found))
 
     def forget(self, stage: str) -> None:
         """Drop this process's cached copies of `stage`'s files (a URL work folder, before the stage runs:
@@ -261,7 +224,7 @@ class WorkDir:
         return read_done_marker(self.marker(stage), fingerprint) is not None
 
     def mark_done(self, stage: str, fingerprint: str, info: dict) -> None:
-        atomic_write_json(self.marker(stage), {"fingerprint": fingerprint, **info})
+        self.write_json(self.marker(stage), {"fingerprint": fingerprint, **info})
 
     def read_marker(self, stage: str) -> dict:
         return read_json(self.marker(stage))

@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 from contextlib import ExitStack
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
-from mmpack.offline_packing.config import WriteConfig
+from mmpack.offline_packing.config import WriteConfig, WriteStage
+from mmpack.offline_packing.context import JobContext
 from mmpack.offline_packing.engines import run_parallel
+from mmpack.offline_packing.inputs.remote import RemoteFiles
 from mmpack.offline_packing.outputs.shard_writers import HashingWriter, PackedBin, open_shard_writer
 from mmpack.offline_packing.storage import OutputStore
-from mmpack.offline_packing.workdir import WorkDir, atomic_write_json, read_done_marker
+from mmpack.offline_packing.tar_source import read_image_bytes
+from mmpack.offline_packing.workdir import WorkDir, read_done_marker
 from mmpack.packing.format import MANIFEST_NAME, SHARDS_DIR, bin_key, shard_name
 from mmpack.packing.ownership import OwnedFolder
 
@@ -39,9 +42,7 @@ class ShardTask:
     shard: int
     first_bin: int
     end_bin: int
-    cfg: WriteConfig
-    storage_options: dict
-    work_dir: str
+    cfg: WriteStage
     fingerprint: str
     with_videos: bool = False  # the dataset holds videos: Arrow shards get the video columns
 
@@ -49,22 +50,32 @@ class ShardTask:
 class BinSource:
     """Builds `PackedBin`s from the stage-2 arrays (memory-mapped) and the image files."""
 
-    def __init__(self, work_dir: str, prefix: str):
-        wd = WorkDir(work_dir)
-        self.wd = wd
+    MAX_OPEN_CHUNKS = 128  # each chunk's maps hold file descriptors, and a dataset may have thousands
+
+    def __init__(self, wd: WorkDir, remote: RemoteFiles, prefix: str):
+        self.wd, self.remote = wd, remote
         self.prefix = prefix
+        self._chunks: OrderedDict[int, tuple[np.ndarray, ...]] = OrderedDict()
         accepted = wd.read_marker("lengths")["accepted"]
         self.chunk_starts = np.concatenate([[0], np.cumsum(accepted)]).astype(np.int64)
         self.order = np.load(wd.stage_file("binpack", "order.npy"), mmap_mode="r")
         self.bin_offsets = np.load(wd.stage_file("binpack", "bin_offsets.npy"))
 
-    # bounded: each map holds a file descriptor, and a dataset may have thousands of chunks
-    @lru_cache(maxsize=128)  # noqa: B019 - one BinSource per process, lives as long as it
-    def chunk(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Maps of chunk `c`: token ids, loss mask, token offsets, metadata lines and their offsets.
+    def chunk(self, c: int) -> tuple[np.ndarray, ...]:
+        """Maps of chunk `c`: token ids, loss mask, token offsets, metadata lines and their offsets (the
+        `MAX_OPEN_CHUNKS` most recent kept open).
 
         Nothing is loaded whole, so a worker's memory grows with its shard, not with the dataset.
         """
+        if c in self._chunks:
+            self._chunks.move_to_end(c)
+            return self._chunks[c]
+        maps = self._chunks[c] = self._open_chunk(c)
+        while len(self._chunks) > self.MAX_OPEN_CHUNKS:
+            self._chunks.popitem(last=False)
+        return maps
+
+    def _open_chunk(self, c: int) -> tuple[np.ndarray, ...]:
         path = lambda s: self.wd.chunk_path("lengths", c, s)  # noqa: E731
         meta = path("samples.jsonl")
         # asarray: plain ndarray views of the maps (slicing np.memmap objects is slow)
@@ -93,13 +104,13 @@ class BinSource:
             meta = json.loads(c_meta[c_meta_off[i] : c_meta_off[i + 1]].tobytes())
             sample_ids.append(meta["id"])
             for path, fmt, grid in zip(meta["images"], meta["fmt"], meta["grid"]):
-                images.append(_read_file(path))
+                images.append(read_image_bytes(self.remote, path))
                 formats.append(fmt)
                 grids.append(grid)
             for path, fmt, plan in zip(
                 meta.get("videos", ()), meta.get("vfmt", ()), meta.get("video_plans", ())
             ):
-                videos.append(_read_file(path))
+                videos.append(read_image_bytes(self.remote, path))
                 video_formats.append(fmt)
                 video_plans.append(plan)
         return PackedBin(
@@ -118,39 +129,26 @@ class BinSource:
         )
 
 
-def _read_file(path: str) -> bytes:
-    from mmpack.offline_packing.tar_source import read_image_bytes
-
-    return read_image_bytes(path)
-
-
-_SOURCES: dict[tuple[str, str], BinSource] = {}
-
-
-def _bin_source(work_dir: str, prefix: str) -> BinSource:
-    if (work_dir, prefix) not in _SOURCES:
-        _SOURCES.clear()
-        _SOURCES[(work_dir, prefix)] = BinSource(work_dir, prefix)
-    return _SOURCES[(work_dir, prefix)]
-
-
-def write_shard(task: ShardTask) -> list[dict]:
+def write_shard(ctx: JobContext, task: ShardTask) -> list[dict]:
     """Write one shard in every format; returns its manifest entries. Pure function of the task."""
-    cfg = task.cfg
-    wd = WorkDir(task.work_dir)
-    store = OutputStore(cfg.output, task.storage_options, staging_dir=wd.stage_dir(STAGE))
+    cfg, options = task.cfg, task.cfg.write
+    wd = ctx.work
+    store = OutputStore(cfg.output, ctx.storage_options, staging_dir=wd.stage_dir(STAGE))
     done = wd.stage_file(STAGE, f"shard-{task.shard:06d}.json")
     marker = read_done_marker(done, task.fingerprint)
     if marker is not None and all(store.size(e["path"]) == e["bytes"] for e in marker["shards"]):
         return marker["shards"]
-    source = _bin_source(task.work_dir, cfg.shard_prefix)
-    rels = [shard_name(cfg.shard_prefix, task.shard, fmt) for fmt in cfg.formats]
+    # one per process and job: the write stage runs once per job, after the plan it reads is final
+    source = ctx.caches.get(
+        "bin_source", options.shard_prefix, lambda: BinSource(wd, ctx.remote, options.shard_prefix)
+    )
+    rels = [shard_name(options.shard_prefix, task.shard, fmt) for fmt in options.formats]
     samples = tokens = 0
     with ExitStack() as stack:  # every format from one pass over the bins: each bin is built once
         sinks = [HashingWriter(stack.enter_context(store.open_atomic(rel))) for rel in rels]
         writers = [
             open_shard_writer(fmt, sink, task.with_videos)  # type: ignore[arg-type]
-            for fmt, sink in zip(cfg.formats, sinks)
+            for fmt, sink in zip(options.formats, sinks)
         ]
         for b in range(task.first_bin, task.end_bin):
             packed = source.packed_bin(b)
@@ -171,32 +169,31 @@ def write_shard(task: ShardTask) -> list[dict]:
             "bytes": sink.size_bytes,
             "sha256": sink.sha256.hexdigest(),
         }
-        for rel, fmt, sink in zip(rels, cfg.formats, sinks)
+        for rel, fmt, sink in zip(rels, options.formats, sinks)
     ]
-    atomic_write_json(done, {"fingerprint": task.fingerprint, "shards": entries})
+    wd.write_json(done, {"fingerprint": task.fingerprint, "shards": entries})
     return entries
 
 
 def run_write_shards(
-    cfg: WriteConfig, storage_options: dict, wd: WorkDir, fingerprint: str, *, workers: int, progress: bool
+    ctx: JobContext, cfg: WriteStage, fingerprint: str, *, workers: int, progress: bool
 ) -> list[dict]:
     """All shards of the plan, in parallel over shards; returns manifest shard entries (format-major)."""
     from mmpack.offline_packing.binpack import load_plan
 
+    wd, options = ctx.work, cfg.write
     plan = load_plan(wd)
     firsts = plan["shard_first_bin"].tolist()
     with_videos = int(wd.read_marker("lengths").get("videos", 0)) > 0
     tasks = [
-        ShardTask(s, firsts[s], firsts[s + 1], cfg, storage_options, wd.address, fingerprint, with_videos)
-        for s in range(len(firsts) - 1)
+        ShardTask(s, firsts[s], firsts[s + 1], cfg, fingerprint, with_videos) for s in range(len(firsts) - 1)
     ]
-    _SOURCES.clear()  # the plan may have changed since this process last wrote shards
-    store = OutputStore(cfg.output, storage_options)
+    store = OutputStore(cfg.output, ctx.storage_options)
     store.clean_temporaries(SHARDS_DIR)
-    WriteRecord(wd).add(
-        _written_by(cfg, [shard_name(cfg.shard_prefix, t.shard, f) for t in tasks for f in cfg.formats])
-    )
+    names = [shard_name(options.shard_prefix, t.shard, f) for t in tasks for f in options.formats]
+    WriteRecord(wd).add(_written_by(options, names))
     per_shard = run_parallel(
+        ctx,
         write_shard,
         tasks,
         workers=workers,
@@ -205,7 +202,7 @@ def run_write_shards(
         unit="bins",
         progress=progress,
     )
-    return [e for fmt in cfg.formats for entries in per_shard for e in entries if e["format"] == fmt]
+    return [e for fmt in options.formats for entries in per_shard for e in entries if e["format"] == fmt]
 
 
 # Only names the writer itself gives shards (`shard_name`, and the `.tar.idx` Energon's preparation puts
@@ -230,6 +227,7 @@ class WriteRecord:
     """`<work>/write/written.json`: the output files this job has written (shards, and `.nv-meta`)."""
 
     def __init__(self, wd: WorkDir):
+        self.wd = wd
         self.path = wd.stage_file(STAGE, "written.json")
 
     def read(self) -> set[str]:
@@ -240,10 +238,10 @@ class WriteRecord:
 
     def add(self, paths: list[str]) -> None:
         """Record `paths` as written (before writing them: a killed job's files are known too)."""
-        atomic_write_json(self.path, sorted(self.read() | set(paths)))
+        self.wd.write_json(self.path, sorted(self.read() | set(paths)))
 
     def replace(self, paths: list[str]) -> None:
-        atomic_write_json(self.path, sorted(set(paths)))
+        self.wd.write_json(self.path, sorted(set(paths)))
 
 
 def record_previous_dataset(store: OutputStore, wd: WorkDir) -> None:

@@ -27,6 +27,7 @@ import os
 import struct
 import warnings
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import IO, Any
 
 import numpy as np
@@ -52,6 +53,40 @@ class ImageSizeError(MmpackError, ValueError):
 
     def __init__(self, reason: str, message: str):
         super().__init__(message, reason=reason)
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    *,
+    factor: int,
+    min_pixels: float,
+    max_pixels: float,
+    video: bool = False,
+    frames: int = 1,
+    temporal_factor: int = 1,
+) -> tuple[int, int]:
+    """Qwen-VL's resize rule, (h', w'): sides multiples of `factor`, area in [min_pixels, max_pixels], aspect
+    ratio about kept. The upstream versions differ at the edges: images (transformers'
+    `Qwen2VLImageProcessor`) round the sides first and keep them at least `factor` when shrinking; videos
+    (`video=True`, qwen-vl-utils) take each side at least `factor` first and keep nothing when shrinking (a
+    side may come out below `factor`, which the video rule refuses). Qwen3-VL's video processor is the image
+    variant over all `frames` sampled frames together: the bounds hold for t' x h' x w' (t' = `frames`
+    rounded to a multiple of `temporal_factor`) and the scale comes from `frames` x h x w."""
+    least = factor if video else 0
+    h_bar = max(least, round(height / factor) * factor)
+    w_bar = max(least, round(width / factor) * factor)
+    t_bar = round(frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
+        least = 0 if video else factor
+        h_bar = max(least, math.floor(height / beta / factor) * factor)
+        w_bar = max(least, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
 
 
 @dataclass(frozen=True)
@@ -103,6 +138,18 @@ class ImageTokenRule:
         """Side granularity in pixels: one merged token covers factor x factor pixels."""
         return self.patch_size * self.merge_size
 
+    @cached_property
+    def normalise_table(self) -> np.ndarray:
+        """float32 [3, 256]: the normalised value of every 8-bit level per channel (made once per rule object).
+
+        The same float operations transformers applies per pixel (rescale in float64, cast to float32,
+        then (x - mean) / std in float32), done once per level: a gather then gives bit-identical values.
+        """
+        scaled = (np.arange(256, dtype=np.float64) * self.rescale_factor).astype(np.float32)
+        mean = np.asarray(self.image_mean, dtype=np.float32)[:, None]
+        std = np.asarray(self.image_std, dtype=np.float32)[:, None]
+        return (scaled[None, :] - mean) / std
+
     @property
     def patch_dim(self) -> int:
         """Width of one row of `pixel_values`: 3 * temporal_patch_size * patch_size**2."""
@@ -120,17 +167,9 @@ class ImageTokenRule:
                 f"image of {width}x{height} (w x h) has aspect ratio {aspect:.1f}, "
                 f"above the limit of {self.max_aspect_ratio}",
             )
-        h_bar = round(height / factor) * factor
-        w_bar = round(width / factor) * factor
-        if h_bar * w_bar > self.max_pixels:
-            beta = math.sqrt(height * width / self.max_pixels)
-            h_bar = max(factor, math.floor(height / beta / factor) * factor)
-            w_bar = max(factor, math.floor(width / beta / factor) * factor)
-        elif h_bar * w_bar < self.min_pixels:
-            beta = math.sqrt(self.min_pixels / (height * width))
-            h_bar = math.ceil(height * beta / factor) * factor
-            w_bar = math.ceil(width * beta / factor) * factor
-        return h_bar, w_bar
+        return smart_resize(
+            height, width, factor=factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels
+        )
 
     def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
         """(t, h, w) of the vision grid in patches (before the merge); t is 1 for images."""
@@ -368,7 +407,7 @@ def image_to_patches(
     blocks = pixels.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)
     blocks = blocks.reshape(gh * gw, 3, 1, p, p)
     out = np.empty((gh * gw, 3, t, p, p), dtype=np.float32)
-    out[:] = _normalise_table(rule)[np.arange(3).reshape(1, 3, 1, 1, 1), blocks]
+    out[:] = rule.normalise_table[np.arange(3).reshape(1, 3, 1, 1, 1), blocks]
     return out.reshape(gh * gw, rule.patch_dim)
 
 
@@ -397,22 +436,3 @@ def _to_rgb(img: Any) -> Any:
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")
     return img.convert("RGB")
-
-
-def _normalise_table(rule: ImageTokenRule) -> np.ndarray:
-    """float32 [3, 256]: the normalised value of every 8-bit level per channel.
-
-    The same float operations transformers applies per pixel (rescale in float64, cast to float32,
-    then (x - mean) / std in float32), done once per level: a gather then gives bit-identical values.
-    """
-    key = (rule.rescale_factor, rule.image_mean, rule.image_std)
-    table = _TABLES.get(key)
-    if table is None:
-        scaled = (np.arange(256, dtype=np.float64) * rule.rescale_factor).astype(np.float32)
-        mean = np.asarray(rule.image_mean, dtype=np.float32)[:, None]
-        std = np.asarray(rule.image_std, dtype=np.float32)[:, None]
-        table = _TABLES[key] = (scaled[None, :] - mean) / std
-    return table
-
-
-_TABLES: dict[tuple[float, tuple[float, ...], tuple[float, ...]], np.ndarray] = {}

@@ -9,13 +9,18 @@ A bin is the unpadded concatenation of its samples (`input_ids`, `loss_mask`) an
 - cu_seqlens are the segment boundaries (padding included), attention_mask (on request) is the
   block-diagonal causal mask [1, L, L] with True = masked (Megatron convention).
 
-`collate_packed` stacks rows into a micro-batch with cu_seqlens over the flattened [B * L] tokens.
+These are the one label rule (`build_labels`), position rule (`build_position_ids`, the default of the
+micro-batch's `position_ids`) and block mask (`block_mask`, also the trainer's and the vision tower's) of
+mmpack; the loader's collate writes its rows with them. `collate_packed` stacks rows into the layout fields
+of a micro-batch with cu_seqlens over the flattened [B * L] tokens (the reference the loader is tested
+against).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -96,22 +101,28 @@ def build_packed_sequence(
 
 
 def build_labels(
-    input_ids: np.ndarray, loss_mask: np.ndarray, seq_lens: np.ndarray, *, ignore_ids: Sequence[int] = ()
+    input_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    seq_lens: np.ndarray,
+    *,
+    ignore_ids: Sequence[int] = (),
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Next-token labels of an unpadded bin: -100 where the next token is not a target of the same sample."""
+    """Next-token labels of an unpadded bin: -100 where the next token is not a target of the same sample
+    (nor one of `ignore_ids`); written into `out` (int64, len(input_ids)) when given."""
     total = int(input_ids.shape[0])
-    labels = np.full(total, IGNORE_INDEX, dtype=np.int64)
+    labels = np.empty(total, dtype=np.int64) if out is None else out
+    labels.fill(IGNORE_INDEX)
     if total < 2:
         return labels
-    target = loss_mask[1:] != 0
+    keep = loss_mask[1:] != 0
     # Position i may predict i + 1 only if i is not the last token of its sample.
     last_of_sample = np.cumsum(np.asarray(seq_lens, dtype=np.int64)) - 1
-    same_sample = np.ones(total - 1, dtype=bool)
-    same_sample[last_of_sample[last_of_sample < total - 1]] = False
-    keep = target & same_sample
-    if len(ignore_ids):
-        keep &= ~np.isin(input_ids[1:], np.asarray(ignore_ids, dtype=np.int64))
-    labels[:-1][keep] = input_ids[1:][keep]
+    keep[last_of_sample[last_of_sample < total - 1]] = False
+    for pad in ignore_ids:
+        if pad >= 0:
+            keep &= input_ids[1:] != pad
+    np.copyto(labels[:-1], input_ids[1:], where=keep)
     return labels
 
 
@@ -123,14 +134,29 @@ def build_position_ids(segment_lens: np.ndarray | Sequence[int]) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - starts
 
 
+def block_mask(segment_ids: Any, *, causal: bool = True) -> Any:
+    """Block-diagonal attention mask of per-token segment ids ([..., L] -> bool [..., L, L], True = masked):
+    token i sees token j iff they are in one segment (and j <= i when `causal`).
+
+    The one mask builder: numpy arrays give numpy (the loader), torch tensors give torch on their device
+    (the trainer's batches without a mask, the vision tower's windows); only operations both share are used.
+    """
+    seen = segment_ids[..., :, None] == segment_ids[..., None, :]
+    if causal:
+        order = (segment_ids == segment_ids).cumsum(-1)  # 1..L along the last axis, in the array's library
+        seen &= order[..., None, :] <= order[..., :, None]
+    return ~seen
+
+
+def segment_ids(segment_lens: np.ndarray | Sequence[int]) -> np.ndarray:
+    """int64 [sum(segment_lens)]: the segment index of every token."""
+    lens = np.asarray(segment_lens, dtype=np.int64)
+    return np.repeat(np.arange(lens.size, dtype=np.int64), lens)
+
+
 def build_attention_mask_from_cu_seqlens(cu_seqlens: np.ndarray) -> np.ndarray:
     """Block-diagonal causal mask bool [L, L], True = masked: i sees j iff j <= i in the same segment."""
-    cu = np.asarray(cu_seqlens, dtype=np.int64)
-    lens = np.diff(cu)
-    segment = np.repeat(np.arange(lens.size), lens)
-    idx = np.arange(int(cu[-1]) if cu.size else 0)
-    visible = (segment[:, None] == segment[None, :]) & (idx[None, :] <= idx[:, None])
-    return ~visible
+    return block_mask(segment_ids(np.diff(np.asarray(cu_seqlens, dtype=np.int64))))
 
 
 def collate_packed(rows: Sequence[PackedSequence]) -> dict[str, np.ndarray | int]:

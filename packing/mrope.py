@@ -14,7 +14,9 @@ continues at ``start + max(h, w) / m`` as after an image. Qwen3-VL writes each t
 its own run of ``<|video_pad|>`` tokens between timestamp text (``video_frames_apart``): each run is placed
 as an image of grid (1, h, w), as its ``get_rope_index`` splits ``video_grid_thw``.
 
-`MRopeRule` holds a model family's choices (ids, merge size, the video rule) and computes the positions.
+`MRopeRule` holds a model family's choices (ids, merge size, the video rule) and computes the positions; the
+model family names its rule (``ModelFamily.position_rule``) and the loader's workers run it as they collate
+(`mmpack.packing.batch.PositionRule`).
 """
 
 from __future__ import annotations
@@ -145,8 +147,8 @@ def build_mrope_position_ids(
 
 @dataclass(kw_only=True, frozen=True)
 class MRopeRule:
-    """A model family's MRoPE rule: its pad ids, merge size and how its videos are laid out (see the module
-    docstring); `positions` applies it to a packed sequence."""
+    """A model family's MRoPE rule (`mmpack.packing.batch.PositionRule`): its pad ids, merge size and how its
+    videos are laid out (see the module docstring); `positions` applies it to a packed sequence."""
 
     image_pad_id: int
     merge_size: int

@@ -39,7 +39,7 @@ def index_tar(fh: IO[bytes], *, label: str, non_regular: str = "raise") -> list[
     with _buffer_of(fh) as buf:
         if len(buf) == 0:
             raise ValueError(f"{label}: empty file, not a tar archive")
-        entries = _walk_plain_tar(buf, label=label)
+        entries = walk_plain_tar(buf, label=label)
     if entries is not None:
         return entries
     fh.seek(0)
@@ -85,7 +85,7 @@ class _SeekingView:
         return self._fh.read(max(0, stop - start))
 
 
-def _walk_plain_tar(buf: Any, *, label: str) -> list[TarEntry] | None:
+def walk_plain_tar(buf: Any, *, label: str) -> list[TarEntry] | None:
     """Entries of a tar of regular files (pax `path`/`size` records and GNU long names allowed), or None when
     the archive holds anything else and `tarfile` must index it."""
     entries: list[TarEntry] = []

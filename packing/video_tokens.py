@@ -35,6 +35,7 @@ import numpy as np
 
 from mmpack.packing import video_tokens_qwen3 as qwen3
 from mmpack.packing.errors import MmpackError
+from mmpack.packing.image_tokens import smart_resize
 
 VIDEO_RULE_STYLES = ("qwen-vl-utils", "qwen3_vl")
 
@@ -211,16 +212,9 @@ class VideoTokenRule:
                 f"above the limit of {self.max_aspect_ratio}",
             )
         max_pixels = self.frame_max_pixels(nframes)
-        h_bar = max(factor, round(height / factor) * factor)
-        w_bar = max(factor, round(width / factor) * factor)
-        if h_bar * w_bar > max_pixels:
-            beta = math.sqrt(height * width / max_pixels)
-            h_bar = math.floor(height / beta / factor) * factor
-            w_bar = math.floor(width / beta / factor) * factor
-        elif h_bar * w_bar < self.min_pixels:
-            beta = math.sqrt(self.min_pixels / (height * width))
-            h_bar = math.ceil(height * beta / factor) * factor
-            w_bar = math.ceil(width * beta / factor) * factor
+        h_bar, w_bar = smart_resize(
+            height, width, factor=factor, min_pixels=self.min_pixels, max_pixels=max_pixels, video=True
+        )
         if h_bar < factor or w_bar < factor:  # qwen-vl-utils would resize to an empty frame here
             raise VideoRuleError(
                 "video_too_small",

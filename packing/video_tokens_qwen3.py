@@ -16,10 +16,11 @@ frame, in place of the chat template's one ``<|video_pad|>``.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
+
+from mmpack.packing.image_tokens import smart_resize
 
 VIDEO_PREPROCESSOR_CONFIG = "video_preprocessor_config.json"
 PROCESSOR_TYPE = "Qwen3VLVideoProcessor"
@@ -84,7 +85,8 @@ def resized_hw(
     nframes: int, height: int, width: int, *, factor: int, temporal_factor: int, min_pixels: int,
     max_pixels: int,
 ) -> tuple[int, int]:  # fmt: skip
-    """(h', w') of the sampled frames (the video processor's `smart_resize`); ValueError as it raises."""
+    """(h', w') of the sampled frames: the video processor's checks, then its `smart_resize`
+    (`mmpack.packing.image_tokens.smart_resize` over all the frames); ValueError as it raises."""
     if nframes < temporal_factor:
         raise ValueError(f"{nframes} sampled frames, fewer than the temporal patch of {temporal_factor}")
     if height < factor or width < factor:
@@ -92,18 +94,10 @@ def resized_hw(
         height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > 200:
         raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.1f} is above 200")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(nframes / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((nframes * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (nframes * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return smart_resize(
+        height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels, frames=nframes,
+        temporal_factor=temporal_factor,
+    )  # fmt: skip
 
 
 def timestamps(indices: list[int], video_fps: float, temporal_patch_size: int) -> tuple[float, ...]:

@@ -171,8 +171,9 @@ def read_wds_bins(path: Path) -> list[dict]:
 
 def small_job_config(raw: tuple[Path, Path], out: str | Path, **kw: Any) -> Any:
     """A `PackJobConfig` for a small (records, tokenizer) pair: seq_len 1024, both formats, 3 bins per shard,
-    chunks of 8 records (so a few dozen records make several chunks and shards); `kw` overrides."""
-    from mmpack.offline_packing.config import PackJobConfig
+    chunks of 8 records (so a few dozen records make several chunks and shards); `kw` (packing options,
+    `mmpack.offline_packing.options`) overrides."""
+    from mmpack.offline_packing.options import job_config
 
     src, tok = raw
     base: dict[str, Any] = dict(
@@ -186,7 +187,7 @@ def small_job_config(raw: tuple[Path, Path], out: str | Path, **kw: Any) -> Any:
         progress=False,
     )
     base.update(kw)
-    return PackJobConfig(**base)
+    return job_config(**base)
 
 
 def dataset_files(out: Path) -> dict[str, bytes]:

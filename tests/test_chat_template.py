@@ -169,7 +169,7 @@ def test_video_and_text_only_through_the_template(model: Path, hf, qwen3_tokeniz
 
 def _template_fields(folder: Path) -> dict:
     fields = resolve_chat_template(str(folder), None, None)
-    return {"source": fields["chat_template"], "variables": fields["chat_template_vars"]}
+    return {"source": fields["chat_source"], "variables": fields["chat_variables"]}
 
 
 def test_qwen3_template_renders_as_transformers(qwen3_tokenizer_path: Path, hf) -> None:
@@ -191,15 +191,15 @@ def test_qwen3_template_renders_as_transformers(qwen3_tokenizer_path: Path, hf) 
 def test_builtin_and_file_templates(model: Path, tmp_path: Path) -> None:
     """--chat-template builtin: mmpack's own rendering (no default system); a .jinja file wins over the
     folder's; a -t tokenizer file has no template (builtin)."""
-    assert resolve_chat_template(str(model), None, "builtin")["chat_template"] is None
-    assert resolve_chat_template(None, str(model / "tokenizer.json"), None)["chat_template"] is None
+    assert resolve_chat_template(str(model), None, "builtin")["chat_source"] is None
+    assert resolve_chat_template(None, str(model / "tokenizer.json"), None)["chat_source"] is None
     own = tmp_path / "own.jinja"
     own.write_text(QWEN2_VL_CHAT_TEMPLATE.replace("You are a helpful assistant.", "Be brief."))
     fields = resolve_chat_template(str(model), None, str(own))
-    assert fields["chat_template_origin"] == str(own)
-    assert JinjaChat(fields["chat_template"]).default_system == "Be brief."
+    assert fields["chat_origin"] == str(own)
+    assert JinjaChat(fields["chat_source"]).default_system == "Be brief."
     folder = resolve_chat_template(None, str(model), None)  # -t DIR: the folder's template too
-    assert folder["chat_template_origin"].endswith("tokenizer_config.json")
+    assert folder["chat_origin"].endswith("tokenizer_config.json")
     conv = Conversation(messages=(("user", "q"), ("assistant", "a")))
     builtin = ChatTemplate().render(conv.messages, [], [])
     assert builtin.text == "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n"

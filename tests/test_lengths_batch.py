@@ -9,19 +9,21 @@ import numpy as np
 import pytest
 
 from mmpack.offline_packing import lengths
-from mmpack.offline_packing.config import LengthsConfig, PackJobConfig
+from mmpack.offline_packing.config import LengthsStage
 from mmpack.offline_packing.errors import PackError, SampleReject
+from mmpack.offline_packing.options import job_config
 from mmpack.packing.tokenizer import BYTE_TOKENIZER, ByteTokenizer
 
 
-def _cfg(tmp_path: Path, overlength: str) -> LengthsConfig:
-    job = PackJobConfig(
+def _cfg(tmp_path: Path, overlength: str) -> LengthsStage:
+    job = job_config(
         inputs=(str(tmp_path / "in.jsonl"),),
         output=str(tmp_path / "out"),
         seq_len=120,
         tokenizer=BYTE_TOKENIZER,
+        overlength=overlength,
     )
-    return replace(job.stage_config("lengths"), overlength=overlength)
+    return job.stage_config("lengths")
 
 
 def _scanned(i: int, text: str, wh: list[list[int]] | None = None, tags: int | None = None) -> dict:
@@ -51,11 +53,11 @@ SAMPLES = [
 
 
 def _one_by_one(cfg, samples):
-    rule, tok = lengths.image_rule(cfg), ByteTokenizer()
+    tok = ByteTokenizer()
     out = []
     for s in samples:
         try:
-            out.append((s, lengths.tokenize_scanned(s, cfg, rule, tok)))
+            out.append((s, lengths.tokenize_scanned(s, cfg, tok)))
         except SampleReject as exc:
             out.append((s, exc))
     return out
@@ -80,7 +82,7 @@ def _same(a, b) -> bool:
 def test_batched_equals_one_by_one(tmp_path: Path, monkeypatch, batch: int, overlength: str) -> None:
     cfg = _cfg(tmp_path, overlength=overlength)
     monkeypatch.setattr(lengths, "ENCODE_BATCH", batch)
-    got = list(lengths.tokenize_chunk_samples(SAMPLES, cfg, lengths.image_rule(cfg), ByteTokenizer()))
+    got = list(lengths.tokenize_chunk_samples(SAMPLES, cfg, ByteTokenizer()))
     want = _one_by_one(cfg, SAMPLES)
     assert len(got) == len(want) == len(SAMPLES)
     assert all(_same(a, b) for a, b in zip(got, want))
@@ -96,13 +98,13 @@ def test_errors_come_in_sample_order(tmp_path: Path, monkeypatch, batch: int) ->
     rendering (an image without its tag) or from the encoded length (--overlength error)."""
     monkeypatch.setattr(lengths, "ENCODE_BATCH", batch)
     cfg = _cfg(tmp_path, overlength="error")
-    rule, tok = lengths.image_rule(cfg), ByteTokenizer()
+    tok = ByteTokenizer()
     samples = [SAMPLES[0], SAMPLES[1], SAMPLES[2], _scanned(7, "no tag", [[64, 64]], tags=0)]
-    it = lengths.tokenize_chunk_samples(samples, cfg, rule, tok)
+    it = lengths.tokenize_chunk_samples(samples, cfg, tok)
     assert next(it)[0] is SAMPLES[0] and next(it)[0] is SAMPLES[1]
     with pytest.raises(PackError, match=r"in\.jsonl:3: overlength"):
         next(it)
-    later = lengths.tokenize_chunk_samples([SAMPLES[0], samples[3], SAMPLES[2]], cfg, rule, tok)
+    later = lengths.tokenize_chunk_samples([SAMPLES[0], samples[3], SAMPLES[2]], cfg, tok)
     assert next(later)[0] is SAMPLES[0]
     with pytest.raises(ValueError, match="<image> tags"):
         next(later)
@@ -112,7 +114,8 @@ def test_errors_come_in_sample_order(tmp_path: Path, monkeypatch, batch: int) ->
         yield SAMPLES[1]
         raise OSError("unreadable scan chunk")
 
-    rows = lengths.tokenize_chunk_samples(bad_rows(), replace(cfg, overlength="drop"), rule, tok)
+    drop = replace(cfg, lengths=replace(cfg.lengths, overlength="drop"))
+    rows = lengths.tokenize_chunk_samples(bad_rows(), drop, tok)
     assert [s["id"] for s, _ in [next(rows), next(rows)]] == ["s0", "s1"]
     with pytest.raises(OSError, match="unreadable"):
         next(rows)

@@ -16,6 +16,7 @@ from PIL import Image
 from mmpack.dataloader import PackedLoader, Topology, bin_order, build_loader, load_manifest
 from mmpack.dataloader.readers import open_shard_reader
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.packing.batch import contract_problems
 from mmpack.packing.image_tokens import ImageTokenRule, image_to_patches
 from mmpack.packing.layout import build_packed_sequence
 from tests.test_loader_storage import assert_same
@@ -58,19 +59,20 @@ def reference_mask(cu: np.ndarray, total: int) -> np.ndarray:
 
 
 def check_contract(
-    batch: dict[str, Any], records: dict[int, dict[str, Any]], seq_len: int, pad_id: int, image_pad_id: int
+    batch: Any, records: dict[int, dict[str, Any]], seq_len: int, pad_id: int, image_pad_id: int
 ) -> None:
-    b = len(batch["bin_ids"])
-    for key in ("tokens", "labels", "position_ids"):
-        assert batch[key].shape == (b, seq_len) and batch[key].dtype == torch.int64, key
-    assert batch["loss_mask"].dtype == torch.float32
-    assert torch.equal(batch["loss_mask"], (batch["labels"] != IGNORE).float())
-    cu = batch["cu_seqlens"].numpy()
-    assert batch["cu_seqlens"].dtype == torch.int32 and cu[0] == 0 and cu[-1] == b * seq_len
+    assert contract_problems(batch) == []
+    b = len(batch.bin_ids)
+    for value in (batch.tokens, batch.labels, batch.position_ids):
+        assert value.shape == (b, seq_len) and value.dtype == torch.int64
+    assert batch.loss_mask.dtype == torch.float32
+    assert torch.equal(batch.loss_mask, (batch.labels != IGNORE).float())
+    cu = batch.cu_seqlens.numpy()
+    assert batch.cu_seqlens.dtype == torch.int32 and cu[0] == 0 and cu[-1] == b * seq_len
     assert np.all(np.diff(cu) > 0) and set(range(0, b * seq_len + 1, seq_len)) <= set(cu.tolist())
-    assert int(batch["max_seqlen"]) == int(np.diff(cu).max())
-    tokens, labels = batch["tokens"].numpy().reshape(-1), batch["labels"].numpy().reshape(-1)
-    pos = batch["position_ids"].numpy().reshape(-1)
+    assert int(batch.max_seqlen) == int(np.diff(cu).max())
+    tokens, labels = batch.tokens.numpy().reshape(-1), batch.labels.numpy().reshape(-1)
+    pos = batch.position_ids.numpy().reshape(-1)
     for a, e in itertools.pairwise(cu.tolist()):
         np.testing.assert_array_equal(pos[a:e], np.arange(e - a))  # positions restart per sample
         assert labels[e - 1] == IGNORE  # no label crosses a sample boundary
@@ -81,7 +83,7 @@ def check_contract(
     n_real = 0
     grids, pixel_rows = [], []
     rule = ImageTokenRule()
-    for row, bin_id in enumerate(batch["bin_ids"].tolist()):
+    for row, bin_id in enumerate(batch.bin_ids.tolist()):
         rec = records[bin_id]
         ref = build_packed_sequence(
             rec["input_ids"],
@@ -91,25 +93,25 @@ def check_contract(
             pad_id=pad_id,
             ignore_ids=(image_pad_id,),
         )
-        np.testing.assert_array_equal(batch["tokens"][row].numpy(), ref.tokens)
-        np.testing.assert_array_equal(batch["labels"][row].numpy(), ref.labels)
-        np.testing.assert_array_equal(batch["position_ids"][row].numpy(), ref.position_ids)
+        np.testing.assert_array_equal(batch.tokens[row].numpy(), ref.tokens)
+        np.testing.assert_array_equal(batch.labels[row].numpy(), ref.labels)
+        np.testing.assert_array_equal(batch.position_ids[row].numpy(), ref.position_ids)
         n_real += len(rec["input_ids"])
         for data, g in zip(rec["images"], rec["image_grid_thw"]):
             grids.append(g.tolist())
             pixel_rows.append(image_to_patches(Image.open(io.BytesIO(data)), rule, grid_thw=tuple(g)))
-    assert int(batch["num_real_tokens"]) == n_real
-    assert batch["image_grid_thw"].dtype == torch.int64 and batch["image_grid_thw"].tolist() == grids
-    assert batch["pixel_values"].dtype == torch.float32
-    assert batch["pixel_values"].shape == (sum(int(np.prod(g)) for g in grids), rule.patch_dim)
+    assert int(batch.num_real_tokens) == n_real
+    assert batch.image_grid_thw.dtype == torch.int64 and batch.image_grid_thw.tolist() == grids
+    assert batch.pixel_values.dtype == torch.float32
+    assert batch.pixel_values.shape == (sum(int(np.prod(g)) for g in grids), rule.patch_dim)
     if pixel_rows:
-        np.testing.assert_allclose(batch["pixel_values"].numpy(), np.concatenate(pixel_rows), atol=1e-6)
+        np.testing.assert_allclose(batch.pixel_values.numpy(), np.concatenate(pixel_rows), atol=1e-6)
     # The i-th image fills the i-th run of <|image_pad|> tokens (row-major over [B, L]).
     is_pad = np.concatenate([[False], tokens == image_pad_id, [False]]).astype(np.int8)
     starts, ends = np.flatnonzero(np.diff(is_pad) == 1), np.flatnonzero(np.diff(is_pad) == -1)
     assert (ends - starts).tolist() == [g[1] * g[2] // 4 for g in grids]
-    if "attention_mask" in batch:
-        mask = batch["attention_mask"]
+    if batch.attention_mask is not None:
+        mask = batch.attention_mask
         assert mask.shape == (b, 1, seq_len, seq_len) and mask.dtype == torch.bool
         for row in range(b):
             row_cu = cu[(cu >= row * seq_len) & (cu <= (row + 1) * seq_len)] - row * seq_len
@@ -128,9 +130,9 @@ def test_output_contract_against_layout(dataset: Path, fmt: str) -> None:
     with_images = 0
     for batch in batches:
         check_contract(batch, records, m.seq_len, m.pad_id, m.image_pad_id)
-        with_images += len(batch["image_grid_thw"]) > 0
+        with_images += len(batch.image_grid_thw) > 0
     assert with_images > 0
-    seen = torch.cat([b["bin_ids"] for b in batches]).numpy()
+    seen = torch.cat([b.bin_ids for b in batches]).numpy()
     np.testing.assert_array_equal(seen, bin_order(m, 0, 0)[: len(seen)])
 
 
@@ -156,13 +158,10 @@ def test_grid_of_ranks_covers_each_epoch(dataset: Path) -> None:
             ld = loader(dataset, topo, micro_batch_size=1, global_batch_size=global_batch, num_epochs=1)
             per_rank[(d, t, p)] = list(ld)
             assert len(per_rank[(d, t, p)]) == steps * ld.micro_batches_per_step
-        for (d, _t, p), batches in per_rank.items():
-            if 0 < p < pp - 1:
-                assert all(b is None for b in batches)
-            else:
-                ref = per_rank[(d, 0, 0)]
-                assert all(torch.equal(x["tokens"], y["tokens"]) for x, y in zip(batches, ref))
-        ids = [torch.cat([b["bin_ids"] for b in per_rank[(d, 0, 0)]]).tolist() for d in range(dp)]
+        for (d, _t, _p), batches in per_rank.items():  # the TP and PP peers of a DP rank read its bins
+            ref = per_rank[(d, 0, 0)]
+            assert all(torch.equal(x.tokens, y.tokens) for x, y in zip(batches, ref))
+        ids = [torch.cat([b.bin_ids for b in per_rank[(d, 0, 0)]]).tolist() for d in range(dp)]
         assert sum(len(x) for x in ids) == steps * global_batch
         flat = list(itertools.chain(*ids))
         assert len(set(flat)) == len(flat)
@@ -177,7 +176,7 @@ def global_batches(loaders: list[PackedLoader], steps: int) -> list[list[int]]:
         batch: list[int] = []
         for ld, it in zip(loaders, its):
             for b in take(it, ld.micro_batches_per_step):
-                batch += b["bin_ids"].tolist()
+                batch += b.bin_ids.tolist()
         out.append(batch)
     for ld in loaders:
         ld.close()
@@ -221,7 +220,7 @@ def test_resume_inside_a_step_is_exact(dataset: Path, workers: int) -> None:
     topo = Topology(dp_rank=1, dp_size=2)
 
     def ids(ld: PackedLoader, n: int) -> list[list[int]]:
-        out = [b["bin_ids"].tolist() for b in take(iter(ld), n)]
+        out = [b.bin_ids.tolist() for b in take(iter(ld), n)]
         ld.close()
         return out
 
@@ -247,14 +246,6 @@ def test_state_mismatch_is_refused(dataset: Path) -> None:
     bigger = loader(dataset, Topology(dp_rank=0, dp_size=1), global_batch_size=8, seed=1)
     with pytest.raises(ValueError, match="global_batch_size"):
         bigger.load_state_dict(state)
-
-
-def test_pipeline_middle_stage_yields_none_per_micro_batch(dataset: Path) -> None:
-    topo = Topology(dp_rank=0, dp_size=1, pp_rank=1, pp_size=3)
-    ld = loader(dataset, topo, micro_batch_size=1, num_epochs=1)
-    items = list(ld)
-    assert items and all(x is None for x in items)
-    assert ld.state_dict()["bins_consumed"] == len(items)  # micro-batch 1, dp 1: one bin per item
 
 
 def test_metrics_count_wait_and_bytes(dataset: Path) -> None:

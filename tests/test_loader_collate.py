@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmpack.dataloader.collate import CollateConfig, collate_bins
+from mmpack.packing.batch import contract_problems
 from mmpack.packing.image_tokens import ImageTokenRule
 from mmpack.packing.layout import build_packed_sequence, collate_packed
 
@@ -67,7 +68,9 @@ def test_collate_equals_layout_reference(bins: list[list[int]], seed: int, mask:
     if records[0]["input_ids"].size > 2:
         records[0]["input_ids"][1] = IMAGE_PAD
         records[0]["image_grid_thw"] = np.zeros((0, 3), dtype=np.int32)
-    got, want = collate_bins(records, cfg), _reference(records, cfg)
+    batch = collate_bins(records, cfg)
+    assert contract_problems(batch) == []
+    got, want = dict(batch.items()), _reference(records, cfg)
     assert set(want) <= set(got)
     for key, value in want.items():
         if isinstance(value, np.ndarray):

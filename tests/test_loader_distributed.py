@@ -48,7 +48,7 @@ def rank_main(rank: int, world: int, port: int, dataset: str, out_dir: str) -> N
                 steps.append([])
                 # One collective per step over the whole world: a rank short of data would hang here.
                 dist.all_reduce(torch.ones(1))
-            steps[-1].append([] if batch is None else batch["bin_ids"].tolist())
+            steps[-1].append([] if batch is None else batch.bin_ids.tolist())
         dist.barrier()
         record = {"rank": rank, "topology": topo.__dict__, "steps": steps, "state": ld.state_dict()}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))

@@ -108,7 +108,7 @@ def test_small_batches_travel_several_per_message_in_order(dataset: Path, handov
     producer = Producer(dataclasses.replace(spec, prefetch_shards=0), 0, n)
     try:
         for _, k, msg, _ in items:
-            got, want = reader.take(msg), producer.produce(k)
+            got, want = reader.take(msg), dict(producer.produce(k).items())
             assert list(got) == list(want)
             for key, value in want.items():
                 if isinstance(value, np.ndarray):

@@ -18,7 +18,7 @@ import pytest
 
 from mmpack.dataloader import Topology, build_loader, load_manifest
 from mmpack.dataloader.manifest import Manifest
-from mmpack.dataloader.storage import ShardStore, StorageConfig, _flock
+from mmpack.dataloader.storage import ShardStore, StorageConfig, flock
 from mmpack.dataloader.storage import store as storage_mod
 from mmpack.dataloader.worker import Producer, ProducerSpec
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset
@@ -117,7 +117,7 @@ def test_flock_excludes_threads_of_one_process(tmp_path: Path) -> None:
     held, release = threading.Event(), threading.Event()
 
     def holder() -> None:
-        with _flock(path) as got:
+        with flock(path) as got:
             assert got
             held.set()
             release.wait(30)
@@ -126,12 +126,12 @@ def test_flock_excludes_threads_of_one_process(tmp_path: Path) -> None:
     t.start()
     try:
         assert held.wait(30)
-        with _flock(path, blocking=False) as got:
+        with flock(path, blocking=False) as got:
             assert not got
     finally:
         release.set()
         t.join(30)
-    with _flock(path, blocking=False) as got:
+    with flock(path, blocking=False) as got:
         assert got
 
 
@@ -228,7 +228,7 @@ def test_ranks_sharing_a_cache_download_each_shard_once(dataset: Path, tmp_path:
         gets = server.shard_gets()
     for r in range(2):
         assert_same(got[r], expected[r])
-    bins = np.concatenate([np.asarray(b["bin_ids"]) for batches in got for b in batches])
+    bins = np.concatenate([np.asarray(b.bin_ids) for batches in got for b in batches])
     needed = {f"/{dataset.name}/{m.shards[s].path}" for s in m.shard_of_bin(bins).tolist()}
     assert set(gets) >= needed and set(gets.values()) == {1}
 

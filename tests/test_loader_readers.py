@@ -17,11 +17,11 @@ from hypothesis.extra import numpy as hnp
 
 from mmpack.dataloader.readers import (
     WdsShardReader,
-    _walk_plain_tar,
     decode_npy,
     decode_wds_bin,
     index_tar,
     open_shard_reader,
+    walk_plain_tar,
 )
 
 
@@ -108,7 +108,7 @@ def tarfile_view(path: Path) -> list[tuple[str, int, int]]:
 def fast_view(path: Path) -> list[tuple[str, int, int]] | None:
     """The direct header walk alone (None: it hands the archive to tarfile)."""
     data = path.read_bytes()
-    return _walk_plain_tar(data, label=str(path))
+    return walk_plain_tar(data, label=str(path))
 
 
 def write_formatted_tar(path: Path, members: list[tuple[str, bytes]], fmt: int, **kw: Any) -> Path:

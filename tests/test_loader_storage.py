@@ -61,9 +61,11 @@ def stream(path: str, n: int = N_MICRO, **kw: Any) -> tuple[list[dict[str, Any]]
     return batches, ld.metrics()
 
 
-def assert_same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+def assert_same(a: list[Any], b: list[Any]) -> None:
+    """Two streams of micro-batches are equal, field by field."""
     assert len(a) == len(b) > 0
-    for x, y in zip(a, b):
+    for one, other in zip(a, b):
+        x, y = dict(one.items()), dict(other.items())
         assert x.keys() == y.keys()
         for key in x:
             if isinstance(x[key], torch.Tensor):

@@ -22,8 +22,8 @@ from PIL import Image
 
 from mmpack.dataloader import load_manifest
 from mmpack.dataloader.collate import CollateConfig, ImageTooLargeError, collate_bins
-from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.finalize import _version
+from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS, FORMAT_VERSION
 from mmpack.packing.image_tokens import ImageTokenRule
@@ -71,7 +71,7 @@ def write_fixed_inputs(root: Path) -> Path:
 def run_fixed_job(root: Path) -> Path:
     inp = write_fixed_inputs(root)
     out = root / "out"
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=(str(inp),),
         output=str(out),
         seq_len=96,
@@ -284,7 +284,7 @@ def test_loader_refuses_an_image_over_the_manifest_limit_before_decoding() -> No
     def config(limit: int) -> CollateConfig:
         return CollateConfig(seq_len=64, pad_id=0, image_pad_id=9, rule=rule, max_image_pixels=limit)
 
-    assert collate_bins([record], config(56 * 84))["pixel_values"].shape[0] == 6 * 4  # control: at the limit
+    assert collate_bins([record], config(56 * 84)).pixel_values.shape[0] == 6 * 4  # control: at the limit
     with pytest.raises(ImageTooLargeError, match=r"bin t-000000007 image 0 is 56x84 .*4703 pixels"):
         collate_bins([record], config(56 * 84 - 1))
 

@@ -267,7 +267,7 @@ def test_collective_times_out_with_a_message_naming_the_flag() -> None:
     assert other is None  # an error of another kind keeps its traceback
 
 
-def _run_or_die(x: int) -> int:
+def _run_or_die(ctx: object, x: int) -> int:
     if x == 5:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(0.05)
@@ -275,13 +275,22 @@ def _run_or_die(x: int) -> int:
 
 
 def test_killed_offline_worker_ends_the_stage_and_the_same_run_finishes() -> None:
-    from mmpack.offline_packing.engines.local import run_parallel
+    from mmpack.offline_packing.context import JobContext
+    from mmpack.offline_packing.engines import run_parallel
     from mmpack.packing.processes import ProcessDiedError
 
-    assert run_parallel(_run_or_die, [0, 1, 2, 3], workers=2, desc="scan", progress=False) == [0, 2, 4, 6]
+    ctx = JobContext(work_dir="unused")
+    assert run_parallel(ctx, _run_or_die, [0, 1, 2, 3], workers=2, desc="scan", progress=False) == [
+        0,
+        2,
+        4,
+        6,
+    ]
     start = time.monotonic()
     with pytest.raises(
-        ProcessDiedError, match=r"^scan: a worker process of the local engine died .* before chunk \d+ of 8"
+        ProcessDiedError,
+        match=r"^scan: a worker process of the local engine died \(mmpack-pack-\d was killed by SIGKILL\) "
+        r"before chunk \d of 8",
     ):
-        run_parallel(_run_or_die, list(range(8)), workers=2, desc="scan", progress=False)
+        run_parallel(ctx, _run_or_die, list(range(8)), workers=2, desc="scan", progress=False)
     assert time.monotonic() - start < DEADLINE_S

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.errors import REJECT_REASONS
+from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from tests.bad_corpus import ROOT_CANNOT_TEST, UNREACHABLE, make_bad_corpus
 from tests.fixtures_data import train_tiny_bpe
@@ -22,7 +22,7 @@ def test_every_reject_reason_through_the_whole_job(tmp_path: Path) -> None:
     corpus = make_bad_corpus(tmp_path / "raw")
     tok = train_tiny_bpe(tmp_path / "tok", video_pad=True)
     out = tmp_path / "out"
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=tuple(str(p) for p in corpus.inputs), output=str(out), tokenizer=str(tok), progress=False,
         **corpus.options,
     )  # fmt: skip

@@ -10,6 +10,7 @@ import pytest
 from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.errors import PackError
 from mmpack.offline_packing.inputs.sources import resolve_image_path
+from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
 from tests.fixtures_data import make_bad_dataset, read_arrow_bins, write_image
@@ -21,7 +22,7 @@ def bad(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _cfg(inputs: list[Path], image_root: Path | None, out: Path, **kw) -> PackJobConfig:
-    return PackJobConfig(
+    return job_config(
         inputs=tuple(str(p) for p in inputs),
         image_root=None if image_root is None else str(image_root),
         output=str(out),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.options import job_config, with_options
 from mmpack.offline_packing.pipeline import run_pack
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
 
@@ -56,15 +56,15 @@ def test_sigkill_during_write_then_rerun_is_byte_identical(tmp_path: Path) -> No
     cfg = dict(
         inputs=(str(data.jsonl_path),), seq_len=1024, tokenizer=str(tok), format="both", max_bins_per_shard=1
     )
-    run_pack(PackJobConfig(output=str(reference), progress=False, **cfg))  # type: ignore[arg-type]
+    run_pack(job_config(output=str(reference), progress=False, **cfg))  # type: ignore[arg-type]
     expected = dataset_files(reference)
 
     killed = False
     for attempt in range(3):
         out = tmp_path / f"crashed{attempt}"
-        job = PackJobConfig(output=str(out), progress=False, **cfg)  # type: ignore[arg-type]
+        job = job_config(output=str(out), progress=False, **cfg)  # type: ignore[arg-type]
         for stage in (1, 2, 3):
-            run_pack(PackJobConfig(**{**job.__dict__, "only_stage": stage}))
+            run_pack(with_options(job, only_stage=stage))
         argv = [*_flags(data, tok, out), "--max-bins-per-shard", "1", "--no-progress"]
         if _kill_during_write(argv, out / "shards"):
             killed = True

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.errors import PackError
+from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import run_pack
 from mmpack.packing.fileio import NotRegularFileError
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
@@ -53,7 +53,7 @@ def _records(path: Path, records: list[dict | str]) -> Path:
 def _pack(
     inputs: list[Path], out: Path, image_root: str | Path | None = None, **kw
 ) -> tuple[object, list[dict]]:
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=tuple(str(p) for p in inputs),
         image_root=None if image_root is None else str(image_root),
         output=str(out),
@@ -125,7 +125,7 @@ def test_fifos_and_sockets_are_rejected_without_a_hang(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "pipe.jsonl")  # a FIFO named as the input itself
     with deadline(60), pytest.raises(NotRegularFileError, match=r"pipe\.jsonl is a FIFO"):
         run_pack(
-            PackJobConfig(
+            job_config(
                 inputs=(str(tmp_path / "pipe.jsonl"),),
                 output=str(tmp_path / "o"),
                 seq_len=64,
@@ -218,7 +218,7 @@ def test_damaged_gzip_inputs_end_the_job_in_one_line_naming_the_file(tmp_path: P
     path.write_bytes(gzip.compress(lines)[:-3000] if damage == "truncated" else lines)
     with pytest.raises(PackError) as info:
         run_pack(
-            PackJobConfig(
+            job_config(
                 inputs=(str(path),),
                 output=str(tmp_path / "out"),
                 seq_len=512,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
 
@@ -28,7 +28,7 @@ def _llava(i: int, img: str | None = None) -> dict:
 
 def _pack(path: Path, tmp: Path, **kw) -> tuple[dict, list[dict]]:
     out = tmp / f"out-{path.name}"
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=(str(path),), output=str(out), seq_len=512, tokenizer=BYTE_TOKENIZER, progress=False, **kw
     )
     run_pack(cfg)
@@ -194,7 +194,7 @@ def test_truncated_samples_are_counted(tmp_path: Path) -> None:
     path = _image_dataset(tmp_path, [_llava(0), long])
     out = tmp_path / "out"
     summary = run_pack(
-        PackJobConfig(
+        job_config(
             inputs=(str(path),),
             output=str(out),
             seq_len=256,

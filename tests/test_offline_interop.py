@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from tests.fixtures_data import make_synthetic_dataset, read_wds_bins, train_tiny_bpe
 
@@ -26,7 +27,7 @@ def raw(tmp_path_factory: pytest.TempPathFactory):
 
 def _cfg(raw, output: str, **kw) -> PackJobConfig:
     data, tok = raw
-    return PackJobConfig(
+    return job_config(
         inputs=(str(data.jsonl_path),),
         output=output,
         seq_len=768,

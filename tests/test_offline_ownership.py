@@ -12,6 +12,7 @@ import pytest
 from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.errors import PackError
 from mmpack.offline_packing.inputs.sources import is_input_file
+from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import run_pack
 from mmpack.packing.joblock import LOCK_NAME, FolderLocked, hold_lock
 from mmpack.packing.ownership import MARKER_NAME, FolderNotOwned, claim_folder, has_marker
@@ -21,7 +22,7 @@ from tests.storage_servers import moto_s3
 
 
 def _cfg(data_dir: Path | str, out: str | Path, **kw) -> PackJobConfig:
-    return PackJobConfig(
+    return job_config(
         inputs=(str(data_dir),),
         output=str(out),
         seq_len=512,
@@ -113,18 +114,18 @@ def test_clean_work_never_touches_a_bucket(raw: Path, tmp_path: Path, s3) -> Non
 def test_a_second_job_on_the_same_output_fails_at_once_naming_the_first(
     raw: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    import mmpack.offline_packing.binpack as binpack_module
+    import mmpack.offline_packing.pipeline as pipeline_module
 
     out = tmp_path / "out"
     started, release = threading.Event(), threading.Event()
-    real = binpack_module.run_binpack
+    real = pipeline_module.run_binpack
 
     def paused(*args, **kwargs):
         started.set()
         assert release.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(binpack_module, "run_binpack", paused)
+    monkeypatch.setattr(pipeline_module, "run_binpack", paused)
     first: dict = {}
     job = threading.Thread(target=lambda: first.setdefault("summary", run_pack(_cfg(raw, out))))
     job.start()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 from mmpack.offline_packing.cli import main as mmpack_main
 from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.errors import PackError
+from mmpack.offline_packing.options import job_config, with_options
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.chat import ChatTemplate, normalize_record, render_conversation, tokenize_conversation
 from mmpack.packing.image_tokens import ImageTokenRule, read_image_size
@@ -48,7 +48,7 @@ def _cfg(raw, out: Path, **kw) -> PackJobConfig:
         progress=False,
     )
     base.update(kw)
-    return PackJobConfig(**base)  # type: ignore[arg-type]
+    return job_config(**base)
 
 
 @pytest.fixture(scope="module")
@@ -168,11 +168,11 @@ def test_resume_skips_complete_stages_and_minus_s_reruns(raw, tmp_path: Path) ->
     again = run_pack(cfg)
     assert again.stages_skipped == ["scan", "lengths", "binpack", "write"] and not again.stage_seconds
     assert again.samples_read == first.samples_read
-    rerun = run_pack(replace(cfg, start_stage=3))
+    rerun = run_pack(with_options(cfg, start_stage=3))
     assert set(rerun.stage_seconds) == {"binpack", "write"}
     assert dataset_files(out) == files
     # a changed packing option reruns binpack and write only
-    changed = run_pack(replace(cfg, max_samples_per_bin=2))
+    changed = run_pack(with_options(cfg, max_samples_per_bin=2))
     assert set(changed.stage_seconds) == {"binpack", "write"}
     m = read_manifest(str(out))
     assert all(
@@ -190,7 +190,7 @@ def test_single_stage_modules(raw, tmp_path: Path) -> None:
     out = tmp_path / "out"
     cfg = _cfg(raw, out, format="arrow")
     for stage in (1, 2, 3, 4):
-        summary = run_pack(replace(cfg, only_stage=stage))
+        summary = run_pack(with_options(cfg, only_stage=stage))
         assert list(summary.stage_seconds) == [("scan", "lengths", "binpack", "write")[stage - 1]]
     assert read_manifest(str(out))["counts"]["samples_read"] == raw[0].n_samples
 
@@ -260,14 +260,14 @@ def test_max_images_per_bin(raw, tmp_path: Path) -> None:
 def test_config_validation() -> None:
     ok = dict(inputs=("x.jsonl",), output="o", seq_len=8, tokenizer="tok.json")
     with pytest.raises(ValueError, match="no tokenizer"):  # there is no default one
-        PackJobConfig(**{**ok, "tokenizer": ""})  # type: ignore[arg-type]
+        job_config(**{**ok, "tokenizer": ""})
     with pytest.raises(ValueError, match="exclude each other"):
-        PackJobConfig(**ok, default_system="Be brief.", no_default_system=True)  # type: ignore[arg-type]
+        job_config(**ok, chat_default_system="Be brief.", chat_no_default_system=True)
     with pytest.raises(ValueError, match="seq_len"):
-        PackJobConfig(**{**ok, "seq_len": 0})  # type: ignore[arg-type]
+        job_config(**{**ok, "seq_len": 0})
     with pytest.raises(ValueError, match="energon"):
-        PackJobConfig(**ok, energon=True)  # type: ignore[arg-type]
+        job_config(**ok, energon=True)
     with pytest.raises(ValueError, match="prefix"):
-        PackJobConfig(**ok, shard_prefix="a.b")  # type: ignore[arg-type]
+        job_config(**ok, shard_prefix="a.b")
     with pytest.raises(ValueError, match="workers"):
-        PackJobConfig(**ok, workers=0)  # type: ignore[arg-type]
+        job_config(**ok, workers=0)

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from mmpack.offline_packing.cli import main as mmpack_main
-from mmpack.offline_packing.engines.ray import KILL_ONCE_ENV, TASKS_PER_NODE
 from mmpack.offline_packing.pipeline import run_pack
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, small_job_config, train_tiny_bpe
 
@@ -67,7 +66,8 @@ def test_ray_equals_local(cluster, raw, local_files, tmp_path: Path) -> None:
     got = dataset_files(out)
     assert any(n.endswith(".tar") for n in got) and "rejects.jsonl" in got
     _assert_same(local_files, got)
-    assert all(len(TASKS_PER_NODE[stage]) == 2 for stage in ("scan", "lengths", "write")), TASKS_PER_NODE
+    per_node = summary.tasks_per_node
+    assert all(len(per_node[stage]) == 2 for stage in ("scan", "lengths", "write")), per_node
     # resume markers as with the local engine: a rerun skips every stage
     assert run_pack(_cfg(raw, out, engine="ray")).stages_skipped == ["scan", "lengths", "binpack", "write"]
     # control: another job (seed) differs, so the comparison can fail
@@ -79,12 +79,37 @@ def test_ray_equals_local(cluster, raw, local_files, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("stage", ["scan", "write"])
 def test_killed_worker_is_retried(cluster, raw, local_files, tmp_path: Path, monkeypatch, stage: str) -> None:
+    import mmpack.offline_packing.scan as scan_module
+    import mmpack.offline_packing.write as write_module
+    from tests.engine_tasks import killing_once
+
     marker = tmp_path / "killed.txt"
-    monkeypatch.setenv(KILL_ONCE_ENV, f"{stage}:{marker}")
+    module, name = (scan_module, "scan_chunk") if stage == "scan" else (write_module, "write_shard")
+    monkeypatch.setattr(module, name, killing_once(str(marker), getattr(module, name)))
     out = tmp_path / "out"
     run_pack(_cfg(raw, out, engine="ray"))
     assert marker.is_file(), "no worker was killed: the test would show nothing"
     _assert_same(local_files, dataset_files(out))
+
+
+def test_a_worker_keeps_its_context_for_the_stage(cluster) -> None:
+    """Each worker process makes the context of its node once and keeps it for its later chunks (the tokenizer
+    is loaded once per worker, not once per chunk); another stage starts from a new one."""
+    from mmpack.offline_packing.context import JobContext
+    from mmpack.offline_packing.engines.ray import run_ray
+    from tests.engine_tasks import caches_seen
+
+    ctx = JobContext(work_dir="unused", engine="ray")
+    seen = run_ray(ctx, caches_seen, list(range(24)), desc="probe")
+    by_pid: dict[int, set[int]] = {}
+    for pid, caches, node in seen:
+        by_pid.setdefault(pid, set()).add(caches)
+        assert node and caches != id(ctx.caches)
+    assert all(len(c) == 1 for c in by_pid.values()), by_pid
+    assert len(seen) > len(by_pid)  # some worker ran several chunks (else the check shows nothing)
+    again = {caches for _, caches, _ in run_ray(ctx, caches_seen, list(range(4)), desc="probe")}
+    assert not again & {c for cs in by_pid.values() for c in cs}  # a new stage: new caches
+    assert len(ctx.report.tasks_per_node["probe"]) >= 1
 
 
 def test_rerun_redoes_only_missing_chunks(cluster, raw, local_files, tmp_path: Path) -> None:
@@ -126,19 +151,19 @@ def test_ray_workers_read_s3_inputs(cluster, raw, tmp_path: Path) -> None:
 def test_work_folder_on_s3_without_a_shared_filesystem(cluster, raw, local_files, tmp_path: Path) -> None:
     """`-w s3://...`: each node works from its own cache of the URL (per node, so nothing passes through a
     shared local folder), and the output equals the local engine's with a local work folder."""
-    from mmpack.offline_packing import workdir
+    from mmpack.offline_packing.workdir import cache_root
     from tests.storage_servers import moto_s3
 
     with moto_s3() as endpoint:
         fs = endpoint.make_bucket("work")
         out = tmp_path / "out"
         cfg = _cfg(raw, out, engine="ray", work_dir="s3://work/ray", storage_options=endpoint.storage_options)
-        run_pack(cfg)
-        assert all(len(TASKS_PER_NODE[stage]) == 2 for stage in ("scan", "lengths", "write")), TASKS_PER_NODE
+        per_node = run_pack(cfg).tasks_per_node
+        assert all(len(per_node[stage]) == 2 for stage in ("scan", "lengths", "write")), per_node
         keys = [k.removeprefix("work/ray/") for k in fs.find("work/ray")]
         assert "write.done.json" in keys and any(k.startswith("write/shard-") for k in keys)
         assert not (out / "_work").exists()
-        caches = workdir._cache_root("s3://work/ray").parent  # the driver's own went with the run
+        caches = cache_root("s3://work/ray", "run").parent  # the driver's own went with the run
         nodes = {d.name.split("-", 1)[1] for d in caches.iterdir() if "-" in d.name}
         assert len(nodes) == 2, nodes  # each node fetched what it read into a cache of its own
         _assert_same(local_files, dataset_files(out))

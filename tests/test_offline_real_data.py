@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from tests.fixtures_data import read_arrow_bins, read_wds_bins
 
@@ -50,7 +50,7 @@ def packed_demo(tmp_path_factory: pytest.TempPathFactory):
     if not (MLLM_DEMO_JSON.is_file() and QWEN3_TOKENIZER.is_file()):
         pytest.skip("shared mllm_demo data or Qwen3 tokenizer absent")
     out = tmp_path_factory.mktemp("demo") / "out"
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=(str(MLLM_DEMO_JSON),),
         output=str(out),
         seq_len=1024,

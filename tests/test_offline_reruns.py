@@ -18,6 +18,7 @@ from mmpack.offline_packing.config import (
     STAGE_CONFIGS,
     PackJobConfig,
 )
+from mmpack.offline_packing.options import job_config, with_options
 from mmpack.offline_packing.pipeline import run_pack
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
@@ -35,7 +36,7 @@ def _data(root: Path, seed: int = 2):
 def _cfg(inputs: list[Path | str], image_root: Path, out: Path, tok: Path, **kw) -> PackJobConfig:
     opts: dict = dict(seq_len=512, format="arrow", max_bins_per_shard=3, chunk_size=8, progress=False)
     opts.update(kw)
-    return PackJobConfig(
+    return job_config(
         inputs=tuple(str(p) for p in inputs),
         image_root=str(image_root),
         output=str(out),
@@ -48,7 +49,7 @@ def _clean_run(cfg: PackJobConfig, tmp: Path) -> dict[str, bytes]:
     """The files of a run of `cfg` into an empty folder (its work folder elsewhere)."""
     out = tmp / "clean"
     shutil.rmtree(out, ignore_errors=True)
-    run_pack(PackJobConfig(**{**cfg.__dict__, "output": str(out), "work_dir": str(tmp / "clean_work")}))
+    run_pack(with_options(cfg, output=str(out), work_dir=str(tmp / "clean_work")))
     files = dataset_files(out)
     shutil.rmtree(out)
     shutil.rmtree(tmp / "clean_work")
@@ -125,7 +126,7 @@ def test_unchanged_rerun_skips_every_stage(tmp_path: Path, tok: Path) -> None:
     again = run_pack(cfg)
     assert again.stages_skipped == ["scan", "lengths", "binpack", "write"] and not again.stage_seconds
     assert dataset_files(out) == before
-    hashed = PackJobConfig(**{**cfg.__dict__, "verify_inputs": "sha256"})
+    hashed = with_options(cfg, verify_inputs="sha256")
     run_pack(hashed)
     os.utime(data.jsonl_path, ns=(1, 1))
     assert run_pack(hashed).stages_skipped == ["scan", "lengths", "binpack", "write"]
@@ -206,7 +207,7 @@ def test_every_job_option_is_in_a_stage_config_or_declared_run_control() -> None
     job = {f.name for f in fields(PackJobConfig)}
     assert job == in_stages | INPUT_FIELDS | RUN_CONTROL_FIELDS
     assert not (in_stages & RUN_CONTROL_FIELDS)
-    cfg = PackJobConfig(inputs=("x",), output="o", seq_len=8, tokenizer=BYTE_TOKENIZER)
+    cfg = job_config(inputs=("x",), output="o", seq_len=8, tokenizer=BYTE_TOKENIZER)
     for name, cls in STAGE_CONFIGS.items():
         assert isinstance(cfg.stage_config(name), cls)
 
@@ -216,3 +217,100 @@ def test_stage_modules_do_not_import_the_cli() -> None:
     for stage in ("scan", "lengths", "binpack", "write", "pipeline", "finalize"):
         text = (root / f"{stage}.py").read_text()
         assert "pack_cli" not in text and "mmpack.offline_packing.cli" not in text, stage
+
+
+def _changed(name: str, value: object) -> object:
+    """A valid value of option `name` other than `value` (its default)."""
+    special: dict[str, object] = {
+        "tokenizer": "other.json",
+        "output": "other_out",
+        "algorithm": "ffd",
+        "shard_prefix": "other",
+        "format": "wds",
+        "overlength": "truncate",
+        "verify_inputs": "sha256",
+        "image_check": "decode",
+        "video_check": "decode",
+        "engine": "ray",
+        "ray_address": "host:6379",
+        "image_mean": (0.5, 0.5, 0.5),
+        "image_std": (0.5, 0.5, 0.5),
+        "temporal_patch_size": 1,
+        "video_frame_factor": 4,
+        "video_style": "qwen3_vl",
+        "resample": 2,
+        "chat_source": "{{ messages }}",
+        "chat_variables": (("bos_token", "<s>"),),
+        "storage_options": {"anon": True},
+        "video_min_frames": 2,
+        "start_stage": 2,
+        "only_stage": 2,
+    }
+    if name in special:
+        return special[name]
+    if isinstance(value, bool):
+        return not value
+    if value is None:
+        return "/images" if name in ("image_root", "work_dir", "chat_default_system") else 1
+    if isinstance(value, (int, float)):
+        return value * 2 if value else 1
+    if isinstance(value, str):
+        return value + "x"
+    raise AssertionError(f"no other value for option {name} = {value!r}")
+
+
+def test_every_option_changes_a_fingerprint_or_is_run_control() -> None:
+    """Set each packing option (each flag, each field of the image and video rules and the chat template) to
+    another value: some stage's fingerprint changes, unless the option is run control, which changes none."""
+    from mmpack.offline_packing.options import job_options, option_fields
+
+    base = job_config(inputs=("x.jsonl",), output="o", seq_len=64, tokenizer=BYTE_TOKENIZER, format="both")
+
+    def prints(cfg: PackJobConfig) -> list[str]:
+        from mmpack.offline_packing.fingerprint import stage_fingerprint
+
+        return [stage_fingerprint(s, cfg.stage_config(s), "") for s in STAGE_CONFIGS]
+
+    before = prints(base)
+    names = sorted(option_fields())
+    assert {"seq_len", "seed", "patch_size", "video_fps", "chat_default_system", "workers"} <= set(names)
+    for name in names:
+        if name == "inputs":  # enters by identity (path, size, mtime), see test_edited_input_is_packed_again
+            continue
+        section = option_fields()[name][0]
+        default = job_options(base)[name]
+        changed = with_options(base, **{name: _changed(name, default)})
+        assert changed != base, name
+        if section == "control":
+            assert prints(changed) == before, f"run-control option {name} changes a fingerprint"
+        else:
+            assert prints(changed) != before, f"option {name} changes no stage fingerprint"
+
+
+def test_every_flag_sets_the_option_of_its_name_with_the_configs_default() -> None:
+    """Defaults live in the configs only: no flag has its own, and each flag is an option (or one of the
+    three resolved first: --model, --chat-template, --s3-endpoint)."""
+    import argparse
+
+    from mmpack.offline_packing.flags import add_arguments, parse_job_args
+    from mmpack.offline_packing.options import option_fields
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    actions = [a for a in p._actions if a.dest != "help"]
+    assert len(actions) > 40
+    assert [a.dest for a in actions if a.default is not argparse.SUPPRESS] == []
+    resolved = {"model", "chat_template_file", "s3_endpoint"}
+    assert {a.dest for a in actions} - resolved <= set(option_fields())
+    plain = parse_job_args(
+        ["-i", "x.jsonl", "-o", "o", "-L", "64", "-t", BYTE_TOKENIZER], prog="t", description=""
+    )
+    assert plain == job_config(inputs=("x.jsonl",), output="o", seq_len=64, tokenizer=BYTE_TOKENIZER)
+    flags = ["--seed", "3", "--video-fps", "1", "--patch-size", "16", "--default-system", "Hi.", "-w", "2"]
+    given = parse_job_args(
+        ["-i", "x.jsonl", "-o", "o", "-L", "64", "-t", BYTE_TOKENIZER, *flags], prog="t", description=""
+    )
+    assert given == with_options(
+        plain, seed=3, video_fps=1.0, patch_size=16, chat_default_system="Hi.", workers=2
+    )
+    assert given.lengths.video_rule.patch_size == 16  # the video rule's patch sizes are the image rule's

@@ -17,7 +17,9 @@ from PIL import Image
 
 from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.inputs import remote
+from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import run_pack
+from mmpack.packing.retry import RetryPolicy
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
 from tests.storage_servers import FaultPlan, FaultProxy, http_server, moto_s3, s3_storage_options
 
@@ -87,7 +89,7 @@ def _cfg(inputs: list[str], out: Path, tok: Path, **kw: Any) -> PackJobConfig:
         progress=False,
     )
     base.update(kw)
-    return PackJobConfig(**base)
+    return job_config(**base)
 
 
 INPUT_NAMES = ("data.jsonl", "captions.parquet", "shard-000.tar")
@@ -261,7 +263,7 @@ def test_transient_errors_are_retried(raw, s3, local_run, tmp_path: Path, monkey
     """Every object GET fails once (503 or a reset connection) before it succeeds: same output."""
     root, tok = raw
     endpoint, url = s3
-    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(remote, "RETRY", RetryPolicy(max_attempts=5, backoff_s=0.01))
     _no_s3fs_retries(monkeypatch)
     plan = FaultPlan(kinds=("503", "reset"), max_faults_per_path=1, fault_path_part="/raw/")
     with FaultProxy(endpoint.endpoint_url, plan) as proxy:
@@ -275,7 +277,7 @@ def test_transient_errors_are_retried(raw, s3, local_run, tmp_path: Path, monkey
 def test_persistent_error_names_the_object(raw, s3, tmp_path: Path, monkeypatch) -> None:
     root, tok = raw
     endpoint, url = s3
-    monkeypatch.setattr(remote, "BACKOFF_S", 0.001)
+    monkeypatch.setattr(remote, "RETRY", RetryPolicy(max_attempts=5, backoff_s=0.001))
     _no_s3fs_retries(monkeypatch)
     plan = FaultPlan(kinds=("503",), max_faults_per_path=10**6, fault_path_part="/noise_3.jpg")
     with FaultProxy(endpoint.endpoint_url, plan) as proxy:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
 from tests.fixtures_data import make_synthetic_dataset, read_arrow_bins, write_image
@@ -56,7 +56,7 @@ def test_webdataset_tar_input(wds_input, tmp_path: Path) -> None:
     path, images = wds_input
     out = tmp_path / "out"
     summary = run_pack(
-        PackJobConfig(
+        job_config(
             inputs=(str(path),), output=str(out), seq_len=512, tokenizer=BYTE_TOKENIZER, progress=False
         )
     )
@@ -92,7 +92,7 @@ def test_parquet_and_mixed_inputs(tmp_path: Path) -> None:
     pq.write_table(table, tmp_path / "raw" / "part.parquet")
     out = tmp_path / "out"
     inputs = (str(tmp_path / "raw" / "part.parquet"), str(data.jsonl_path))
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=inputs,
         image_root=str(data.image_root),
         output=str(out),

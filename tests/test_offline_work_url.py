@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import resolve_work_dir, run_pack
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
 from tests.fixtures_data import dataset_files, make_synthetic_dataset, small_job_config, train_tiny_bpe
@@ -116,12 +116,10 @@ def test_default_work_folder(tmp_path: Path) -> None:
     """Local output: `<output>/_work`. URL output: a local temp folder on one machine, `<output>/_work` under
     Ray (every node must reach it); `-w` always wins."""
     base: dict[str, Any] = dict(inputs=("x.jsonl",), seq_len=64, tokenizer=BYTE_TOKENIZER)
-    assert resolve_work_dir(PackJobConfig(output=str(tmp_path / "o"), **base)) == str(
-        tmp_path / "o" / "_work"
-    )
-    url_local = resolve_work_dir(PackJobConfig(output="s3://b/o", **base))
+    assert resolve_work_dir(job_config(output=str(tmp_path / "o"), **base)) == str(tmp_path / "o" / "_work")
+    url_local = resolve_work_dir(job_config(output="s3://b/o", **base))
     assert url_local.startswith(tempfile.gettempdir())
-    assert resolve_work_dir(PackJobConfig(output="s3://b/o", engine="ray", **base)) == "s3://b/o/_work"
-    assert resolve_work_dir(PackJobConfig(output="s3://b/o", engine="ray", work_dir="s3://w/x", **base)) == (
+    assert resolve_work_dir(job_config(output="s3://b/o", engine="ray", **base)) == "s3://b/o/_work"
+    assert resolve_work_dir(job_config(output="s3://b/o", engine="ray", work_dir="s3://w/x", **base)) == (
         "s3://w/x"
     )

@@ -17,7 +17,7 @@ from mmpack.dataloader import Topology, build_loader, load_manifest
 from mmpack.offline_packing.cli import main as mmpack
 from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.flags import config_from_args
-from mmpack.offline_packing.model_folder import resolve_job_image_options
+from mmpack.offline_packing.model_folder import resolve_image_rule
 from mmpack.packing.image_tokens import CLIP_MEAN, ImageTokenRule
 from mmpack.packing.tokenizer import load_tokenizer
 from mmpack.trainer.dataset_check import DatasetModelMismatch, check_dataset_matches_model
@@ -68,13 +68,14 @@ def test_flags_resolve_model_folder(tmp_path: Path) -> None:
         ["--model", str(model), "--max-pixels", "50176"],
     ):
         cfg = parse(argv)
-        assert (cfg.min_pixels, cfg.max_pixels, cfg.image_mean) == (6272, 50176, (0.5, 0.5, 0.5))
-        assert cfg.tokenizer == str(model) and cfg.temporal_patch_size == 2 and cfg.resample == 3
+        rule = cfg.lengths.image_rule
+        assert (rule.min_pixels, rule.max_pixels, rule.image_mean) == (6272, 50176, (0.5, 0.5, 0.5))
+        assert cfg.tokenizer == str(model) and rule.temporal_patch_size == 2 and rule.resample == 3
     cfg = parse(["--model", str(model), "-t", str(tok)])  # an explicit -t wins for the tokenizer only
-    assert cfg.tokenizer == str(tok) and cfg.max_pixels == 50176
-    plain = parse(["-t", str(tok), "--max-pixels", "50176"])  # a tokenizer file: the flags give the rule
+    assert cfg.tokenizer == str(tok) and cfg.lengths.image_rule.max_pixels == 50176
+    plain = parse(["-t", str(tok), "--max-pixels", "50176"]).lengths.image_rule  # a tokenizer file: the flags
     assert (plain.min_pixels, plain.max_pixels, plain.image_mean) == (3136, 50176, CLIP_MEAN)
-    assert parse(["-t", str(tok)]).max_pixels == 12845056
+    assert parse(["-t", str(tok)]).lengths.image_rule.max_pixels == 12845056
     with pytest.raises(ValueError, match="no tokenizer"):  # no silent default tokenizer
         parse([])
 
@@ -90,9 +91,9 @@ def test_flags_contradicting_the_model_folder_are_errors(tmp_path: Path) -> None
     with pytest.raises(ValueError, match=r"no tokenizer\.json"):
         parse(["--model", str(model)])
     with pytest.raises(ValueError, match=r"no preprocessor_config\.json"):
-        resolve_job_image_options(str(tmp_path / "bpe"), None, {})
+        resolve_image_rule(str(tmp_path / "bpe"), None, {})
     with pytest.raises(ValueError, match="not a folder"):
-        resolve_job_image_options(str(tok), None, {})
+        resolve_image_rule(str(tok), None, {})
     rc = mmpack(["pack", "-i", "x.jsonl", "-o", str(tmp_path / "o"), "-L", "64", "--model", str(model), "-t", str(tok),
                  "--max-pixels", "5"])  # fmt: skip
     assert rc == 2
@@ -122,14 +123,14 @@ def test_pack_with_model_folder_end_to_end(
     )  # fmt: skip
     n_images = 0
     for batch in loader:
-        images = [im for b in batch["bin_ids"].tolist() for im in records[b]["images"]]
+        images = [im for b in batch.bin_ids.tolist() for im in records[b]["images"]]
         if not images:
             continue
         ref = processor(images=[Image.open(io.BytesIO(d)) for d in images], return_tensors="np")
-        np.testing.assert_array_equal(batch["image_grid_thw"].numpy(), ref["image_grid_thw"])
-        assert float(np.abs(batch["pixel_values"].numpy() - ref["pixel_values"]).max()) <= 1e-5
-        assert batch["pixel_values"].shape[1] == 3 * 2 * 14 * 14
-        n_pads = int((batch["tokens"] == raw["tokenizer"]["special_ids"]["image_pad"]).sum())
+        np.testing.assert_array_equal(batch.image_grid_thw.numpy(), ref["image_grid_thw"])
+        assert float(np.abs(batch.pixel_values.numpy() - ref["pixel_values"]).max()) <= 1e-5
+        assert batch.pixel_values.shape[1] == 3 * 2 * 14 * 14
+        n_pads = int((batch.tokens == raw["tokenizer"]["special_ids"]["image_pad"]).sum())
         assert n_pads == int(ref["image_grid_thw"].prod(axis=1).sum()) // 4  # offline count == loader's
         n_images += len(images)
     assert n_images == sum(len(r.get("images", [])) for r in json.loads(mllm_demo_json.read_text()))

@@ -162,25 +162,26 @@ def test_video_rule_equals_the_processor_on_random_metadata(
 
 
 def test_model_folder_gives_the_qwen3_video_rule_and_refuses_contradicting_flags(tmp_path) -> None:
-    from mmpack.offline_packing.model_folder import resolve_job_video_options
+    from mmpack.offline_packing.model_folder import resolve_video_rule
 
     (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(SMALL_VIDEO_CONFIG))
-    image = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2}
-    none = dict.fromkeys(("video_fps", "video_min_frames", "video_max_frames", "video_min_pixels",
-                          "video_max_pixels", "video_total_pixels", "video_rule_style"))  # fmt: skip
-    options = resolve_job_video_options(str(tmp_path), None, none, image)
-    assert options["video_rule_style"] == "qwen3_vl" and options["video_max_frames"] == 8
-    assert options["video_max_pixels"] == 8 * 50176 and options["video_min_pixels"] == 4096
+    image = ImageTokenRule(patch_size=16, merge_size=2, temporal_patch_size=2)
+    rule = resolve_video_rule(str(tmp_path), None, {}, image)
+    assert rule.style == "qwen3_vl" and rule.max_frames == 8
+    assert rule.max_pixels == 8 * 50176 and rule.min_pixels == 4096
+    assert resolve_video_rule(str(tmp_path), None, {"video_max_frames": 8}, image) == rule  # agreeing flag
     with pytest.raises(ValueError, match="--video-max-frames 16 disagrees"):
-        resolve_job_video_options(str(tmp_path), None, none | {"video_max_frames": 16}, image)
+        resolve_video_rule(str(tmp_path), None, {"video_max_frames": 16}, image)
+    with pytest.raises(ValueError, match="--video-rule qwen-vl-utils disagrees"):
+        resolve_video_rule(str(tmp_path), None, {"video_style": "qwen-vl-utils"}, image)
     with pytest.raises(ValueError, match="patch_size 16 differs from the image rule's 14"):
-        resolve_job_video_options(str(tmp_path), None, none, image | {"patch_size": 14})
-    # without a folder: qwen-vl-utils unless asked, and then the processor's defaults
-    assert resolve_job_video_options(None, None, none, image)["video_rule_style"] == "qwen-vl-utils"
-    chosen = resolve_job_video_options(None, None, none | {"video_rule_style": "qwen3_vl"}, image)
-    assert (chosen["video_min_pixels"], chosen["video_max_pixels"]) == (128 * 32 * 32, 32 * 32 * 768)
+        resolve_video_rule(str(tmp_path), None, {}, ImageTokenRule(patch_size=14))
+    # without a folder: qwen-vl-utils unless asked, and then the processor's defaults; patch sizes the image's
+    assert resolve_video_rule(None, None, {}, image) == VideoTokenRule(patch_size=16)
+    chosen = resolve_video_rule(None, None, {"video_style": "qwen3_vl"}, image)
+    assert (chosen.min_pixels, chosen.max_pixels, chosen.patch_size) == (128 * 32 * 32, 32 * 32 * 768, 16)
     (tmp_path / "video_preprocessor_config.json").write_text(
         json.dumps({**SMALL_VIDEO_CONFIG, "num_frames": 16})
     )
     with pytest.raises(ValueError, match="num_frames"):
-        resolve_job_video_options(str(tmp_path), None, none, image)
+        resolve_video_rule(str(tmp_path), None, {}, image)

@@ -755,14 +755,14 @@ def test_dataset_over_http(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 @pytest.fixture(scope="module")
 def packed_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mmpack.offline_packing.config import PackJobConfig
+    from mmpack.offline_packing.options import job_config
     from mmpack.offline_packing.pipeline import run_pack
     from tests.fixtures_data import make_synthetic_dataset, train_tiny_bpe
 
     root = tmp_path_factory.mktemp("stats_raw")
     data = make_synthetic_dataset(root / "data", n_samples=60, seed=5, size_range=(40, 400), max_words=120)
     out = root / "packed"
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=(str(data.jsonl_path),),
         output=str(out),
         seq_len=768,

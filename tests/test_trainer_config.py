@@ -123,8 +123,11 @@ def test_thd_inputs_flatten_the_micro_batch() -> None:
             pixel_values=np.zeros((0, 1176), dtype=np.float32),
         )
 
-    batch = make_micro_batch([[sample(3), sample(2)], [sample(4)]], 6, 0, attention_mask=False)
-    thd = model_inputs(batch, use_thd=True, rule=MRopeRule(image_pad_id=-1, merge_size=2))
+    rule = MRopeRule(image_pad_id=-1, merge_size=2)
+    batch = make_micro_batch(
+        [[sample(3), sample(2)], [sample(4)]], 6, 0, attention_mask=False, position_rule=rule
+    )
+    thd = model_inputs(batch, use_thd=True)
     params = thd["packed_seq_params"]
     assert params.qkv_format == "thd" and thd["attention_mask"] is None
     assert thd["tokens"].shape == (1, 12)
@@ -132,7 +135,7 @@ def test_thd_inputs_flatten_the_micro_batch() -> None:
     assert params.max_seqlen_q == 4
     assert thd["position_ids"].shape == (3, 1, 12)
     assert thd["position_ids"][0, 0].tolist() == [0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 0, 1]  # restart per segment
-    dense = model_inputs(batch, use_thd=False, rule=MRopeRule(image_pad_id=-1, merge_size=2))
+    dense = model_inputs(batch, use_thd=False)
     assert dense["attention_mask"].shape == (2, 1, 6, 6) and "packed_seq_params" not in dense
     assert (dense["labels"] >= 0).all()  # ignored positions are masked by loss_mask, not by -100
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mmpack.packing.layout import IGNORE_INDEX
+from mmpack.packing.mrope import MRopeRule
 from mmpack.trainer.batches import Sample, make_micro_batch
 from tests.test_trainer_support import train
 
@@ -26,23 +27,24 @@ def _batch() -> dict:
         )
         for n in (4, 3)
     ]
-    return make_micro_batch([samples], seq_length=10, pad_id=0)
+    rule = MRopeRule(image_pad_id=99, merge_size=2)
+    return make_micro_batch([samples], seq_length=10, pad_id=0, position_rule=rule)
 
 
 def test_thd_padding_adds_a_dummy_trailing_segment() -> None:
-    from mmpack.packing.mrope import MRopeRule
     from mmpack.trainer.data import model_inputs, pad_flat_batch
 
     batch = _batch()
-    assert batch["cu_seqlens"].tolist() == [0, 4, 7, 10]  # the row's padding is its own segment
+    assert batch.cu_seqlens.tolist() == [0, 4, 7, 10]  # the row's padding is its own segment
     padded = pad_flat_batch(batch, 4, pad_id=0)
-    assert padded["tokens"].shape == (1, 12)
-    assert padded["cu_seqlens"].tolist() == [0, 4, 7, 10, 12]
-    assert padded["tokens"][0, 10:].tolist() == [0, 0]
-    assert padded["labels"][0, 10:].tolist() == [IGNORE_INDEX] * 2
-    assert padded["loss_mask"].sum() == batch["loss_mask"].sum()
-    assert padded["max_seqlen"] == batch["max_seqlen"]
-    inputs = model_inputs(padded, use_thd=True, rule=MRopeRule(image_pad_id=99, merge_size=2))
+    assert padded.tokens.shape == (1, 12)
+    assert padded.cu_seqlens.tolist() == [0, 4, 7, 10, 12]
+    assert padded.tokens[0, 10:].tolist() == [0, 0]
+    assert padded.labels[0, 10:].tolist() == [IGNORE_INDEX] * 2
+    assert padded.loss_mask.sum() == batch.loss_mask.sum()
+    assert padded.max_seqlen == batch.max_seqlen
+    assert padded.position_ids[:, 0, 10:].tolist() == [[0, 1]] * 3  # the dummy segment: text from 0
+    inputs = model_inputs(padded, use_thd=True)
     assert inputs["tokens"].shape == (1, 12) and inputs["position_ids"].shape == (3, 1, 12)
     assert inputs["packed_seq_params"].cu_seqlens_q.tolist() == [0, 4, 7, 10, 12]
     assert inputs["position_ids"][0, 0, :7].tolist() == [0, 1, 2, 3, 0, 1, 2]  # samples still restart at 0

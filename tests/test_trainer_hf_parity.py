@@ -123,22 +123,22 @@ def _samples_of_bin(packed: Path):
         record = f.get_batch(0)
     images = record.column("images")[0].as_py()
     image_pad = json.loads((packed / "manifest.json").read_text())["tokenizer"]["special_ids"]["image_pad"]
-    cu = batch["cu_seqlens"].tolist()
-    real = int(batch["num_real_tokens"])
+    cu = batch.cu_seqlens.tolist()
+    real = int(batch.num_real_tokens)
     samples, next_image = [], 0
     for a, b in itertools.pairwise(cu):
         if b > real:
             break
-        tokens = batch["tokens"][0, a:b]
+        tokens = batch.tokens[0, a:b]
         grids = []
         pads = int((tokens == image_pad).sum())
         while pads > 0:
-            g = batch["image_grid_thw"][next_image]
+            g = batch.image_grid_thw[next_image]
             pads -= int(g.prod()) // 4
             grids.append(next_image)
             next_image += 1
         samples.append(
-            {"tokens": tokens, "labels": batch["labels"][0, a:b], "images": [images[i] for i in grids]}
+            {"tokens": tokens, "labels": batch.labels[0, a:b], "images": [images[i] for i in grids]}
         )
     assert next_image == len(images) and len(samples) >= 4
     assert sum(len(s["images"]) for s in samples) >= 4, "the bin should hold several images"

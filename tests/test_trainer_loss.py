@@ -39,10 +39,10 @@ def _worker(out: Path) -> None:
     batches, _ = t.train_data.next_step()
     # micro-batch 0 keeps all its target tokens, micro-batch 1 only its first one (DP rank 1: the reverse)
     few = 1 - ps.get_data_parallel_rank()
-    mask = batches[few]["loss_mask"]
+    mask = batches[few].loss_mask
     first = int(mask.reshape(-1).nonzero()[0])
     mask.zero_().reshape(-1)[first] = 1
-    counts = [float(b["loss_mask"].sum()) for b in batches]
+    counts = [float(b.loss_mask.sum()) for b in batches]
 
     t.model.zero_grad_buffer()
     t.optimizer.zero_grad()
@@ -56,8 +56,8 @@ def _worker(out: Path) -> None:
         works in place)."""
         out = []
         for b in batches:
-            inputs = model_inputs(b, use_thd=False, rule=t.family.position_rule(t.arch))
-            out.append((model(**inputs).float() * b["loss_mask"]).sum())
+            inputs = model_inputs(b, use_thd=False)
+            out.append((model(**inputs).float() * b.loss_mask).sum())
         return out
 
     def grads(loss: torch.Tensor) -> torch.Tensor:

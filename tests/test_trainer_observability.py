@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mmpack.packing.batch import MicroBatch
 from tests.test_trainer_support import make_packed_dataset, ok, train
 
 
@@ -48,17 +49,21 @@ def _arch():  # type: ignore[no-untyped-def]
     )
 
 
-def _batch(lengths: list[int], grids: list[list[int]] | None = None, pad: int = 0) -> dict:
-    """A micro-batch of samples of these lengths (and a padding segment), with images of these grids."""
+def _batch(lengths: list[int], grids: list[list[int]] | None = None, pad: int = 0) -> MicroBatch:
+    """A micro-batch of samples of these lengths (and a padding segment), with images of these grids (what
+    the FLOP count reads: tokens, segments, grids; no pixels)."""
     import torch
 
     n = sum(lengths)
     tokens = torch.cat([torch.ones(n, dtype=torch.long), torch.full((3,), pad)])[None]
     cu = torch.tensor(np.concatenate([[0], np.cumsum([*lengths, 3])]), dtype=torch.int32)
-    batch = {"tokens": tokens, "cu_seqlens": cu}
-    if grids:
-        batch["image_grid_thw"] = torch.tensor(grids)
-    return batch
+    no_grids = torch.zeros((0, 3), dtype=torch.long)
+    return MicroBatch(
+        tokens=tokens, labels=tokens, loss_mask=torch.ones(tokens.shape), position_ids=tokens, cu_seqlens=cu,
+        max_seqlen=max(lengths), num_real_tokens=n, pixel_values=torch.zeros((0, 1)),
+        image_grid_thw=torch.tensor(grids) if grids else no_grids, pixel_values_videos=torch.zeros((0, 1)),
+        video_grid_thw=no_grids, second_per_grid_ts=torch.zeros(0),
+    )  # fmt: skip
 
 
 def test_flops_are_the_family_formula_counted_per_sample() -> None:

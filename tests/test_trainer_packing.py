@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,7 @@ def _synthetic_bin_and_samples():
     """A bin of three synthetic samples (with images) and each sample as its own micro-batch."""
     import numpy as np
 
+    from mmpack.packing.mrope import MRopeRule
     from mmpack.trainer.batches import SyntheticSpec, make_micro_batch, synthetic_sample
     from mmpack.trainer.data import MOCK_VOCAB
 
@@ -40,17 +42,21 @@ def _synthetic_bin_and_samples():
     assert sum(len(s.input_ids) for s in samples) < SEQ  # leaves a padding segment too
     assert sum(len(s.image_grid_thw) for s in samples) >= 2, "want several images in the bin"
 
-    packed = make_micro_batch([samples], SEQ, spec.pad_id)
-    alone = [make_micro_batch([[s]], len(s.input_ids), spec.pad_id) for s in samples]
+    rule = MRopeRule(image_pad_id=spec.image_pad_id, merge_size=spec.merge_size)
+    packed = make_micro_batch([samples], SEQ, spec.pad_id, position_rule=rule)
+    alone = [make_micro_batch([[s]], len(s.input_ids), spec.pad_id, position_rule=rule) for s in samples]
     return packed, alone
 
 
 def _loader_bin_and_samples(data_path: str, seq: int, image_pad_id: int, merge: int):
     """The first loader micro-batch (one real bin) with >= 2 samples and an image, and each of its samples
     cut out of it as a micro-batch of its own (tokens, labels, positions, its images' patches)."""
+    import dataclasses
+
     import torch
 
     from mmpack.dataloader import Topology, build_loader
+    from mmpack.packing.mrope import MRopeRule
 
     loader = build_loader(
         data_path,
@@ -59,40 +65,42 @@ def _loader_bin_and_samples(data_path: str, seq: int, image_pad_id: int, merge: 
         global_batch_size=1,
         num_workers=0,
         num_epochs=1,
+        position_rule=MRopeRule(image_pad_id=image_pad_id, merge_size=merge),
     )
     for batch in loader:
-        cu = batch["cu_seqlens"].tolist()
-        real = int(batch["num_real_tokens"])
+        cu = batch.cu_seqlens.tolist()
+        real = int(batch.num_real_tokens)
         bounds = [(a, b) for a, b in itertools.pairwise(cu) if b <= real]
-        if len(bounds) >= 2 and len(batch["image_grid_thw"]) >= 1:
+        if len(bounds) >= 2 and len(batch.image_grid_thw) >= 1:
             break
     else:
         raise AssertionError("no bin with two samples and an image")
     loader.close()
-    grids = batch["image_grid_thw"]
+    grids = batch.image_grid_thw
     patches_per_image = (grids[:, 0] * grids[:, 1] * grids[:, 2]).tolist()
     tokens_per_image = [p // merge**2 for p in patches_per_image]
     patch_starts = [0, *torch.tensor(patches_per_image).cumsum(0).tolist()]
     samples, image = [], 0
     for a, b in bounds:
-        toks = batch["tokens"][:, a:b]
+        toks = batch.tokens[:, a:b]
         n_img, pads = 0, int((toks == image_pad_id).sum())
         while pads > 0:
             pads -= tokens_per_image[image + n_img]
             n_img += 1
         assert pads == 0
         samples.append(
-            {
-                "tokens": toks,
-                "labels": batch["labels"][:, a:b],
-                "loss_mask": batch["loss_mask"][:, a:b],
-                "position_ids": batch["position_ids"][:, a:b],
-                "cu_seqlens": torch.tensor([0, b - a], dtype=torch.int32),
-                "max_seqlen": b - a,
-                "pixel_values": batch["pixel_values"][patch_starts[image] : patch_starts[image + n_img]],
-                "image_grid_thw": grids[image : image + n_img],
-                "num_real_tokens": b - a,
-            }
+            dataclasses.replace(
+                batch,
+                tokens=toks,
+                labels=batch.labels[:, a:b],
+                loss_mask=batch.loss_mask[:, a:b],
+                position_ids=batch.position_ids[:, :, a:b],  # positions restart per sample: its own alone
+                cu_seqlens=torch.tensor([0, b - a], dtype=torch.int32),
+                max_seqlen=b - a,
+                pixel_values=batch.pixel_values[patch_starts[image] : patch_starts[image + n_img]],
+                image_grid_thw=grids[image : image + n_img],
+                num_real_tokens=b - a,
+            )
         )
         image += n_img
     assert image == len(grids)
@@ -102,7 +110,6 @@ def _loader_bin_and_samples(data_path: str, seq: int, image_pad_id: int, merge: 
 def _worker(out_path: str, tp: int, source: str) -> None:
     import torch
 
-    from mmpack.packing.mrope import MRopeRule
     from mmpack.trainer.batches import block_causal_mask
     from mmpack.trainer.build import build_stage_model, model_hf_config
     from mmpack.trainer.config import (
@@ -138,12 +145,12 @@ def _worker(out_path: str, tp: int, source: str) -> None:
     else:
         packed, alone = _loader_bin_and_samples(source, seq, image_pad, merge)
 
-    def run(batch: dict, mask_override: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = model_inputs(batch, use_thd=False, rule=MRopeRule(image_pad_id=image_pad, merge_size=merge))
+    def run(batch: Any, mask_override: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = model_inputs(batch, use_thd=False)
         if mask_override is not None:
             inputs["attention_mask"] = mask_override
         per_token = model(**inputs)
-        mask = batch["loss_mask"]
+        mask = batch.loss_mask
         return (per_token * mask).sum(), mask.sum()
 
     loss_sum, n_targets = run(packed)

@@ -50,21 +50,20 @@ def _samples(packed: Path, layout: list | None = None) -> list[dict]:
         num_workers=0, num_epochs=1,
     )  # fmt: skip
     batch = next(iter(loader))
-    assert batch is not None
     loader.close()
     specials = json.loads((packed / "manifest.json").read_text())["tokenizer"]["special_ids"]
     image_pad, video_pad = specials["image_pad"], specials["video_pad"]
-    real = int(batch["num_real_tokens"])
+    real = int(batch.num_real_tokens)
     samples, rows = [], {"image": 0, "video": 0}
-    grids = {"image": iter(batch["image_grid_thw"]), "video": iter(batch["video_grid_thw"])}
-    seconds = iter(batch["second_per_grid_ts"])
-    for a, b in itertools.pairwise(batch["cu_seqlens"].tolist()):
+    grids = {"image": iter(batch.image_grid_thw), "video": iter(batch.video_grid_thw)}
+    seconds = iter(batch.second_per_grid_ts)
+    for a, b in itertools.pairwise(batch.cu_seqlens.tolist()):
         if b > real:
             break
-        tokens = batch["tokens"][0, a:b]
+        tokens = batch.tokens[0, a:b]
         sample = {
             "tokens": tokens,
-            "labels": batch["labels"][0, a:b],
+            "labels": batch.labels[0, a:b],
             "image_pad": image_pad,
             "video_pad": video_pad,
         }
@@ -78,7 +77,7 @@ def _samples(packed: Path, layout: list | None = None) -> list[dict]:
                 pads -= int(mine[-1].prod()) // 4
             if mine:
                 n = sum(int(g.prod()) for g in mine)
-                sample[kind] = (batch[pixels][rows[kind] : rows[kind] + n], torch.stack(mine))
+                sample[kind] = (getattr(batch, pixels)[rows[kind] : rows[kind] + n], torch.stack(mine))
                 rows[kind] += n
                 if kind == "video":
                     sample["seconds"] = torch.stack([next(seconds) for _ in mine])

@@ -14,8 +14,8 @@ from mmpack.dataloader.collate import CollateConfig, collate_bins
 from mmpack.dataloader.manifest import load_manifest
 from mmpack.dataloader.readers import ArrowShardReader, WdsShardReader
 from mmpack.dataloader.video import resize_frame, video_to_patches
-from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.inputs.video_probe import probe_video
+from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.image_tokens import ImageTokenRule
 from mmpack.packing.video_tokens import VideoPlan, VideoTokenRule
@@ -59,7 +59,7 @@ def demo_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not (DEMO_DIR / "mllm_video_demo.json").is_file() or not QWEN3_TOKENIZER.is_file():
         pytest.skip(f"shared video demo or Qwen3 tokenizer not found under {SHARED_DIR}")
     out = tmp_path_factory.mktemp("video_demo") / "out"
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=(str(DEMO_DIR / "mllm_video_demo.json"),),
         output=str(out),
         seq_len=8192,
@@ -116,26 +116,26 @@ def test_loader_decodes_exactly_the_recorded_frames(demo_dataset: Path) -> None:
     blobs = [v for r in records for v in r["videos"]]
     assert len(plans) == 3
     rows = [p.grid_thw[0] * p.grid_thw[1] * p.grid_thw[2] for p in plans]
-    assert batch["pixel_values_videos"].shape == (sum(rows), 3 * 2 * 14 * 14)
-    assert batch["pixel_values_videos"].dtype == np.float32
-    np.testing.assert_array_equal(batch["video_grid_thw"], [p.grid_thw for p in plans])
+    assert batch.pixel_values_videos.shape == (sum(rows), 3 * 2 * 14 * 14)
+    assert batch.pixel_values_videos.dtype == np.float32
+    np.testing.assert_array_equal(batch.video_grid_thw, [p.grid_thw for p in plans])
     np.testing.assert_array_equal(
-        batch["second_per_grid_ts"], np.asarray([p.second_per_grid_t for p in plans], np.float32)
+        batch.second_per_grid_ts, np.asarray([p.second_per_grid_t for p in plans], np.float32)
     )
-    assert batch["pixel_values"].shape == (0, 1176) and batch["image_grid_thw"].shape == (0, 3)
+    assert batch.pixel_values.shape == (0, 1176) and batch.image_grid_thw.shape == (0, 3)
     # no label on a video pad; the pads are what the videos need (rows / 4 after the 2 x 2 merge)
-    assert not np.isin(batch["labels"], [VIDEO_PAD]).any()
-    assert int((batch["tokens"] == VIDEO_PAD).sum()) == sum(rows) // 4
+    assert not np.isin(batch.labels, [VIDEO_PAD]).any()
+    assert int((batch.tokens == VIDEO_PAD).sum()) == sum(rows) // 4
     offset = 0
     for blob, plan, n in zip(blobs, plans, rows):
         ref = _reference_patches(files[blob], plan)
-        np.testing.assert_array_equal(batch["pixel_values_videos"][offset : offset + n], ref)
+        np.testing.assert_array_equal(batch.pixel_values_videos[offset : offset + n], ref)
         offset += n
     # control: the frames next to the planned ones give other pixels
     earlier = [max(0, i - 1) for i in plans[0].frame_indices]
     shifted = VideoPlan.from_dict(plans[0].to_dict() | {"frame_indices": earlier})
     assert not np.array_equal(
-        _reference_patches(files[blobs[0]], shifted), batch["pixel_values_videos"][: rows[0]]
+        _reference_patches(files[blobs[0]], shifted), batch.pixel_values_videos[: rows[0]]
     )
 
 
@@ -200,7 +200,7 @@ def _generated_inputs(root: Path) -> tuple[Path, dict[str, str | None]]:
 def test_generated_videos_through_the_job(tmp_path: Path, qwen3_tokenizer_path: Path) -> None:
     data, expected = _generated_inputs(tmp_path)
     out = tmp_path / "out"
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=(str(data),),
         output=str(out),
         seq_len=4096,
@@ -235,9 +235,9 @@ def test_generated_videos_through_the_job(tmp_path: Path, qwen3_tokenizer_path: 
             assert plan == rule.plan(probe_video(files[blob]).meta)  # the recorded plan is the rule's
             n = plan.grid_thw[0] * plan.grid_thw[1] * plan.grid_thw[2]
             ref = _reference_patches(files[blob], plan)
-            np.testing.assert_array_equal(batch["pixel_values_videos"][offset : offset + n], ref)
+            np.testing.assert_array_equal(batch.pixel_values_videos[offset : offset + n], ref)
             offset += n
-        assert offset == batch["pixel_values_videos"].shape[0]
+        assert offset == batch.pixel_values_videos.shape[0]
         assert int((rec["input_ids"] == VIDEO_PAD).sum()) == sum(p["num_tokens"] for p in rec["video_plans"])
     mixed = next(r for r in records if "mixed" in r["sample_ids"])
     assert len(mixed["images"]) == 1 and len(mixed["videos"]) >= 2
@@ -331,12 +331,11 @@ def test_loader_workers_yield_the_video_inputs(demo_dataset: Path) -> None:
     )  # fmt: skip
     batch = next(iter(loader))
     loader.close()
-    assert batch is not None
     expected = collate_bins(_bins(demo_dataset, "arrow")[:1], _collate_config(demo_dataset))
     for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "tokens", "labels"):
-        assert isinstance(batch[key], torch.Tensor)
-        np.testing.assert_array_equal(batch[key].numpy(), expected[key], err_msg=key)
-    assert batch["pixel_values_videos"].shape[0] > 0 and batch["pixel_values"].shape == (0, 1176)
+        assert isinstance(getattr(batch, key), torch.Tensor)
+        np.testing.assert_array_equal(getattr(batch, key).numpy(), getattr(expected, key), err_msg=key)
+    assert batch.pixel_values_videos.shape[0] > 0 and batch.pixel_values.shape == (0, 1176)
 
 
 def test_demo_data_includes_generated_videos(tmp_path: Path) -> None:
@@ -370,7 +369,7 @@ def test_videos_under_a_url_input(tmp_path: Path, qwen3_tokenizer_path: Path) ->
     ]
     fs.pipe("/url_videos/d.jsonl", "".join(json.dumps(r) + "\n" for r in lines).encode())
     out = tmp_path / "out"
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=("memory://url_videos/d.jsonl",), output=str(out), seq_len=4096, tokenizer=str(qwen3_tokenizer_path),
         progress=False,
     )  # fmt: skip

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mmpack.offline_packing.inputs.video_probe import VideoProbeConfig, VideoProbeError, probe_video
+from mmpack.offline_packing.errors import VideoProbeError
+from mmpack.offline_packing.inputs.video_probe import VideoProbeConfig, probe_video
 from mmpack.packing.video_tokens import VideoRuleError, VideoTokenRule
 from tests.conftest import SHARED_DIR
 from tests.video_fixtures import encode_video

@@ -15,8 +15,9 @@ from mmpack.dataloader.collate import CollateConfig, collate_bins
 from mmpack.dataloader.manifest import load_manifest
 from mmpack.dataloader.readers import ArrowShardReader
 from mmpack.dataloader.video import VideoDecodeError, decode_planned_frames, resize_frame
-from mmpack.offline_packing.config import PackJobConfig
-from mmpack.offline_packing.inputs.video_probe import VideoProbeError, probe_video
+from mmpack.offline_packing.errors import VideoProbeError
+from mmpack.offline_packing.inputs.video_probe import probe_video
+from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.video_tokens import VideoTokenRule
 from tests.fixtures_data import train_tiny_bpe
@@ -66,7 +67,7 @@ def _pack(clips: Path, out: Path, **kw) -> None:
     data = clips.parent / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     tok = train_tiny_bpe(clips.parent / "tok", video_pad=True)
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=(str(data),), output=str(out), seq_len=2048, tokenizer=str(tok), progress=False, **kw
     )
     run_pack(cfg)

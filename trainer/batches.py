@@ -1,5 +1,5 @@
-"""Micro-batches in the loader's output format (DESIGN.md "Loader output"): building them from samples, the
-packed attention mask, and a synthetic stream for runs without a dataset (``--mock-data``)."""
+"""Micro-batches (`mmpack.packing.batch.MicroBatch`, as the loader gives them) built from samples, the packed
+attention mask on the accelerator, and a synthetic stream for runs without a dataset (``--mock-data``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mmpack.packing.layout import PackedSequence, build_packed_sequence, collate_packed
+from mmpack.packing.batch import MicroBatch, PositionRule
+from mmpack.packing.layout import PackedSequence, block_mask, build_packed_sequence, collate_packed
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -23,17 +24,12 @@ class Sample:
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, batch: int, seq_length: int) -> torch.Tensor:
-    """[B, 1, L, L] bool, True = masked: a token sees the earlier tokens of its own segment only.
-
-    Built on ``cu_seqlens``' device (the torch twin of ``mmpack.packing.layout.build_attention_mask_from_cu_seqlens``,
-    for batches already on the accelerator)."""
+    """[B, 1, L, L] bool, True = masked: a token sees the earlier tokens of its own segment only (built on
+    ``cu_seqlens``' device by `mmpack.packing.layout.block_mask`, for batches already on the accelerator)."""
     device = cu_seqlens.device
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-    segment = segment.reshape(batch, seq_length)
-    same = segment[:, :, None] == segment[:, None, :]
-    causal = torch.ones(seq_length, seq_length, dtype=torch.bool, device=device).tril()
-    return ~(same & causal)[:, None]
+    return block_mask(segment.reshape(batch, seq_length))[:, None]
 
 
 def _pack_row(
@@ -52,26 +48,51 @@ def _pack_row(
 
 
 def make_micro_batch(
-    rows: Sequence[Sequence[Sample]], seq_length: int, pad_id: int, *, attention_mask: bool = True
-) -> dict[str, torch.Tensor | int]:
-    """Pack each row's samples into one sequence of ``seq_length`` and collate the rows."""
+    rows: Sequence[Sequence[Sample]],
+    seq_length: int,
+    pad_id: int,
+    *,
+    attention_mask: bool = True,
+    position_rule: PositionRule | None = None,
+) -> MicroBatch[torch.Tensor]:
+    """Pack each row's samples into one sequence of ``seq_length`` and collate the rows, as the loader does
+    (positions by ``position_rule`` where given, else restarting per sample)."""
     packed = [_pack_row(r, seq_length, pad_id, attention_mask=attention_mask) for r in rows]
-    batch: dict[str, torch.Tensor | int] = {
-        k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in collate_packed(packed).items()
-    }
+    layout = collate_packed(packed)
     samples = [s for r in rows for s in r]
     grids = [s.image_grid_thw for s in samples if len(s.image_grid_thw)]
     pixels = [s.pixel_values for s in samples if len(s.pixel_values)]
     patch_dim = samples[0].pixel_values.shape[1] if samples else 0
-    batch["pixel_values"] = (
-        torch.from_numpy(np.concatenate(pixels)) if pixels else torch.zeros(0, patch_dim, dtype=torch.float32)
+    positions = layout["position_ids"]
+    if position_rule is not None:
+        positions = np.stack(
+            [
+                position_rule.positions(p.tokens, np.diff(p.cu_seqlens), _row_grids(row))
+                for p, row in zip(packed, rows)
+            ],
+            axis=1,
+        )
+    batch = MicroBatch(
+        tokens=layout["tokens"],
+        labels=layout["labels"],
+        loss_mask=layout["loss_mask"],
+        position_ids=positions,
+        cu_seqlens=layout["cu_seqlens"],
+        max_seqlen=int(layout["max_seqlen"]),
+        num_real_tokens=int(layout["num_real_tokens"]),
+        pixel_values=np.concatenate(pixels) if pixels else np.zeros((0, patch_dim), dtype=np.float32),
+        image_grid_thw=np.concatenate(grids).astype(np.int64) if grids else np.zeros((0, 3), dtype=np.int64),
+        pixel_values_videos=np.zeros((0, patch_dim), dtype=np.float32),
+        video_grid_thw=np.zeros((0, 3), dtype=np.int64),
+        second_per_grid_ts=np.zeros(0, dtype=np.float32),
+        attention_mask=layout.get("attention_mask"),
     )
-    batch["image_grid_thw"] = (
-        torch.from_numpy(np.concatenate(grids).astype(np.int64))
-        if grids
-        else torch.zeros(0, 3, dtype=torch.int64)
-    )
-    return batch
+    return batch.map_arrays(torch.from_numpy)
+
+
+def _row_grids(row: Sequence[Sample]) -> np.ndarray:
+    grids = [s.image_grid_thw for s in row if len(s.image_grid_thw)]
+    return np.concatenate(grids).astype(np.int64) if grids else np.zeros((0, 3), dtype=np.int64)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -144,8 +165,10 @@ class SyntheticLoader:
         dp_rank: int,
         dp_size: int,
         seed: int,
+        position_rule: PositionRule | None = None,
     ) -> None:
         self.spec, self.seq_length, self.seed = spec, seq_length, seed
+        self.position_rule = position_rule
         self.micro, self.global_batch = micro_batch_size, global_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed = 0
@@ -161,7 +184,7 @@ class SyntheticLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.consumed = int(state["bins_consumed"])
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor | int]]:
+    def __iter__(self) -> Iterator[MicroBatch[torch.Tensor]]:
         per_rank = self.global_batch // self.dp_size
         micro_per_step = self.micro_batches_per_step
         micro_index = 0
@@ -174,4 +197,4 @@ class SyntheticLoader:
             if micro_index == micro_per_step:  # state counts whole global batches, updated before the yield
                 micro_index = 0
                 self.consumed += self.global_batch
-            yield make_micro_batch(rows, self.seq_length, self.spec.pad_id)
+            yield make_micro_batch(rows, self.seq_length, self.spec.pad_id, position_rule=self.position_rule)

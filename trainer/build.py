@@ -13,8 +13,8 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.module import Float16Module
 
+from mmpack.trainer.checkpoint_commit import HF_CONFIG_NAME
 from mmpack.trainer.config import MegatronConfigs, ModelConfig, RunConfig
-from mmpack.trainer.convert import HF_CONFIG_NAME
 from mmpack.trainer.data import DataInfo
 from mmpack.trainer.freeze import apply_freeze
 from mmpack.trainer.models import family, family_of, read_hf_config

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from mmpack.packing.ownership import FolderNotOwned, claim_folder, open_owned
 
 TRACKER = "latest_checkpointed_iteration.txt"
+HF_CONFIG_NAME = "hf_config.json"  # the model's config.json, kept beside the trainer's checkpoints
 CHECKSUMS = "checksums.json"
 STAGING_SUFFIX = ".tmp"
 _REPLACED_SUFFIX = ".replaced"  # an older save of the same iteration, removed once the new one is in place
@@ -159,8 +160,6 @@ def remove_iteration_folder(root: str | Path, folder: Path) -> None:
 
 def _holds_only_checkpoints(root: str | Path) -> bool:
     """An unmarked folder written by the trainer before folders were marked: nothing but its layout."""
-    from mmpack.trainer.convert import HF_CONFIG_NAME
-
     base = Path(root)
     names = [p.name for p in base.iterdir()] if base.is_dir() else []
     layout = re.compile(rf"iter_\d{{7}}({re.escape(STAGING_SUFFIX)}|{re.escape(_REPLACED_SUFFIX)})?")

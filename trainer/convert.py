@@ -31,7 +31,6 @@ from typing import Any
 
 from mmpack.packing.processes import ProcessDiedError, describe_exit
 
-HF_CONFIG_NAME = "hf_config.json"  # the model's config.json, kept beside the trainer's checkpoints
 TIMEOUT_MINUTES = 10.0  # a converter rank waits this long in a collective for the others (as the trainer)
 
 
@@ -91,7 +90,7 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from mmpack.trainer.checkpoint_commit import commit, staging_dir
+    from mmpack.trainer.checkpoint_commit import HF_CONFIG_NAME, commit, staging_dir
     from mmpack.trainer.checkpoint_watch import save_watched
     from mmpack.trainer.models import read_hf_config
 

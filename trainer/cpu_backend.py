@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-_lock = threading.Lock()
-_active_mode: TorchFunctionMode | None = None
+_lock = threading.Lock()  # two threads activating at once install the backend once
 
 
 def _to_cpu_device(device: Any) -> Any:
@@ -57,16 +56,21 @@ class CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
 def is_active() -> bool:
-    """True once :func:`activate` has installed the CPU backend in this process."""
-    return _active_mode is not None
+    """True once :func:`activate` has installed the CPU backend in this process (torch's own state says:
+    its shim is torch.cuda's current_device)."""
+    return torch.cuda.current_device is _cpu_current_device
 
 
 def _install_cuda_shims() -> None:
     cuda = torch.cuda
     # A device object, not an index: autograd runs custom backward functions outside the function mode,
     # and those allocate with `device=torch.cuda.current_device()`.
-    cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
+    cuda.current_device = _cpu_current_device  # type: ignore[assignment]
     cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
     cuda.empty_cache = lambda: None  # type: ignore[assignment]
     cuda.set_device = lambda device: None  # type: ignore[assignment]
@@ -95,14 +99,11 @@ def _install_cpu_rng_tracker() -> None:
 
 def activate() -> bool:
     """Install the CPU backend if CUDA is absent. Idempotent; returns whether it is active."""
-    global _active_mode
     if torch.cuda.is_available():
         return False
     with _lock:
-        if _active_mode is None:
-            _install_cuda_shims()
+        if not is_active():
             _install_cpu_rng_tracker()
-            mode = CudaToCpuMode()
-            mode.__enter__()
-            _active_mode = mode
+            CudaToCpuMode().__enter__()  # torch's mode stack holds it from now on
+            _install_cuda_shims()  # last: it marks the backend active
     return True

@@ -8,11 +8,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
+from mmpack.packing.batch import MicroBatch, PositionRule
 from mmpack.packing.layout import IGNORE_INDEX
-from mmpack.packing.mrope import MRopeRule
 from mmpack.packing.tokenizer import ByteTokenizer
 from mmpack.trainer.batches import SyntheticLoader, SyntheticSpec, block_causal_mask
 
@@ -44,7 +43,7 @@ class StepBatches:
         self.micro = loader.micro_batches_per_step
         self._it: Iterator[Any] | None = None
 
-    def next_step(self) -> tuple[list[dict[str, Any]], float]:
+    def next_step(self) -> tuple[list[MicroBatch[torch.Tensor]], float]:
         """The next step's micro-batches and the seconds spent waiting for them."""
         if self._it is None:
             self._it = iter(self.loader)
@@ -118,9 +117,11 @@ def build_step_batches(
     cache_dir: str | None = None,
     balance: str = "none",
     cost_model: Any = None,
+    position_rule: PositionRule | None = None,
 ) -> StepBatches:
-    """The loader of this rank (megatron-core parallel_state must be initialised); `balance` and
-    `cost_model` as in `mmpack.dataloader.build_loader` (synthetic batches ignore them)."""
+    """The loader of this rank's DP replica (megatron-core parallel_state must be initialised); `balance`,
+    `cost_model` and `position_rule` (the model's) as in `mmpack.dataloader.build_loader` (synthetic batches
+    ignore the first two)."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -142,17 +143,14 @@ def build_step_batches(
             dp_rank=dp_rank,
             dp_size=dp_size,
             seed=seed,
+            position_rule=position_rule,
         )
         return StepBatches(synthetic)
     from mmpack.dataloader import Topology, build_loader
 
-    topology = Topology.from_megatron()
-    if not topology.needs_data:
-        # Middle pipeline stages need the packed attention mask too: they read the same bins as stage 0.
-        topology = dataclasses.replace(topology, pp_rank=0)
     loader = build_loader(
         data_path,
-        topology=topology,
+        topology=Topology.from_megatron(),
         micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size,
         seed=seed,
@@ -160,29 +158,9 @@ def build_step_batches(
         cache_dir=cache_dir,
         balance=balance,
         cost_model=cost_model,
+        position_rule=position_rule,
     )
     return StepBatches(loader)
-
-
-def mrope_position_ids(batch: dict[str, Any], rule: MRopeRule) -> torch.Tensor:
-    """[3, B, L] MRoPE positions of a micro-batch: per sample (segments of ``cu_seqlens``), as transformers'
-    ``get_rope_index`` gives each sample alone, under the model family's ``rule``. Every stage derives them
-    from tokens, cu_seqlens, image_grid_thw, video_grid_thw and second_per_grid_ts, which the loader gives
-    every stage."""
-    tokens = batch["tokens"]
-    b, seq = tokens.shape
-    cu = batch["cu_seqlens"].detach().cpu().numpy().astype(np.int64)
-
-    def host(key: str, empty: np.ndarray) -> np.ndarray:
-        value = batch.get(key)
-        return empty if value is None else value.detach().cpu().numpy()
-
-    pos = rule.positions(
-        tokens.detach().cpu().numpy().reshape(-1), np.diff(cu), host("image_grid_thw", np.zeros((0, 3), np.int64)),
-        video_grid_thw=host("video_grid_thw", np.zeros((0, 3), np.int64)),
-        second_per_grid_ts=host("second_per_grid_ts", np.zeros(0, np.float32)),
-    )  # fmt: skip
-    return torch.from_numpy(pos).reshape(3, b, seq).to(tokens.device)
 
 
 def thd_length(num_tokens: int, multiple: int) -> int:
@@ -191,11 +169,11 @@ def thd_length(num_tokens: int, multiple: int) -> int:
     return -(-num_tokens // multiple) * multiple
 
 
-def pad_flat_batch(batch: dict[str, Any], multiple: int, pad_id: int) -> dict[str, Any]:
+def pad_flat_batch(batch: MicroBatch[torch.Tensor], multiple: int, pad_id: int) -> MicroBatch[torch.Tensor]:
     """The micro-batch as one flattened row whose length divides by ``multiple``: the extra tokens form a
-    dummy trailing segment (its own cu_seqlens entry, pad tokens, no loss), as LLaVA-OneVision-2 pads THD
-    batches for sequence parallelism."""
-    tokens = batch["tokens"]
+    dummy trailing segment (its own cu_seqlens entry, pad tokens, no loss, text positions from 0), as
+    LLaVA-OneVision-2 pads THD batches for sequence parallelism."""
+    tokens = batch.tokens
     pad = thd_length(tokens.numel(), multiple) - tokens.numel()
     if pad == 0:
         return batch
@@ -203,36 +181,49 @@ def pad_flat_batch(batch: dict[str, Any], multiple: int, pad_id: int) -> dict[st
     def padded(x: torch.Tensor, value: float) -> torch.Tensor:
         return torch.cat([x.reshape(1, -1), x.new_full((1, pad), value)], dim=1)
 
-    out = {k: v for k, v in batch.items() if k not in ("attention_mask", "position_ids")}
-    out["tokens"] = padded(tokens, pad_id)
-    out["labels"] = padded(batch["labels"], IGNORE_INDEX)
-    out["loss_mask"] = padded(batch["loss_mask"], 0)
-    cu = batch["cu_seqlens"]
-    out["cu_seqlens"] = torch.cat([cu, cu[-1:] + pad])
-    out["max_seqlen"] = max(int(batch["max_seqlen"]), pad)
-    return out
+    positions = batch.position_ids
+    axes = positions.shape[:-2]  # (3,) for M-RoPE, () for 1-D positions
+    flat = positions.reshape(*axes, 1, -1)
+    tail = torch.arange(pad, dtype=positions.dtype, device=positions.device).expand(*axes, 1, pad)
+    cu = batch.cu_seqlens
+    return dataclasses.replace(
+        batch,
+        tokens=padded(tokens, pad_id),
+        labels=padded(batch.labels, IGNORE_INDEX),
+        loss_mask=padded(batch.loss_mask, 0),
+        position_ids=torch.cat([flat, tail], dim=-1),
+        cu_seqlens=torch.cat([cu, cu[-1:] + pad]),
+        max_seqlen=max(int(batch.max_seqlen), pad),
+        attention_mask=None,
+    )
 
 
-def model_inputs(batch: dict[str, Any], *, use_thd: bool, rule: MRopeRule) -> dict[str, Any]:
-    """Model keyword arguments from a loader micro-batch: MRoPE positions (the family's ``rule``), packed mask
-    (dense on CPU, THD with TE)."""
-    tokens = batch["tokens"]
+def model_inputs(batch: MicroBatch[torch.Tensor], *, use_thd: bool) -> dict[str, Any]:
+    """Model keyword arguments from a micro-batch: its M-RoPE positions (computed by the loader under the
+    model's rule), the packed mask (dense on CPU, THD with TE)."""
+    tokens = batch.tokens
     b, seq = tokens.shape
-    labels = batch["labels"]
+    positions = batch.position_ids
+    if positions.dim() != 3:
+        raise ValueError(
+            f"the micro-batch has {positions.dim() - 1}-D positions; the model takes M-RoPE positions [3, B, L]: "
+            "build the loader with the model's position rule (build_loader(position_rule=...))"
+        )
+    labels = batch.labels
     inputs: dict[str, Any] = {
         "tokens": tokens,
-        "position_ids": mrope_position_ids(batch, rule),
+        "position_ids": positions,
         "labels": labels.masked_fill(labels == IGNORE_INDEX, 0),  # masked out by loss_mask
-        "pixel_values": batch.get("pixel_values"),
-        "image_grid_thw": batch.get("image_grid_thw"),
-        "pixel_values_videos": batch.get("pixel_values_videos"),
-        "video_grid_thw": batch.get("video_grid_thw"),
+        "pixel_values": batch.pixel_values,
+        "image_grid_thw": batch.image_grid_thw,
+        "pixel_values_videos": batch.pixel_values_videos,
+        "video_grid_thw": batch.video_grid_thw,
     }
-    cu = batch["cu_seqlens"].to(device=tokens.device, dtype=torch.int32)
+    cu = batch.cu_seqlens.to(device=tokens.device, dtype=torch.int32)
     if use_thd:
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        max_len = int(batch["max_seqlen"])
+        max_len = int(batch.max_seqlen)
         inputs["attention_mask"] = None
         inputs["packed_seq_params"] = PackedSeqParams(
             qkv_format="thd",
@@ -244,8 +235,8 @@ def model_inputs(batch: dict[str, Any], *, use_thd: bool, rule: MRopeRule) -> di
         # THD: the micro-batch is one flattened sequence; cu_seqlens already runs over the flattened batch
         for key in ("tokens", "labels"):
             inputs[key] = inputs[key].reshape(1, b * seq)
-        inputs["position_ids"] = inputs["position_ids"].reshape(3, 1, b * seq)
+        inputs["position_ids"] = positions.reshape(3, 1, b * seq)
     else:
-        mask = batch.get("attention_mask")
+        mask = batch.attention_mask
         inputs["attention_mask"] = mask if mask is not None else block_causal_mask(cu, b, seq)
     return inputs

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -35,28 +35,24 @@ def first_image_sample(data_path: str) -> Sample:
         batch = next(iter(loader))
     finally:
         loader.close()
-    if batch is None:  # this rank would get no data (not the case at DP1)
-        raise ValueError(f"{data_path}: the loader gave no batch")
-    tokens, grids = batch["tokens"][0], batch.get("image_grid_thw")
+    tokens, grids = batch.tokens[0], batch.image_grid_thw
     image_pad, video_pad = manifest.image_pad_id, manifest.video_pad_id
     merge = manifest.merge_size**2
-    cu = batch["cu_seqlens"].tolist()
+    cu = batch.cu_seqlens.tolist()
     image, row = 0, 0  # next image of the bin and its first pixel row
     for a, b in itertools.pairwise(cu):
-        if b > int(batch["num_real_tokens"]):
+        if b > int(batch.num_real_tokens):
             break
         seg = tokens[a:b]
         first_image, first_row = image, row
         pads = int((seg == image_pad).sum())
         while pads > 0:
-            assert grids is not None
             pads -= int(grids[image].prod()) // merge
             row += int(grids[image].prod())
             image += 1
         if image > first_image and (video_pad < 0 or not bool((seg == video_pad).any())):
-            assert grids is not None
             return Sample(
-                tokens=seg.long(), pixel_values=batch["pixel_values"][first_row:row],
+                tokens=seg.long(), pixel_values=batch.pixel_values[first_row:row],
                 image_grid_thw=grids[first_image:image], image_pad_id=image_pad,
             )  # fmt: skip
     raise ValueError(f"the first bin of {data_path} has no sample with images (and no videos)")
@@ -73,7 +69,6 @@ def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
     from mmpack.trainer import cpu_backend
     from mmpack.trainer.batches import block_causal_mask
     from mmpack.trainer.convert import load_tp1_model
-    from mmpack.trainer.data import mrope_position_ids
 
     cpu_backend.activate()
     with socket.socket() as s:
@@ -86,8 +81,10 @@ def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
         tokens = sample.tokens[None]
         n = tokens.shape[1]
         cu = torch.tensor([0, n], dtype=torch.int32)
-        batch: dict[str, Any] = {"tokens": tokens, "cu_seqlens": cu, "image_grid_thw": sample.image_grid_thw}
-        positions = mrope_position_ids(batch, fam.position_rule(arch))
+        grid_thw = sample.image_grid_thw
+        grids = grid_thw.numpy().astype("int64") if grid_thw is not None else np.zeros((0, 3), dtype=np.int64)
+        rule = fam.position_rule(arch)
+        positions = torch.from_numpy(rule.positions(tokens[0].numpy(), [n], grids)).reshape(3, 1, n)
         with torch.no_grad():
             logits = model(
                 tokens, positions, block_causal_mask(cu, 1, n), labels=None,

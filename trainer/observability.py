@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from mmpack.packing.batch import MicroBatch
 from mmpack.packing.cost import CostModel, add_video_features, bin_cost_features
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
@@ -53,28 +54,27 @@ class ObservabilityConfig:
             raise ValueError("--peak-tflops-per-gpu must be > 0")
 
 
-def sample_lengths(batch: dict[str, Any], pad_id: int) -> np.ndarray:
+def sample_lengths(batch: MicroBatch[torch.Tensor], pad_id: int) -> np.ndarray:
     """Lengths of the samples of a micro-batch: the ``cu_seqlens`` segments, less the padding segments."""
-    cu = batch["cu_seqlens"].detach().cpu().numpy().astype(np.int64)
-    starts = batch["tokens"].detach().reshape(-1).cpu().numpy()[cu[:-1]]
+    cu = batch.cu_seqlens.detach().cpu().numpy().astype(np.int64)
+    starts = batch.tokens.detach().reshape(-1).cpu().numpy()[cu[:-1]]
     lengths = np.diff(cu)
     return lengths[starts != pad_id]
 
 
-def _grids(batch: dict[str, Any], key: str) -> np.ndarray:
-    grid = batch.get(key)
-    return np.zeros((0, 3), np.int64) if grid is None else grid.detach().cpu().numpy().astype(np.int64)
+def _grids(grid: torch.Tensor) -> np.ndarray:
+    return grid.detach().cpu().numpy().astype(np.int64).reshape(-1, 3)
 
 
-def micro_batch_features(batch: dict[str, Any], pad_id: int) -> np.ndarray:
+def micro_batch_features(batch: MicroBatch[torch.Tensor], pad_id: int) -> np.ndarray:
     """The cost features (``mmpack.packing.cost.COST_FEATURES``) of a micro-batch: its samples, images and
     videos (each temporal patch of a video attends alone, as an image)."""
-    features = bin_cost_features(sample_lengths(batch, pad_id), _grids(batch, "image_grid_thw"))
-    videos = _grids(batch, "video_grid_thw")
+    features = bin_cost_features(sample_lengths(batch, pad_id), _grids(batch.image_grid_thw))
+    videos = _grids(batch.video_grid_thw)
     return add_video_features(features[None], videos, np.array([0, len(videos)]))[0]
 
 
-def step_flops(flop_model: CostModel, batches: list[dict[str, Any]], pad_id: int) -> float:
+def step_flops(flop_model: CostModel, batches: list[MicroBatch[torch.Tensor]], pad_id: int) -> float:
     """Model FLOPs (forward + backward = 3x the forward ``flop_model``) of one DP rank's micro-batches."""
     return 3.0 * sum(float(flop_model.cost(micro_batch_features(b, pad_id))) for b in batches)
 
@@ -243,7 +243,7 @@ class Observer:
             self.timers(name).stop()
 
     def step_metrics(
-        self, batches: list[dict[str, Any]], *, wait_s: float, elapsed_s: float, num_zeros: Any
+        self, batches: list[MicroBatch[torch.Tensor]], *, wait_s: float, elapsed_s: float, num_zeros: Any
     ) -> dict[str, Any]:
         """TFLOPs, MFU, the slowest rank's data wait and step time, norms, memory. Collective."""
         flops = torch.tensor([step_flops(self.flop_model, batches, self.pad_id)], dtype=torch.float64)

@@ -1,10 +1,12 @@
-"""One read and one image decode per DP rank: TP rank 0 of the first pipeline stage takes the step's
-micro-batches from the loader; the other ranks of its model-parallel group receive them by broadcast, as
-Megatron-LM's ``get_batch_on_this_tp_rank`` does.
+"""The one owner of how a micro-batch reaches the TP and PP ranks of a DP replica: one read and one image
+decode per DP replica, on TP rank 0 of the first pipeline stage, which takes the step's micro-batches
+(`mmpack.packing.batch.MicroBatch`) from the loader; the other ranks of its model-parallel group receive them
+by broadcast, as Megatron-LM's ``get_batch_on_this_tp_rank`` does. The loader itself knows only DP ranks.
 
 - later pipeline stages get, from the first stage over the pipeline group, everything but the pixels
-  (tokens and image grids for the MRoPE positions, cu_seqlens for the packed attention, labels and loss mask
-  for the loss); the loader state travels with them, so every rank can report and save it;
+  (tokens, the M-RoPE positions the loader computed, cu_seqlens for the packed attention, labels and loss
+  mask for the loss; their pixel fields are empty); the loader state travels with them, so every rank can
+  report and save it;
 - the TP peers of every stage then get their stage's tensors over the TP group (the pixels only on the first
   stage, where the vision tower runs).
 
@@ -23,7 +25,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-IMAGE_KEYS = ("pixel_values", "pixel_values_videos")
+from mmpack.packing.batch import MicroBatch
+
+IMAGE_KEYS = ("pixel_values", "pixel_values_videos")  # sent to the first stage only (the vision tower)
 
 
 def reads_data() -> bool:
@@ -39,18 +43,19 @@ def _device() -> torch.device:
     )
 
 
-def _describe(batches: list[dict[str, Any]], skip: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Per micro-batch: key -> ("tensor", dtype, shape) or ("value", plain value)."""
+def _describe(batches: list[MicroBatch[torch.Tensor]], skip: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Per micro-batch: field -> ("tensor", dtype, shape), ("empty", dtype, shape past the first axis) for a
+    skipped one, or ("value", plain value)."""
     out = []
     for batch in batches:
         entry: dict[str, Any] = {}
         for key, value in batch.items():
-            if key in skip:
-                continue
-            if isinstance(value, torch.Tensor):
-                entry[key] = ("tensor", value.dtype, tuple(value.shape))
-            else:
+            if not isinstance(value, torch.Tensor):
                 entry[key] = ("value", value)
+            elif key in skip:
+                entry[key] = ("empty", value.dtype, tuple(value.shape[1:]))
+            else:
+                entry[key] = ("tensor", value.dtype, tuple(value.shape))
         out.append(entry)
     return out
 
@@ -60,33 +65,66 @@ def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def broadcast_step(
-    batches: list[dict[str, Any]] | None, extra: Any, *, group: Any, src: int, skip: tuple[str, ...] = ()
-) -> tuple[list[dict[str, Any]], Any]:
-    """Sends ``batches`` (and a picklable ``extra``) from global rank ``src`` to every rank of ``group``,
-    leaving out the keys in ``skip``. Returns what this rank holds afterwards."""
+    batches: list[MicroBatch[torch.Tensor]] | None,
+    extra: Any,
+    *,
+    group: Any,
+    src: int,
+    skip: tuple[str, ...] = (),
+) -> tuple[list[MicroBatch[torch.Tensor]], Any]:
+    """Sends ``batches`` (and a picklable ``extra``) from global rank ``src`` to every rank of ``group``; the
+    fields in ``skip`` arrive empty. Returns what this rank holds afterwards."""
     is_src = dist.get_rank() == src
     meta: list[Any] = [_describe(batches, skip), extra] if is_src and batches is not None else [None, None]
     dist.broadcast_object_list(meta, src=src, group=group)
     layout, extra = meta
-    slots = [(i, k, d) for i, entry in enumerate(layout) for k, d in entry.items() if d[0] == "tensor"]
-    out: list[dict[str, Any]] = [{k: d[1] for k, d in entry.items() if d[0] == "value"} for entry in layout]
+    if is_src and batches is not None:
+        _send_tensors(batches, layout, group=group, src=src)
+        return batches, extra
     device = _device()
-    for dtype in sorted({d[1] for _, _, d in slots}, key=str):
-        mine = [(i, k, d[2]) for i, k, d in slots if d[1] == dtype]
-        numel = sum(int(torch.Size(shape).numel()) for _, _, shape in mine)
+    fields: list[dict[str, Any]] = [
+        {
+            k: d[1] if d[0] == "value" else torch.empty((0, *d[2]), dtype=d[1], device=device)
+            for k, d in e.items()
+        }
+        for e in layout
+    ]
+    _receive_tensors(fields, layout, group=group, src=src)
+    return [MicroBatch(**f) for f in fields], extra
+
+
+def _tensor_slots(layout: list[dict[str, Any]]) -> dict[torch.dtype, list[tuple[int, str, tuple[int, ...]]]]:
+    """dtype -> the (micro-batch, field, shape) of every tensor sent, in one fixed order."""
+    slots = [(i, k, d) for i, entry in enumerate(layout) for k, d in entry.items() if d[0] == "tensor"]
+    return {
+        dtype: [(i, k, d[2]) for i, k, d in slots if d[1] == dtype]
+        for dtype in sorted({d[1] for _, _, d in slots}, key=str)
+    }
+
+
+def _send_tensors(
+    batches: list[MicroBatch[torch.Tensor]], layout: list[dict[str, Any]], *, group: Any, src: int
+) -> None:
+    device = _device()
+    for dtype, mine in _tensor_slots(layout).items():
         wire = _wire_dtype(dtype)
-        if is_src:
-            assert batches is not None
-            flat = torch.cat([batches[i][k].reshape(-1).to(wire) for i, k, _ in mine]).to(device)
-        else:
-            flat = torch.empty(numel, dtype=wire, device=device)
+        flat = torch.cat([getattr(batches[i], k).reshape(-1).to(wire) for i, k, _ in mine]).to(device)
+        dist.broadcast(flat, src=src, group=group)
+
+
+def _receive_tensors(
+    fields: list[dict[str, Any]], layout: list[dict[str, Any]], *, group: Any, src: int
+) -> None:
+    device = _device()
+    for dtype, mine in _tensor_slots(layout).items():
+        numel = sum(int(torch.Size(shape).numel()) for _, _, shape in mine)
+        flat = torch.empty(numel, dtype=_wire_dtype(dtype), device=device)
         dist.broadcast(flat, src=src, group=group)
         offset = 0
         for i, k, shape in mine:
             n = int(torch.Size(shape).numel())
-            out[i][k] = flat[offset : offset + n].view(shape).to(dtype)
+            fields[i][k] = flat[offset : offset + n].view(shape).to(dtype)
             offset += n
-    return (batches, extra) if is_src and batches is not None else (out, extra)
 
 
 class SharedStepBatches:
@@ -100,9 +138,9 @@ class SharedStepBatches:
         self.source = source
         self._state: dict[str, Any] | None = None
 
-    def next_step(self) -> tuple[list[dict[str, Any]], float]:
+    def next_step(self) -> tuple[list[MicroBatch[torch.Tensor]], float]:
         start = time.perf_counter()
-        batches: list[dict[str, Any]] | None = None
+        batches: list[MicroBatch[torch.Tensor]] | None = None
         state = None
         wait_s = 0.0
         if self.source is not None:

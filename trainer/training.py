@@ -24,6 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from mmpack.packing.batch import MicroBatch
 from mmpack.packing.cost import CostModel
 from mmpack.trainer import cpu_backend
 from mmpack.trainer.build import (
@@ -33,9 +34,8 @@ from mmpack.trainer.build import (
     model_hf_config,
 )
 from mmpack.trainer.checkpoint import CheckpointWriter, load_checkpoint
-from mmpack.trainer.checkpoint_commit import claim_checkpoint_folder
+from mmpack.trainer.checkpoint_commit import HF_CONFIG_NAME, claim_checkpoint_folder
 from mmpack.trainer.config import RunConfig, build_megatron_configs
-from mmpack.trainer.convert import HF_CONFIG_NAME
 from mmpack.trainer.data import (
     DataInfo,
     build_step_batches,
@@ -214,6 +214,7 @@ class Trainer:
             )
             if cfg.data.balance == "compute"
             else None,
+            position_rule=self.family.position_rule(self.arch),
         )
         self.train_data = shared_step_batches(partial(step_batches, cfg.data.data_path, seed=cfg.train.seed))
         self.eval_data: SharedStepBatches | None = None
@@ -287,18 +288,17 @@ class Trainer:
 
     # -- steps --------------------------------------------------------------------------------------------
     def _forward_step(self, poison: bool, data_iterator: Any, model: Any):
-        batch = next(data_iterator)
+        batch: MicroBatch[torch.Tensor] = next(data_iterator)
         if torch.cuda.is_available():
-            batch = {
-                k: v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-            }
+            batch = batch.map_arrays(lambda v: v.cuda(non_blocking=True))
         if self.use_te:  # THD: under sequence parallelism the flattened length must divide by TP
             batch = pad_flat_batch(batch, self.thd_multiple, self.pad_id)
-        inputs = model_inputs(batch, use_thd=self.use_te, rule=self.family.position_rule(self.arch))
-        output = model(**inputs)
-        return output, partial(_loss_func, batch["loss_mask"], poison)
+        output = model(**model_inputs(batch, use_thd=self.use_te))
+        return output, partial(_loss_func, batch.loss_mask, poison)
 
-    def _run_schedule(self, batches: list[dict[str, Any]], *, forward_only: bool, poison: bool = False):
+    def _run_schedule(
+        self, batches: list[MicroBatch[torch.Tensor]], *, forward_only: bool, poison: bool = False
+    ):
         b, seq = self.cfg.train.micro_batch_size, self.cfg.train.seq_length
         if self.use_te:
             b, seq = 1, thd_length(b * seq, self.thd_multiple)
@@ -348,10 +348,10 @@ class Trainer:
         else:
             self.skipped += 1
         self.iteration += 1
-        real = float(sum(int(b["num_real_tokens"]) for b in batches))
+        real = float(sum(int(b.num_real_tokens) for b in batches))
         loss_sum = sum(float(x["lm loss"][0]) for x in losses) if losses else 0.0
         n_tok = sum(float(x["lm loss"][1]) for x in losses) if losses else 0.0
-        digest = float(sum(_tokens_digest(b["tokens"]) for b in batches))
+        digest = float(sum(_tokens_digest(b.tokens) for b in batches))
         loss_sum, n_tok, real, digest, compute_sum = self._reduce_over_dp(
             [loss_sum, n_tok, real, digest, compute_s]
         )

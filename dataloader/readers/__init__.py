@@ -15,9 +15,9 @@ from mmpack.dataloader.readers.record import BinRecord
 from mmpack.dataloader.readers.tar_index import (
     INDEX_CACHE_VERSION,
     TarEntry,
-    _walk_plain_tar,
     build_index_cache,
     index_tar,
+    walk_plain_tar,
 )
 from mmpack.dataloader.readers.wds import WdsShardReader, decode_wds_bin
 
@@ -27,12 +27,12 @@ __all__ = [
     "BinRecord",
     "TarEntry",
     "WdsShardReader",
-    "_walk_plain_tar",
     "build_index_cache",
     "decode_npy",
     "decode_wds_bin",
     "index_tar",
     "open_shard_reader",
+    "walk_plain_tar",
 ]
 
 

@@ -7,18 +7,18 @@ import os
 from typing import Any
 
 from mmpack.dataloader.storage import read_json, write_json_atomic
-from mmpack.packing.tar_index import MEMBER_RE, TarEntry, _walk_plain_tar, index_tar
+from mmpack.packing.tar_index import MEMBER_RE, TarEntry, index_tar, walk_plain_tar
 
 __all__ = [
     "INDEX_CACHE_VERSION",
     "MEMBER_RE",
     "BinMembers",
     "TarEntry",
-    "_walk_plain_tar",
     "build_index_cache",
     "group_members",
     "index_tar",
     "shard_bins",
+    "walk_plain_tar",
 ]
 
 # 2: the members grouped by bin, as the reader uses them (1 held the flat member list; such files are redone)

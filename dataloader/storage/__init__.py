@@ -8,7 +8,7 @@ records). See store.py for the cache layout and the locking rules.
 from __future__ import annotations
 
 from mmpack.dataloader.storage.config import ShardError, StorageConfig, local_root
-from mmpack.dataloader.storage.locks import _flock
+from mmpack.dataloader.storage.locks import flock
 from mmpack.dataloader.storage.metrics import StorageMetrics
 from mmpack.dataloader.storage.records import read_json, sha256_file, write_json_atomic
 from mmpack.dataloader.storage.store import CHUNK_BYTES, WHOLE_READ_MAX_BYTES, ShardStore
@@ -21,7 +21,7 @@ __all__ = [
     "ShardStore",
     "StorageConfig",
     "StorageMetrics",
-    "_flock",
+    "flock",
     "local_root",
     "read_json",
     "resolve_storage_options",

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def _flock(path: str, *, blocking: bool = True, create: bool = True) -> Iterator[bool]:
+def flock(path: str, *, blocking: bool = True, create: bool = True) -> Iterator[bool]:
     """Holds an exclusive flock on `path` (created unless `create=False`: an existing file, opened read-only,
     such as the data file itself, which spares creating a lock file)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644) if create else os.open(path, os.O_RDONLY)

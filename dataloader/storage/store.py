@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import random
 import sys
 import threading
 import time
@@ -36,7 +35,7 @@ from typing import Any
 
 from mmpack.dataloader.manifest import ShardInfo, join_url
 from mmpack.dataloader.storage.config import ShardError, StorageConfig, local_root
-from mmpack.dataloader.storage.locks import _flock
+from mmpack.dataloader.storage.locks import flock
 from mmpack.dataloader.storage.metrics import StorageMetrics
 from mmpack.dataloader.storage.records import (
     CHUNK_BYTES,
@@ -46,6 +45,7 @@ from mmpack.dataloader.storage.records import (
     write_json_atomic,
 )
 from mmpack.packing.fileio import resolve_storage_options
+from mmpack.packing.retry import RetriesExhausted, RetryPolicy, is_transient, retry_call
 
 # Shards up to this size are read with one GET (`cat_file`) and held in memory once; bigger ones stream.
 WHOLE_READ_MAX_BYTES = 64 << 20
@@ -103,7 +103,7 @@ class ShardStore:
         if self.config.is_local:
             return self._local_in_place(shard, wait=wait) is not None
         path = self._cache_path(shard)
-        with _flock(self._lock_path(os.path.basename(path)), blocking=wait) as got:
+        with flock(self._lock_path(os.path.basename(path)), blocking=wait) as got:
             if not got:
                 return False
             if os.path.exists(path) and self._cached_ok(shard, path):
@@ -152,7 +152,7 @@ class ShardStore:
             # One checker per shard at a time; the others wait for its record instead of hashing too. The
             # lock is held on the shard file itself: creating a lock file per shard costs more than the check
             # of a small shard on some disks.
-            locked = _flock(path, blocking=wait, create=False) if marker else contextlib.nullcontext(True)
+            locked = flock(path, blocking=wait, create=False) if marker else contextlib.nullcontext(True)
             with locked as got:
                 if not got:
                     return None
@@ -234,50 +234,58 @@ class ShardStore:
             return self._fs
 
     def _download_verified(self, shard: ShardInfo, path: str, cancel: threading.Event | None) -> None:
+        """Downloads `shard` to `path` and checks it against the manifest, retrying transient errors and
+        bodies cut or changed in transit (`mmpack.packing.retry`)."""
         url = join_url(self.config.root, shard.path)
         part = path + _PART_SUFFIX
         self._reserve(shard, part, cancel)
-        last_error = "unknown error"
-        try:
-            for attempt in range(self.config.max_attempts):
-                if cancel is not None and cancel.is_set():
-                    raise ShardError(f"download of shard {shard.path} cancelled")
-                if attempt:
-                    self._count("retries")
-                    delay = min(self.config.max_backoff_s, self.config.backoff_s * 2 ** (attempt - 1))
-                    _sleep(delay * (0.5 + random.random()), cancel, shard)
-                try:
-                    digest, size = self._download_once(url, part, shard.bytes, cancel)
-                except FileNotFoundError as e:
-                    raise ShardError(f"shard {shard.path} not found at {url}") from e
-                except _Cancelled:
-                    raise ShardError(f"download of shard {shard.path} cancelled") from None
-                except Exception as e:  # network errors come in many types (aiohttp, botocore, OSError)
-                    last_error = f"{type(e).__name__}: {e}"
-                    continue
-                if size == shard.bytes and digest == shard.sha256:
-                    # Under the cache lock: a rename racing a space scan's directory listing can hide both
-                    # names from it, and the scan would then hand out space this shard holds.
-                    with _flock(self._lock_path(".cache")):
-                        os.replace(part, path)
-                    if record := self._cached_record(shard):  # what later processes check their use against
-                        write_json_atomic(record, file_stamp(os.stat(path), shard))
-                    with self._lock:
-                        self._verified.add(path)
-                    return
+
+        def attempt() -> None:
+            if cancel is not None and cancel.is_set():
+                raise ShardError(f"download of shard {shard.path} cancelled")
+            try:
+                digest, size = self._download_once(url, part, shard.bytes, cancel)
+            except FileNotFoundError as e:
+                raise ShardError(f"shard {shard.path} not found at {url}") from e
+            except _Cancelled:
+                raise ShardError(f"download of shard {shard.path} cancelled") from None
+            if size != shard.bytes or digest != shard.sha256:
                 self._count("redownloads")
-                last_error = (
+                os.truncate(part, shard.bytes)  # keep the reservation for the next attempt
+                raise _Mismatch(
                     f"got {size} bytes with sha256 {digest[:12]}..., manifest says "
                     f"{shard.bytes} bytes with sha256 {shard.sha256[:12]}..."
                 )
-                os.truncate(part, shard.bytes)  # keep the reservation for the next attempt
+            # Under the cache lock: a rename racing a space scan's directory listing can hide both
+            # names from it, and the scan would then hand out space this shard holds.
+            with flock(self._lock_path(".cache")):
+                os.replace(part, path)
+            if record := self._cached_record(shard):  # what later processes check their use against
+                write_json_atomic(record, file_stamp(os.stat(path), shard))
+            with self._lock:
+                self._verified.add(path)
+
+        policy = RetryPolicy(
+            max_attempts=self.config.max_attempts,
+            backoff_s=self.config.backoff_s,
+            max_backoff_s=self.config.max_backoff_s,
+        )
+        try:
+            retry_call(
+                attempt,
+                policy,
+                transient=lambda e: isinstance(e, _Mismatch) or is_transient(e),
+                on_retry=lambda n, e: self._count("retries"),
+                sleep=lambda seconds: _sleep(seconds, cancel, shard),
+            )
+        except RetriesExhausted as e:
+            raise ShardError(
+                f"shard {shard.path} could not be read correctly from {url} after {e.attempts} attempts; "
+                f"last error: {type(e.last).__name__}: {e.last}"
+            ) from None
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(part)
-        raise ShardError(
-            f"shard {shard.path} could not be read correctly from {url} after "
-            f"{self.config.max_attempts} attempts; last error: {last_error}"
-        )
 
     def _download_once(
         self, url: str, part: str, expected_bytes: int, cancel: threading.Event | None
@@ -329,7 +337,7 @@ class ShardStore:
             )
         deadline = time.monotonic() + 120.0
         while True:
-            with _flock(self._lock_path(".cache")):
+            with flock(self._lock_path(".cache")):
                 entries = self._cache_entries()
                 used = sum(size for _, size, _ in entries)
                 done = sorted((e for e in entries if not e[0].endswith(_PART_SUFFIX)), key=lambda e: e[2])
@@ -355,6 +363,10 @@ class ShardStore:
 
 class _Cancelled(Exception):
     pass
+
+
+class _Mismatch(Exception):
+    """A downloaded body whose size or sha256 differs from the manifest's (cut or changed in transit)."""
 
 
 def check_cache_dir(cache_dir: str, root: str) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 from PIL import Image
 
 if TYPE_CHECKING:
-    from mmpack.offline_packing.config import PackSummary
+    from mmpack.offline_packing.summary import PackSummary
 
 from mmpack.packing.tokenizer import SPECIAL_TOKENS as CHAT_SPECIAL_TOKENS
 from mmpack.packing.tokenizer import VIDEO_PAD
@@ -280,14 +280,13 @@ def build_packed_dataset(
 def pack_synthetic(
     data: SyntheticData, tokenizer: Path, output: Path, *, seq_len: int, **options: Any
 ) -> PackSummary:
-    """Packs `data` with `tokenizer` into `output` by the real offline job; `options` are PackJobConfig fields.
-
-    Progress bars are off unless `progress=True` is given.
+    """Packs `data` with `tokenizer` into `output` by the real offline job; `options` are packing options
+    (`mmpack.offline_packing.options`). Progress bars are off unless `progress=True` is given.
     """
-    from mmpack.offline_packing.config import PackJobConfig
+    from mmpack.offline_packing.options import job_config
     from mmpack.offline_packing.pipeline import run_pack
 
-    cfg = PackJobConfig(
+    cfg = job_config(
         inputs=(str(data.jsonl_path),),
         image_root=str(data.image_root),
         output=str(output),

@@ -1,42 +1,24 @@
 """Where a stage's independent chunks run: `local` (forked worker processes on this machine) or `ray`
-(tasks on a Ray cluster). Both run the same module-level chunk functions over the same chunks, so the
-output does not depend on the engine.
-
-The job selects the engine for its duration (`use_engine`); the stages call `run_parallel`.
+(Ray workers of a cluster). Both run the same module-level chunk functions `fn(ctx, task)` over the same
+tasks, each with the job's context (`mmpack.offline_packing.context.JobContext`), so the output does not
+depend on the engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
-from mmpack.offline_packing.config import ENGINES
+if TYPE_CHECKING:
+    from mmpack.offline_packing.context import JobContext
 
 T = TypeVar("T")
 R = TypeVar("R")
-_ACTIVE: dict[str, str] = {"engine": "local", "ray_address": "auto"}
-
-
-@contextmanager
-def use_engine(engine: str, ray_address: str = "auto") -> Iterator[None]:
-    """Run the stages inside the block on `engine` ("local" or "ray"); Ray is connected to on entry."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if engine == "ray":
-        from mmpack.offline_packing.engines.ray import connect
-
-        connect(ray_address)
-    previous = dict(_ACTIVE)
-    _ACTIVE.update(engine=engine, ray_address=ray_address)
-    try:
-        yield
-    finally:
-        _ACTIVE.update(previous)
 
 
 def run_parallel(
-    fn: Callable[[T], R],
+    ctx: JobContext,
+    fn: Callable[[JobContext, T], R],
     items: list[T],
     *,
     workers: int,
@@ -45,11 +27,26 @@ def run_parallel(
     unit: str = "samples",
     progress: bool = True,
 ) -> list[R]:
-    """`[fn(x) for x in items]` on the active engine, results in item order (see `engines.local`)."""
-    if _ACTIVE["engine"] == "ray":
-        from mmpack.offline_packing.engines.ray import run_ray
+    """`[fn(ctx, x) for x in items]` on the context's engine, results in item order, with a progress bar
+    (`weights`: each item's share of it). `workers`: processes of the local engine (Ray uses the cluster's
+    CPUs)."""
+    from tqdm import tqdm
 
-        return run_ray(fn, items, weights=weights, desc=desc, unit=unit, progress=progress)
-    from mmpack.offline_packing.engines.local import run_parallel as run_local
+    weights = weights if weights is not None else [1] * len(items)
+    bar = tqdm(
+        total=sum(weights),
+        desc=f"{desc} (ray)" if ctx.engine == "ray" else desc,
+        unit=unit,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
+    try:
+        if ctx.engine == "ray":
+            from mmpack.offline_packing.engines.ray import run_ray
 
-    return run_local(fn, items, workers=workers, weights=weights, desc=desc, unit=unit, progress=progress)
+            return run_ray(ctx, fn, items, desc=desc, done=lambda i: bar.update(weights[i]))
+        from mmpack.offline_packing.engines.local import run_local
+
+        return run_local(ctx, fn, items, workers=workers, done=lambda i: bar.update(weights[i]), desc=desc)
+    finally:
+        bar.close()

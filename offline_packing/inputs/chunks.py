@@ -11,7 +11,7 @@ How each kind of input is read:
 - the same gzip-compressed (`.jsonl.gz`, `.json.gz`): line by line while decompressing, chunks addressed by
   record index (`json_lines.gzip_cursor`); never decompressed whole;
 - JSON documents (an array, a pretty-printed object; plain or gzip), Parquet and WebDataset tars: read whole
-  once per process (cached), then sliced.
+  once per process (kept in the job context's caches), then sliced.
 
 A record longer than `max_record_bytes` (its JSON text, or its tar `.json` member) is a `record_too_large`
 reject, found before it is parsed or kept in memory.
@@ -24,15 +24,14 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmpack.offline_packing.config import DEFAULT_MAX_RECORD_BYTES
-from mmpack.offline_packing.inputs import remote
 from mmpack.offline_packing.inputs.json_lines import (
     Line,
+    StreamCursor,
     count_lines,
-    gzip_cursor,
     gzip_failure,
     iter_lines,
     reading,
@@ -44,6 +43,10 @@ from mmpack.offline_packing.inputs.json_records import (
     parse_json_line,
     too_large,
 )
+from mmpack.offline_packing.inputs.remote import is_url
+
+if TYPE_CHECKING:
+    from mmpack.offline_packing.context import JobContext
 
 
 @dataclass(frozen=True)
@@ -60,14 +63,14 @@ class Chunk:
 
 
 def plan_chunks(
-    files: list[str], chunk_size: int, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    ctx: JobContext, files: list[str], chunk_size: int, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 ) -> list[Chunk]:
     """Split every input file into chunks of at most `chunk_size` records."""
     chunks: list[Chunk] = []
     for src, path in enumerate(files):
-        kind = input_kind(path, max_record_bytes)
+        kind = input_kind(ctx, path, max_record_bytes)
         if kind == "lines":
-            starts = _record_starts(path, max_record_bytes)
+            starts = _record_starts(ctx, path, max_record_bytes)
             for k in range(0, len(starts), chunk_size):
                 offset, line = starts[k]
                 chunks.append(
@@ -75,20 +78,22 @@ def plan_chunks(
                 )
             continue
         n_records = (
-            count_lines(path, max_record_bytes)
+            count_lines(ctx.remote, path, max_record_bytes)
             if kind == "gzip-lines"
-            else len(_whole_file(path, max_record_bytes))
+            else len(_whole_file(ctx, path, max_record_bytes))
         )
         for k in range(0, max(n_records, 1), chunk_size):
             chunks.append(Chunk(len(chunks), src, path, k, min(chunk_size, n_records - k)))
     return chunks
 
 
-def read_chunk(chunk: Chunk, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[RawRecord]:
+def read_chunk(
+    ctx: JobContext, chunk: Chunk, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> Iterator[RawRecord]:
     """The records of one chunk, in order."""
-    kind = input_kind(chunk.path, max_record_bytes)
+    kind = input_kind(ctx, chunk.path, max_record_bytes)
     if kind == "lines":
-        with reading(chunk.path) as f:
+        with reading(ctx.remote, chunk.path) as f:
             f.seek(chunk.byte_offset)
             lines = iter_lines(
                 f, max_record_bytes, first_line=chunk.first_line, first_offset=chunk.byte_offset
@@ -96,16 +101,22 @@ def read_chunk(chunk: Chunk, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -
             for _, line in zip(range(chunk.count), lines):
                 yield _record_of(line, max_record_bytes)
     elif kind == "gzip-lines":
-        size, version = _identity(chunk.path)
-        for line in gzip_cursor(chunk.path, size, version, max_record_bytes).records(
-            chunk.start, chunk.count
-        ):
+        for line in _gzip_cursor(ctx, chunk.path, max_record_bytes).records(chunk.start, chunk.count):
             yield _record_of(line, max_record_bytes)
     else:
-        yield from _whole_file(chunk.path, max_record_bytes)[chunk.start : chunk.start + chunk.count]
+        yield from _whole_file(ctx, chunk.path, max_record_bytes)[chunk.start : chunk.start + chunk.count]
 
 
-def input_kind(path: str, max_record_bytes: int) -> str:
+def _gzip_cursor(ctx: JobContext, path: str, max_record_bytes: int) -> StreamCursor:
+    """This process's cursor over a gzip input (keyed by its identity, so a rewritten file starts afresh):
+    the chunks of a file one worker reads in order continue where the previous one stopped."""
+    key = (path, *_identity(ctx, path), max_record_bytes)
+    return ctx.caches.get(
+        "gzip_cursor", key, lambda: StreamCursor(ctx.remote, path, max_record_bytes), maxsize=2
+    )
+
+
+def input_kind(ctx: JobContext, path: str, max_record_bytes: int) -> str:
     """ "lines" (plain JSONL), "gzip-lines" (JSONL in gzip), "document" (JSON read whole), "parquet" or "tar"."""
     if path.endswith(".parquet"):
         return "parquet"
@@ -114,14 +125,13 @@ def input_kind(path: str, max_record_bytes: int) -> str:
     gz = path.endswith(".gz")
     if path.endswith((".jsonl", ".jsonl.gz")):
         return "gzip-lines" if gz else "lines"
-    size, version = _identity(path)
-    return _sniffed_kind(path, size, version, max_record_bytes)
+    key = (path, *_identity(ctx, path), max_record_bytes)
+    return ctx.caches.get("input_kind", key, lambda: _sniffed_kind(ctx, path, max_record_bytes), maxsize=64)
 
 
-@lru_cache(maxsize=64)
-def _sniffed_kind(path: str, size: int | None, version: object, max_record_bytes: int) -> str:
+def _sniffed_kind(ctx: JobContext, path: str, max_record_bytes: int) -> str:
     """A `.json` / `.json.gz` file: JSONL content or one JSON document, from its first two records."""
-    with reading(path) as f:
+    with reading(ctx.remote, path) as f:
         lines = [line for _, line in zip(range(2), iter_lines(f, max_record_bytes))]
     head = [line.raw if line.raw is not None else line.head for line in lines]
     complete = not lines or lines[0].raw is not None
@@ -130,9 +140,9 @@ def _sniffed_kind(path: str, size: int | None, version: object, max_record_bytes
     return "gzip-lines" if path.endswith(".gz") else "lines"
 
 
-def _record_starts(path: str, max_record_bytes: int) -> list[tuple[int, int]]:
+def _record_starts(ctx: JobContext, path: str, max_record_bytes: int) -> list[tuple[int, int]]:
     """(byte offset, line number) of every record (non-blank line) of a plain JSONL file."""
-    with reading(path) as f:
+    with reading(ctx.remote, path) as f:
         return [(line.offset, line.number) for line in iter_lines(f, max_record_bytes)]
 
 
@@ -142,28 +152,25 @@ def _record_of(line: Line, max_record_bytes: int) -> RawRecord:
     return parse_json_line(line.raw, line.number)
 
 
-def _identity(path: str) -> tuple[int | None, object]:
-    if remote.is_url(path):
-        _, size, version = remote.identity(path, "stat")
+def _identity(ctx: JobContext, path: str) -> tuple[int | None, object]:
+    if is_url(path):
+        _, size, version = ctx.remote.identity(path, "stat")
         return size, version
     st = os.stat(path)
     return st.st_size, st.st_mtime_ns
 
 
-def _whole_file(path: str, max_record_bytes: int) -> list[RawRecord]:
-    """All records of a JSON document, Parquet or tar file (cached: several chunks of one file share it)."""
-    size, version = _identity(path)
-    return _whole_file_cached(path, size, version, max_record_bytes)
+def _whole_file(ctx: JobContext, path: str, max_record_bytes: int) -> list[RawRecord]:
+    """All records of a JSON document, Parquet or tar file (cached: several chunks of one file share it;
+    keyed by size and mtime or ETag too, so a rewritten file is read again)."""
+    key = (path, *_identity(ctx, path), max_record_bytes)
+    return ctx.caches.get("whole_file", key, lambda: _read_whole_file(ctx, path, max_record_bytes), maxsize=2)
 
 
-@lru_cache(maxsize=2)
-def _whole_file_cached(
-    path: str, size: int | None, version: object, max_record_bytes: int
-) -> list[RawRecord]:
-    """Keyed by size and mtime (or ETag) too, so a rewritten file is read again."""
+def _read_whole_file(ctx: JobContext, path: str, max_record_bytes: int) -> list[RawRecord]:
     if path.endswith(".tar"):
-        return _read_tar(path, max_record_bytes)
-    data = remote.read_all(path) if remote.is_url(path) else None
+        return _read_tar(ctx, path, max_record_bytes)
+    data = ctx.remote.read_all(path) if is_url(path) else None
     if path.endswith(".parquet"):
         return _read_parquet(path, data, max_record_bytes)
     if path.endswith(".gz"):
@@ -191,17 +198,17 @@ def _read_parquet(path: str, data: bytes | None, max_record_bytes: int) -> list[
     return records
 
 
-def _read_tar(path: str, max_record_bytes: int) -> list[RawRecord]:
+def _read_tar(ctx: JobContext, path: str, max_record_bytes: int) -> list[RawRecord]:
     from mmpack.offline_packing.tar_source import index_tar, sample_record
 
     records = []
-    for i, sample in enumerate(index_tar(path)):
+    for i, sample in enumerate(index_tar(ctx, path)):
         size = sample.members.get("json", sample.members.get("txt", (0, 0)))[1]
         if size > max_record_bytes:
             records.append(too_large(i + 1, size, max_record_bytes, tar_sample=sample))
             continue
         try:
-            records.append(RawRecord(i + 1, sample_record(path, sample), tar_sample=sample))
+            records.append(RawRecord(i + 1, sample_record(ctx.remote, path, sample), tar_sample=sample))
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             reason = "malformed_json" if isinstance(exc, json.JSONDecodeError) else "malformed_record"
             records.append(

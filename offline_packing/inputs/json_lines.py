@@ -6,8 +6,9 @@ reported with its length only, so a 500 MB single-line record, or a small gzip t
 costs at most one record's limit of memory. Blank lines are not records.
 
 gzip has no random access, so the records of a `.jsonl.gz` are reached by decompressing from the top. A
-process keeps one `StreamCursor` per gzip input (`gzip_cursor`): the chunks of a file that one worker reads
-in order continue where the previous one stopped, so each worker decompresses the file about once.
+process keeps one `StreamCursor` per gzip input (`mmpack.offline_packing.inputs.chunks`, in the job context's
+caches): the chunks of a file that one worker reads in order continue where the previous one stopped, so each
+worker decompresses the file about once.
 
 Truncated or corrupt gzip streams, and plain text named `.gz`, end the job with one line naming the file
 (`PackError`): the records after the damage cannot be counted, so none of the file is silently dropped.
@@ -21,11 +22,10 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import IO
 
 from mmpack.offline_packing.errors import PackError
-from mmpack.offline_packing.inputs import remote
+from mmpack.offline_packing.inputs.remote import RemoteFiles
 
 _STEP_BYTES = 1 << 20  # an over-long line is stepped over in pieces of this size
 _HEAD_BYTES = 64  # what is kept of it: enough to tell a JSON array from a record
@@ -77,7 +77,7 @@ def _content_length(raw: bytes) -> int:
 class _Opened:
     """`path` (local or a URL) opened for line reads, decompressed on the fly when it ends in `.gz`."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, remote: RemoteFiles, path: str) -> None:
         self.raw = remote.open_binary(path)
         self.f: IO[bytes] = self.raw
         if path.endswith(".gz"):
@@ -91,9 +91,9 @@ class _Opened:
 
 
 @contextmanager
-def reading(path: str) -> Iterator[IO[bytes]]:
+def reading(remote: RemoteFiles, path: str) -> Iterator[IO[bytes]]:
     """`path` opened for line reads inside the block; a damaged gzip stream ends it with `gzip_failure`."""
-    opened = _Opened(path)
+    opened = _Opened(remote, path)
     try:
         yield opened.f
     except _GZIP_ERRORS as exc:
@@ -113,17 +113,17 @@ def gzip_failure(path: str, exc: BaseException) -> PackError:
     return PackError(f"input {path} {what}")
 
 
-def count_lines(path: str, max_record_bytes: int) -> int:
+def count_lines(remote: RemoteFiles, path: str, max_record_bytes: int) -> int:
     """The number of records (non-blank lines) of a line-oriented input, read once, in bounded memory."""
-    with reading(path) as f:
+    with reading(remote, path) as f:
         return sum(1 for _ in iter_lines(f, max_record_bytes))
 
 
 class StreamCursor:
     """A gzip input read forward from the top, record by record, remembering where it stopped."""
 
-    def __init__(self, path: str, max_record_bytes: int) -> None:
-        self.path, self.max_record_bytes = path, max_record_bytes
+    def __init__(self, remote: RemoteFiles, path: str, max_record_bytes: int) -> None:
+        self.remote, self.path, self.max_record_bytes = remote, path, max_record_bytes
         self._opened: _Opened | None = None
         self._lines: Iterator[Line] = iter(())
         self.next_record = 0
@@ -150,7 +150,7 @@ class StreamCursor:
 
     def _reopen(self) -> None:
         self._close()
-        self._opened = _Opened(self.path)
+        self._opened = _Opened(self.remote, self.path)
         self._lines = iter_lines(self._opened.f, self.max_record_bytes)
         self.next_record = 0
 
@@ -158,9 +158,3 @@ class StreamCursor:
         if self._opened is not None:
             self._opened.close()
             self._opened = None
-
-
-@lru_cache(maxsize=2)
-def gzip_cursor(path: str, size: int | None, version: object, max_record_bytes: int) -> StreamCursor:
-    """This process's cursor over a gzip input (keyed by its identity, so a rewritten file starts afresh)."""
-    return StreamCursor(path, max_record_bytes)

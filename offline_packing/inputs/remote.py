@@ -1,40 +1,35 @@
 """Inputs as fsspec URLs (s3://, http(s)://): listing, identity, ranged reads with retries.
 
-Every remote read goes through `read_range`, which retries transient errors with exponential backoff and
-jitter and, when the attempts are spent, raises `InputReadError` naming the object. A missing object is
-never retried (FileNotFoundError). Image headers are read through `RangedFile`: a seekable file that
-fetches only the blocks Pillow touches (the header, and the end marker), never the whole image.
-
-The storage options of the job (`--s3-endpoint`, or the options of `PackJobConfig.storage_options`) are
-process-wide here (`configure`): forked workers inherit them, and the Ray engine sends them to its workers.
-`file://` URLs are plain local paths (`local_path`), so they read exactly as the local file does.
+`RemoteFiles` reads them with the job's storage options (`--s3-endpoint`, or `ControlConfig.storage_options`);
+the job context (`mmpack.offline_packing.context.JobContext.remote`) holds one per process. Every remote call
+goes through `with_retries` (`mmpack.packing.retry`: transient errors only, with backoff), which names the
+object in `InputReadError` once the attempts are spent; a missing object is never retried
+(FileNotFoundError). Image headers are read through `RangedFile`: a seekable file that fetches only the
+blocks Pillow touches (the header, and the end marker), never the whole image. `file://` URLs are plain local
+paths (`local_path`), so they read exactly as the local file does.
 """
 
 from __future__ import annotations
 
 import io
 import posixpath
-import random
 import re
-import time
 import urllib.parse
 from collections.abc import Callable
 from typing import IO, Any, TypeVar
 
 from mmpack.packing.errors import MmpackError
 from mmpack.packing.ownership import MARKER_NAME
+from mmpack.packing.retry import RetriesExhausted, RetryPolicy, retry_call
 
 T = TypeVar("T")
 HEADER_BLOCK_BYTES = 16 << 10  # image headers: blocks fetched on demand, a JPEG/PNG header is in the first
-MAX_ATTEMPTS = 5
-BACKOFF_S = 0.2
-MAX_BACKOFF_S = 5.0
-_OPTIONS: dict[str, Any] = {}
+STREAM_BLOCK_BYTES = 8 << 20  # sequential reads (record files, tars)
+RETRY = RetryPolicy(max_attempts=5, backoff_s=0.2, max_backoff_s=5.0)
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # a scheme, not a `tar::` member reference
 # Sizes just learnt by `identity`, taken (once) by the `open_ranged` that follows it: scan records an image's
 # identity, then reads its header, with one stat between them instead of two. Bounded, and taken only once,
-# so nothing here outlives the read it was fetched for.
-_JUST_STATED: dict[str, int] = {}
+# so nothing kept outlives the read it was fetched for.
 _JUST_STATED_MAX = 64
 
 
@@ -42,16 +37,6 @@ class InputReadError(MmpackError):
     """A remote input could not be read after all retries (not a per-sample reject: the job stops)."""
 
     default_reason = "input_unreadable"
-
-
-def configure(storage_options: dict | None) -> None:
-    """Set the fsspec options (endpoint, credentials) every remote input of this process is opened with."""
-    _OPTIONS.clear()
-    _OPTIONS.update(storage_options or {})
-
-
-def current_options() -> dict[str, Any]:
-    return dict(_OPTIONS)
 
 
 def is_url(path: str) -> bool:
@@ -64,98 +49,117 @@ def local_path(path: str) -> str:
     return path[len("file://") :] if path.startswith("file://") else path
 
 
-def filesystem(url: str) -> tuple[Any, str]:
-    """(fsspec filesystem, path inside it) of a remote URL, with the configured options (S3 endpoint: the
-    project's one rule, `mmpack.packing.fileio.resolve_storage_options`); object stores only: an S3 endpoint means
-    nothing to an http(s):// input."""
-    from fsspec.core import url_to_fs
-
-    from mmpack.packing.fileio import resolve_storage_options
-
-    if url.startswith(("http://", "https://")):
-        return url_to_fs(url)
-    return url_to_fs(url, **resolve_storage_options(url, _OPTIONS))
-
-
 def with_retries(url: str, what: str, fn: Callable[[], T]) -> T:
-    """`fn()`, retried with backoff on any error but a missing object; InputReadError naming `url` at last."""
-    last = ""
-    for attempt in range(MAX_ATTEMPTS):
-        if attempt:
-            delay = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (attempt - 1))
-            time.sleep(delay * (0.5 + random.random()))
-        try:
-            return fn()
-        except FileNotFoundError:
-            raise
-        except Exception as exc:  # network errors come in many types (aiohttp, botocore, OSError)
-            last = f"{type(exc).__name__}: {exc}"
-    raise InputReadError(
-        f"cannot {what} {url} after {MAX_ATTEMPTS} attempts ({last}); check the URL, the endpoint "
-        "(--s3-endpoint) and the credentials, then rerun: finished chunks are kept"
-    )
-
-
-def info(url: str) -> dict[str, Any]:
-    """fsspec `info` of a remote object (size, ETag or mtime); FileNotFoundError if it does not exist."""
-    fs, path = filesystem(url)
-    return with_retries(url, "stat", lambda: fs.info(path))
-
-
-def identity(url: str, verify: str) -> list:
-    """[url, size, ETag or mtime] of a remote object, or [url, size, sha256] with verify="sha256";
-    [url, None, None] for a missing one."""
+    """`fn()`, retried on transient errors (`mmpack.packing.retry`); InputReadError naming `url` once the
+    attempts are spent, or at once for another storage error (no permission, a bad request); a missing
+    object raises FileNotFoundError."""
     try:
-        meta = info(url)
+        return retry_call(fn, RETRY)
+    except RetriesExhausted as exc:
+        raise InputReadError(
+            f"cannot {what} {url} after {exc.attempts} attempts ({type(exc.last).__name__}: {exc.last}); check "
+            "the URL, the endpoint (--s3-endpoint) and the credentials, then rerun: finished chunks are kept"
+        ) from None
     except FileNotFoundError:
-        return [url, None, None]
-    size = meta.get("size")
-    if isinstance(size, int):
-        if len(_JUST_STATED) >= _JUST_STATED_MAX:
-            _JUST_STATED.pop(next(iter(_JUST_STATED)))
-        _JUST_STATED[url] = size
-    if verify == "sha256":
-        import hashlib
-
-        return [url, size, hashlib.sha256(read_range(url, 0, size)).hexdigest()]
-    version = meta.get("ETag") or meta.get("etag") or meta.get("mtime") or meta.get("LastModified")
-    return [url, size, str(version) if version is not None else None]
+        raise
+    except OSError as exc:  # not transient: retrying gives the same answer
+        raise InputReadError(
+            f"cannot {what} {url} ({type(exc).__name__}: {exc}); check the URL and the credentials"
+        ) from None
 
 
-def read_range(url: str, start: int, end: int | None) -> bytes:
-    """Bytes [start, end) of a remote object (end None: to its end), with retries."""
-    fs, path = filesystem(url)
-    data: bytes = with_retries(url, "read", lambda: fs.cat_file(path, start=start, end=end))
-    if end is not None and len(data) > end - start and len(data) >= end:  # a server ignoring Range sent all
-        data = data[start:end]
-    if end is not None and len(data) != end - start:
-        raise InputReadError(f"{url}: asked for bytes {start}..{end}, got {len(data)}; was it rewritten?")
-    return data
+class RemoteFiles:
+    """Remote objects read with one job's storage options; `caches` (the job context's) keeps the sizes
+    `identity` just learnt for the `open_ranged` that follows."""
 
+    def __init__(self, storage_options: dict | None, caches: Any = None):
+        self.storage_options = dict(storage_options or {})
+        self.caches = caches
 
-def read_all(url: str) -> bytes:
-    return read_range(url, 0, None)
+    def filesystem(self, url: str) -> tuple[Any, str]:
+        """(fsspec filesystem, path inside it) of a remote URL, with the job's options (S3 endpoint: the
+        project's one rule, `mmpack.packing.fileio.resolve_storage_options`); object stores only: an S3
+        endpoint means nothing to an http(s):// input."""
+        from fsspec.core import url_to_fs
 
+        from mmpack.packing.fileio import resolve_storage_options
 
-def expand(arg: str, suffixes: tuple[str, ...]) -> list[str]:
-    """The input objects an -i URL names (an object, a prefix "folder" or a glob), sorted, as URLs."""
-    fs, path = filesystem(arg)
-    protocol = arg.split("://", 1)[0]
+        if url.startswith(("http://", "https://")):
+            return url_to_fs(url)
+        return url_to_fs(url, **resolve_storage_options(url, self.storage_options))
 
-    def as_url(p: str) -> str:
-        return p if "://" in p else f"{protocol}://{p}"
+    def info(self, url: str) -> dict[str, Any]:
+        """fsspec `info` of a remote object (size, ETag or mtime); FileNotFoundError if it does not exist."""
+        fs, path = self.filesystem(url)
+        return with_retries(url, "stat", lambda: fs.info(path))
 
-    if protocol.startswith("http"):  # no listing over plain HTTP: one object per URL
-        return [arg] if arg.endswith(suffixes) else []
-    if any(ch in path for ch in "*?["):
-        found = with_retries(arg, "list", lambda: fs.glob(path))
-    elif with_retries(arg, "stat", lambda: fs.isdir(path)):
-        found = with_retries(arg, "list", lambda: fs.find(path))
-    else:
-        found = [path] if with_retries(arg, "stat", lambda: fs.exists(path)) else []
-    # prefixes holding mmpack's marker are packed datasets or work folders, never raw input
-    marked = tuple(p[: -len(MARKER_NAME)] for p in found if p.endswith(f"/{MARKER_NAME}"))
-    return sorted(as_url(p) for p in found if p.endswith(suffixes) and not p.startswith(marked))
+    def identity(self, url: str, verify: str) -> list:
+        """[url, size, ETag or mtime] of a remote object, or [url, size, sha256] with verify="sha256";
+        [url, None, None] for a missing one."""
+        try:
+            meta = self.info(url)
+        except FileNotFoundError:
+            return [url, None, None]
+        size = meta.get("size")
+        if isinstance(size, int) and self.caches is not None:
+            self.caches.put("just_stated", url, size, _JUST_STATED_MAX)
+        if verify == "sha256":
+            import hashlib
+
+            return [url, size, hashlib.sha256(self.read_range(url, 0, size)).hexdigest()]
+        version = meta.get("ETag") or meta.get("etag") or meta.get("mtime") or meta.get("LastModified")
+        return [url, size, str(version) if version is not None else None]
+
+    def read_range(self, url: str, start: int, end: int | None) -> bytes:
+        """Bytes [start, end) of a remote object (end None: to its end), with retries."""
+        fs, path = self.filesystem(url)
+        data: bytes = with_retries(url, "read", lambda: fs.cat_file(path, start=start, end=end))
+        if (
+            end is not None and len(data) > end - start and len(data) >= end
+        ):  # a server ignoring Range sent all
+            data = data[start:end]
+        if end is not None and len(data) != end - start:
+            raise InputReadError(f"{url}: asked for bytes {start}..{end}, got {len(data)}; was it rewritten?")
+        return data
+
+    def read_all(self, url: str) -> bytes:
+        return self.read_range(url, 0, None)
+
+    def expand(self, arg: str, suffixes: tuple[str, ...]) -> list[str]:
+        """The input objects an -i URL names (an object, a prefix "folder" or a glob), sorted, as URLs."""
+        fs, path = self.filesystem(arg)
+        protocol = arg.split("://", 1)[0]
+
+        def as_url(p: str) -> str:
+            return p if "://" in p else f"{protocol}://{p}"
+
+        if protocol.startswith("http"):  # no listing over plain HTTP: one object per URL
+            return [arg] if arg.endswith(suffixes) else []
+        if any(ch in path for ch in "*?["):
+            found = with_retries(arg, "list", lambda: fs.glob(path))
+        elif with_retries(arg, "stat", lambda: fs.isdir(path)):
+            found = with_retries(arg, "list", lambda: fs.find(path))
+        else:
+            found = [path] if with_retries(arg, "stat", lambda: fs.exists(path)) else []
+        # prefixes holding mmpack's marker are packed datasets or work folders, never raw input
+        marked = tuple(p[: -len(MARKER_NAME)] for p in found if p.endswith(f"/{MARKER_NAME}"))
+        return sorted(as_url(p) for p in found if p.endswith(suffixes) and not p.startswith(marked))
+
+    def open_ranged(self, url: str, block_bytes: int = HEADER_BLOCK_BYTES) -> RangedFile:
+        """A `RangedFile` over a remote object (its size from the `identity` just taken, else one stat);
+        FileNotFoundError if it does not exist."""
+        size = self.caches.take("just_stated", url) if self.caches is not None else None
+        return RangedFile(self, url, size if size is not None else int(self.info(url)["size"]), block_bytes)
+
+    def open_binary(self, path: str) -> IO[bytes]:
+        """A local file or a remote object opened for sequential or seeking binary reads (remote: 8 MiB
+        ranged reads with retries, two blocks kept)."""
+        if not is_url(path):
+            from mmpack.packing.fileio import open_regular
+
+            return open_regular(local_path(path))
+        raw = RangedFile(self, path, int(self.info(path)["size"]), STREAM_BLOCK_BYTES, max_blocks=2)
+        return io.BufferedReader(raw, buffer_size=1 << 20)
 
 
 def parent(url: str) -> str:
@@ -198,9 +202,15 @@ class RangedFile(io.RawIOBase):
     """
 
     def __init__(
-        self, url: str, size: int, block_bytes: int = HEADER_BLOCK_BYTES, max_blocks: int | None = None
+        self,
+        files: RemoteFiles,
+        url: str,
+        size: int,
+        block_bytes: int = HEADER_BLOCK_BYTES,
+        max_blocks: int | None = None,
     ):
         super().__init__()
+        self.files = files
         self.name = url
         self.size = size
         self.block_bytes = block_bytes
@@ -239,7 +249,7 @@ class RangedFile(io.RawIOBase):
         if missing:  # one request for the run of missing blocks (they are contiguous in practice)
             lo = missing[0] * self.block_bytes
             hi = min(self.size, (missing[-1] + 1) * self.block_bytes)
-            data = read_range(self.name, lo, hi)
+            data = self.files.read_range(self.name, lo, hi)
             self.fetched_bytes += len(data)
             for b in range(missing[0], missing[-1] + 1):
                 k = (b - missing[0]) * self.block_bytes
@@ -250,24 +260,3 @@ class RangedFile(io.RawIOBase):
                 del self._blocks[b]  # oldest first
         start = pos - first * self.block_bytes
         return joined[start : start + n]
-
-
-def open_ranged(url: str, block_bytes: int = HEADER_BLOCK_BYTES) -> RangedFile:
-    """A `RangedFile` over a remote object (its size from the `identity` just taken, else one stat);
-    FileNotFoundError if it does not exist."""
-    size = _JUST_STATED.pop(url, None)
-    return RangedFile(url, size if size is not None else int(info(url)["size"]), block_bytes)
-
-
-STREAM_BLOCK_BYTES = 8 << 20
-
-
-def open_binary(path: str) -> IO[bytes]:
-    """A local file or a remote object opened for sequential or seeking binary reads (remote: 8 MiB ranged
-    reads with retries, two blocks kept)."""
-    if not is_url(path):
-        from mmpack.packing.fileio import open_regular
-
-        return open_regular(local_path(path))
-    raw = RangedFile(path, int(info(path)["size"]), STREAM_BLOCK_BYTES, max_blocks=2)
-    return io.BufferedReader(raw, buffer_size=1 << 20)

@@ -18,7 +18,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from mmpack.offline_packing.inputs import remote
+from mmpack.offline_packing.inputs.remote import RemoteFiles, is_url, join_under, local_path, parent
 from mmpack.packing.fileio import NotRegularFileError, describe_mode
 
 INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet", ".tar")
@@ -29,7 +29,9 @@ def is_input_file(name: str) -> bool:
     return name.endswith(INPUT_SUFFIXES)
 
 
-def expand_inputs(inputs: tuple[str, ...] | list[str], exclude: tuple[str, ...] = ()) -> list[str]:
+def expand_inputs(
+    remote: RemoteFiles, inputs: tuple[str, ...] | list[str], exclude: tuple[str, ...] = ()
+) -> list[str]:
     """Input files in a fixed order: each argument (file, folder, glob) expanded and sorted, in argument order.
 
     Paths come back absolute and normalised; a file named twice (relative and absolute path, a symlink,
@@ -41,8 +43,8 @@ def expand_inputs(inputs: tuple[str, ...] | list[str], exclude: tuple[str, ...] 
     skip = _Excluded(exclude)
     files: list[str] = []
     seen: set[str] = set()
-    for arg in map(remote.local_path, inputs):
-        if remote.is_url(arg):
+    for arg in map(local_path, inputs):
+        if is_url(arg):
             found = [f for f in remote.expand(arg, INPUT_SUFFIXES) if not skip.url(f)]
             if not found:
                 raise FileNotFoundError(f"input {arg!r} matches no {'/'.join(INPUT_SUFFIXES)} object")
@@ -76,10 +78,8 @@ class _Excluded:
     """Which files folder and glob expansion leaves out: the job's own folders and mmpack-marked ones."""
 
     def __init__(self, folders: tuple[str, ...]) -> None:
-        self.urls = tuple(f.rstrip("/") + "/" for f in folders if remote.is_url(f))
-        self.local_dirs = tuple(
-            os.path.realpath(remote.local_path(f)) for f in folders if not remote.is_url(f)
-        )
+        self.urls = tuple(f.rstrip("/") + "/" for f in folders if is_url(f))
+        self.local_dirs = tuple(os.path.realpath(local_path(f)) for f in folders if not is_url(f))
         self._marked: dict[str, bool] = {}
 
     def url(self, url: str) -> bool:
@@ -142,7 +142,7 @@ def _require_regular_file(path: str) -> None:
 
 def input_folder(path: str) -> str:
     """The folder of an input file (a URL's prefix up to its last slash): the default image root."""
-    return remote.parent(path) if remote.is_url(path) else str(Path(path).parent)
+    return parent(path) if is_url(path) else str(Path(path).parent)
 
 
 def resolve_image_path(image: str, image_root: str) -> str:
@@ -155,9 +155,9 @@ def resolve_image_path(image: str, image_root: str) -> str:
         raise PermissionError(f"image path must be a non-empty string, got {image!r}")
     if os.path.isabs(image) or image.startswith("~") or "\x00" in image:
         raise PermissionError(f"image path {image!r} is absolute; paths must be relative to the image root")
-    image_root = remote.local_path(image_root)
-    if remote.is_url(image_root):
-        return remote.join_under(image_root, image)
+    image_root = local_path(image_root)
+    if is_url(image_root):
+        return join_under(image_root, image)
     root = os.path.realpath(image_root)
     full = os.path.realpath(os.path.join(root, image))
     if os.path.commonpath([root, full]) != root:

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import IO, Any
 
-from mmpack.offline_packing.errors import REJECT_REASONS
+from mmpack.offline_packing.errors import VideoProbeError
 from mmpack.offline_packing.inputs.video_timeline import shown_frames
-from mmpack.packing.errors import MmpackError
 from mmpack.packing.fileio import NotRegularFileError, open_regular
 from mmpack.packing.video_tokens import VideoMeta
 
@@ -45,14 +44,6 @@ _SIGNATURES: tuple[tuple[int, bytes], ...] = (
 # Demuxers that read single images or raw streams: FFmpeg opens them, but they are no video container.
 _IMAGE_DEMUXERS = ("image2", "_pipe", "gif", "webp", "apng")
 _PROBE_OPTIONS = {"probesize": "32", "analyzeduration": "0"}
-
-
-class VideoProbeError(MmpackError, ValueError):
-    """A video the scan rejects; `reason` is a video reason of `REJECT_REASONS` and `message` says what to do."""
-
-    def __init__(self, reason: str, message: str):
-        assert reason in REJECT_REASONS, reason
-        super().__init__(message, reason=reason)
 
 
 @dataclass(kw_only=True, frozen=True)

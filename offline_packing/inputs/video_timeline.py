@@ -28,7 +28,7 @@ from mmpack.packing.video_tokens import VideoMeta
 def shown_frames(container: Any, stream: Any, meta: VideoMeta, name: str) -> VideoMeta:
     """`meta` with the frame count the decoder shows; VideoProbeError "video_timestamps" when frames cannot all
     have their own timestamp."""
-    from mmpack.offline_packing.inputs.video_probe import VideoProbeError
+    from mmpack.offline_packing.errors import VideoProbeError
 
     tick_s = float(stream.time_base or 0)
     too_coarse = tick_s > 0 and (
@@ -64,15 +64,16 @@ def _coarse_message(name: str, meta: VideoMeta, tick_s: float) -> str:
     )
 
 
-def decode_check(path: str, plan: Any, name: str) -> None:
+def decode_check(remote: Any, path: str, plan: Any, name: str) -> None:
     """Decode the planned frames of the video at `path` (a file, URL or tar member) exactly as the loader will,
-    keeping none of them; VideoProbeError "undecodable_video" naming `name` if that fails."""
+    keeping none of them (`remote`: the job's `RemoteFiles`); VideoProbeError "undecodable_video" naming
+    `name` if that fails."""
     from mmpack.dataloader.video import VideoDecodeError, decode_planned_frames
-    from mmpack.offline_packing.inputs import remote
-    from mmpack.offline_packing.inputs.video_probe import VideoProbeError
+    from mmpack.offline_packing.errors import VideoProbeError
+    from mmpack.offline_packing.inputs.remote import is_url
     from mmpack.offline_packing.tar_source import is_member_ref, read_image_bytes
 
-    src: str | bytes = read_image_bytes(path) if is_member_ref(path) or remote.is_url(path) else path
+    src: str | bytes = read_image_bytes(remote, path) if is_member_ref(path) or is_url(path) else path
     try:
         decode_planned_frames(src, plan, name=name, keep_frames=False)
     except (VideoDecodeError, ValueError, OSError) as exc:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mmpack.packing.layout import block_mask as layout_block_mask
+
 
 def window_order(
     grid_thw: np.ndarray, *, merge_size: int, window_size: int, patch_size: int
@@ -42,8 +44,9 @@ def window_order(
 
 
 def block_mask(lengths: np.ndarray, device: torch.device) -> torch.Tensor:
-    """[1, 1, P, P] bool, True = masked: each patch sees the patches of its own block only."""
+    """[1, 1, P, P] bool, True = masked: each patch sees the patches of its own block only
+    (`mmpack.packing.layout.block_mask`, not causal)."""
     block = torch.repeat_interleave(
         torch.arange(len(lengths), device=device), torch.as_tensor(lengths, device=device)
     )
-    return (block[:, None] != block[None, :])[None, None]
+    return layout_block_mask(block, causal=False)[None, None]

@@ -1,0 +1,248 @@
+"""Reads the package's modules with `ast` and finds what `tests/test_architecture.py` forbids: import cycles,
+module-level mutable state, and modules using another module's private names. No import of the package."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE_DIRS = ("packing", "offline_packing", "dataloader", "trainer")
+# Calls that change the object they are called on (dicts, lists, sets, OrderedDicts).
+MUTATORS = frozenset(
+    {"clear", "update", "pop", "popitem", "setdefault", "append", "extend", "insert", "remove", "add"}
+    | {"discard", "move_to_end", "__setitem__", "__delitem__"}
+)
+CACHES = frozenset({"lru_cache", "cache"})
+
+
+@dataclass(frozen=True)
+class Module:
+    """One source file of the package: its dotted name, path and syntax tree."""
+
+    name: str
+    path: Path
+    tree: ast.Module
+    is_package: bool
+
+
+def package_modules(root: Path, dirs: tuple[str, ...], namespace: str = "mmpack") -> dict[str, Module]:
+    """Every .py file under `root/<dir>` as a module `namespace.<dir>...`."""
+    out: dict[str, Module] = {}
+    for top in dirs:
+        for path in sorted((root / top).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            is_package = parts[-1] == "__init__"
+            name = ".".join((namespace, *(parts[:-1] if is_package else parts)))
+            out[name] = Module(name, path, ast.parse(path.read_text(), str(path)), is_package)
+    return out
+
+
+def _resolve(mod: Module, node: ast.ImportFrom) -> str:
+    """The absolute module a `from ... import` statement names."""
+    if not node.level:
+        return node.module or ""
+    base = mod.name.split(".")
+    base = base if mod.is_package else base[:-1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _imports(mod: Module, node: ast.AST, names: dict[str, Module]) -> Iterator[str]:
+    """The package modules an import statement loads."""
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        base = _resolve(mod, node)
+        targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+    else:
+        return
+    for target in targets:
+        parts = target.split(".")
+        for i in range(len(parts), 0, -1):  # a.b.c loads a.b.c and its packages a.b and a
+            name = ".".join(parts[:i])
+            if name in names and not mod.name.startswith(name + "."):  # not the importer's own package
+                yield name
+
+
+def _never_imported(test: ast.expr) -> bool:
+    """`if TYPE_CHECKING:` (annotations only) and `if __name__ == "__main__":` (run as a script, where the
+    module is `__main__`, not itself) hold no import of the module's own."""
+    if isinstance(test, ast.Name) and test.id == "TYPE_CHECKING":
+        return True
+    if isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING":
+        return True
+    return isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+
+
+def _module_level(body: list[ast.stmt], *, deferred: bool = False) -> Iterator[ast.stmt]:
+    """The statements Python runs at import: the body, into if/try/with blocks but not the blocks of
+    `_never_imported`; with `deferred`, the bodies of functions and classes too."""
+    for node in body:
+        if isinstance(node, ast.If):
+            if not _never_imported(node.test):
+                yield from _module_level(node.body, deferred=deferred)
+            yield from _module_level(node.orelse, deferred=deferred)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
+                yield from _module_level(block, deferred=deferred)
+        elif isinstance(node, (ast.With, ast.For, ast.While)):
+            yield from _module_level(node.body, deferred=deferred)
+        elif deferred and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield from _module_level(node.body, deferred=True)
+        else:
+            yield node
+
+
+def find_import_cycles(modules: dict[str, Module], *, deferred: bool = False) -> list[list[str]]:
+    """Each group of modules whose import-time imports form a cycle (sorted names), sorted; with `deferred`,
+    the imports inside functions count too."""
+    graph = {
+        name: {
+            t
+            for node in _module_level(m.tree.body, deferred=deferred)
+            for t in _imports(m, node, modules)
+            if t != name
+        }
+        for name, m in modules.items()
+    }
+    return sorted(sorted(c) for c in _strongly_connected(graph) if len(c) > 1)
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                out.append(group)
+    return out
+
+
+def _module_names(tree: ast.Module) -> set[str]:
+    names: set[str] = set()
+    for node in _module_level(tree.body):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _local_names(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    args = fn.args
+    names = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)}
+    names |= {a.arg for a in (args.vararg, args.kwarg) if a is not None}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def _decorator_name(node: ast.expr) -> str:
+    node = node.func if isinstance(node, ast.Call) else node
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+
+def module_level_state(modules: dict[str, Module]) -> list[str]:
+    """`path:line: what` for each piece of module-level state: a `global` statement, a module-level name
+    changed inside a function, an lru_cache/cache on a function or method (a cache kept by the module)."""
+    found = []
+    for m in modules.values():
+        shared = _module_names(m.tree)
+        for fn in (n for n in ast.walk(m.tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            where = f"{m.path.name}:{fn.lineno}"
+            for dec in fn.decorator_list:
+                if _decorator_name(dec) in CACHES:
+                    found.append(f"{where}: {fn.name} has a module-level {_decorator_name(dec)}")
+            local = _local_names(fn) - {n for g in ast.walk(fn) if isinstance(g, ast.Global) for n in g.names}
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Global):
+                    found.append(f"{m.path.name}:{node.lineno}: global {', '.join(node.names)}")
+                name = _changed_name(node)
+                if name is not None and name in shared and name not in local:
+                    found.append(f"{m.path.name}:{node.lineno}: {fn.name} changes module-level {name}")
+    return sorted(set(found))
+
+
+def _changed_name(node: ast.AST) -> str | None:
+    """The name whose object `node` changes in place (`X[k] = v`, `del X[k]`, `X.a = v`, `X.clear()`, `next(X)`)."""
+    target = None
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+        for t in node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]:
+            if isinstance(t, (ast.Subscript, ast.Attribute)):
+                target = t.value
+    elif isinstance(node, ast.Call):
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in MUTATORS:
+            target = func.value
+        elif isinstance(func, ast.Name) and func.id == "next" and node.args:
+            target = node.args[0]
+    return target.id if isinstance(target, ast.Name) else None
+
+
+def foreign_private_uses(modules: dict[str, Module]) -> list[str]:
+    """`path:line: what` for each use of another module's private name (`from m import _x`, `m._x`) and each
+    import of a private module (`_kernels`) from outside its package."""
+    found = []
+    for m in modules.values():
+        aliases: dict[str, str] = {}  # local name -> package module it names
+        for node in ast.walk(m.tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in modules:
+                        aliases[a.asname or a.name.split(".")[0]] = a.name
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(m, node)
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    if full in modules:
+                        aliases[a.asname or a.name] = full
+                        if a.name.startswith("_") and not m.name.startswith(base + ".") and m.name != base:
+                            found.append(f"{m.path.name}:{node.lineno}: imports private module {full}")
+                    elif a.name.startswith("_") and base != m.name and base in modules:
+                        found.append(f"{m.path.name}:{node.lineno}: imports {a.name} from {base}")
+                private = base in modules and base.rsplit(".", 1)[-1].startswith("_")
+                if private and not m.name.startswith(base.rsplit(".", 1)[0] + "."):
+                    found.append(f"{m.path.name}:{node.lineno}: imports private module {base}")
+        for node in ast.walk(m.tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                found.append(f"{m.path.name}:{node.lineno}: uses {node.value.id}.{node.attr}")
+    return sorted(set(found))
