@@ -106,10 +106,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
     hf_dir = tiny_hf_model(root / "hf", ids, "qwen3_vl_moe", num_experts=4, moe_router_topk=2, ffn_hidden_size=48,
                            moe_aux_loss_coeff=0)  # fmt: skip
     packed = root / "packed"
-    args = ["pack", "-i", str(_records(root)), "-o", str(packed), "-L", "1536", "--model", str(hf_dir)]
+    args = ["pack", "-i", str(_records(root)), "-o", str(packed), "-L", "640", "--model", str(hf_dir)]
     assert mmpack([*args, "--no-progress"]) == 0
     manifest = json.loads((packed / "manifest.json").read_text())
-    assert manifest["counts"]["bins"] == 2 and manifest["counts"]["samples_packed"] == 7
+    assert manifest["counts"]["bins"] == 2, manifest["counts"]
+    assert manifest["counts"]["samples_packed"] == 7
     return {"root": root, "hf": hf_dir, "packed": packed, "ref": _reference(hf_dir, packed)}
 
 

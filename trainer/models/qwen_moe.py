@@ -78,7 +78,7 @@ def tiny_moe_text_fields(num_experts: int | None, top_k: int | None, aux: float 
         "moe_intermediate_size": hidden,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "router_aux_loss_coef": 0.001 if aux is None else aux,
+        "router_aux_loss_coef": 0.001 if aux is None else float(aux),
     }
 
 
