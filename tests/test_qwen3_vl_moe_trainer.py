@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER
-from tests.test_qwen3_vl_trainer import VIDEO_DEMO, _loss, _records, _torchrun
+from tests.test_qwen3_vl_trainer import VIDEO_DEMO, _records, _torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -70,6 +70,17 @@ def _worker(out_dir: str, argv: list[str]) -> None:
     dist.barrier()
     trainer.close()
     shutdown()
+
+
+def _loss(losses: list) -> float:
+    """The step's loss over all DP ranks' micro-batches (the loss sums and token counts all-reduced)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    sums = torch.tensor([[float(x["lm loss"][i]) for i in range(2)] for x in losses]).sum(0)
+    dist.all_reduce(sums, group=ps.get_data_parallel_group())
+    return float(sums[0] / sums[1])
 
 
 # -- the test side ----------------------------------------------------------------------------------------
@@ -128,6 +139,7 @@ def test_ep2_loss_gradients_and_wrong_expert_order(setup: dict, tmp_path: Path) 
     import torch
 
     from mmpack.trainer.models import family
+    from mmpack.trainer.models.hf_weights import merge_tp_shards
 
     _torchrun(2, [str(Path(__file__).resolve()), str(tmp_path), *_train_args(setup, 1, 2)], tmp_path)
     losses = json.loads((tmp_path / "losses.json").read_text())
@@ -140,7 +152,7 @@ def test_ep2_loss_gradients_and_wrong_expert_order(setup: dict, tmp_path: Path) 
     arch = fam.arch_from_hf_config(json.loads((setup["hf"] / "config.json").read_text()))
     rules = fam.stage_rules(arch, 0, 1)
     shards = {ep: torch.load(tmp_path / f"grads_ep{ep}_dp{ep}.pt") for ep in range(2)}
-    ours = {rules[n].hf[0]: shards[0][n] for n in GRAD_PARAMS}
+    ours = {k: v for n in GRAD_PARAMS for k, v in merge_tp_shards(rules[n], [shards[0][n]]).items()}
     # global expert 3 is local expert 1 of EP rank 1; its [gate; up] rows are transformers' gate_up_proj[3]
     ours["expert 3"] = shards[1][EXPERT.format(1)]
     expected = {name: ref["grads"][name] for name in ours if name != "expert 3"}

@@ -396,8 +396,6 @@ def build_megatron_configs(cfg: RunConfig, arch: Any, *, use_te: bool = False) -
     common = dict(
         tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
-        expert_model_parallel_size=par.expert_model_parallel_size,
-        expert_tensor_parallel_size=par.expert_tensor_parallel_size or par.tensor_model_parallel_size,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
@@ -438,6 +436,9 @@ def build_megatron_configs(cfg: RunConfig, arch: Any, *, use_te: bool = False) -
     language_extra = {
         "sequence_parallel": par.sequence_parallel,
         "moe_token_dispatcher_type": m.moe_token_dispatcher_type,
+        # the experts' layout: the language model's alone (a vision tower config with EP > 1 is refused)
+        "expert_model_parallel_size": par.expert_model_parallel_size,
+        "expert_tensor_parallel_size": par.expert_tensor_parallel_size or par.tensor_model_parallel_size,
         "num_layers_in_first_pipeline_stage": par.decoder_first_pipeline_num_layers,
         "num_layers_in_last_pipeline_stage": par.decoder_last_pipeline_num_layers,
         "virtual_pipeline_model_parallel_size": vp,
