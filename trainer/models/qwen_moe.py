@@ -118,3 +118,14 @@ def moe_rules(moe: MoEArch, hidden_size: int, hf: str, mc: str) -> dict[str, Rul
             "copy", (hf + "experts.down_proj",), 1, expert=e, rows=hidden_size, **stacked
         )
     return rules
+
+
+def mark_expert_parameters(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its experts' parameters marked expert-parallel (``allreduce`` False) also under EP 1,
+    where megatron-core marks them dense: then DDP and the optimizer group them alike under every EP size
+    (a dense and an expert optimizer, over the same data-parallel ranks at EP 1), so that a checkpoint's
+    optimizer state resumes under another EP size."""
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False  # type: ignore[attr-defined]
+    return model

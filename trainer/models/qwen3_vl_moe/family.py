@@ -11,6 +11,7 @@ from mmpack.trainer.models.hf_weights import Rule
 from mmpack.trainer.models.qwen3_vl import hf_io
 from mmpack.trainer.models.qwen3_vl.family import Qwen3VLFamily
 from mmpack.trainer.models.qwen3_vl_moe import config
+from mmpack.trainer.models.qwen_moe import mark_expert_parameters
 
 
 def part_rules(
@@ -29,6 +30,11 @@ class Qwen3VLMoeFamily(Qwen3VLFamily):
     megatron_configs = staticmethod(config.build_transformer_configs)
     part_rules = staticmethod(part_rules)
     tiny_hf_config = staticmethod(config.tiny_hf_config)
+
+    def build_stage(self, arch: Any, configs: Any, **kwargs: Any) -> Any:
+        """Qwen3-VL's stage; its experts are expert-parallel parameters under every EP size (see
+        :func:`mmpack.trainer.models.qwen_moe.mark_expert_parameters`)."""
+        return mark_expert_parameters(super().build_stage(arch, configs, **kwargs))
 
     def size_flags_of(self, arch: config.Qwen3VLMoeArch) -> dict[str, Any]:
         return super().size_flags_of(arch) | {
