@@ -9,7 +9,8 @@ before the merge, t*h*w per image) and `sum(image_patches^2)` its full attention
 The coefficients that count FLOPs come from one formula, `forward_flop_model`: the forward FLOPs of a bin
 (a multiply-add counts 2) of a model given by its dimensions (`ModelFlopShape`), linear in the four features.
 Per token: 2 * L * (h * (q + 2 kv) + q * h + m * h * f) + 2 * h * V (QKV with query width q and key/value
-width kv, output projection, an MLP of m = 3 (gated) or 2 matrices of width f, logits); causal attention
+width kv, output projection, an MLP of m = 3 (gated) or 2 matrices of width f, logits; a mixture of experts
+counts the k experts each token runs, k * m * h * f, plus its router over E experts, h * E); causal attention
 within each sample of n tokens, n (n + 1) / 2 pairs of 4 * q FLOPs per layer, gives 2 * q * L to `tokens` and
 to `sum_sq_seq_len`. Per patch of the vision tower: the patch embedding 2 * (pixels per patch) * hv, its
 layers 2 * Lv * (4 hv^2 + m * hv * fv), windowed attention 4 * hv * W per patch and windowed layer (counted
@@ -207,6 +208,19 @@ class LanguageFlopShape:
     ffn_hidden_size: int
     gated_mlp: bool = True  # SwiGLU: three matrices
     vocab_size: int = 0  # the logits' FLOPs; 0: not counted
+    # mixture of experts: each token runs `experts_per_token` expert MLPs of width `ffn_hidden_size` and
+    # a router over `num_experts`; 0: a dense MLP
+    experts_per_token: int = 0
+    num_experts: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.experts_per_token > 0) != (
+            self.num_experts > 0
+        ) or self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"experts_per_token {self.experts_per_token} must be in 1..num_experts {self.num_experts} "
+                "(both 0 for a dense MLP)"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -249,7 +263,8 @@ def forward_flop_model(shape: ModelFlopShape, *, attention_by_sample: bool = Tru
     """
     lang = shape.language
     h, q, kv, layers = lang.hidden_size, lang.attention_size, lang.kv_size, lang.num_layers
-    mlp = (3 if lang.gated_mlp else 2) * h * lang.ffn_hidden_size
+    mlp = (3 if lang.gated_mlp else 2) * h * lang.ffn_hidden_size * max(1, lang.experts_per_token)
+    mlp += h * lang.num_experts  # the router's logits
     tokens = 2.0 * layers * (h * (q + 2 * kv) + q * h + mlp) + 2.0 * h * lang.vocab_size
     causal = 2.0 * q * layers if attention_by_sample else 0.0  # n (n + 1) / 2 pairs x 4 q x L
     patches = squares = 0.0

@@ -106,29 +106,31 @@ def _only_qwen3_vl(argv: list[str]) -> None:
 # -- the test side ----------------------------------------------------------------------------------------
 
 
-def _tiny_hf_model(folder: Path, ids: dict[str, int]) -> Path:
-    """A random Qwen3-VL written by transformers, with weights wide enough that every part matters, and the
-    model folder's processor configs and tokenizer."""
+def tiny_hf_model(
+    folder: Path, ids: dict[str, int], model_type: str = "qwen3_vl", **spec_fields: int
+) -> Path:
+    """A random model of a Qwen3-VL family (``model_type``) written by transformers, with weights wide
+    enough that every part matters, and the model folder's processor configs and tokenizer."""
     import torch
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
+    from mmpack.trainer.models import family
     from mmpack.trainer.models.protocol import TinyModelSpec
-    from mmpack.trainer.models.qwen3_vl import FAMILY
     from tests import qwen3_vl_reference as ref
     from tests.test_qwen3_vl_tokens import SMALL_VIDEO_CONFIG
 
     spec = TinyModelSpec(
         vocab_size=VOCAB, image_token_id=ids["<|image_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], num_layers=4, vision_depth=3, patch_size=16,
-        tie_word_embeddings=True,
+        tie_word_embeddings=True, **spec_fields,
     )  # fmt: skip
-    config = FAMILY.tiny_hf_config(spec)
+    config = family(model_type).tiny_hf_config(spec)
     assert config["video_token_id"] == ids["<|video_pad|>"]
     assert config["vision_config"]["deepstack_visual_indexes"] == [0, 1]
     # a small base, so that every rotary frequency turns within a sample: a wrong frequency layout shows
     config["text_config"]["rope_parameters"]["rope_theta"] = 100.0
     torch.manual_seed(0)
-    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**config))
+    model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(**config))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
@@ -190,7 +192,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
         pytest.skip("needs ../shared (Qwen3 tokenizer, mllm_demo and mllm_video_demo)")
     root = tmp_path_factory.mktemp("qwen3-vl")
     ids = {t["content"]: t["id"] for t in json.loads(QWEN3_TOKENIZER.read_text())["added_tokens"]}
-    hf_dir = _tiny_hf_model(root / "hf", ids)
+    hf_dir = tiny_hf_model(root / "hf", ids)
     packed = root / "packed"
     args = ["pack", "-i", str(_records(root)), "-o", str(packed), "-L", "2048", "--model", str(hf_dir)]
     assert mmpack([*args, "--no-progress"]) == 0

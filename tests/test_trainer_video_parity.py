@@ -12,11 +12,15 @@ import itertools
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER, SHARED_DIR
 from tests.test_trainer_hf_parity import _tiny_hf_model, _torchrun, _train_args, loss_and_grads
+
+if TYPE_CHECKING:
+    from mmpack.packing.batch import MicroBatch
 
 VIDEO_DEMO = SHARED_DIR / "data" / "mllm_video_demo"
 VIDEO_FLAGS = ["--video-max-frames", "8", "--video-min-pixels", "3136", "--video-max-pixels", "50176"]
@@ -38,21 +42,31 @@ def _inputs(root: Path) -> Path:
     return path
 
 
-def _samples(packed: Path, layout: list | None = None) -> list[dict]:
-    """Each sample of bin 0 as the loader gives it, with its slices of the image and video inputs; `layout`:
-    which samples must hold (images, videos), in any order (default: this file's two samples)."""
-    import torch
-
+def _samples(packed: Path, layout: list | None = None, bins: int = 1) -> list[dict]:
+    """Each sample of the first ``bins`` bins as the loader gives them, with their slices of the image and
+    video inputs; `layout`: which samples must hold (images, videos), in any order (default: this file's
+    two samples)."""
     from mmpack.dataloader import Topology, build_loader
 
     loader = build_loader(
         str(packed), topology=Topology(dp_rank=0, dp_size=1), micro_batch_size=1, global_batch_size=1,
         num_workers=0, num_epochs=1,
     )  # fmt: skip
-    batch = next(iter(loader))
-    loader.close()
     specials = json.loads((packed / "manifest.json").read_text())["tokenizer"]["special_ids"]
-    image_pad, video_pad = specials["image_pad"], specials["video_pad"]
+    samples = []
+    for batch in itertools.islice(loader, bins):
+        assert batch is not None
+        samples += _bin_samples(batch, specials["image_pad"], specials["video_pad"])
+    loader.close()
+    if layout is None:
+        layout = [(True, False), (False, True)]
+    assert sorted(("image" in s, "video" in s) for s in samples) == sorted(layout)
+    return samples
+
+
+def _bin_samples(batch: MicroBatch, image_pad: int, video_pad: int) -> list[dict]:
+    import torch
+
     real = int(batch.num_real_tokens)
     samples, rows = [], {"image": 0, "video": 0}
     grids = {"image": iter(batch.image_grid_thw), "video": iter(batch.video_grid_thw)}
@@ -82,9 +96,6 @@ def _samples(packed: Path, layout: list | None = None) -> list[dict]:
                 if kind == "video":
                     sample["seconds"] = torch.stack([next(seconds) for _ in mine])
         samples.append(sample)
-    if layout is None:
-        layout = [(True, False), (False, True)]
-    assert sorted(("image" in s, "video" in s) for s in samples) == sorted(layout)
     return samples
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from mmpack.trainer.config import (
     LR_DECAY_STYLES,
+    MOE_DISPATCHERS,
     CheckpointConfig,
     DataConfig,
     ModelConfig,
@@ -87,6 +88,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vision-num-layers", type=int, default=None, help="vision encoder layers")
     g.add_argument("--vision-hidden-size", type=int, default=None, help="vision encoder hidden size")
     g.add_argument("--vision-num-attention-heads", type=int, default=None, help="vision encoder heads")
+    g.add_argument(
+        "--num-experts",
+        type=int,
+        default=None,
+        help="experts per MoE layer (random model; with --hf-model it must equal config.json's)",
+    )
+    g.add_argument(
+        "--moe-router-topk",
+        type=int,
+        default=None,
+        help="experts per token (random model; with --hf-model it must equal num_experts_per_tok)",
+    )
+    g.add_argument(
+        "--moe-aux-loss-coeff",
+        type=float,
+        default=None,
+        help="load-balancing loss coefficient (random model; with --hf-model it must equal "
+        "router_aux_loss_coef)",
+    )
+    g.add_argument(
+        "--moe-token-dispatcher-type", choices=MOE_DISPATCHERS, default="allgather",
+        help="how tokens reach their experts' ranks (megatron-core's dispatchers; on CPU only allgather)",
+    )  # fmt: skip
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="vocab padding multiple")
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout on hidden states")
     g.add_argument("--attention-dropout", type=float, default=0.0, help="dropout on attention probs")
@@ -111,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size")
+    g.add_argument(
+        "--expert-model-parallel-size", type=int, default=1, help="EP size: ranks the experts are spread over"
+    )
+    g.add_argument(
+        "--expert-tensor-parallel-size", type=int, default=None,
+        help="TP size of each expert (default: --tensor-model-parallel-size)",
+    )  # fmt: skip
     g.add_argument("--sequence-parallel", action="store_true", help="shard activations along sequence (TP>1)")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer state over DP")
     g.add_argument(
@@ -318,10 +349,14 @@ def _balance_cost(text: str) -> tuple[float, float, float, float]:
     return values  # type: ignore[return-value]
 
 
-def _size_flags(args: argparse.Namespace) -> tuple[tuple[str, int, str], ...]:
+# mixture-of-experts flags a model's config.json fixes, checked like its sizes
+MOE_FLAGS = ("num_experts", "moe_router_topk", "moe_aux_loss_coeff")
+
+
+def _size_flags(args: argparse.Namespace) -> tuple[tuple[str, float, str], ...]:
     """(field, value, flag) of every model size the command line sets: by a size flag, or by the
     ``--model-size`` preset where no flag overrides it."""
-    fields = {name for preset in MODEL_PRESETS.values() for name in preset} | {"ffn_hidden_size"}
+    fields = {name for preset in MODEL_PRESETS.values() for name in preset} | {"ffn_hidden_size", *MOE_FLAGS}
     given = [
         (k, getattr(args, k), f"--{k.replace('_', '-')}")
         for k in sorted(fields)

@@ -18,6 +18,7 @@ from mmpack.trainer.config import MegatronConfigs, ModelConfig, RunConfig
 from mmpack.trainer.data import DataInfo
 from mmpack.trainer.freeze import apply_freeze
 from mmpack.trainer.models import family, family_of, read_hf_config
+from mmpack.trainer.models.hf_weights import ExpertSlice
 from mmpack.trainer.models.protocol import ModelFamily, TinyModelSpec
 
 
@@ -49,8 +50,13 @@ def model_hf_config(cfg: RunConfig, info: DataInfo) -> dict[str, Any]:
         vision_num_heads=m.vision_num_attention_heads,
         patch_size=info.patch_size,
         merge_size=info.merge_size,
+        num_experts=m.num_experts,
+        moe_router_topk=m.moe_router_topk,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
     )
-    return family(m.model_type).tiny_hf_config(spec)
+    config = family(m.model_type).tiny_hf_config(spec)
+    check_size_flags(m, config, f"--model-type {m.model_type}")  # e.g. experts asked of a dense family
+    return config
 
 
 def check_size_flags(m: ModelConfig, config: dict[str, Any], source: str) -> None:
@@ -118,7 +124,14 @@ def build_stage_model(
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
     )  # fmt: skip
-    tp = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size())
+    experts = ExpertSlice(
+        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
+    )  # fmt: skip
+    tp = dict(
+        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+        experts=experts,
+    )  # fmt: skip
     if cfg.model.hf_model:
         fam.load_stage_weights(model, cfg.model.hf_model, arch, **tp)
     else:

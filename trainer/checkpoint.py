@@ -61,7 +61,9 @@ from mmpack.trainer.checkpoint_watch import AsyncSaveWatch, save_watched, starte
 
 # The distributed optimizer's reshardable format: its flat buffers are all-gathered over DP and cut back into
 # tensors of the parameters' shapes (so they reshard like the model); the writes stay spread over ranks.
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# A mixture of experts under EP > 1 has two optimizers (dense and expert parameters) and one under EP 1:
+# their states keep the parameters' keys, without the chained optimizer's per-optimizer prefix.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 # Fields of the HF config that fix the shapes of the weights: a checkpoint loads only into the same values.
 ARCH_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

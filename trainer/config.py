@@ -14,6 +14,8 @@ from megatron.core.transformer import TransformerConfig
 from mmpack.trainer.exits import ExitConfig
 from mmpack.trainer.observability import ObservabilityConfig
 
+MOE_DISPATCHERS = ("allgather", "alltoall", "flex")  # megatron-core's token dispatchers
+
 
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
@@ -31,6 +33,12 @@ class ModelConfig:
     vision_num_layers: int = 2
     vision_hidden_size: int = 32
     vision_num_attention_heads: int = 2
+    # mixture of experts (Megatron-LM's flags): experts per MoE layer, experts per token, the load-balancing
+    # loss coefficient (None: the model's config.json, or a random model's defaults) and the token dispatcher
+    num_experts: int | None = None
+    moe_router_topk: int | None = None
+    moe_aux_loss_coeff: float | None = None
+    moe_token_dispatcher_type: str = "allgather"
     make_vocab_size_divisible_by: int = 128
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -42,7 +50,7 @@ class ModelConfig:
     trainable_modules: tuple[str, ...] | None = None
     # (field, value, flag) of the sizes the command line set (a size flag or --model-size): a model that
     # comes with its own config.json (--hf-model, a checkpoint's hf_config.json) must have these values
-    size_flags: tuple[tuple[str, int, str], ...] = ()
+    size_flags: tuple[tuple[str, float, str], ...] = ()
 
     def __post_init__(self) -> None:
         from mmpack.trainer.freeze import parse_modules
@@ -63,6 +71,19 @@ class ModelConfig:
             raise ValueError("--num-attention-heads must be a multiple of --num-query-groups")
         if self.vision_hidden_size % self.vision_num_attention_heads:
             raise ValueError("--vision-hidden-size must be divisible by --vision-num-attention-heads")
+        if self.num_experts is not None and self.num_experts < 1:
+            raise ValueError(f"--num-experts must be >= 1, got {self.num_experts}")
+        if self.moe_router_topk is not None and not 1 <= self.moe_router_topk <= (
+            self.num_experts or 1 << 30
+        ):
+            raise ValueError(f"--moe-router-topk must be in 1..--num-experts, got {self.moe_router_topk}")
+        if self.moe_aux_loss_coeff is not None and not 0 <= self.moe_aux_loss_coeff < float("inf"):
+            raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        if self.moe_token_dispatcher_type not in MOE_DISPATCHERS:
+            raise ValueError(
+                f"--moe-token-dispatcher-type must be one of {', '.join(MOE_DISPATCHERS)}, got "
+                f"{self.moe_token_dispatcher_type!r}"
+            )
 
     def padded_vocab_size(self, vocab_size: int) -> int:
         """Vocabulary of a random model, rounded up so that every TP size up to the multiple divides it."""
@@ -76,6 +97,10 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # experts of a mixture of experts: spread over EP ranks, each cut over ETP ranks (None: the TP size);
+    # ETP x EP x PP divides the world as TP x PP does (megatron-core's expert grid)
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     # megatron-core's uneven split: language layers on the first / last stage (the rest evenly in between),
@@ -94,6 +119,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
             raise ValueError("parallel sizes must be >= 1")
+        if self.expert_model_parallel_size < 1 or (self.expert_tensor_parallel_size or 1) < 1:
+            raise ValueError("--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1")
         if not 0 < self.distributed_timeout_minutes < float("inf"):
             raise ValueError(
                 f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}"
@@ -187,6 +214,13 @@ class ParallelConfig:
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         if world_size % mp:
             raise ValueError(f"world size {world_size} is not divisible by TP x PP = {mp}")
+        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+        experts = etp * self.expert_model_parallel_size * self.pipeline_model_parallel_size
+        if world_size % experts:
+            raise ValueError(
+                f"world size {world_size} is not divisible by expert TP x EP x PP = {experts} (give "
+                "--expert-model-parallel-size / --expert-tensor-parallel-size that divide it)"
+            )
         return world_size // mp
 
 
@@ -394,8 +428,17 @@ def build_megatron_configs(cfg: RunConfig, arch: Any, *, use_te: bool = False) -
     # in posting order and deliver gradients into activation buffers. Unbatched, megatron-core gives each
     # direction its own process group (Megatron-LM's defaults under VP: overlapped, not batched).
     interleaved = {"overlap_p2p_comm": True, "batch_p2p_comm": False} if vp else {}
+    if par.expert_model_parallel_size > 1 and getattr(arch, "moe", None) is None:
+        raise ValueError(
+            f"--expert-model-parallel-size {par.expert_model_parallel_size} needs a mixture-of-experts model; "
+            f"{arch.source.get('model_type')} has no experts"
+        )
     language_extra = {
         "sequence_parallel": par.sequence_parallel,
+        "moe_token_dispatcher_type": m.moe_token_dispatcher_type,
+        # the experts' layout: the language model's alone (a vision tower config with EP > 1 is refused)
+        "expert_model_parallel_size": par.expert_model_parallel_size,
+        "expert_tensor_parallel_size": par.expert_tensor_parallel_size or par.tensor_model_parallel_size,
         "num_layers_in_first_pipeline_stage": par.decoder_first_pipeline_num_layers,
         "num_layers_in_last_pipeline_stage": par.decoder_last_pipeline_num_layers,
         "virtual_pipeline_model_parallel_size": vp,

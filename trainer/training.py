@@ -92,6 +92,8 @@ def initialize_distributed(cfg: RunConfig, *, virtual_pipeline_size: int | None 
         par.tensor_model_parallel_size,
         par.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_size,
+        expert_model_parallel_size=par.expert_model_parallel_size,
+        expert_tensor_parallel_size=par.expert_tensor_parallel_size,
         distributed_timeout_minutes=par.distributed_timeout_minutes,  # type: ignore[arg-type]
     )
     seed = cfg.train.seed

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "mmpack.trainer.models.qwen2_5_vl",
     "qwen3_vl": "mmpack.trainer.models.qwen3_vl",
+    "qwen3_vl_moe": "mmpack.trainer.models.qwen3_vl_moe",
 }
 
 

@@ -72,11 +72,15 @@ def get_residual_bias_dropout_add(training: bool, fused: bool = False):
 
 
 def build_layer_spec(
-    attn_mask_type: AttnMaskType, *, norm: type[torch.nn.Module] = RMSNorm, qk_norm: bool = False
-) -> ModuleSpec:
+    attn_mask_type: AttnMaskType, *, norm: type[torch.nn.Module] = RMSNorm, qk_norm: bool = False,
+    num_experts: int | None = None,
+) -> ModuleSpec:  # fmt: skip
     """megatron-core's local (no Transformer Engine) GPT layer with our ``norm`` (RMSNorm or LayerNorm) and
-    the given mask type; ``qk_norm``: RMSNorm over each query and key head (Qwen3)."""
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm))
+    the given mask type; ``qk_norm``: RMSNorm over each query and key head (Qwen3); ``num_experts``: a
+    mixture-of-experts MLP (megatron-core's MoE layer, one MLP per expert)."""
+    spec = copy.deepcopy(
+        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, num_experts=num_experts)
+    )
     sub = spec.submodules
     sub.input_layernorm = norm
     sub.pre_mlp_layernorm = norm
@@ -90,10 +94,11 @@ def build_layer_spec(
 
 
 def build_block_spec(
-    num_local_layers: int, *, use_te: bool = False, fp32_residual: bool = False, qk_norm: bool = False
-) -> TransformerBlockSubmodules:
+    num_local_layers: int, *, use_te: bool = False, fp32_residual: bool = False, qk_norm: bool = False,
+    num_experts: int | None = None,
+) -> TransformerBlockSubmodules:  # fmt: skip
     """Decoder block spec: ``num_local_layers`` layers of this pipeline stage plus the final norm
-    (``qk_norm``: with RMSNorm over each query and key head).
+    (``qk_norm``: with RMSNorm over each query and key head; ``num_experts``: mixture-of-experts MLPs).
 
     Without TE the block-diagonal packed mask is passed densely (``AttnMaskType.arbitrary``); with TE the
     attention takes ``PackedSeqParams`` (THD, cu_seqlens) and its own causal-per-segment kernel.
@@ -102,13 +107,15 @@ def build_block_spec(
         from megatron.core.extensions.transformer_engine import TENorm
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        layer = get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+        layer = get_gpt_layer_with_transformer_engine_spec(
+            normalization="RMSNorm", qk_layernorm=qk_norm, num_experts=num_experts, moe_grouped_gemm=False
+        )
         if fp32_residual:
             return TransformerBlockSubmodules(
                 layer_specs=[unfused_te_layer_spec(layer)] * num_local_layers, layer_norm=RMSNorm
             )
         return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=TENorm)
-    layer = build_layer_spec(AttnMaskType.arbitrary, qk_norm=qk_norm)
+    layer = build_layer_spec(AttnMaskType.arbitrary, qk_norm=qk_norm, num_experts=num_experts)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=RMSNorm)
 
 

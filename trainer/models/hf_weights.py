@@ -14,6 +14,7 @@ Files with the legacy Qwen layout (``model.layers.*``, ``visual.*``) and with tr
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -29,7 +30,13 @@ class Rule:
     """How one megatron-core parameter is made of HF tensors.
 
     kind: ``copy`` (one tensor, cut along ``split`` or replicated when None), ``qkv`` (separate q/k/v),
-    ``fused_qkv`` (one [q; k; v] tensor, the vision towers'), ``glu`` (gate and up projections).
+    ``fused_qkv`` (one [q; k; v] tensor, the vision towers'), ``glu`` (gate and up projections),
+    ``fused_glu`` (one [gate; up] tensor).
+
+    An expert's parameter (``expert`` >= 0) is matrix ``expert`` of a 3-D HF tensor [experts, a, b]
+    (transformers' ``gate_up_proj`` / ``down_proj``) of ``experts`` matrices whose rows number ``rows`` in
+    transformers' layout (a file holding each matrix transposed, as Qwen's own MoE checkpoints do, is read
+    too); it is cut over the expert-tensor-parallel ranks instead of the tensor-parallel ones.
     """
 
     kind: str
@@ -38,6 +45,26 @@ class Rule:
     heads: int = 0
     groups: int = 0
     head_dim: int = 0
+    expert: int = -1
+    experts: int = 0
+    rows: int = 0
+
+
+@dataclass(kw_only=True, frozen=True)
+class ExpertSlice:
+    """Which experts a rank holds (expert-parallel rank of size) and how they are cut (expert-tensor-parallel
+    rank of size); None where they are given: EP 1 and the tensor-parallel ranks."""
+
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int | None = None
+    etp_size: int | None = None
+
+    def ranks(self, rule: Rule, tp_rank: int, tp_size: int) -> tuple[int, int]:
+        """(rank, size) that cut the parameter of ``rule``."""
+        if rule.expert < 0 or self.etp_size is None:
+            return tp_rank, tp_size
+        return int(self.etp_rank or 0), self.etp_size
 
 
 # (arch, first, last, layers) -> rules of that part of the model: a family's `part_rules`
@@ -142,12 +169,15 @@ class SafetensorsReader:
                 return old + key[len(new) :]
         return key
 
-    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, rows: slice | None = None, cols: slice | None = None, expert: int | None = None
+    ) -> torch.Tensor:
         key = self._resolve(name)
         sl = self.handles[self.where[key]].get_slice(key)
+        lead = () if expert is None else (expert,)
         if cols is not None:
-            return sl[rows or slice(None), cols]
-        return sl[rows] if rows is not None else sl[:]
+            return sl[(*lead, rows or slice(None), cols)]
+        return sl[(*lead, rows)] if rows is not None else sl[(*lead, slice(None))]
 
 
 # HF names of output projections (the residual branches' last linear layers): drawn with a smaller std
@@ -181,15 +211,44 @@ class RandomHFWeights:
             self._cache[name] = full
         return self._cache[name]
 
-    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, rows: slice | None = None, cols: slice | None = None, expert: int | None = None
+    ) -> torch.Tensor:
         full = self._full(name)
+        full = full[expert] if expert is not None else full
         full = full[rows] if rows is not None else full
         return full[:, cols] if cols is not None else full
 
 
+class ExpertMatrix:
+    """One expert's matrix of a 3-D HF tensor, read like a 2-D tensor in transformers' layout (see
+    :class:`Rule`): ``reader`` is a :class:`SafetensorsReader` or :class:`RandomHFWeights`."""
+
+    def __init__(self, reader: Any, rule: Rule) -> None:
+        self.reader, self.expert, self.rows = reader, rule.expert, rule.rows
+
+    def _transposed(self, name: str) -> bool:
+        _, a, b = self.reader.shape(name)
+        return a != self.rows and b == self.rows
+
+    def shape(self, name: str) -> list[int]:
+        _, a, b = self.reader.shape(name)
+        return [b, a] if self._transposed(name) else [a, b]
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        if self._transposed(name):
+            return self.reader.read(name, rows=cols, cols=rows, expert=self.expert).T.contiguous()
+        return self.reader.read(name, rows=rows, cols=cols, expert=self.expert)
+
+
 def hf_shapes(rule: Rule, param_shape: tuple[int, ...], tp_size: int) -> dict[str, tuple[int, ...]]:
     """Full shapes of the HF tensors behind a megatron-core parameter of ``param_shape`` on one TP rank."""
+    if rule.expert >= 0:
+        inner = hf_shapes(Rule(rule.kind, rule.hf, rule.split), param_shape, tp_size)
+        return {name: (rule.experts, *shape) for name, shape in inner.items()}
     rest = tuple(param_shape[1:])
+    if rule.kind == "fused_glu":
+        return {rule.hf[0]: (param_shape[0] * tp_size, *rest)}
     if rule.kind == "copy":
         if rule.split is None:
             return {rule.hf[0]: tuple(param_shape)}
@@ -256,6 +315,13 @@ def _interleave_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups
 def read_shard(reader: Any, rule: Rule, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This TP rank's part of the parameter described by ``rule``, reading only that part from disk
     (``reader``: a :class:`SafetensorsReader` or :class:`RandomHFWeights`)."""
+    if rule.expert >= 0:
+        reader = ExpertMatrix(reader, rule)
+    if rule.kind == "fused_glu":  # this rank's gate rows, then its up rows
+        half = reader.shape(rule.hf[0])[0] // 2
+        part = _part(half, tp_rank, tp_size)
+        gate_up = (part, slice(part.start + half, part.stop + half))
+        return torch.cat([reader.read(rule.hf[0], rows=r) for r in gate_up])
     if rule.kind == "copy":
         name = rule.hf[0]
         if rule.split is None:
@@ -286,9 +352,12 @@ def merge_tp_shards(rule: Rule, shards: list[torch.Tensor]) -> dict[str, torch.T
     """The HF tensors of one megatron-core parameter from its TP shards (inverse of :func:`read_shard`)."""
     if rule.kind == "copy":
         return {rule.hf[0]: shards[0] if rule.split is None else torch.cat(shards, dim=rule.split)}
-    if rule.kind == "glu":
+    if rule.kind in ("glu", "fused_glu"):
         halves = [s.chunk(2, dim=0) for s in shards]
-        return {name: torch.cat([h[i] for h in halves]) for i, name in enumerate(rule.hf)}
+        parts = [torch.cat([h[i] for h in halves]) for i in range(2)]
+        if rule.kind == "fused_glu":
+            return {rule.hf[0]: torch.cat(parts)}
+        return dict(zip(rule.hf, parts, strict=True))
     per_group_q = rule.heads // rule.groups * rule.head_dim
     local = rule.groups // len(shards)
     q, k, v = [], [], []
@@ -314,45 +383,61 @@ def strip_wrappers(name: str) -> str:
     return name
 
 
-def _stage_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    return {local_param_name(strip_wrappers(n)): p for n, p in model.named_parameters()}
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _stage_params(model: torch.nn.Module, experts: ExpertSlice | None) -> dict[str, torch.nn.Parameter]:
+    """The stage's parameters by rule name: local-spec names, experts numbered globally (EP rank r of size
+    n holds experts r * E / n onwards, megatron-core's order)."""
+    params = {local_param_name(strip_wrappers(n)): p for n, p in model.named_parameters()}
+    local = {int(m.group(1)) for n in params for m in [_LOCAL_EXPERT.search(n)] if m}
+    if not local or experts is None or experts.ep_size == 1:
+        return params
+    offset = experts.ep_rank * (max(local) + 1)
+    return {
+        _LOCAL_EXPERT.sub(lambda m: f".local_experts.{offset + int(m.group(1))}.", n): p
+        for n, p in params.items()
+    }
 
 
 @torch.no_grad()
 def init_stage_random(
     part_rules: PartRules, model: torch.nn.Module, arch: Any, *, seed: int, std: float, tp_rank: int,
-    tp_size: int,
+    tp_size: int, experts: ExpertSlice | None = None,
 ) -> None:  # fmt: skip
     """Random weights of a whole HF-layout model, of which this rank's stage (or model chunk) keeps its
-    slices (layout-independent)."""
+    slices (layout-independent); ``experts``: this rank's experts (all, cut over TP, when None)."""
     rules = model_rules(part_rules, arch, model)
-    params = _stage_params(model)
+    params = _stage_params(model, experts)
+    cut = experts or ExpertSlice()
     shapes: dict[str, tuple[int, ...]] = {}
     for name, param in params.items():
-        shapes |= hf_shapes(rules[name], tuple(param.shape), tp_size)
+        shapes |= hf_shapes(rules[name], tuple(param.shape), cut.ranks(rules[name], tp_rank, tp_size)[1])
     reader = RandomHFWeights(shapes, seed, std, arch.num_layers)
     for name, param in params.items():
-        param.copy_(read_shard(reader, rules[name], tp_rank, tp_size))
+        param.copy_(read_shard(reader, rules[name], *cut.ranks(rules[name], tp_rank, tp_size)))
 
 
 @torch.no_grad()
 def load_stage_weights(
     part_rules: PartRules, model: torch.nn.Module, model_dir: str | Path, arch: Any, *, tp_rank: int,
-    tp_size: int,
+    tp_size: int, experts: ExpertSlice | None = None,
 ) -> int:  # fmt: skip
     """Copies this rank's slice of the HF weights into ``model`` (one stage, or one model chunk of the
-    interleaved pipeline); returns the tensors read.
+    interleaved pipeline; ``experts``: this rank's experts, all cut over TP when None); returns the
+    tensors read.
 
     Every parameter must have a rule and the shapes must agree, else a ValueError names the tensor.
     """
     rules = model_rules(part_rules, arch, model)
-    params = _stage_params(model)
+    params = _stage_params(model, experts)
+    cut = experts or ExpertSlice()
     unknown = sorted(set(params) - set(rules))
     if unknown:
         raise ValueError(f"no HF source for parameters {unknown[:5]} (model and rules disagree)")
     with open_hf_weights(model_dir) as reader:
         for name, param in params.items():
-            shard = read_shard(reader, rules[name], tp_rank, tp_size)
+            shard = read_shard(reader, rules[name], *cut.ranks(rules[name], tp_rank, tp_size))
             if tuple(shard.shape) != tuple(param.shape):
                 raise ValueError(
                     f"{model_dir}: {rules[name].hf} gives {tuple(shard.shape)} for {name}, which is "
@@ -376,8 +461,10 @@ def hf_state_dict(
     part_rules: PartRules, arch: Any, shards: dict[tuple[int, int], dict[str, Any]], tp_size: int,
     pp_size: int,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
-    """HF tensors from the state dicts of every (tp_rank, pp_rank) of a checkpoint."""
+    """HF tensors from the state dicts of every (tp_rank, pp_rank) of a checkpoint (all experts on each,
+    cut over TP); the experts' matrices stacked in transformers' layout."""
     out: dict[str, torch.Tensor] = {}
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
     for pp in range(pp_size):
         states = [{strip_wrappers(k): v for k, v in shards[(tp, pp)].items()} for tp in range(tp_size)]
         for name, rule in stage_rules(part_rules, arch, pp, pp_size).items():
@@ -385,5 +472,10 @@ def hf_state_dict(
             if missing:
                 raise ValueError(f"checkpoint stage {pp} has no {name} (TP ranks {missing})")
             for hf_name, tensor in merge_tp_shards(rule, [s[name] for s in states]).items():
-                out.setdefault(hf_name, tensor.contiguous())  # a tied output layer repeats the embedding
+                if rule.expert >= 0:
+                    stacked.setdefault(hf_name, {})[rule.expert] = tensor
+                else:
+                    out.setdefault(hf_name, tensor.contiguous())  # a tied output layer repeats the embedding
+    for hf_name, matrices in stacked.items():
+        out[hf_name] = torch.stack([matrices[e] for e in range(len(matrices))]).contiguous()
     return out

@@ -23,7 +23,7 @@ import torch
 from mmpack.packing.cost import CostModel, ModelFlopShape, forward_flop_model
 from mmpack.packing.mrope import MRopeRule
 from mmpack.trainer.models import hf_weights
-from mmpack.trainer.models.hf_weights import Rule
+from mmpack.trainer.models.hf_weights import ExpertSlice, Rule
 
 
 class VisionGeometry(Protocol):
@@ -85,6 +85,10 @@ class TinyModelSpec:
     merge_size: int = 2
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
+    # a mixture-of-experts family's experts (None: its defaults; a dense family has none)
+    num_experts: int | None = None
+    moe_router_topk: int | None = None
+    moe_aux_loss_coeff: float | None = None
 
 
 class ModelFamily(abc.ABC):
@@ -140,10 +144,13 @@ class ModelFamily(abc.ABC):
 
     # -- shared: sizes and the check of HF weights -------------------------------------------------------
 
-    def size_flags_of(self, arch: Any) -> dict[str, int]:
+    def size_flags_of(self, arch: Any) -> dict[str, float]:
         """The model's sizes under the trainer's size-flag names (``ModelConfig`` fields), which must not
-        contradict a model loaded from a folder or checkpoint."""
+        contradict a model loaded from a folder or checkpoint (a dense model has no experts)."""
         return {
+            "num_experts": 0,
+            "moe_router_topk": 0,
+            "moe_aux_loss_coeff": 0.0,
             "num_layers": arch.num_layers,
             "hidden_size": arch.hidden_size,
             "num_attention_heads": arch.num_attention_heads,
@@ -178,22 +185,26 @@ class ModelFamily(abc.ABC):
         return hf_weights.stage_rules(self.part_rules, arch, pp_rank, pp_size, layers)
 
     def load_stage_weights(
-        self, model: torch.nn.Module, model_dir: str | Path, arch: Any, *, tp_rank: int, tp_size: int
-    ) -> int:
+        self, model: torch.nn.Module, model_dir: str | Path, arch: Any, *, tp_rank: int, tp_size: int,
+        experts: ExpertSlice | None = None,
+    ) -> int:  # fmt: skip
         """This rank's slice of the HF weights of ``model_dir`` into ``model`` (the files checked first, see
-        :meth:`check_hf_weights`); returns the tensors read."""
+        :meth:`check_hf_weights`; ``experts``: this rank's experts of a mixture of experts); returns the
+        tensors read."""
         self.check_hf_weights(model_dir, arch)
         return hf_weights.load_stage_weights(
-            self.part_rules, model, model_dir, arch, tp_rank=tp_rank, tp_size=tp_size
+            self.part_rules, model, model_dir, arch, tp_rank=tp_rank, tp_size=tp_size, experts=experts
         )
 
     def init_stage_random(
-        self, model: torch.nn.Module, arch: Any, *, seed: int, std: float, tp_rank: int, tp_size: int
-    ) -> None:
-        """Random HF-layout weights (the same model under every TP x PP layout), this rank's slices."""
+        self, model: torch.nn.Module, arch: Any, *, seed: int, std: float, tp_rank: int, tp_size: int,
+        experts: ExpertSlice | None = None,
+    ) -> None:  # fmt: skip
+        """Random HF-layout weights (the same model under every TP x PP x EP layout), this rank's slices."""
         hf_weights.init_stage_random(
-            self.part_rules, model, arch, seed=seed, std=std, tp_rank=tp_rank, tp_size=tp_size
-        )
+            self.part_rules, model, arch, seed=seed, std=std, tp_rank=tp_rank, tp_size=tp_size,
+            experts=experts,
+        )  # fmt: skip
 
     def stage_state_dict(
         self, model_dir: str | Path, arch: Any, *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int

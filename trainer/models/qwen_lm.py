@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from mmpack.trainer.models.common import build_block_spec
 from mmpack.trainer.models.hf_weights import Rule
+from mmpack.trainer.models.qwen_moe import MoEArch, moe_rules
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -139,6 +140,7 @@ def build_language_model(
     block = build_block_spec(
         get_num_layers_to_build(config, vp_stage=vp_stage), use_te=use_te,
         fp32_residual=config.fp32_residual_connection, qk_norm=config.qk_layernorm,
+        num_experts=config.num_moe_experts,
     )  # fmt: skip
     model = GPTModel(
         config=config,
@@ -159,9 +161,11 @@ def build_language_model(
 
 
 def decoder_rules(
-    arch: QwenLMArch, first: int, count: int, *, hf_layers: str, qkv_bias: bool, qk_norm: bool
-) -> dict[str, Rule]:
-    """HF rules of ``count`` decoder layers from global layer ``first`` (HF names ``{hf_layers}{i}.``)."""
+    arch: QwenLMArch, first: int, count: int, *, hf_layers: str, qkv_bias: bool, qk_norm: bool,
+    moe: MoEArch | None = None,
+) -> dict[str, Rule]:  # fmt: skip
+    """HF rules of ``count`` decoder layers from global layer ``first`` (HF names ``{hf_layers}{i}.``);
+    ``moe``: each layer's MLP is that mixture of experts."""
     attn = dict(heads=arch.num_attention_heads, groups=arch.num_key_value_heads, head_dim=arch.head_dim)
     rules: dict[str, Rule] = {}
     for local in range(count):
@@ -172,11 +176,14 @@ def decoder_rules(
             mc + "self_attention.linear_qkv.weight": Rule("qkv", tuple(n + "weight" for n in qkv), **attn),
             mc + "self_attention.linear_proj.weight": Rule("copy", (hf + "self_attn.o_proj.weight",), 1),
             mc + "pre_mlp_layernorm.weight": Rule("copy", (hf + "post_attention_layernorm.weight",), None),
-            mc + "mlp.linear_fc1.weight": Rule(
-                "glu", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
-            ),
-            mc + "mlp.linear_fc2.weight": Rule("copy", (hf + "mlp.down_proj.weight",), 1),
         }
+        if moe is not None:
+            rules |= moe_rules(moe, arch.hidden_size, hf + "mlp.", mc + "mlp.")
+        else:
+            rules[mc + "mlp.linear_fc1.weight"] = Rule(
+                "glu", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
+            )
+            rules[mc + "mlp.linear_fc2.weight"] = Rule("copy", (hf + "mlp.down_proj.weight",), 1)
         if qkv_bias:
             rules[mc + "self_attention.linear_qkv.bias"] = Rule("qkv", tuple(n + "bias" for n in qkv), **attn)
         if qk_norm:

@@ -28,7 +28,12 @@ class Qwen25VLFamily(ModelFamily):
     hf_tensor_shapes = staticmethod(hf_check.hf_tensor_shapes)  # type: ignore[assignment]
 
     def tiny_hf_config(self, spec: TinyModelSpec) -> dict[str, Any]:
-        return config.tiny_hf_config(**asdict(spec))
+        dense = {
+            k: v
+            for k, v in asdict(spec).items()
+            if k not in ("num_experts", "moe_router_topk", "moe_aux_loss_coeff")
+        }
+        return config.tiny_hf_config(**dense)  # no experts (a flag asking for them is refused by the trainer)
 
     def build_stage(
         self, arch: config.Qwen25VLArch, configs: VLMegatronConfigs, *, pre_process: bool,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from mmpack.trainer.models.hf_weights import Rule, output_rules
 from mmpack.trainer.models.qwen3_vl.config import Qwen3VLArch
 from mmpack.trainer.models.qwen_lm import decoder_rules
+from mmpack.trainer.models.qwen_moe import MoEArch
 
 LANGUAGE = "model.language_model."
 VISUAL = "model.visual."
@@ -53,11 +54,16 @@ def _vision_rules(arch: Qwen3VLArch) -> dict[str, Rule]:
     return rules
 
 
-def part_rules(arch: Qwen3VLArch, *, first: bool, last: bool, layers: tuple[int, int]) -> dict[str, Rule]:
+def part_rules(
+    arch: Qwen3VLArch, *, first: bool, last: bool, layers: tuple[int, int], moe: MoEArch | None = None
+) -> dict[str, Rule]:
     """The rules of a consecutive part of the model: ``first`` (vision tower and embedding), the language
-    ``layers`` (first global layer, count), ``last`` (final norm and output layer)."""
+    ``layers`` (first global layer, count), ``last`` (final norm and output layer); ``moe``: the language
+    layers' MLPs are that mixture of experts (Qwen3-VL-MoE)."""
     rules = _vision_rules(arch) if first else {}
-    rules |= decoder_rules(arch, *layers, hf_layers=LANGUAGE + "layers.", qkv_bias=False, qk_norm=True)
+    rules |= decoder_rules(
+        arch, *layers, hf_layers=LANGUAGE + "layers.", qkv_bias=False, qk_norm=True, moe=moe
+    )
     return rules | output_rules(
         first=first, last=last, tied=arch.tie_word_embeddings, norm=LANGUAGE + "norm.weight",
         embedding=LANGUAGE + "embed_tokens.weight",
