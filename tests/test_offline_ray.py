@@ -66,8 +66,16 @@ def test_ray_equals_local(cluster, raw, local_files, tmp_path: Path) -> None:
     got = dataset_files(out)
     assert any(n.endswith(".tar") for n in got) and "rejects.jsonl" in got
     _assert_same(local_files, got)
+    import ray
+
+    # the report names the cluster's own nodes and counts every task once (Ray's SPREAD is best effort: a
+    # loaded machine may run a whole stage on one node, so how the tasks split is not asserted)
     per_node = summary.tasks_per_node
-    assert all(len(per_node[stage]) == 2 for stage in ("scan", "lengths", "write")), per_node
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert all(set(per_node[stage]) <= nodes and per_node[stage] for stage in ("scan", "lengths", "write")), (
+        per_node
+    )
+    assert sum(per_node["write"].values()) == sum(n.endswith(".tar") for n in got), per_node
     # resume markers as with the local engine: a rerun skips every stage
     assert run_pack(_cfg(raw, out, engine="ray")).stages_skipped == ["scan", "lengths", "binpack", "write"]
     # control: another job (seed) differs, so the comparison can fail
