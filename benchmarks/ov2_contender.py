@@ -113,11 +113,14 @@ def write_ov2_records(records_jsonl: Path, out: Path, system_every: int = 3) -> 
 
 
 def _run_measured(cmd: list[str], env: dict[str, str], log: Path) -> dict:
-    """CPU s (the command and every process it waited for), wall s and peak PSS of the process tree."""
+    """CPU s (the command and every process it waited for), wall s and peak PSS of the process tree.
+
+    The command runs in the log's folder: the contender's stage 2 writes its own log file into the current folder.
+    """
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     with PeakPss(interval_s=0.2, include_self=False) as pss, open(log, "w") as f:
-        done = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        done = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=log.parent)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -248,6 +251,8 @@ def versus_ov2(
     data_dir: Path,
 ) -> list[dict]:
     """`compare` at each of `seq_lens` on the benchmark's records in OV-2's format; prints a table each."""
+    # absolute, since each command runs in its own log folder
+    image_root, ov2_repo, data_dir = image_root.resolve(), ov2_repo.resolve(), data_dir.resolve()
     make_qwen_vl_utils_importable(ov2_python)
     model = make_model_folder(data_dir / "ov2-model" / "Qwen2-VL", tokenizer_file)
     records = data_dir / "ov2-records.jsonl"
