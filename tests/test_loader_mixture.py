@@ -249,3 +249,24 @@ def test_bad_specs_each_one_clear_error(local: list[str], tmp_path: Path) -> Non
     bad.write_text(f"sources:\n  - {{path: {local[0]}, weigth: 1}}\n")
     with pytest.raises(ValueError, match="source 0 must be a mapping"):
         load_mixture_file(str(bad))
+
+
+def test_stats_of_a_mixture(local: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from mmpack.offline_packing.cli import main
+
+    one = [json.loads(_stats(main, capsys, p, "--json")) for p in local[:2]]
+    report = json.loads(_stats(main, capsys, "--mixture", f"3 {local[0]} 1 {local[1]}", "--json"))
+    assert [s["share"] for s in report["sources"]] == pytest.approx([0.75, 0.25])
+    assert [s["report"]["num_bins"] for s in report["sources"]] == [r["num_bins"] for r in one]
+    fills = [r["fill_efficiency"] for r in one]
+    assert report["blended"]["fill_efficiency"] == pytest.approx(0.75 * fills[0] + 0.25 * fills[1])
+    assert sum(report["blended"]["token_share"].values()) == pytest.approx(1.0)
+    text = _stats(main, capsys, "--mixture", f"3 {local[0]} 1 {local[1]}")
+    assert "blended stream" in text and local[1] in text
+    assert main(["stats", "--mixture", f"0 {local[0]} 1 {local[1]}"]) == 1
+    assert "weight must be a positive number" in capsys.readouterr().err
+
+
+def _stats(main: Any, capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    assert main(["stats", *args]) == 0
+    return capsys.readouterr().out
