@@ -462,16 +462,48 @@ def run_storage(
         results["decode ceiling"] = median_pass(ceilings)
     for label, make in contenders:
         cold()
-        consumer = measure(make, total, args.step_ms / 1000, args.consumer_batches)
+        wait = None  # --step-ms 0: no consumer pass
+        if args.step_ms > 0:
+            wait = measure(make, total, args.step_ms / 1000, args.consumer_batches)["data_wait_fraction"]
         cold()
         memory = peak_memory(make, total)
-        results[label] = {
-            **median_pass(full[label]),
-            **memory,
-            "data_wait_fraction": consumer["data_wait_fraction"],
-        }
+        results[label] = {**median_pass(full[label]), **memory, "data_wait_fraction": wait}
     results["_dataset"] = {"shards": len(m.shards), "bins": m.num_bins, "bytes": total}
     return results
+
+
+def run_mixture(dataset: Path, args: argparse.Namespace, tmp: Path) -> dict[str, dict]:
+    """A mixture of 3 sources against one dataset, over the same bins: the dataset's folder copied three times
+    (three sources, equal shares, one epoch each: 3N bins) and the dataset alone for 3 epochs (3N bins), local
+    disk, evicted from the page cache before each pass; passes in turns, medians of bins/s."""
+    import shutil
+
+    copies = [tmp / f"mix-source-{i}" for i in range(3)]
+    for copy in copies:
+        shutil.copytree(dataset, copy)
+    m = load_manifest(str(dataset), shard_format="wds")
+    n, total = m.num_bins, 3 * sum(s.bytes for s in m.shards)  # both passes read every shard's bytes 3 times
+    shards = [str(p) for root in [dataset, *copies] for p in sorted((root / "shards").glob("*"))]
+    geometry = {"micro_batch_size": args.micro_batch, "global_batch_size": args.micro_batch}
+
+    def one() -> Iterable[Any]:
+        return build_loader(str(dataset), topology=Topology(0, 1), num_workers=args.workers, num_epochs=3,
+                            shard_format="wds", cache_dir=str(tmp / "mix-cache-one"), **geometry)  # fmt: skip
+
+    def mixture() -> Iterable[Any]:
+        pairs = [(1.0, str(c)) for c in copies]
+        return build_loader(pairs, topology=Topology(0, 1), num_workers=args.workers, num_epochs=1,
+                            shard_format="wds", cache_dir=str(tmp / "mix-cache-mix"), **geometry)  # fmt: skip
+
+    passes: dict[str, list[dict]] = {"one dataset x 3 epochs": [], "mixture of 3 sources": []}
+    for _ in range(args.repeats):
+        for label, make in zip(passes, (one, mixture)):
+            evict_from_page_cache(shards)
+            passes[label].append(measure(make, total, 0.0, None))
+    out = {label: median_pass(runs) for label, runs in passes.items()}
+    ratio = out["mixture of 3 sources"]["bins_per_s"] / out["one dataset x 3 epochs"]["bins_per_s"]
+    out["_mixture"] = {"bins_per_pass": 3 * n, "bins_per_s_ratio": ratio}
+    return out
 
 
 def _fmt(value: float | None, width: int, digits: int = 1) -> str:
@@ -500,6 +532,9 @@ def print_table(all_results: dict[str, dict[str, dict]]) -> None:
     print()
     print("ratios (steady state; raw = the storage's sequential read, decode = the CPU ceiling):")
     for storage, results in all_results.items():
+        if "_mixture" in results:
+            print(f"  {storage:13} mixture/one dataset bins/s {results['_mixture']['bins_per_s_ratio']:.3f}")
+            continue
         mm, wds, raw = results["mmpack"], results["webdataset"], results["raw"]
         ceiling = results.get("decode ceiling", {}).get("MB_per_s")
         bound = raw["MB_per_s"] if ceiling is None else min(raw["MB_per_s"], ceiling)
@@ -547,6 +582,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--link-mb-s", type=float, default=5.0, help="bandwidth of the s3-link storage's link (MB/s, shared)"
     )
+    p.add_argument(
+        "--mixture",
+        action="store_true",
+        help="also: a 3-source mixture against one dataset of the same bins (vlm data, local disk)",
+    )
+    p.add_argument("--mixture-only", action="store_true", help="only the mixture comparison")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument(
         "--tmp-dir",
@@ -585,9 +626,13 @@ def main(argv: list[str] | None = None) -> int:
         wanted = args.datasets.split(",")
         if unknown := set(wanted) - set(builders):
             p.error(f"--datasets: unknown {sorted(unknown)}; choose from {sorted(builders)}")
+        if args.mixture_only:
+            wanted, args.mixture = ["vlm"], True
         datasets = {name: build() for name, build in builders.items() if name in wanted}
         all_results: dict[str, dict[str, dict]] = {}
-        storages = args.storages.split(",")
+        if args.mixture and "vlm" in datasets:
+            all_results["vlm/mixture"] = run_mixture(datasets["vlm"], args, tmp)
+        storages = [] if args.mixture_only else args.storages.split(",")
         if not args.no_energon and importlib.util.find_spec("megatron.energon") is not None:
             for dataset in datasets.values():
                 add_energon_metadata(dataset)

@@ -98,6 +98,7 @@ def collate_bins(
     cfg: CollateConfig,
     pixel_out: Callable[[int, int], np.ndarray] | None = None,
     bin_ids: np.ndarray | None = None,
+    source_ids: np.ndarray | None = None,
 ) -> MicroBatch[np.ndarray]:
     """One micro-batch, as numpy: the packed layout of every bin, its positions and the image patches.
 
@@ -106,7 +107,8 @@ def collate_bins(
     the tests); positions are the config's position rule's where it has one. Each image's patches go
     straight into `pixel_values`, sized from the grids before decoding, so a batch never holds its patches
     twice; `pixel_out(rows, width)` may provide that float32 array (a loader worker hands out shared memory,
-    so the patches need no copy on their way to the consumer). `bin_ids`: the records' global bin indices.
+    so the patches need no copy on their way to the consumer). `bin_ids`: the records' global bin indices,
+    `source_ids`: the index of each record's source in the loader's mixture (zeros for one dataset).
     """
     if not records:
         raise ValueError("collate_bins needs at least one bin")
@@ -168,6 +170,7 @@ def collate_bins(
         video_grid_thw=vision["video_grid_thw"],
         second_per_grid_ts=vision["second_per_grid_ts"],
         bin_ids=None if bin_ids is None else np.asarray(bin_ids, dtype=np.int64),
+        source_ids=None if source_ids is None else np.asarray(source_ids, dtype=np.int64),
         attention_mask=np.stack([block_mask(segment_ids(s))[None] for s in segments])
         if cfg.build_attention_mask
         else None,

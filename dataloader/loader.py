@@ -3,25 +3,31 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from mmpack.dataloader.balance import BALANCE_MODES, ComputeBalance, compute_balance
+from mmpack.dataloader.blend import BlendedStream, BlendStage
 from mmpack.dataloader.collate import CollateConfig
 from mmpack.dataloader.manifest import Manifest, load_manifest
-from mmpack.dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan
+from mmpack.dataloader.mixture import Mixture, MixtureLike, as_mixture, check_sources
+from mmpack.dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan, StreamOrder
 from mmpack.dataloader.pool import run_in_process, run_workers, take_batch
 from mmpack.dataloader.storage import ShardStore, StorageConfig
 from mmpack.dataloader.topology import Topology
-from mmpack.dataloader.worker import ProducerSpec
+from mmpack.dataloader.worker import ProducerSpec, SourceSpec
 from mmpack.packing.batch import MicroBatch, PositionRule
 from mmpack.packing.cost import CostModel
 
 if TYPE_CHECKING:
     import torch
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2 added sources, blend_stage and source_positions (mixtures); version 1 still loads
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -77,13 +83,23 @@ class PackedLoader:
         storage: StorageConfig,
         collate: CollateConfig,
         balance: ComputeBalance | None = None,
+        mixture: Mixture | None = None,
+        sources: tuple[SourceSpec, ...] = (),
     ) -> None:
+        """`mixture` and `sources` (one `SourceSpec` per source, `manifest`/`storage` the first's): a blend."""
         self.root, self.manifest, self.topology, self.config = root, manifest, topology, config
+        self.mixture = mixture
+        self.sources = sources or (SourceSpec(manifest=manifest, storage=storage),)
         self.plan = BatchPlan(
             global_batch_size=config.global_batch_size,
             micro_batch_size=config.micro_batch_size,
             dp_size=topology.dp_size,
         )
+        if manifest.num_bins == 0:
+            raise ValueError(f"packed dataset {root} has no bins")
+        sizes = [s.manifest.num_bins for s in self.sources]
+        self.shares = mixture.shares(sizes) if mixture is not None else (1.0,)
+        self.epoch_bins = mixture.epoch_bins(sizes) if mixture is not None else manifest.num_bins
         self.spec = ProducerSpec(
             manifest=manifest,
             topology=topology,
@@ -94,15 +110,38 @@ class PackedLoader:
             collate=collate,
             prefetch_shards=config.prefetch_shards,
             balance=balance,
+            sources=sources if mixture is not None else (),
+            weights=self.shares if mixture is not None else (),
+            stage=BlendStage(offsets=(0,) * len(self.sources)) if mixture is not None else None,
         )
-        if manifest.num_bins == 0:
-            raise ValueError(f"packed dataset {root} has no bins")
-        ShardStore(storage)  # a cache folder that cannot be written fails here, in one line, not in a worker
+        for source in self.sources:  # a cache folder that cannot be written fails here, in one line
+            ShardStore(source.storage)
         self._micro_batches_done = 0  # handed out by this rank since the stream start
         self._data_wait_s = 0.0
         self._micro_batches = 0
         self._worker_metrics: dict[int, dict[str, int]] = {}
         self._active: Iterator[Any] | None = None
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        """Each source's name, in `source_ids` order."""
+        if self.mixture is None:
+            return (self.root.rstrip("/").rsplit("/", 1)[-1] or self.root,)
+        return self.mixture.names
+
+    def source_positions(self, position: int) -> list[int]:
+        """Bins each source has given once the global stream reaches `position`."""
+        if self.spec.stage is None:
+            return [position]
+        streams = [
+            StreamOrder(s.manifest, self.config.seed, shard_window=self.config.shard_window)
+            for s in self.sources
+        ]
+        return (
+            BlendedStream(streams, self.shares, self.config.seed, self.spec.stage)
+            .source_positions(position)
+            .tolist()
+        )
 
     # -- geometry -----------------------------------------------------------------------------------------
     @property
@@ -112,7 +151,7 @@ class PackedLoader:
     @property
     def steps_per_epoch(self) -> int:
         """Whole global batches in one epoch (the stream chains epochs, so none are dropped)."""
-        return self.manifest.num_bins // self.plan.global_batch_size
+        return self.epoch_bins // self.plan.global_batch_size
 
     @property
     def step(self) -> int:
@@ -121,13 +160,14 @@ class PackedLoader:
     def _end_step(self) -> int | None:
         if self.config.num_epochs is None:
             return None
-        return self.config.num_epochs * self.manifest.num_bins // self.plan.global_batch_size
+        return self.config.num_epochs * self.epoch_bins // self.plan.global_batch_size
 
     # -- state --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        n = self.manifest.num_bins
+        n = self.epoch_bins
         step, in_step = divmod(self._micro_batches_done, self.micro_batches_per_step)
         consumed = step * self.plan.global_batch_size  # whole global batches
+        stage = self.spec.stage or BlendStage(offsets=(0,))
         return {
             "version": STATE_VERSION,
             "epoch": consumed // n,
@@ -141,39 +181,86 @@ class PackedLoader:
             "shard_window": self.config.shard_window,
             "balance": self.config.balance,
             "num_bins": n,
-            "manifest_fingerprint": self.manifest.fingerprint,
+            "manifest_fingerprint": self._fingerprint(),
+            "sources": [
+                {
+                    "name": name,
+                    "manifest_fingerprint": s.manifest.fingerprint,
+                    "num_bins": s.manifest.num_bins,
+                    "share": share,
+                }
+                for name, s, share in zip(self.source_names, self.sources, self.shares)
+            ],
+            "blend_stage": {"origin": stage.origin, "offsets": list(stage.offsets)},
+            "source_positions": self.source_positions(consumed),
         }
 
+    def _fingerprint(self) -> str:
+        if self.mixture is None:
+            return self.manifest.fingerprint
+        parts = [f"{s.manifest.fingerprint}:{share!r}" for s, share in zip(self.sources, self.shares)]
+        return hashlib.sha256(",".join(parts).encode()).hexdigest()[:16]
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continues from `state` (seed, global batch and dataset must match; DP size too inside a step)."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"loader state version {state.get('version')} is not {STATE_VERSION}")
+        """Continues from `state` (seed, global batch and dataset must match; DP size too inside a step).
+
+        A mixture also continues a state of other weights or sources (the next stage of a curriculum, saved
+        between steps): the new shares apply from there, each source continuing where it stopped."""
+        if state.get("version") not in (1, STATE_VERSION):
+            raise ValueError(f"loader state version {state.get('version')} is not 1 or {STATE_VERSION}")
         mine = self.state_dict()
-        for key in ("seed", "global_batch_size", "shard_window", "num_bins", "manifest_fingerprint"):
+        same_data = all(state[k] == mine[k] for k in ("num_bins", "manifest_fingerprint"))
+        keys = ("seed", "global_batch_size", "shard_window") + (
+            () if self.mixture is not None else ("num_bins", "manifest_fingerprint")
+        )
+        for key in keys:
             if state[key] != mine[key]:
                 raise ValueError(
                     f"loader state was saved with {key}={state[key]!r}, this loader has {mine[key]!r}; "
                     "resuming would change the data stream"
                 )
-        consumed = int(state["epoch"]) * self.manifest.num_bins + int(state["bins_consumed_in_epoch"])
+        consumed = int(state["epoch"]) * int(state["num_bins"]) + int(state["bins_consumed_in_epoch"])
         if consumed != int(state["bins_consumed"]) or consumed % self.plan.global_batch_size:
             raise ValueError(f"inconsistent loader state {state}")
         in_step = int(state.get("micro_batches_in_step", 0))  # older states lack it (saved between steps)
         if in_step:
-            geometry = (state["micro_batch_size"], state["dp_size"], state.get("balance", "none"))
-            if geometry != (mine["micro_batch_size"], mine["dp_size"], mine["balance"]):
-                raise ValueError(
-                    f"loader state was saved {in_step} micro-batches into a step with (micro_batch_size, "
-                    f"dp_size, balance)={geometry}, this loader has "
-                    f"{(mine['micro_batch_size'], mine['dp_size'], mine['balance'])}; "
-                    "only the same ones continue a partly consumed step exactly (or save between steps)"
-                )
-            if not 0 < in_step < self.micro_batches_per_step:
-                raise ValueError(f"inconsistent loader state {state}")
+            self._check_in_step(state, mine, in_step, same_data)
         self.close()
+        if self.mixture is not None:
+            self.spec = dataclasses.replace(self.spec, stage=self._stage_from(state, consumed, same_data))
         self._micro_batches_done = (
             consumed // self.plan.global_batch_size * self.micro_batches_per_step + in_step
         )
+
+    def _check_in_step(
+        self, state: dict[str, Any], mine: dict[str, Any], in_step: int, same_data: bool
+    ) -> None:
+        geometry = (state["micro_batch_size"], state["dp_size"], state.get("balance", "none"))
+        if geometry != (mine["micro_batch_size"], mine["dp_size"], mine["balance"]) or not same_data:
+            raise ValueError(
+                f"loader state was saved {in_step} micro-batches into a step with (micro_batch_size, "
+                f"dp_size, balance)={geometry}, this loader has "
+                f"{(mine['micro_batch_size'], mine['dp_size'], mine['balance'])}; "
+                "only the same ones (and the same data) continue a partly consumed step exactly (or save "
+                "between steps)"
+            )
+        if not 0 < in_step < self.micro_batches_per_step:
+            raise ValueError(f"inconsistent loader state {state}")
+
+    def _stage_from(self, state: dict[str, Any], consumed: int, same_data: bool) -> BlendStage:
+        """The blend stage that continues `state`: its own (same mixture), or a new one from `consumed` with
+        each source where the state left it (a source the state does not know starts at its beginning)."""
+        if same_data and "blend_stage" in state:
+            saved = state["blend_stage"]
+            return BlendStage(origin=int(saved["origin"]), offsets=tuple(int(o) for o in saved["offsets"]))
+        if "sources" in state:
+            seen = {
+                s["manifest_fingerprint"]: int(p) for s, p in zip(state["sources"], state["source_positions"])
+            }
+        else:  # version 1: one dataset
+            seen = {state["manifest_fingerprint"]: consumed}
+        offsets = tuple(seen.get(s.manifest.fingerprint, 0) for s in self.sources)
+        return BlendStage(origin=consumed, offsets=offsets)
 
     # -- metrics ------------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -231,7 +318,7 @@ class PackedLoader:
 
 
 def build_loader(
-    path: str,
+    path: MixtureLike,
     *,
     topology: Topology,
     micro_batch_size: int,
@@ -255,7 +342,9 @@ def build_loader(
     cost_model: CostModel | None = None,
     position_rule: PositionRule | None = None,
 ) -> PackedLoader:
-    """A loader of the packed dataset at `path` (folder or fsspec URL) for the rank `topology`.
+    """A loader of the packed dataset at `path` (folder or fsspec URL) for the rank `topology`, or of a
+    mixture: a list of `(weight, path)` pairs or a `mmpack.dataloader.mixture.Mixture` (each source with its own
+    storage options; `storage_options` is the default). Every micro-batch's `source_ids` says each row's source.
 
     `num_epochs=None` streams epochs endlessly (Megatron style, stop after train-iters); otherwise the
     loader stops after the last whole global batch of `num_epochs` epochs. `shard_format` picks "arrow" or
@@ -269,9 +358,7 @@ def build_loader(
     made included. `position_rule`: the model family's positions (`mmpack.packing.batch.PositionRule`, e.g.
     `mmpack.packing.mrope.MRopeRule`), computed in the loader workers; None: positions restart at 0 per sample.
     """
-    manifest = load_manifest(
-        path, storage_options=storage_options, shard_format=shard_format, max_attempts=max_attempts
-    )
+    mixture = as_mixture(path)
     config = LoaderConfig(
         micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size,
@@ -285,16 +372,67 @@ def build_loader(
         start_method=start_method,
         balance=balance,
     )
-    storage = StorageConfig(
-        root=path,
-        cache_dir=cache_dir,
-        cache_limit_bytes=cache_limit_bytes,
-        storage_options=storage_options,
-        max_attempts=max_attempts,
-        download_concurrency=download_concurrency,
-    )
+
+    def source(root: str, options: dict[str, Any] | None) -> SourceSpec:
+        manifest = load_manifest(
+            root, storage_options=options, shard_format=shard_format, max_attempts=max_attempts
+        )
+        storage = StorageConfig(
+            root=root,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
+            storage_options=options,
+            max_attempts=max_attempts,
+            download_concurrency=download_concurrency,
+        )
+        return SourceSpec(manifest=manifest, storage=storage)
+
+    sources: tuple[SourceSpec, ...]
+    if mixture is None:
+        assert isinstance(path, str)
+        sources = (source(path, storage_options),)
+    else:
+        sources = tuple(
+            _load_source(source, s.path, name, s.storage_options or storage_options)
+            for s, name in zip(mixture.sources, mixture.names)
+        )
+        check_sources(mixture.names, [s.manifest for s in sources])
+    first = sources[0]
     collate = CollateConfig.from_manifest(
-        manifest, build_attention_mask=build_attention_mask, position_rule=position_rule
+        first.manifest, build_attention_mask=build_attention_mask, position_rule=position_rule
     )
-    costs = compute_balance(manifest, storage, cost_model) if balance == "compute" else None
-    return PackedLoader(path, manifest, topology, config, storage, collate, balance=costs)
+    costs = None
+    if balance == "compute":
+        parts = [compute_balance(s.manifest, s.storage, cost_model).bin_costs for s in sources]
+        costs = ComputeBalance(np.concatenate(parts))
+    if mixture is None:
+        return PackedLoader(
+            first.storage.root, first.manifest, topology, config, first.storage, collate, balance=costs
+        )
+    root = " ".join(f"{name}={s.path}" for s, name in zip(mixture.sources, mixture.names))
+    return PackedLoader(
+        root,
+        first.manifest,
+        topology,
+        config,
+        first.storage,
+        collate,
+        balance=costs,
+        mixture=mixture,
+        sources=sources,
+    )
+
+
+def _load_source(load: Any, path: str, name: str, options: dict[str, Any] | None) -> SourceSpec:
+    """One mixture source, an error naming it where it cannot be read."""
+    try:
+        return load(path, options)  # type: ignore[no-any-return]
+    except (OSError, ValueError) as e:
+        kind = (
+            FileNotFoundError
+            if isinstance(e, FileNotFoundError)
+            else ValueError
+            if isinstance(e, ValueError)
+            else OSError
+        )
+        raise kind(f"mixture source {name!r} ({path}): {e}") from e

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -71,6 +71,14 @@ class BatchPlan:
         return self.global_batch_size // (self.micro_batch_size * self.dp_size)
 
 
+class BinStream(Protocol):
+    """A chained stream of bins: one dataset's (`StreamOrder`) or a mixture's (`mmpack.dataloader.blend`)."""
+
+    def positions(self, start: int, count: int) -> np.ndarray:
+        """Bin ids at global stream positions [start, start+count)."""
+        ...
+
+
 class StreamOrder:
     """The chained-epoch bin stream of one (manifest, seed); epoch orders are memoised (a few at a time)."""
 
@@ -101,7 +109,7 @@ class StreamOrder:
 
 
 def micro_batch_bins(
-    stream: StreamOrder,
+    stream: BinStream,
     step: int,
     micro_batch: int,
     topology: Topology,

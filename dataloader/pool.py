@@ -16,7 +16,7 @@ from typing import Any
 
 from mmpack.dataloader.storage import ShardError
 from mmpack.dataloader.transport import SlotReader, new_slot_flags
-from mmpack.dataloader.worker import Producer, ProducerSpec, to_torch, worker_loop
+from mmpack.dataloader.worker import ProducerSpec, make_producer, to_torch, worker_loop
 from mmpack.packing.batch import MicroBatch
 from mmpack.packing.processes import ProcessDiedError, describe_exit
 
@@ -38,14 +38,14 @@ def run_in_process(
     spec: ProducerSpec, k_start: int, k_end: int | None, *, metrics: dict[int, dict[str, int]]
 ) -> Batches:
     """Makes every micro-batch here (num_workers=0); the wait is the time spent making it."""
-    producer = Producer(spec, k_start, k_end)
+    producer = make_producer(spec, k_start, k_end)
     k = k_start
     try:
         while k_end is None or k < k_end:
             t0 = time.perf_counter()
             pair = [to_torch(producer.produce(k)), 0.0]
             pair[1] = time.perf_counter() - t0
-            metrics[0] = producer.store.metrics.as_dict()
+            metrics[0] = producer.storage_metrics()
             yield pair
             k += 1
     finally:

@@ -10,6 +10,8 @@ read ahead by the kernel and checked by the workers in shares, from each worker'
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import gc
 import os
 import threading
@@ -24,6 +26,7 @@ import torch
 import torch.multiprocessing
 
 from mmpack.dataloader.balance import ComputeBalance
+from mmpack.dataloader.blend import BlendedStream, BlendStage
 from mmpack.dataloader.collate import CollateConfig, ImageTooLargeError, collate_bins
 from mmpack.dataloader.manifest import Manifest
 from mmpack.dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
@@ -53,6 +56,18 @@ class ProducerSpec:
     collate: CollateConfig
     prefetch_shards: int
     balance: ComputeBalance | None = None  # balance="compute": the cost-balanced layout of each global batch
+    # A mixture: every source (`manifest` and `storage` above are the first one's), their shares, the stage.
+    sources: tuple[SourceSpec, ...] = ()
+    weights: tuple[float, ...] = ()
+    stage: BlendStage | None = None
+
+
+@dataclass(kw_only=True, frozen=True)
+class SourceSpec:
+    """One source of a mixture: its manifest and where its shards are."""
+
+    manifest: Manifest
+    storage: StorageConfig
 
 
 class ReaderPool:
@@ -126,10 +141,18 @@ class Producer:
     """
 
     def __init__(
-        self, spec: ProducerSpec, k_start: int, k_end: int | None, *, worker: tuple[int, int] = (0, 1)
+        self,
+        spec: ProducerSpec,
+        k_start: int,
+        k_end: int | None,
+        *,
+        worker: tuple[int, int] = (0, 1),
+        bins_of: Callable[[int], np.ndarray] | None = None,
     ) -> None:
-        """`worker`: (id, count) of this process among the loader's workers (they share out shard checks)."""
+        """`worker`: (id, count) of this process among the loader's workers (they share out shard checks);
+        `bins_of(k)`: this dataset's bins of micro-batch k, when it is one source of a mixture."""
         self.spec = spec
+        self._bins_of = bins_of
         self.stream = StreamOrder(spec.manifest, spec.seed, shard_window=spec.shard_window)
         self.store = ShardStore(spec.storage)
         self.readers = ReaderPool(spec.manifest, self.store, max_open=spec.shard_window + 1)
@@ -144,6 +167,8 @@ class Producer:
                 self.prefetcher.start()
 
     def bins(self, k: int) -> np.ndarray:
+        if self._bins_of is not None:
+            return self._bins_of(k)
         m = self.spec.plan.micro_batches_per_step
         return micro_batch_bins(
             self.stream, k // m, k % m, self.spec.topology, self.spec.plan, self.spec.balance
@@ -158,6 +183,21 @@ class Producer:
         self, k: int, pixel_out: Callable[[int, int], np.ndarray] | None = None
     ) -> MicroBatch[np.ndarray]:
         """Micro-batch k, as numpy (`pixel_out`: where its image patches go, see `collate_bins`)."""
+        bins = self.advance(k)
+        try:
+            records = [self.readers.read_bin(int(b)) for b in bins]
+            sources = np.zeros(len(bins), dtype=np.int64)
+            return collate_bins(
+                records, self.spec.collate, pixel_out=pixel_out, bin_ids=bins, source_ids=sources
+            )
+        except ImageTooLargeError as e:  # name the shard too
+            shard = self.spec.manifest.shards[
+                int(self.spec.manifest.shard_of_bin(bins[e.row : e.row + 1])[0])
+            ]
+            raise ImageTooLargeError(f"shard {shard.path}: {e}", row=e.row) from None
+
+    def advance(self, k: int) -> np.ndarray:
+        """The consumer is at micro-batch k: read ahead from there; k's bins."""
         self.prefetcher.advance(k)
         bins = self._planned.pop(k, None)
         if bins is None:  # no prefetcher, or it has not got this far
@@ -165,14 +205,10 @@ class Producer:
         if len(self._planned) > 2 * Prefetcher.MAX_LOOKAHEAD_MICRO_BATCHES:  # other workers' micro-batches
             for old in [j for j in list(self._planned) if j < k]:
                 self._planned.pop(old, None)
-        try:
-            records = [self.readers.read_bin(int(b)) for b in bins]
-            return collate_bins(records, self.spec.collate, pixel_out=pixel_out, bin_ids=bins)
-        except ImageTooLargeError as e:  # name the shard too
-            shard = self.spec.manifest.shards[
-                int(self.spec.manifest.shard_of_bin(bins[e.row : e.row + 1])[0])
-            ]
-            raise ImageTooLargeError(f"shard {shard.path}: {e}", row=e.row) from None
+        return bins
+
+    def storage_metrics(self) -> dict[str, int]:
+        return self.store.metrics.as_dict()
 
     def new_shards(self, k: int, recent: OrderedDict[int, None]) -> list[int]:
         """Shards of micro-batch k not among the `recent` ones (which it updates, keeping a few)."""
@@ -189,6 +225,85 @@ class Producer:
     def close(self) -> None:
         self.prefetcher.close()
         self.readers.close()
+
+
+class MixedProducer:
+    """`Producer` of a mixture: one `Producer` per source reads (and reads ahead) that source's bins of each
+    micro-batch; the blended order (`mmpack.dataloader.blend`) says which rows they fill."""
+
+    def __init__(
+        self, spec: ProducerSpec, k_start: int, k_end: int | None, *, worker: tuple[int, int] = (0, 1)
+    ) -> None:
+        self.spec = spec
+        streams = [StreamOrder(s.manifest, spec.seed, shard_window=spec.shard_window) for s in spec.sources]
+        self.stream = BlendedStream(streams, spec.weights, spec.seed, spec.stage)
+        self._lock = threading.Lock()
+        self._combined: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.parts = [
+            Producer(
+                dataclasses.replace(spec, manifest=s.manifest, storage=s.storage, sources=(), balance=None),
+                k_start,
+                k_end,
+                worker=worker,
+                bins_of=functools.partial(self._source_bins, i),
+            )
+            for i, s in enumerate(spec.sources)
+        ]
+
+    def combined_bins(self, k: int) -> np.ndarray:
+        """Combined bin ids (`BlendedStream`) of micro-batch k (a worker's threads ask for the same k)."""
+        with self._lock:
+            if k not in self._combined:
+                m = self.spec.plan.micro_batches_per_step
+                self._combined[k] = micro_batch_bins(
+                    self.stream, k // m, k % m, self.spec.topology, self.spec.plan, self.spec.balance
+                )
+                while len(self._combined) > 4 * Prefetcher.MAX_LOOKAHEAD_MICRO_BATCHES:
+                    self._combined.popitem(last=False)
+            return self._combined[k]
+
+    def _source_bins(self, source: int, k: int) -> np.ndarray:
+        src, local = self.stream.split(self.combined_bins(k))
+        return local[src == source]
+
+    def produce(
+        self, k: int, pixel_out: Callable[[int, int], np.ndarray] | None = None
+    ) -> MicroBatch[np.ndarray]:
+        """Micro-batch k of the mixture, its rows in the blended order."""
+        for part in self.parts:
+            part.advance(k)
+        src, local = self.stream.split(self.combined_bins(k))
+        records = [self.parts[int(s)].readers.read_bin(int(b)) for s, b in zip(src, local)]
+        try:
+            return collate_bins(
+                records, self.spec.collate, pixel_out=pixel_out, bin_ids=local, source_ids=src
+            )
+        except ImageTooLargeError as e:  # name the source and shard too
+            part = self.parts[int(src[e.row])]
+            shard = part.spec.manifest.shards[part.spec.manifest.shard_index(int(local[e.row]))]
+            raise ImageTooLargeError(
+                f"{part.spec.storage.root}: shard {shard.path}: {e}", row=e.row
+            ) from None
+
+    def storage_metrics(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for part in self.parts:
+            for key, value in part.storage_metrics().items():
+                totals[key] = totals.get(key, 0) + value
+        return totals
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.close()
+
+
+def make_producer(
+    spec: ProducerSpec, k_start: int, k_end: int | None, *, worker: tuple[int, int] = (0, 1)
+) -> Producer | MixedProducer:
+    """The producer of one dataset, or of a mixture when `spec.sources` names its sources."""
+    if spec.sources:
+        return MixedProducer(spec, k_start, k_end, worker=worker)
+    return Producer(spec, k_start, k_end, worker=worker)
 
 
 class LocalReadAhead:
@@ -386,7 +501,7 @@ def worker_loop(
     gc.freeze()
     # one intra-op thread: workers are the parallelism (video frames are resized with torch here)
     torch.set_num_threads(1)
-    producer = Producer(spec, k_start, k_end, worker=(worker_id, num_workers))
+    producer = make_producer(spec, k_start, k_end, worker=(worker_id, num_workers))
     writer = SlotWriter(slot_flags, ahead, stop_ev)
     # Image patches are decoded straight into a slot, with room after them for the batch's other arrays.
     length = spec.collate.seq_len
@@ -397,7 +512,7 @@ def worker_loop(
 
     def send(items: list[tuple[str, int, Any, dict[str, int] | None]]) -> None:
         """One message; its last batch carries the storage counters (the consumer keeps the latest)."""
-        items[-1] = (*items[-1][:3], producer.store.metrics.as_dict())
+        items[-1] = (*items[-1][:3], producer.storage_metrics())
         conn.send(items)
 
     k = k_start + worker_id

@@ -22,7 +22,9 @@ image_grid_thw       int64 [I, 3]     (t, h, w) in patches of each image
 pixel_values_videos  float32 [V, D]   video patches (the planned frames), in order
 video_grid_thw       int64 [N, 3]     (t, h, w) of each video, t = temporal patches
 second_per_grid_ts   float32 [N]      seconds per temporal patch of each video
-bin_ids              int64 [B]        global bin index of each row (None for synthetic batches)
+bin_ids              int64 [B]        global bin index of each row in its dataset (None for synthetic batches)
+source_ids           int64 [B]        index of each row's dataset in the loader's mixture (0 for one dataset;
+                                      None for synthetic batches)
 attention_mask       bool [B,1,L,L]   block-diagonal causal mask, True = masked (only when asked for)
 ==================== ================ ===========================================================================
 
@@ -75,6 +77,7 @@ class MicroBatch(Generic[A]):
     video_grid_thw: A
     second_per_grid_ts: A
     bin_ids: A | None = None
+    source_ids: A | None = None
     attention_mask: A | None = None
 
     @property
@@ -109,6 +112,7 @@ DTYPES = {
     "video_grid_thw": "int64",
     "second_per_grid_ts": "float32",
     "bin_ids": "int64",
+    "source_ids": "int64",
     "attention_mask": "bool",
 }
 
@@ -126,7 +130,7 @@ def contract_problems(batch: MicroBatch[Any]) -> list[str]:
         "labels": (b, length),
         "loss_mask": (b, length),
     }
-    want |= {"bin_ids": (b,), "attention_mask": (b, 1, length, length)}
+    want |= {"bin_ids": (b,), "source_ids": (b,), "attention_mask": (b, 1, length, length)}
     for name, shape in want.items():
         value = getattr(batch, name)
         if value is not None and tuple(value.shape) != shape:

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from mmpack.dataloader.mixture import load_mixture_file, parse_inline
 from mmpack.trainer.config import (
     LR_DECAY_STYLES,
     MOE_DISPATCHERS,
@@ -256,7 +257,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip (0 = off)")
 
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", default=None, help="packed dataset (folder or s3:// / http(s):// URL)")
+    g.add_argument(
+        "--data-path",
+        nargs="+",
+        default=None,
+        help="packed dataset (folder or s3:// / http(s):// URL), or a weighted mixture: W1 PATH1 W2 PATH2 ...",
+    )
+    g.add_argument(
+        "--data-mixture",
+        default=None,
+        help="a mixture file (YAML or JSON: sources with path, weight or repeat, name, storage_options)",
+    )
     g.add_argument("--eval-data-path", default=None, help="held-out packed dataset for --eval-interval")
     g.add_argument("--mock-data", action="store_true", help="synthetic packed batches, no dataset")
     g.add_argument("--num-workers", type=int, default=2, help="loader worker processes")
@@ -375,6 +386,18 @@ def _config_from_args(cls: type[C], args: argparse.Namespace, **given: Any) -> C
     return cls(**{k: v for k, v in vars(args).items() if k in names}, **given)
 
 
+def _data_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """`--data-path` (one dataset or Megatron's `W1 A W2 B` blend) and `--data-mixture` as DataConfig fields."""
+    words = args.data_path or []
+    if args.data_mixture and words:
+        raise ValueError("give --data-path or --data-mixture, not both")
+    if args.data_mixture:
+        return {"data_path": None, "data_mixture": load_mixture_file(args.data_mixture)}
+    if len(words) > 1:
+        return {"data_path": None, "data_mixture": parse_inline(words)}
+    return {"data_path": words[0] if words else None, "data_mixture": None}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     """Parse flags into a validated :class:`RunConfig` (raises ``SystemExit``/``ValueError`` on bad input)."""
     args = build_parser().parse_args(argv)
@@ -394,7 +417,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
         train=_config_from_args(
             TrainConfig, args, debug_overflow_iterations=tuple(args.debug_overflow_iterations)
         ),
-        data=_config_from_args(DataConfig, args, cache_dir=args.data_cache_dir),
+        data=_config_from_args(DataConfig, args, cache_dir=args.data_cache_dir, **_data_flags(args)),
         checkpoint=_config_from_args(CheckpointConfig, args),
         logging=_config_from_args(ObservabilityConfig, args),
         exit=_config_from_args(ExitConfig, args),

@@ -11,6 +11,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 
+from mmpack.dataloader.mixture import Mixture
 from mmpack.trainer.exits import ExitConfig
 from mmpack.trainer.observability import ObservabilityConfig
 
@@ -318,6 +319,7 @@ class DataConfig:
     """Where micro-batches come from."""
 
     data_path: str | None = None
+    data_mixture: Mixture | None = None  # --data-path w1 A w2 B ... or --data-mixture FILE
     eval_data_path: str | None = None
     num_workers: int = 2
     cache_dir: str | None = None
@@ -327,12 +329,29 @@ class DataConfig:
     balance_cost: tuple[float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
-        if not self.data_path and not self.mock_data:
-            raise ValueError("give --data-path (a packed dataset) or --mock-data")
+        if not self.data_path and not self.data_mixture and not self.mock_data:
+            raise ValueError("give --data-path (a packed dataset), --data-mixture or --mock-data")
+        if self.data_path and self.data_mixture:
+            raise ValueError("give one of --data-path and a mixture (--data-mixture or weighted --data-path)")
         if self.balance not in ("none", "compute"):
             raise ValueError(f"--balance must be none or compute, got {self.balance!r}")
         if self.balance_cost is not None and self.balance != "compute":
             raise ValueError("--balance-cost sets the cost model of --balance compute; add --balance compute")
+
+    @property
+    def train_data(self) -> str | Mixture | None:
+        """What the training loader reads: one dataset, a mixture, or None (synthetic)."""
+        return self.data_mixture or self.data_path
+
+    @property
+    def first_path(self) -> str | None:
+        """The dataset whose manifest sets vocabulary and image rule (a mixture's sources all agree)."""
+        return self.data_mixture.sources[0].path if self.data_mixture else self.data_path
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        """The names of the training sources, in `source_ids` order (empty for one dataset)."""
+        return self.data_mixture.names if self.data_mixture else ()
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -6,7 +6,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +14,9 @@ from mmpack.packing.batch import MicroBatch, PositionRule
 from mmpack.packing.layout import IGNORE_INDEX
 from mmpack.packing.tokenizer import ByteTokenizer
 from mmpack.trainer.batches import SyntheticLoader, SyntheticSpec, block_causal_mask
+
+if TYPE_CHECKING:
+    from mmpack.dataloader.mixture import Mixture
 
 # --mock-data uses the ids of the byte-level fallback tokenizer: vocab_size and pad, vision_start, ... ids.
 MOCK_VOCAB = {"vocab_size": ByteTokenizer.vocab_size, **ByteTokenizer().special_ids}
@@ -107,7 +110,7 @@ def dataset_info(data_path: str | None, seq_length: int) -> DataInfo:
 
 
 def build_step_batches(
-    data_path: str | None,
+    data_path: str | Mixture | None,
     info: DataInfo,
     *,
     micro_batch_size: int,

@@ -48,7 +48,7 @@ from mmpack.trainer.exits import ExitPolicy, ExitSignals
 from mmpack.trainer.freeze import count_parameters
 from mmpack.trainer.models import family_of
 from mmpack.trainer.models.protocol import ModelFamily
-from mmpack.trainer.observability import Observer
+from mmpack.trainer.observability import Observer, SourceMetrics, source_loss_parts
 from mmpack.trainer.shared_batches import SharedStepBatches, shared_step_batches
 
 
@@ -145,16 +145,20 @@ def build_scheduler(cfg: RunConfig, optimizer: Any) -> OptimizerParamScheduler:
     )
 
 
-def _loss_func(loss_mask: torch.Tensor, poison: bool, output: torch.Tensor):
+def _loss_func(loss_mask: torch.Tensor, poison: bool, sources: Any, output: torch.Tensor):
     """megatron-core's per-token loss (``calculate_per_token_loss``): the micro-batch's summed token loss and
     its number of target tokens; the schedule sums both over micro-batches, ``finalize_model_grads`` over DP
     ranks, and divides the gradients by the step's token count, so every target token of the global batch
-    weighs the same whatever micro-batch it is in. The pair is also what gets logged."""
+    weighs the same whatever micro-batch it is in. The pair is also what gets logged; `sources` (a mixture:
+    the rows' source ids and the number of sources) adds each source's pair."""
     loss_sum = (output.float().reshape(-1) * loss_mask.reshape(-1)).sum()
     if poison:
         loss_sum = loss_sum * math.inf
     num_tokens = loss_mask.sum().to(torch.int)
-    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
+    reported = {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
+    if sources is not None:
+        reported["source loss"] = source_loss_parts(output, loss_mask, *sources)
+    return loss_sum, num_tokens, reported
 
 
 def _tokens_digest(tokens: torch.Tensor) -> int:
@@ -170,7 +174,7 @@ class Trainer:
         """``exit_signals``: the SIGTERM / SIGUSR1 recorder of ``--exit-signal-handler``, installed by the
         caller before anything forks."""
         self.exit_policy = ExitPolicy(cfg.exit, exit_signals, start_s=time.time())
-        info = dataset_info(cfg.data.data_path, cfg.train.seq_length)
+        info = dataset_info(cfg.data.first_path, cfg.train.seq_length)
         self.hf_config = model_hf_config(cfg, info)
         self.family = family_of(self.hf_config)
         self.arch = self.family.arch_from_hf_config(self.hf_config)
@@ -183,8 +187,8 @@ class Trainer:
         check_data_matches_model(
             self.family, self.arch, info, cfg.model.hf_model or "(random, from the size flags)"
         )
-        if cfg.model.hf_model and cfg.data.data_path:  # tokenizer file and the whole image rule too
-            check_dataset_for_hf_model(cfg.data.data_path, cfg.model.hf_model)
+        if cfg.model.hf_model and cfg.data.first_path:  # tokenizer file and the whole image rule too
+            check_dataset_for_hf_model(cfg.data.first_path, cfg.model.hf_model)
         self.use_te = te_available()
         self.pad_id = info.pad_id
         self.thd_multiple = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
@@ -218,15 +222,17 @@ class Trainer:
             else None,
             position_rule=self.family.position_rule(self.arch),
         )
-        self.train_data = shared_step_batches(partial(step_batches, cfg.data.data_path, seed=cfg.train.seed))
+        self.train_data = shared_step_batches(partial(step_batches, cfg.data.train_data, seed=cfg.train.seed))
         self.eval_data: SharedStepBatches | None = None
         if cfg.train.eval_interval > 0:
             eval_path = cfg.data.eval_data_path
-            if cfg.data.data_path and not eval_path:
+            if cfg.data.train_data and not eval_path:
                 raise ValueError("--eval-interval needs --eval-data-path (a held-out packed dataset)")
             self.eval_data = shared_step_batches(partial(step_batches, eval_path, seed=cfg.train.seed + 1))
         self.iteration = 0
         self.skipped = 0
+        names = cfg.data.source_names
+        self.source_metrics = SourceMetrics(names) if names else None
         self.is_logger = dist.get_rank() == dist.get_world_size() - 1
         self.observer = Observer(
             cfg.logging, flop_model=self.family.flop_model(self.arch), pad_id=info.pad_id,
@@ -293,10 +299,16 @@ class Trainer:
         batch: MicroBatch[torch.Tensor] = next(data_iterator)
         if torch.cuda.is_available():
             batch = batch.map_arrays(lambda v: v.cuda(non_blocking=True))
+        sources = None
+        if self.source_metrics is not None and batch.source_ids is not None:  # per token, before THD padding
+            sources = (
+                batch.source_ids.repeat_interleave(batch.tokens.shape[1]),
+                len(self.source_metrics.names),
+            )
         if self.use_te:  # THD: under sequence parallelism the flattened length must divide by TP
             batch = pad_flat_batch(batch, self.thd_multiple, self.pad_id)
         output = model(**model_inputs(batch, use_thd=self.use_te))
-        return output, partial(_loss_func, batch.loss_mask, poison)
+        return output, partial(_loss_func, batch.loss_mask, poison, sources)
 
     def _run_schedule(
         self, batches: list[MicroBatch[torch.Tensor]], *, forward_only: bool, poison: bool = False
@@ -358,6 +370,14 @@ class Trainer:
             [loss_sum, n_tok, real, digest, compute_s]
         )
         (compute_max,) = self._reduce_over_dp([compute_s], op=dist.ReduceOp.MAX)
+        if self.source_metrics is not None:
+            k = len(self.source_metrics.names)
+            parts = (
+                sum((x["source loss"].cpu() for x in losses), torch.zeros(2, k, dtype=torch.float64))
+                if losses
+                else torch.zeros(2, k, dtype=torch.float64)
+            )
+            self.source_metrics.add(self._reduce_over_dp(parts.reshape(-1).tolist()))
         compute_mean = compute_sum / self.dp_size
         elapsed = time.perf_counter() - start + wait_s
         total = float(self.cfg.train.global_batch_size * self.cfg.train.seq_length)
@@ -416,6 +436,10 @@ class Trainer:
             f" DP compute max/mean: {m['dp_imbalance']:.3f} |"
             f" TFLOPs/GPU: {m['tflops_per_gpu']:.3f} |{mfu}"
             f" skipped iterations: {m['skipped_total']} |"
+            + "".join(
+                f" {n} loss: {'nan' if v is None else f'{v:.6E}'} tokens: {m['source_tokens'][n]} |"
+                for n, v in (m.get("source_loss") or {}).items()
+            )
         )
         self.write_metrics(m)
         self.observer.write(m)
@@ -456,6 +480,8 @@ class Trainer:
             if metrics["skipped"]:
                 self.log_text(f"iteration {self.iteration}: skipped (gradient overflow), loss scale lowered")
             if self.iteration % tr.log_interval == 0 or metrics["skipped"]:
+                if self.source_metrics is not None:
+                    metrics |= self.source_metrics.take()
                 self.log_metrics(metrics)
                 self.observer.write_timers(self.iteration, normalizer=1.0)
             if tr.eval_interval and self.iteration % tr.eval_interval == 0:
@@ -493,8 +519,18 @@ class Trainer:
             f"{'THD cu_seqlens (TE)' if self.use_te else 'block-diagonal mask'} | seq {c.train.seq_length} | "
             f"micro {c.train.micro_batch_size} x {self.num_micro} micro-batches x DP {self.dp_size} = "
             f"global {c.train.global_batch_size} | language layers per stage {self.layers_per_stage()} | data "
-            f"{c.data.data_path or 'synthetic (--mock-data)'}"
+            f"{self.data_label()}"
         )
+
+    def data_label(self) -> str:
+        d = self.cfg.data
+        if d.data_mixture:
+            shares = " ".join(
+                f"{s.weight or s.repeat}x {n}={s.path}"
+                for s, n in zip(d.data_mixture.sources, d.source_names)
+            )
+            return f"mixture {shares}"
+        return d.data_path or "synthetic (--mock-data)"
 
     def layers_per_stage(self) -> str:
         """megatron-core's split of the language layers over the pipeline stages, e.g. "1,3"; under the

@@ -34,9 +34,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `mmpack stats`."""
     parser.add_argument(
         "path",
+        nargs="?",
         help="packed dataset (folder or URL with manifest.json) or a length file: "
         f"{', '.join(LENGTH_FILE_SUFFIXES)} (name:len lines, integers, JSON list, "
         "histogram JSON {max_len, counts}, .npy)",
+    )
+    parser.add_argument(
+        "--mixture",
+        metavar="SPEC",
+        help="a mixture instead of PATH: a YAML/JSON mixture file or '0.7 /data/a 0.3 s3://b/c'; reports each "
+        "source and the blended stream",
     )
     pack = parser.add_argument_group("packing a length file (for a dataset: used by --compare only)")
     pack.add_argument(
@@ -84,17 +91,20 @@ def run(args: argparse.Namespace) -> int:
     """Compute and print the stats; returns the exit code (1 on a failure, 2 on flags that do not fit)."""
     from mmpack.offline_packing.errors import describe_failure
 
+    lengths = bin_ids = np.zeros(0, dtype=np.int64)
     try:
         _validate(args)
-        storage_options = _storage_options(args)
-        report, lengths, bin_ids = build_report(args, storage_options)
+        if args.mixture or not args.path:
+            report = _mixture_report(args)
+        else:
+            report, lengths, bin_ids = build_report(args, _storage_options(args))
     except Exception as e:
         if args.debug:
             traceback.print_exc()
         if isinstance(e, StatsInputError):
             message = e.message
         elif isinstance(e, _storage_errors()):  # storage unreachable, no permission, ...
-            message = f"cannot read {args.path}: {e}"
+            message = f"cannot read {args.path or args.mixture}: {e}"
         else:
             message = describe_failure(e)
         print(f"mmpack stats: error: {message}", file=sys.stderr)
@@ -104,15 +114,31 @@ def run(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
+        from mmpack.offline_packing.stats.mixture import print_mixture_report
         from mmpack.offline_packing.stats.report import print_report
 
-        print_report(Console(width=None if sys.stdout.isatty() else 120), report, args.max_shard_rows)
+        show = print_mixture_report if args.mixture else print_report
+        show(Console(width=None if sys.stdout.isatty() else 120), report, args.max_shard_rows)
     if args.plot:
         from mmpack.offline_packing.stats.plot import plot_packing
 
         out = plot_packing(args.plot, lengths, bin_ids, report, title=str(report["source"]["path"]))
         print(f"mmpack stats: wrote {out}", file=sys.stderr)
     return 0
+
+
+def _mixture_report(args: argparse.Namespace) -> dict[str, Any]:
+    """`--mixture SPEC`: every source's report and the blend's."""
+    from mmpack.offline_packing.stats.mixture import mixture_report
+
+    if not args.mixture or args.path:
+        raise StatsUsageError("give a PATH or --mixture SPEC (one of them)")
+    if args.plot or args.compare:
+        raise StatsUsageError("--plot and --compare take one dataset (PATH), not a --mixture")
+    try:
+        return mixture_report(args, _dataset_report, lambda path: _storage_options(args, path))
+    except ValueError as e:  # the spec itself
+        raise StatsInputError(f"mixture {args.mixture!r}: {e}") from e
 
 
 def _storage_errors() -> tuple[type[BaseException], ...]:
@@ -144,7 +170,7 @@ def _validate(args: argparse.Namespace) -> None:
         raise StatsUsageError(f"--plot writes a PNG file; give a name ending in .png, got {args.plot!r}")
 
 
-def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
+def _storage_options(args: argparse.Namespace, path: str | None = None) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for item in args.storage_option:
         key, sep, value = item.partition("=")
@@ -156,7 +182,7 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
             options[key] = value
     if args.endpoint_url:
         options.setdefault("endpoint_url", args.endpoint_url)
-    return resolve_storage_options(args.path, options)
+    return resolve_storage_options(path or args.path, options)
 
 
 def build_report(

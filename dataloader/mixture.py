@@ -1,0 +1,213 @@
+"""The mixture spec: several packed datasets blended by weight (or by repeat, in epochs of each source).
+
+Written by hand in Megatron's inline form (`0.3 s3://bucket/a 0.7 /data/b`, `--data-path`) or as a YAML/JSON
+file (`--data-mixture mix.yaml`)::
+
+    sources:
+      - {path: s3://bucket/ocr, weight: 0.3, name: ocr, storage_options: {anon: true}}
+      - {path: /data/captions, weight: 0.7}
+
+Either every source has a `weight` (shares of the blended stream, normalised to sum 1) or every source has a
+`repeat` (epochs of that source per epoch of the mixture: shares proportional to repeat x bins). The same
+dataset named twice (two paths to one folder, one URL written twice) is refused: it would replay its bins as
+if they were two sources.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True, frozen=True)
+class MixtureSource:
+    """One packed dataset of a mixture: where it is, its weight or repeat, a name for logs and its storage."""
+
+    path: str
+    weight: float | None = None
+    repeat: float | None = None
+    name: str = ""  # empty: the folder's name (its path where two sources share a folder name)
+    storage_options: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("a mixture source needs a path")
+        if (self.weight is None) == (self.repeat is None):
+            raise ValueError(f"mixture source {self.path!r}: give exactly one of weight and repeat")
+        for key in ("weight", "repeat"):
+            value = getattr(self, key)
+            if value is not None and not (
+                isinstance(value, int | float) and math.isfinite(value) and value > 0
+            ):
+                raise ValueError(
+                    f"mixture source {self.path!r}: {key} must be a positive number, got {value!r}"
+                )
+
+    @property
+    def identity(self) -> str:
+        """What two sources share when they are the same dataset: the resolved folder or the URL."""
+        if "://" in self.path:
+            return self.path.rstrip("/")
+        return os.path.realpath(self.path)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Mixture:
+    """The sources of a blended stream, in the order that `source_ids` numbers them."""
+
+    sources: tuple[MixtureSource, ...]
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise ValueError("a mixture needs at least one source")
+        if len({s.weight is None for s in self.sources}) > 1:
+            raise ValueError("a mixture gives every source a weight or every source a repeat, not both")
+        seen: dict[str, str] = {}
+        for s in self.sources:
+            if s.identity in seen:
+                raise ValueError(
+                    f"mixture names one dataset twice: {seen[s.identity]!r} and {s.path!r} are both "
+                    f"{s.identity}; give it once (with the sum of the weights)"
+                )
+            seen[s.identity] = s.path
+        names = [s.name for s in self.sources if s.name]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mixture source names must differ, got {names}; give each its own name")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Each source's name for logs and metrics: its own, else its folder's name, else its path."""
+        base = [s.name or s.path.rstrip("/").rsplit("/", 1)[-1] or s.path for s in self.sources]
+        names = [b if s.name or base.count(b) == 1 else s.path for s, b in zip(self.sources, base)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mixture source names must differ, got {names}; give each its own name")
+        return tuple(names)
+
+    @property
+    def by_repeat(self) -> bool:
+        return self.sources[0].repeat is not None
+
+    def shares(self, num_bins: Sequence[int]) -> tuple[float, ...]:
+        """Each source's share of the blended stream (sums to 1), given the sources' bin counts."""
+        raw = [
+            float(s.repeat) * n if s.repeat is not None else float(s.weight or 0)
+            for s, n in zip(self.sources, num_bins)
+        ]
+        total = sum(raw)
+        return tuple(r / total for r in raw)
+
+    def epoch_bins(self, num_bins: Sequence[int]) -> int:
+        """Bins in one epoch of the mixture: every source's bins (by weight), or repeat x bins (by repeat)."""
+        if self.by_repeat:
+            return max(1, round(sum(float(s.repeat or 0) * n for s, n in zip(self.sources, num_bins))))
+        return int(sum(num_bins))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sources": [_source_dict(s) for s in self.sources]}
+
+
+def _source_dict(s: MixtureSource) -> dict[str, Any]:
+    out: dict[str, Any] = {"path": s.path, "name": s.name} if s.name else {"path": s.path}
+    out |= {"weight": s.weight} if s.weight is not None else {"repeat": s.repeat}
+    return out
+
+
+def parse_inline(spec: str | Sequence[str]) -> Mixture:
+    """Megatron's inline blend: `weight path weight path ...` (a string or its words)."""
+    words = spec.split() if isinstance(spec, str) else list(spec)
+    if not words or len(words) % 2:
+        raise ValueError(
+            f"mixture {' '.join(words)!r}: give pairs of weight and path (e.g. '0.3 /data/a 0.7 s3://b/c')"
+        )
+    sources = []
+    for weight, path in zip(words[::2], words[1::2]):
+        try:
+            value = float(weight)
+        except ValueError:
+            raise ValueError(
+                f"mixture {' '.join(words)!r}: {weight!r} is not a weight (before {path!r})"
+            ) from None
+        sources.append(MixtureSource(path=path, weight=value))
+    return Mixture(sources=tuple(sources))
+
+
+def load_mixture_file(path: str) -> Mixture:
+    """A mixture from a YAML or JSON file: `{sources: [{path, weight | repeat, name?, storage_options?}]}`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read mixture file {path}: {e}") from e
+    try:
+        raw = json.loads(text) if path.endswith(".json") else _yaml(text)
+    except ValueError as e:
+        raise ValueError(f"mixture file {path} does not parse: {e}") from e
+    entries = raw.get("sources") if isinstance(raw, dict) else raw
+    if not isinstance(entries, list):
+        raise ValueError(f"mixture file {path}: want a list under 'sources', got {type(entries).__name__}")
+    sources = []
+    for i, entry in enumerate(entries):
+        known = {"path", "weight", "repeat", "name", "storage_options"}
+        if not isinstance(entry, dict) or set(entry) - known:
+            raise ValueError(
+                f"mixture file {path}: source {i} must be a mapping of {sorted(known)}, got {entry!r}"
+            )
+        try:
+            sources.append(MixtureSource(**entry))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"mixture file {path}: source {i}: {e}") from None
+    try:
+        return Mixture(sources=tuple(sources))
+    except ValueError as e:
+        raise ValueError(f"mixture file {path}: {e}") from None
+
+
+def _yaml(text: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(str(e)) from None
+
+
+MixtureLike = str | Sequence[tuple[float, str]] | Mixture
+
+
+def as_mixture(data: MixtureLike) -> Mixture | None:
+    """The mixture `build_loader` was given; None for one dataset path (read exactly as it always was)."""
+    if isinstance(data, Mixture):
+        return data
+    if isinstance(data, str):
+        return None
+    pairs = list(data)
+    for pair in pairs:
+        if not (isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(pair[1], str)):
+            raise ValueError(f"a mixture list holds (weight, path) pairs, got {pair!r}")
+    return Mixture(sources=tuple(MixtureSource(path=p, weight=w) for w, p in pairs))
+
+
+def check_sources(names: Sequence[str], manifests: Sequence[Any]) -> None:
+    """One clear error for sources a blended batch cannot hold together: no bins, another bin length, image
+    rule or token ids than the first source (`manifests`: the loader's `Manifest` of each source)."""
+    for name, m in zip(names, manifests):
+        if m.num_bins == 0:
+            raise ValueError(f"mixture source {name!r} has no bins; repack it or leave it out of the mixture")
+    first, m0 = names[0], manifests[0]
+    for name, m in zip(names[1:], manifests[1:]):
+        for what, a, b in (
+            ("seq_len", m0.seq_len, m.seq_len),
+            ("image rule", m0.image_rule, m.image_rule),
+            ("max_image_pixels", m0.max_image_pixels, m.max_image_pixels),
+            ("token ids (pad, image_pad, video_pad)", (m0.pad_id, m0.image_pad_id, m0.video_pad_id),
+             (m.pad_id, m.image_pad_id, m.video_pad_id)),
+        ):  # fmt: skip
+            if a != b:
+                raise ValueError(
+                    f"mixture sources {first!r} and {name!r} differ in {what} ({a} vs {b}); a micro-batch "
+                    "holds bins of one layout: pack every source with the same settings"
+                )
