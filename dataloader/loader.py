@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from mmpack.dataloader.balance import BALANCE_MODES, ComputeBalance, compute_balance
 from mmpack.dataloader.collate import CollateConfig
 from mmpack.dataloader.manifest import Manifest, load_manifest
-from mmpack.dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan
+from mmpack.dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan, BinSplit, StreamOrder
 from mmpack.dataloader.pool import run_in_process, run_workers, take_batch
 from mmpack.dataloader.storage import ShardStore, StorageConfig
 from mmpack.dataloader.topology import Topology
@@ -77,8 +77,10 @@ class PackedLoader:
         storage: StorageConfig,
         collate: CollateConfig,
         balance: ComputeBalance | None = None,
+        split: BinSplit | None = None,
     ) -> None:
         self.root, self.manifest, self.topology, self.config = root, manifest, topology, config
+        self.split = split
         self.plan = BatchPlan(
             global_batch_size=config.global_batch_size,
             micro_batch_size=config.micro_batch_size,
@@ -94,9 +96,12 @@ class PackedLoader:
             collate=collate,
             prefetch_shards=config.prefetch_shards,
             balance=balance,
+            split=split,
         )
         if manifest.num_bins == 0:
             raise ValueError(f"packed dataset {root} has no bins")
+        # bins of the stream's epoch (all, or --split's part): checks that the part is not empty
+        self.num_bins = StreamOrder(manifest, config.seed, split=split).num_bins
         ShardStore(storage)  # a cache folder that cannot be written fails here, in one line, not in a worker
         self._micro_batches_done = 0  # handed out by this rank since the stream start
         self._data_wait_s = 0.0
@@ -112,7 +117,7 @@ class PackedLoader:
     @property
     def steps_per_epoch(self) -> int:
         """Whole global batches in one epoch (the stream chains epochs, so none are dropped)."""
-        return self.manifest.num_bins // self.plan.global_batch_size
+        return self.num_bins // self.plan.global_batch_size
 
     @property
     def step(self) -> int:
@@ -121,11 +126,11 @@ class PackedLoader:
     def _end_step(self) -> int | None:
         if self.config.num_epochs is None:
             return None
-        return self.config.num_epochs * self.manifest.num_bins // self.plan.global_batch_size
+        return self.config.num_epochs * self.num_bins // self.plan.global_batch_size
 
     # -- state --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        n = self.manifest.num_bins
+        n = self.num_bins
         step, in_step = divmod(self._micro_batches_done, self.micro_batches_per_step)
         consumed = step * self.plan.global_batch_size  # whole global batches
         return {
@@ -142,6 +147,7 @@ class PackedLoader:
             "balance": self.config.balance,
             "num_bins": n,
             "manifest_fingerprint": self.manifest.fingerprint,
+            "split": None if self.split is None else self.split.describe(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -149,13 +155,13 @@ class PackedLoader:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"loader state version {state.get('version')} is not {STATE_VERSION}")
         mine = self.state_dict()
-        for key in ("seed", "global_batch_size", "shard_window", "num_bins", "manifest_fingerprint"):
-            if state[key] != mine[key]:
+        for key in ("seed", "global_batch_size", "shard_window", "num_bins", "manifest_fingerprint", "split"):
+            if state.get(key) != mine[key]:
                 raise ValueError(
                     f"loader state was saved with {key}={state[key]!r}, this loader has {mine[key]!r}; "
                     "resuming would change the data stream"
                 )
-        consumed = int(state["epoch"]) * self.manifest.num_bins + int(state["bins_consumed_in_epoch"])
+        consumed = int(state["epoch"]) * self.num_bins + int(state["bins_consumed_in_epoch"])
         if consumed != int(state["bins_consumed"]) or consumed % self.plan.global_batch_size:
             raise ValueError(f"inconsistent loader state {state}")
         in_step = int(state.get("micro_batches_in_step", 0))  # older states lack it (saved between steps)
@@ -254,6 +260,7 @@ def build_loader(
     balance: str = "none",
     cost_model: CostModel | None = None,
     position_rule: PositionRule | None = None,
+    split: tuple[tuple[float, float, float], int] | None = None,
 ) -> PackedLoader:
     """A loader of the packed dataset at `path` (folder or fsspec URL) for the rank `topology`.
 
@@ -268,6 +275,8 @@ def build_loader(
     micro-batches ahead, or `prefetch_batches` large ones (together over 4 MiB per message), the one being
     made included. `position_rule`: the model family's positions (`mmpack.packing.batch.PositionRule`, e.g.
     `mmpack.packing.mrope.MRopeRule`), computed in the loader workers; None: positions restart at 0 per sample.
+    `split`: (weights, part) of Megatron-LM's --split: the loader reads only that part's bins
+    (`mmpack.dataloader.order.split_bins`; 0 train, 1 valid, 2 test).
     """
     manifest = load_manifest(
         path, storage_options=storage_options, shard_format=shard_format, max_attempts=max_attempts
@@ -297,4 +306,5 @@ def build_loader(
         manifest, build_attention_mask=build_attention_mask, position_rule=position_rule
     )
     costs = compute_balance(manifest, storage, cost_model) if balance == "compute" else None
-    return PackedLoader(path, manifest, topology, config, storage, collate, balance=costs)
+    bin_split = None if split is None else BinSplit(tuple(split[0]), split[1])  # type: ignore[arg-type]
+    return PackedLoader(path, manifest, topology, config, storage, collate, balance=costs, split=bin_split)

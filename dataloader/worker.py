@@ -26,7 +26,7 @@ import torch.multiprocessing
 from mmpack.dataloader.balance import ComputeBalance
 from mmpack.dataloader.collate import CollateConfig, ImageTooLargeError, collate_bins
 from mmpack.dataloader.manifest import Manifest
-from mmpack.dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
+from mmpack.dataloader.order import BatchPlan, BinSplit, StreamOrder, micro_batch_bins
 from mmpack.dataloader.readers import (
     ArrowShardReader,
     BinRecord,
@@ -53,6 +53,7 @@ class ProducerSpec:
     collate: CollateConfig
     prefetch_shards: int
     balance: ComputeBalance | None = None  # balance="compute": the cost-balanced layout of each global batch
+    split: BinSplit | None = None  # --split: only this part's bins are read
 
 
 class ReaderPool:
@@ -130,7 +131,7 @@ class Producer:
     ) -> None:
         """`worker`: (id, count) of this process among the loader's workers (they share out shard checks)."""
         self.spec = spec
-        self.stream = StreamOrder(spec.manifest, spec.seed, shard_window=spec.shard_window)
+        self.stream = StreamOrder(spec.manifest, spec.seed, shard_window=spec.shard_window, split=spec.split)
         self.store = ShardStore(spec.storage)
         self.readers = ReaderPool(spec.manifest, self.store, max_open=spec.shard_window + 1)
         # bins of micro-batches the prefetcher has looked at, so `produce` does not work them out again
