@@ -9,6 +9,7 @@ count or anything but the arguments.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +63,9 @@ class BinSplit:
 
     def __post_init__(self) -> None:
         if len(self.weights) != 3 or min(self.weights) < 0 or sum(self.weights) <= 0:
-            raise ValueError(f"--split takes three weights >= 0, not all 0 (e.g. 969,30,1), got {self.weights}")
+            raise ValueError(
+                f"--split takes three weights >= 0, not all 0 (e.g. 969,30,1), got {self.weights}"
+            )
         if self.part not in (0, 1, 2):
             raise ValueError(f"split part must be 0 (train), 1 (valid) or 2 (test), got {self.part}")
 
@@ -82,12 +85,12 @@ def split_bins(num_bins: int, weights: tuple[float, ...], seed: int) -> tuple[np
     total = float(sum(weights))
     bounds = [0]
     for w in weights:
-        bounds.append(bounds[-1] + int(round(w / total * num_bins)))
+        bounds.append(bounds[-1] + round(w / total * num_bins))
     excess = bounds[-1] - num_bins
     bounds = [bounds[0]] + [b - excess for b in bounds[1:]]
     bounds = [min(max(b, 0), num_bins) for b in bounds]
     perm = np.random.default_rng([seed, 0x5EED5]).permutation(num_bins)
-    return tuple(np.sort(perm[a:b]).astype(np.int64) for a, b in zip(bounds[:-1], bounds[1:]))
+    return tuple(np.sort(perm[a:b]).astype(np.int64) for a, b in itertools.pairwise(bounds))
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,9 @@ class StreamOrder:
             self._member[split.bins(manifest.num_bins, seed)] = True
             self.num_bins = int(self._member.sum())
             if self.num_bins == 0:
-                raise ValueError(f"--split {split.describe()} leaves no bins of the {manifest.num_bins} in that part")
+                raise ValueError(
+                    f"--split {split.describe()} leaves no bins of the {manifest.num_bins} in that part"
+                )
         self._epochs: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def epoch_order(self, epoch: int) -> np.ndarray:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mmpack.trainer.models.protocol import TinyModelSpec
 from tests.test_trainer_support import REPO, make_packed_dataset, ok, train
 
 # every distinct flag of qwen3_4b/alignment.sh, qwen3_30b_a3b/instruct_780k.sh, quick_start_4b/quick_start.sh
@@ -110,12 +111,16 @@ def test_alignment_flag_set_trains(packed: Path, tmp_path: Path) -> None:
     assert any("--distributed-backend nccl: no CUDA here, running gloo" in n for n in notes), notes
     assert any("--ckpt-format torch: mmpack writes megatron-core's torch_dist" in n for n in notes), notes
     assert "with --trainable-modules adapter" in run.stdout + run.stderr
-    # the tokenizer check can fail: another tokenizer file is refused before training
-    other = make_packed_dataset(tmp_path / "other", n_samples=8, seed=4).parent / "tokenizer"
-    argv = _alignment_argv(packed, tmp_path / "b")
-    argv[argv.index("--hf-tokenizer-path") + 1] = str(other)
-    bad = train(2, [*SIZES, *argv, "--train-iters", "1"], tmp_path / "b", tiny=False)
-    assert bad.returncode == 2 and "--hf-tokenizer-path" in bad.stderr and "is not the tokenizer" in bad.stderr
+    # the tokenizer check can fail: a tokenizer other than the packing one is refused, naming the flag
+    from mmpack.dataloader import load_manifest
+    from mmpack.offline_packing.demo.synthetic import train_tiny_bpe
+    from mmpack.trainer.stage_flags import StageFlags, check_stage_flags
+
+    manifest = load_manifest(str(packed)).raw
+    check_stage_flags(StageFlags(hf_tokenizer_path=str(packed.parent / "tokenizer")), manifest, data_path="d")
+    other = train_tiny_bpe(tmp_path / "other", seed=5)
+    with pytest.raises(ValueError, match=r"^--hf-tokenizer-path .* is not the tokenizer d was packed with"):
+        check_stage_flags(StageFlags(hf_tokenizer_path=str(other)), manifest, data_path="d")
 
 
 def test_guide_command_parses_and_checks_its_layout() -> None:
@@ -138,9 +143,7 @@ def test_guide_command_parses_and_checks_its_layout() -> None:
     assert (lang.tensor_model_parallel_size, lang.pipeline_model_parallel_size) == (2, 2)
 
 
-def _tiny_spec():  # noqa: ANN202 - the family protocol's spec
-    from mmpack.trainer.models.protocol import TinyModelSpec
-
+def _tiny_spec() -> TinyModelSpec:
     return TinyModelSpec(vocab_size=512, image_token_id=5, vision_start_token_id=6, vision_end_token_id=7,
                          num_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                          ffn_hidden_size=None, vision_depth=1, vision_hidden_size=32, vision_num_heads=2,
@@ -163,7 +166,10 @@ def test_stage_flags_map_onto_megatron_core() -> None:
         assert str(lang.pipeline_model_parallel_layout) == str(cfg.parallel.pipeline_layout())
         assert cfg.parallel.pipeline_layout() == "E|ttttL"
         assert (lang.recompute_granularity, lang.recompute_method, lang.recompute_num_layers) == ("full", "block", layers)  # fmt: skip
-    assert parse_args([*base, "--lr-warmup-fraction", "0.25", "--train-iters", "8"]).optim.lr_warmup_fraction == 0.25
+    assert (
+        parse_args([*base, "--lr-warmup-fraction", "0.25", "--train-iters", "8"]).optim.lr_warmup_fraction
+        == 0.25
+    )
     bad = {
         "--custom-pipeline-layers 1,1,2": "one layer count >= 0 per pipeline stage",
         "--recompute-granularity full": "needs --recompute-method",
@@ -230,10 +236,52 @@ def test_uneven_pipeline_equals_even_at_lr0_and_split_eval_runs(packed: Path, tm
                           "--recompute-method", "block", "--custom-pipeline-recompute-layers", "0,2"],
                       tmp_path / "uneven", tiny=False))  # fmt: skip
     even = ok(train(2, common, tmp_path / "even", tiny=False))
-    assert "layers per stage 0,4" in uneven.stdout + uneven.stderr or "0,4" in uneven.stdout + uneven.stderr
+    assert (
+        "language layers per stage 0,4 |" in uneven.stdout
+        and "language layers per stage 2,2 |" in even.stdout
+    )
     assert len(uneven.losses()) == 2 and len(uneven.evals) == 1 == len(even.evals)
     assert uneven.losses() == pytest.approx(even.losses(), rel=1e-6, abs=0)
     assert uneven.evals[0]["eval_loss"] == pytest.approx(even.evals[0]["eval_loss"], rel=1e-6, abs=0)
     # the comparison can fail: the two steps read other bins and their losses differ by far more
     a, b = even.losses()
     assert abs(a - b) > 1e-3 * abs(a)
+
+
+@pytest.mark.parametrize(
+    ("script", "trains"),
+    [("llava_onevision2_align.sh", {"adapter"}),
+     ("llava_onevision2_midtrain.sh", {"adapter", "vision_model", "language_model"}),
+     ("llava_onevision2_instruct.sh", {"adapter", "vision_model", "language_model"})],
+)  # fmt: skip
+def test_onevision2_recipes_parse(tmp_path: Path, script: str, trains: set[str]) -> None:
+    """Each recipe's command line (launched through a stand-in for torchrun that records it) parses into its
+    stage; MODEL_TYPE picks the family (qwen3_vl here)."""
+    import json
+    import os
+
+    from mmpack.trainer.arguments import parse_args
+    from mmpack.trainer.freeze import trainable_set
+
+    record, launcher = tmp_path / "argv.json", tmp_path / "launcher.py"
+    launcher.write_text(f"import json, sys\nopen({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    env = {**os.environ, "TORCHRUN": f"{sys.executable} {launcher}", "MODEL_TYPE": "qwen3_vl", "PP": "2",
+           "CUSTOM_PIPELINE_LAYERS": "0,4"}  # fmt: skip
+    proc = subprocess.run(["bash", str(REPO / "trainer" / "examples" / script), "first", "packed/", "out/"],
+                          env=env, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads(record.read_text())[4:]  # after --nproc_per_node 8 -m mmpack.trainer.pretrain_vlm
+    cfg = parse_args(argv)
+    assert cfg.model.model_type == "qwen3_vl" and cfg.parallel.custom_pipeline_layers == (0, 4)
+    assert cfg.data.split == (100.0, 0.0, 0.0) and cfg.checkpoint.save == "out/"
+    allowed, frozen = trainable_set(
+        cfg.model.trainable_modules, freeze_vision=cfg.model.freeze_vision, freeze_llm=cfg.model.freeze_llm
+    )
+    assert {
+        m for m in ("adapter", "vision_model", "language_model") if m in allowed and m not in frozen
+    } == trains
+    if script == "llava_onevision2_align.sh":
+        assert cfg.model.hf_model == "first" and cfg.stage.hf_tokenizer_path == "first"
+    else:
+        assert cfg.checkpoint.load == "first" and cfg.checkpoint.finetune
+        assert cfg.train.recompute_granularity == "full" and cfg.train.recompute_num_layers == 1

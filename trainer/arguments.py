@@ -367,7 +367,9 @@ def _split_weights(text: str) -> tuple[float, float, float]:
     except ValueError:
         values = []
     if not 1 <= len(values) <= 3 or min(values) < 0 or sum(values) <= 0:
-        raise argparse.ArgumentTypeError(f"--split takes up to three weights >= 0 (e.g. 969,30,1), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--split takes up to three weights >= 0 (e.g. 969,30,1), got {text!r}"
+        )
     return tuple(values + [0.0] * (3 - len(values)))  # type: ignore[return-value]
 
 

@@ -164,7 +164,10 @@ class ParallelConfig:
     def _check_stage_script_flags(self) -> None:
         custom, pp = self.custom_pipeline_layers, self.pipeline_model_parallel_size
         if custom is not None:
-            if any(n is not None for n in (self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)):
+            if any(
+                n is not None
+                for n in (self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)
+            ):
                 raise ValueError("give --custom-pipeline-layers or --decoder-first/last-pipeline-num-layers, not both")  # fmt: skip
             if len(custom) != pp or min(custom) < 0:
                 raise ValueError(
@@ -465,7 +468,10 @@ class RunConfig:
     stage: StageFlags = field(default_factory=StageFlags)  # Megatron-LM stage-script flags checked at start
 
     def __post_init__(self) -> None:
-        per_stage, pp = self.train.custom_pipeline_recompute_layers, self.parallel.pipeline_model_parallel_size
+        per_stage, pp = (
+            self.train.custom_pipeline_recompute_layers,
+            self.parallel.pipeline_model_parallel_size,
+        )
         if per_stage is not None and len(per_stage) != pp:
             raise ValueError(
                 f"--custom-pipeline-recompute-layers {','.join(map(str, per_stage))} must give one count per "

@@ -88,7 +88,9 @@ def initialize_distributed(cfg: RunConfig, *, virtual_pipeline_size: int | None 
         if not on_cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         timeout = datetime.timedelta(minutes=par.distributed_timeout_minutes)
-        dist.init_process_group(process_group_backend(par.distributed_backend, on_cpu=on_cpu), timeout=timeout)
+        dist.init_process_group(
+            process_group_backend(par.distributed_backend, on_cpu=on_cpu), timeout=timeout
+        )
     par.data_parallel_size(dist.get_world_size())  # validates the layout divides the world
     ps.initialize_model_parallel(
         par.tensor_model_parallel_size,
@@ -114,7 +116,9 @@ def process_group_backend(given: str | None, *, on_cpu: bool) -> str:
             print("pretrain_vlm: warning: --distributed-backend nccl: no CUDA here, running gloo on CPU", file=sys.stderr, flush=True)  # fmt: skip
         return "gloo"
     if given == "gloo":
-        raise ValueError("--distributed-backend gloo: on CUDA mmpack runs NCCL; leave the flag out or give nccl")
+        raise ValueError(
+            "--distributed-backend gloo: on CUDA mmpack runs NCCL; leave the flag out or give nccl"
+        )
     return "nccl"
 
 
@@ -543,6 +547,9 @@ class Trainer:
         1-1,3-3)"."""
         config, pp = self.mcfg.language, self.cfg.parallel.pipeline_model_parallel_size
         vp = self.virtual_pipeline_size
+        layout = config.pipeline_model_parallel_layout
+        if layout is not None:  # get_num_layers_to_build would count this rank's stage for every pp_rank
+            return ",".join(str(layout.get_num_layers_to_build(pp_rank=r)) for r in range(pp))  # type: ignore[union-attr]
         if not vp:
             return ",".join(str(get_num_layers_to_build(config, pp_rank=r)) for r in range(pp))
         stages = []
