@@ -260,7 +260,7 @@ def build_loader(
     balance: str = "none",
     cost_model: CostModel | None = None,
     position_rule: PositionRule | None = None,
-    split: tuple[tuple[float, float, float], int] | None = None,
+    split: tuple[tuple[float, float, float], int, int] | None = None,
 ) -> PackedLoader:
     """A loader of the packed dataset at `path` (folder or fsspec URL) for the rank `topology`.
 
@@ -275,8 +275,8 @@ def build_loader(
     micro-batches ahead, or `prefetch_batches` large ones (together over 4 MiB per message), the one being
     made included. `position_rule`: the model family's positions (`mmpack.packing.batch.PositionRule`, e.g.
     `mmpack.packing.mrope.MRopeRule`), computed in the loader workers; None: positions restart at 0 per sample.
-    `split`: (weights, part) of Megatron-LM's --split: the loader reads only that part's bins
-    (`mmpack.dataloader.order.split_bins`; 0 train, 1 valid, 2 test).
+    `split`: (weights, part, split seed) of Megatron-LM's --split: the loader reads only that part's bins
+    (`mmpack.dataloader.order.split_bins`; 0 train, 1 valid, 2 test; the same split seed splits alike).
     """
     manifest = load_manifest(
         path, storage_options=storage_options, shard_format=shard_format, max_attempts=max_attempts
@@ -306,5 +306,5 @@ def build_loader(
         manifest, build_attention_mask=build_attention_mask, position_rule=position_rule
     )
     costs = compute_balance(manifest, storage, cost_model) if balance == "compute" else None
-    bin_split = None if split is None else BinSplit(tuple(split[0]), split[1])  # type: ignore[arg-type]
+    bin_split = None if split is None else BinSplit(tuple(split[0]), split[1], split[2])  # type: ignore[arg-type]
     return PackedLoader(path, manifest, topology, config, storage, collate, balance=costs, split=bin_split)

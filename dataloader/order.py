@@ -55,11 +55,13 @@ SPLIT_PARTS = ("train", "valid", "test")
 
 @dataclass(frozen=True)
 class BinSplit:
-    """Megatron-LM's ``--split`` over a packed dataset's bins: the weights of (train, valid, test) and the
-    part this loader reads (0, 1 or 2)."""
+    """Megatron-LM's ``--split`` over a packed dataset's bins: the weights of (train, valid, test), the part
+    this loader reads (0, 1 or 2) and the seed of the split (its own: the train and eval loaders order their
+    bins with different seeds, and must split them alike)."""
 
     weights: tuple[float, float, float]
     part: int
+    seed: int
 
     def __post_init__(self) -> None:
         if len(self.weights) != 3 or min(self.weights) < 0 or sum(self.weights) <= 0:
@@ -69,10 +71,10 @@ class BinSplit:
         if self.part not in (0, 1, 2):
             raise ValueError(f"split part must be 0 (train), 1 (valid) or 2 (test), got {self.part}")
 
-    def bins(self, num_bins: int, seed: int) -> np.ndarray:
+    def bins(self, num_bins: int) -> np.ndarray:
         """This part's bin ids (sorted): a pure function of (bin count, weights, seed), the parts disjoint and
         together all bins."""
-        return split_bins(num_bins, self.weights, seed)[self.part]
+        return split_bins(num_bins, self.weights, self.seed)[self.part]
 
     def describe(self) -> str:
         return f"{','.join(f'{w:g}' for w in self.weights)}:{SPLIT_PARTS[self.part]}"
@@ -134,7 +136,7 @@ class StreamOrder:
         self.num_bins = manifest.num_bins
         if split is not None:
             self._member = np.zeros(manifest.num_bins, dtype=bool)
-            self._member[split.bins(manifest.num_bins, seed)] = True
+            self._member[split.bins(manifest.num_bins)] = True
             self.num_bins = int(self._member.sum())
             if self.num_bins == 0:
                 raise ValueError(

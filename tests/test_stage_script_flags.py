@@ -215,17 +215,20 @@ def test_split_bins_disjoint_complete_deterministic(packed: Path) -> None:
     assert not np.array_equal(parts[1], split_bins(n, (8, 2, 0), seed=1)[1])  # the seed moves it
     assert [len(p) for p in split_bins(1000, (969, 30, 1), seed=0)] == [969, 30, 1]  # Megatron's rounding
 
-    def epoch_bins(part: int) -> list[int]:
+    def epoch_bins(part: int, order_seed: int) -> list[int]:
         loader = build_loader(str(packed), topology=Topology(dp_rank=0, dp_size=1), micro_batch_size=1,
-                              global_batch_size=1, seed=1234, num_workers=0, split=((8, 2, 0), part))  # fmt: skip
+                              global_batch_size=1, seed=order_seed, num_workers=0,
+                              split=((8, 2, 0), part, 1234))  # fmt: skip
         it = iter(loader)
         seen = [int(next(it).bin_ids[0]) for _ in range(loader.num_bins)]
         loader.close()
         assert loader.state_dict()["split"] == f"8,2,0:{('train', 'valid')[part]}"
         return seen
 
-    train_bins, valid_bins = epoch_bins(0), epoch_bins(1)
+    # as the trainer builds them: the eval loader orders its bins with another seed, splits with the same
+    train_bins, valid_bins = epoch_bins(0, 1234), epoch_bins(1, 1235)
     assert sorted(train_bins) == parts[0].tolist() and sorted(valid_bins) == parts[1].tolist()
+    assert not set(train_bins) & set(valid_bins)
 
 
 def test_uneven_pipeline_equals_even_at_lr0_and_split_eval_runs(packed: Path, tmp_path: Path) -> None:

@@ -118,11 +118,11 @@ def build_step_batches(
     balance: str = "none",
     cost_model: Any = None,
     position_rule: PositionRule | None = None,
-    split: tuple[tuple[float, float, float], int] | None = None,
+    split: tuple[tuple[float, float, float], int, int] | None = None,
 ) -> StepBatches:
     """The loader of this rank's DP replica (megatron-core parallel_state must be initialised); `balance`,
-    `cost_model`, `position_rule` (the model's) and `split` (--split's weights and the part read: 0 train,
-    1 valid) as in `mmpack.dataloader.build_loader` (synthetic batches ignore all but the position rule)."""
+    `cost_model`, `position_rule` (the model's) and `split` (--split's weights, the part read: 0 train,
+    1 valid, and the split's seed) as in `mmpack.dataloader.build_loader` (synthetic batches ignore all but the position rule)."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

@@ -243,8 +243,16 @@ class Trainer:
             position_rule=self.family.position_rule(self.arch),
         )
         split = cfg.data.split
+        carves = split is not None and (
+            split[1] > 0 or split[2] > 0
+        )  # 100,0,0 trains on every bin, as without
         self.train_data = shared_step_batches(
-            partial(step_batches, cfg.data.data_path, seed=cfg.train.seed, split=split and (split, 0))
+            partial(
+                step_batches,
+                cfg.data.data_path,
+                seed=cfg.train.seed,
+                split=(split, 0, cfg.train.seed) if carves else None,
+            )
         )
         self.eval_data: SharedStepBatches | None = None
         if cfg.train.eval_interval > 0:
@@ -255,7 +263,12 @@ class Trainer:
                     "(e.g. 969,30,1: a valid part of --data-path's bins)"
                 )
             self.eval_data = shared_step_batches(
-                partial(step_batches, eval_path, seed=cfg.train.seed + 1, split=split and (split, 1))
+                partial(
+                    step_batches,
+                    eval_path,
+                    seed=cfg.train.seed + 1,
+                    split=split and (split, 1, cfg.train.seed),
+                )
             )
         self.iteration = 0
         self.skipped = 0
