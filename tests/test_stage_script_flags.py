@@ -4,7 +4,7 @@
 - every flag the four scripts pass parses (no argparse "unrecognized arguments");
 - qwen3_4b/alignment.sh's flag set, paths and sizes replaced (TP2 x PP1 on two ranks, the script's PP=1
   layout), trains a tiny Qwen3-VL for two iterations on a real packed dataset and checks the tokenizer;
-- the guide's command (world 8: TP2 x PP2 x DP2, --distributed-backend nccl) parses and its layout checks;
+- the guide's command (world 8: TP2 x PP2 x DP2, --distributed-backend nccl) trains on 8 CPU ranks;
 - --split gives disjoint, complete, deterministic train/valid bins; the loader reads only its part;
 - at lr 0, --custom-pipeline-layers 0,4 at PP2 (with per-stage full recompute) gives the even split's losses, and
   the eval of --split's valid part runs in both;
@@ -123,16 +123,23 @@ def test_alignment_flag_set_trains(packed: Path, tmp_path: Path) -> None:
         check_stage_flags(StageFlags(hf_tokenizer_path=str(other)), manifest, data_path="d")
 
 
-def test_guide_command_parses_and_checks_its_layout() -> None:
+def test_guide_command_runs_at_world_8(tmp_path: Path) -> None:
     """torchrun --nproc_per_node 8 ... --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
-    --data-parallel-size 2 --distributed-backend nccl: parsed and its layout checked for world 8 (not launched:
-    8 CPU ranks would cost CI minutes); the megatron-core configs build."""
+    --data-parallel-size 2 --distributed-backend nccl, with a tiny model on synthetic batches: 8 CPU ranks train
+    two iterations (gloo, one warning line); a --data-parallel-size the launch does not give is refused."""
     from mmpack.trainer.arguments import parse_args
     from mmpack.trainer.config import build_megatron_configs
     from mmpack.trainer.models import family
 
     argv = ["--mock-data", "--seq-length", "256", *SIZES, "--tensor-model-parallel-size", "2",
             "--pipeline-model-parallel-size", "2", "--data-parallel-size", "2", "--distributed-backend", "nccl"]  # fmt: skip
+    run = ok(train(8, [*argv, "--num-workers", "0", "--train-iters", "2", "--global-batch-size", "4"], tmp_path, tiny=False))  # fmt: skip
+    assert [m["iteration"] for m in run.train] == [1, 2]
+    assert "world 8 = TP 2 x PP 2 x DP 2" in run.stdout
+    warnings = [line for line in run.stderr.splitlines() if "--distributed-backend nccl" in line]
+    assert warnings == [
+        "pretrain_vlm: warning: --distributed-backend nccl: no CUDA here, running gloo on CPU"
+    ]
     cfg = parse_args(argv)
     assert cfg.parallel.data_parallel_size(8) == 2
     with pytest.raises(ValueError, match=r"--data-parallel-size 2 does not match the launch: world size 16"):
