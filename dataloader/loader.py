@@ -16,7 +16,7 @@ from mmpack.dataloader.blend import BlendedStream, BlendStage
 from mmpack.dataloader.collate import CollateConfig
 from mmpack.dataloader.manifest import Manifest, load_manifest
 from mmpack.dataloader.mixture import Mixture, MixtureLike, as_mixture, check_sources
-from mmpack.dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan, StreamOrder
+from mmpack.dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan, BinSplit, StreamOrder
 from mmpack.dataloader.pool import run_in_process, run_workers, take_batch
 from mmpack.dataloader.storage import ShardStore, StorageConfig
 from mmpack.dataloader.topology import Topology
@@ -85,11 +85,13 @@ class PackedLoader:
         balance: ComputeBalance | None = None,
         mixture: Mixture | None = None,
         sources: tuple[SourceSpec, ...] = (),
+        split: BinSplit | None = None,
     ) -> None:
         """`mixture` and `sources` (one `SourceSpec` per source, `manifest`/`storage` the first's): a blend."""
         self.root, self.manifest, self.topology, self.config = root, manifest, topology, config
         self.mixture = mixture
         self.sources = sources or (SourceSpec(manifest=manifest, storage=storage),)
+        self.split = split
         self.plan = BatchPlan(
             global_batch_size=config.global_batch_size,
             micro_batch_size=config.micro_batch_size,
@@ -97,7 +99,8 @@ class PackedLoader:
         )
         if manifest.num_bins == 0:
             raise ValueError(f"packed dataset {root} has no bins")
-        sizes = [s.manifest.num_bins for s in self.sources]
+        # bins of each source's epoch (all, or --split's part: StreamOrder refuses an empty part)
+        sizes = [self._source_order(s.manifest).num_bins for s in self.sources]
         self.shares = mixture.shares(sizes) if mixture is not None else (1.0,)
         self.epoch_bins = mixture.epoch_bins(sizes) if mixture is not None else manifest.num_bins
         self.spec = ProducerSpec(
@@ -113,6 +116,7 @@ class PackedLoader:
             sources=sources if mixture is not None else (),
             weights=self.shares if mixture is not None else (),
             stage=BlendStage(offsets=(0,) * len(self.sources)) if mixture is not None else None,
+            split=split,
         )
         for source in self.sources:  # a cache folder that cannot be written fails here, in one line
             ShardStore(source.storage)
@@ -129,14 +133,16 @@ class PackedLoader:
             return (self.root.rstrip("/").rsplit("/", 1)[-1] or self.root,)
         return self.mixture.names
 
+    def _source_order(self, manifest: Manifest) -> StreamOrder:
+        return StreamOrder(
+            manifest, self.config.seed, shard_window=self.config.shard_window, split=self.split
+        )
+
     def source_positions(self, position: int) -> list[int]:
         """Bins each source has given once the global stream reaches `position`."""
         if self.spec.stage is None:
             return [position]
-        streams = [
-            StreamOrder(s.manifest, self.config.seed, shard_window=self.config.shard_window)
-            for s in self.sources
-        ]
+        streams = [self._source_order(s.manifest) for s in self.sources]
         return (
             BlendedStream(streams, self.shares, self.config.seed, self.spec.stage)
             .source_positions(position)
@@ -193,6 +199,7 @@ class PackedLoader:
             ],
             "blend_stage": {"origin": stage.origin, "offsets": list(stage.offsets)},
             "source_positions": self.source_positions(consumed),
+            "split": None if self.split is None else self.split.describe(),
         }
 
     def _fingerprint(self) -> str:
@@ -210,13 +217,13 @@ class PackedLoader:
             raise ValueError(f"loader state version {state.get('version')} is not 1 or {STATE_VERSION}")
         mine = self.state_dict()
         same_data = all(state[k] == mine[k] for k in ("num_bins", "manifest_fingerprint"))
-        keys = ("seed", "global_batch_size", "shard_window") + (
+        keys = ("seed", "global_batch_size", "shard_window", "split") + (
             () if self.mixture is not None else ("num_bins", "manifest_fingerprint")
         )
         for key in keys:
-            if state[key] != mine[key]:
+            if state.get(key) != mine[key]:
                 raise ValueError(
-                    f"loader state was saved with {key}={state[key]!r}, this loader has {mine[key]!r}; "
+                    f"loader state was saved with {key}={state.get(key)!r}, this loader has {mine[key]!r}; "
                     "resuming would change the data stream"
                 )
         consumed = int(state["epoch"]) * int(state["num_bins"]) + int(state["bins_consumed_in_epoch"])
@@ -341,6 +348,7 @@ def build_loader(
     balance: str = "none",
     cost_model: CostModel | None = None,
     position_rule: PositionRule | None = None,
+    split: tuple[tuple[float, float, float], int, int] | None = None,
 ) -> PackedLoader:
     """A loader of the packed dataset at `path` (folder or fsspec URL) for the rank `topology`, or of a
     mixture: a list of `(weight, path)` pairs or a `mmpack.dataloader.mixture.Mixture` (each source with its own
@@ -357,6 +365,8 @@ def build_loader(
     micro-batches ahead, or `prefetch_batches` large ones (together over 4 MiB per message), the one being
     made included. `position_rule`: the model family's positions (`mmpack.packing.batch.PositionRule`, e.g.
     `mmpack.packing.mrope.MRopeRule`), computed in the loader workers; None: positions restart at 0 per sample.
+    `split`: (weights, part, split seed) of Megatron-LM's --split: the loader reads only that part's bins
+    (`mmpack.dataloader.order.split_bins`; 0 train, 1 valid, 2 test; the same split seed splits alike).
     """
     mixture = as_mixture(path)
     config = LoaderConfig(
@@ -405,9 +415,17 @@ def build_loader(
     if balance == "compute":
         parts = [compute_balance(s.manifest, s.storage, cost_model).bin_costs for s in sources]
         costs = ComputeBalance(np.concatenate(parts))
+    bin_split = None if split is None else BinSplit(tuple(split[0]), split[1], split[2])  # type: ignore[arg-type]
     if mixture is None:
         return PackedLoader(
-            first.storage.root, first.manifest, topology, config, first.storage, collate, balance=costs
+            first.storage.root,
+            first.manifest,
+            topology,
+            config,
+            first.storage,
+            collate,
+            balance=costs,
+            split=bin_split,
         )
     root = " ".join(f"{name}={s.path}" for s, name in zip(mixture.sources, mixture.names))
     return PackedLoader(
@@ -420,6 +438,7 @@ def build_loader(
         balance=costs,
         mixture=mixture,
         sources=sources,
+        split=bin_split,
     )
 
 

@@ -9,6 +9,7 @@ count or anything but the arguments.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -49,6 +50,51 @@ def bin_order(
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+SPLIT_PARTS = ("train", "valid", "test")
+
+
+@dataclass(frozen=True)
+class BinSplit:
+    """Megatron-LM's ``--split`` over a packed dataset's bins: the weights of (train, valid, test), the part
+    this loader reads (0, 1 or 2) and the seed of the split (its own: the train and eval loaders order their
+    bins with different seeds, and must split them alike)."""
+
+    weights: tuple[float, float, float]
+    part: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if len(self.weights) != 3 or min(self.weights) < 0 or sum(self.weights) <= 0:
+            raise ValueError(
+                f"--split takes three weights >= 0, not all 0 (e.g. 969,30,1), got {self.weights}"
+            )
+        if self.part not in (0, 1, 2):
+            raise ValueError(f"split part must be 0 (train), 1 (valid) or 2 (test), got {self.part}")
+
+    def bins(self, num_bins: int) -> np.ndarray:
+        """This part's bin ids (sorted): a pure function of (bin count, weights, seed), the parts disjoint and
+        together all bins."""
+        return split_bins(num_bins, self.weights, self.seed)[self.part]
+
+    def describe(self) -> str:
+        return f"{','.join(f'{w:g}' for w in self.weights)}:{SPLIT_PARTS[self.part]}"
+
+
+def split_bins(num_bins: int, weights: tuple[float, ...], seed: int) -> tuple[np.ndarray, ...]:
+    """Bin ids of each part of ``weights``: the bins in a seeded random order (a bin's length is not its
+    part's: packing orders bins by length), cut where Megatron-LM cuts documents (each part
+    round(weight / sum * n), the last boundary moved back to n)."""
+    total = float(sum(weights))
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + round(w / total * num_bins))
+    excess = bounds[-1] - num_bins
+    bounds = [bounds[0]] + [b - excess for b in bounds[1:]]
+    bounds = [min(max(b, 0), num_bins) for b in bounds]
+    perm = np.random.default_rng([seed, 0x5EED5]).permutation(num_bins)
+    return tuple(np.sort(perm[a:b]).astype(np.int64) for a, b in itertools.pairwise(bounds))
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """Batch geometry: global batch G, micro-batch B, and the derived micro-batches per step per DP rank."""
@@ -82,22 +128,41 @@ class BinStream(Protocol):
 class StreamOrder:
     """The chained-epoch bin stream of one (manifest, seed); epoch orders are memoised (a few at a time)."""
 
-    def __init__(self, manifest: Manifest, seed: int, *, shard_window: int = DEFAULT_SHARD_WINDOW) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        seed: int,
+        *,
+        shard_window: int = DEFAULT_SHARD_WINDOW,
+        split: BinSplit | None = None,
+    ) -> None:
+        """``split``: the stream holds only that part's bins, in the order `bin_order` gives them."""
         if manifest.num_bins == 0:
             raise ValueError("the packed dataset has no bins")
         self.manifest, self.seed, self.shard_window = manifest, seed, shard_window
+        self._member: np.ndarray | None = None
+        self.num_bins = manifest.num_bins
+        if split is not None:
+            self._member = np.zeros(manifest.num_bins, dtype=bool)
+            self._member[split.bins(manifest.num_bins)] = True
+            self.num_bins = int(self._member.sum())
+            if self.num_bins == 0:
+                raise ValueError(
+                    f"--split {split.describe()} leaves no bins of the {manifest.num_bins} in that part"
+                )
         self._epochs: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         if epoch not in self._epochs:
-            self._epochs[epoch] = bin_order(self.manifest, self.seed, epoch, shard_window=self.shard_window)
+            order = bin_order(self.manifest, self.seed, epoch, shard_window=self.shard_window)
+            self._epochs[epoch] = order if self._member is None else order[self._member[order]]
             while len(self._epochs) > 3:
                 self._epochs.popitem(last=False)
         return self._epochs[epoch]
 
     def positions(self, start: int, count: int) -> np.ndarray:
         """Bin ids at global stream positions [start, start+count)."""
-        n = self.manifest.num_bins
+        n = self.num_bins
         out = np.empty(count, dtype=np.int64)
         done = 0
         while done < count:

@@ -29,7 +29,7 @@ from mmpack.dataloader.balance import ComputeBalance
 from mmpack.dataloader.blend import BlendedStream, BlendStage
 from mmpack.dataloader.collate import CollateConfig, ImageTooLargeError, collate_bins
 from mmpack.dataloader.manifest import Manifest
-from mmpack.dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
+from mmpack.dataloader.order import BatchPlan, BinSplit, StreamOrder, micro_batch_bins
 from mmpack.dataloader.readers import (
     ArrowShardReader,
     BinRecord,
@@ -60,6 +60,7 @@ class ProducerSpec:
     sources: tuple[SourceSpec, ...] = ()
     weights: tuple[float, ...] = ()
     stage: BlendStage | None = None
+    split: BinSplit | None = None  # --split: only this part's bins are read (of every source)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -153,7 +154,7 @@ class Producer:
         `bins_of(k)`: this dataset's bins of micro-batch k, when it is one source of a mixture."""
         self.spec = spec
         self._bins_of = bins_of
-        self.stream = StreamOrder(spec.manifest, spec.seed, shard_window=spec.shard_window)
+        self.stream = StreamOrder(spec.manifest, spec.seed, shard_window=spec.shard_window, split=spec.split)
         self.store = ShardStore(spec.storage)
         self.readers = ReaderPool(spec.manifest, self.store, max_open=spec.shard_window + 1)
         # bins of micro-batches the prefetcher has looked at, so `produce` does not work them out again
@@ -235,7 +236,10 @@ class MixedProducer:
         self, spec: ProducerSpec, k_start: int, k_end: int | None, *, worker: tuple[int, int] = (0, 1)
     ) -> None:
         self.spec = spec
-        streams = [StreamOrder(s.manifest, spec.seed, shard_window=spec.shard_window) for s in spec.sources]
+        streams = [
+            StreamOrder(s.manifest, spec.seed, shard_window=spec.shard_window, split=spec.split)
+            for s in spec.sources
+        ]
         self.stream = BlendedStream(streams, spec.weights, spec.seed, spec.stage)
         self._lock = threading.Lock()
         self._combined: OrderedDict[int, np.ndarray] = OrderedDict()

@@ -24,6 +24,7 @@ from mmpack.trainer.exits import ExitConfig
 from mmpack.trainer.freeze import parse_modules
 from mmpack.trainer.models import FAMILIES
 from mmpack.trainer.observability import ObservabilityConfig
+from mmpack.trainer.stage_flags import StageFlags, add_stage_flags, refuse_unsupported
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -129,8 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--trainable-modules",
         default=None,
-        help="comma list of the modules that train, the rest frozen: adapter (merger/projector), "
-        "vision_model, language_model, embedding, output_layer (default: all)",
+        nargs="+",
+        help="the modules that train (comma- or space-separated), the rest frozen: adapter (merger/projector), "
+        "vision_model, language_model, embedding, output_layer; all (the default): everything",
     )
 
     g = p.add_argument_group("parallelism")
@@ -341,7 +343,45 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--exit-interval", type=int, default=None, help="exit at the first multiple of N iterations"
     )
+    _add_stage_script_flags(p)
     return p
+
+
+def _add_stage_script_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM flags of the LLaVA-OneVision-2 stage scripts with a trainer meaning (README's table), then
+    those the dataset or mmpack's design settles (trainer/stage_flags.py)."""
+    g = p.add_argument_group("Megatron-LM stage-script flags")
+    g.add_argument("--split", type=_split_weights, default=None, metavar="TRAIN,VALID,TEST", help="divide --data-path's bins by these weights (e.g. 969,30,1); --eval-interval evaluates the valid part, training reads only the train part")  # fmt: skip
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None, help="activation recompute: full layers, or selective (core attention, as --recompute-activations)")  # fmt: skip
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None, help="full recompute: uniform (chunks of --recompute-num-layers layers) or block (the first --recompute-num-layers layers of each stage)")  # fmt: skip
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="layers per recompute chunk (uniform) or recomputed per stage (block)")  # fmt: skip
+    g.add_argument("--custom-pipeline-layers", type=_int_list, default=None, metavar="N0,N1,...", help="language layers of each pipeline stage (the first may be 0: it runs the vision tower); the stages between the first and the last hold equal numbers")  # fmt: skip
+    g.add_argument("--custom-pipeline-recompute-layers", type=_int_list, default=None, metavar="R0,R1,...", help="--recompute-num-layers of each pipeline stage (needs --recompute-granularity full)")  # fmt: skip
+    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="linear warmup over this fraction of the decay iterations (instead of --lr-warmup-iters)")  # fmt: skip
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None, help="NCCL on CUDA (default); without CUDA nccl falls back to gloo with a warning")  # fmt: skip
+    g.add_argument("--data-parallel-size", dest="expected_data_parallel_size", type=int, default=None, help="checked: must equal world size / (TP x PP x CP)")  # fmt: skip
+    add_stage_flags(p)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """`19,20,20,21` -> (19, 20, 20, 21)."""
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _split_weights(text: str) -> tuple[float, float, float]:
+    """Megatron-LM's `969,30,1` (also `/`-separated; missing parts are 0)."""
+    try:
+        values = [float(v) for v in text.replace("/", ",").split(",")]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3 or min(values) < 0 or sum(values) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"--split takes up to three weights >= 0 (e.g. 969,30,1), got {text!r}"
+        )
+    return tuple(values + [0.0] * (3 - len(values)))  # type: ignore[return-value]
 
 
 def _balance_cost(text: str) -> tuple[float, float, float, float]:
@@ -401,13 +441,17 @@ def _data_flags(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     """Parse flags into a validated :class:`RunConfig` (raises ``SystemExit``/``ValueError`` on bad input)."""
     args = build_parser().parse_args(argv)
+    refuse_unsupported(args)
+    modules = args.trainable_modules
+    if modules is not None:  # Megatron-LM's space-separated list, mmpack's comma list, or `all`
+        modules = None if modules == ["all"] else parse_modules(",".join(modules))
     preset = MODEL_PRESETS.get(args.model_size or "tiny", {})
     size = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in preset.items()}
     return RunConfig(
         model=_config_from_args(
             ModelConfig,
             args,
-            trainable_modules=parse_modules(args.trainable_modules),
+            trainable_modules=modules,
             size_flags=_size_flags(args),
             **size,
         ),
@@ -421,4 +465,5 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
         checkpoint=_config_from_args(CheckpointConfig, args),
         logging=_config_from_args(ObservabilityConfig, args),
         exit=_config_from_args(ExitConfig, args),
+        stage=_config_from_args(StageFlags, args),
     )

@@ -14,6 +14,7 @@ from megatron.core.transformer import TransformerConfig
 from mmpack.dataloader.mixture import Mixture
 from mmpack.trainer.exits import ExitConfig
 from mmpack.trainer.observability import ObservabilityConfig
+from mmpack.trainer.stage_flags import StageFlags
 
 MOE_DISPATCHERS = ("allgather", "alltoall", "flex")  # megatron-core's token dispatchers
 
@@ -116,6 +117,12 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = None
     # how long a collective may wait for the other ranks before it fails (Megatron-LM's flag and default)
     distributed_timeout_minutes: float = 10.0
+    # Megatron-LM's stage-script flags: the layer count of every stage (the fork's --custom-pipeline-layers,
+    # megatron-core's pipeline_model_parallel_layout underneath), the process-group backend (None: NCCL on CUDA, gloo
+    # without) and --data-parallel-size, which must equal world / (TP x PP)
+    custom_pipeline_layers: tuple[int, ...] | None = None
+    distributed_backend: str | None = None
+    expected_data_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
@@ -153,6 +160,36 @@ class ParallelConfig:
             raise ValueError("--decoder-first/last-pipeline-num-layers must be >= 0")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        self._check_stage_script_flags()
+
+    def _check_stage_script_flags(self) -> None:
+        custom, pp = self.custom_pipeline_layers, self.pipeline_model_parallel_size
+        if custom is not None:
+            if any(
+                n is not None
+                for n in (self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)
+            ):
+                raise ValueError("give --custom-pipeline-layers or --decoder-first/last-pipeline-num-layers, not both")  # fmt: skip
+            if len(custom) != pp or min(custom) < 0:
+                raise ValueError(
+                    f"--custom-pipeline-layers {','.join(map(str, custom))} must give one layer count >= 0 per "
+                    f"pipeline stage: --pipeline-model-parallel-size is {pp}"
+                )
+            virtual = (self.virtual_pipeline_model_parallel_size, self.num_layers_per_virtual_pipeline_stage)
+            if any(n is not None for n in virtual):
+                raise ValueError("--custom-pipeline-layers places every layer: give no virtual pipeline flags with it")  # fmt: skip
+        if self.distributed_backend not in (None, "nccl", "gloo"):
+            raise ValueError(f"--distributed-backend {self.distributed_backend}: mmpack runs NCCL on CUDA, gloo without")  # fmt: skip
+        if self.expected_data_parallel_size is not None and self.expected_data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {self.expected_data_parallel_size}")
+
+    def pipeline_layout(self) -> str | None:
+        """megatron-core's pipeline_model_parallel_layout of --custom-pipeline-layers (the embedding on the
+        first stage, the loss on the last, ``t`` per language layer; None without the flag or at PP 1)."""
+        custom = self.custom_pipeline_layers
+        if custom is None or len(custom) < 2:
+            return None
+        return "E" + "|".join("t" * n for n in custom) + "L"
 
     def stage_layer_counts(self, num_layers: int) -> list[int]:
         """Language layers of each pipeline stage (megatron-core's split: the first / last stage as given by
@@ -162,6 +199,14 @@ class ParallelConfig:
             self.decoder_first_pipeline_num_layers,
             self.decoder_last_pipeline_num_layers,
         )
+        custom = self.custom_pipeline_layers
+        if custom is not None:
+            if sum(custom) != num_layers:
+                raise ValueError(
+                    f"--custom-pipeline-layers {','.join(map(str, custom))} sums to {sum(custom)}; the model "
+                    f"has {num_layers} language layers"
+                )
+            return list(custom)
         fixed = {0: first} if first is not None else {}
         if last is not None:
             fixed[pp - 1] = last
@@ -215,6 +260,13 @@ class ParallelConfig:
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         if world_size % mp:
             raise ValueError(f"world size {world_size} is not divisible by TP x PP = {mp}")
+        given = self.expected_data_parallel_size
+        if given is not None and given != world_size // mp:
+            raise ValueError(
+                f"--data-parallel-size {given} does not match the launch: world size {world_size} / (TP "
+                f"{self.tensor_model_parallel_size} x PP {self.pipeline_model_parallel_size} x CP 1) = "
+                f"{world_size // mp}"
+            )
         etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
         experts = etp * self.expert_model_parallel_size * self.pipeline_model_parallel_size
         if world_size % experts:
@@ -275,8 +327,14 @@ class OptimConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    lr_warmup_fraction: float | None = None  # Megatron-LM's: warmup = this fraction of the decay iterations
 
     def __post_init__(self) -> None:
+        if self.lr_warmup_fraction is not None:
+            if self.lr_warmup_iters:
+                raise ValueError("give --lr-warmup-fraction or --lr-warmup-iters, not both")
+            if not 0 <= self.lr_warmup_fraction < 1:
+                raise ValueError(f"--lr-warmup-fraction must be in [0, 1), got {self.lr_warmup_fraction}")
         if self.lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"unknown --lr-decay-style {self.lr_decay_style!r}")
         if self.min_lr > self.lr:
@@ -298,10 +356,45 @@ class TrainConfig:
     recompute_activations: bool = False
     metrics_file: str | None = None
     debug_overflow_iterations: tuple[int, ...] = ()
+    # Megatron-LM's activation recompute (TransformerConfig's fields of the same names); the fork's
+    # --custom-pipeline-recompute-layers gives each pipeline stage its own recompute_num_layers
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    custom_pipeline_recompute_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.global_batch_size < 0 or self.train_iters < 0:
             raise ValueError("--micro-batch-size must be >= 1, --global-batch-size and --train-iters >= 0")
+        if self.recompute_activations and self.recompute_granularity not in (None, "selective"):
+            raise ValueError("--recompute-activations is --recompute-granularity selective; give one of them")
+        full = self.recompute_granularity == "full"
+        if full and (self.recompute_method is None or self._num_layers_given() is None):
+            raise ValueError(
+                "--recompute-granularity full needs --recompute-method (uniform or block) and "
+                "--recompute-num-layers (or --custom-pipeline-recompute-layers)"
+            )
+        if not full and (self.recompute_method or self._num_layers_given() is not None):
+            raise ValueError(
+                "--recompute-method, --recompute-num-layers and --custom-pipeline-recompute-layers need "
+                "--recompute-granularity full"
+            )
+        if any(n < 0 for n in self.custom_pipeline_recompute_layers or ()):
+            raise ValueError("--custom-pipeline-recompute-layers must be >= 0 for every stage")
+
+    def _num_layers_given(self) -> int | tuple[int, ...] | None:
+        return self.custom_pipeline_recompute_layers or self.recompute_num_layers
+
+    def recompute_fields(self, pipeline_rank: int) -> dict[str, Any]:
+        """TransformerConfig's recompute fields on stage ``pipeline_rank``."""
+        granularity = "selective" if self.recompute_activations else self.recompute_granularity
+        if granularity == "selective":
+            return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+        if granularity is None:
+            return {}
+        per_stage = self.custom_pipeline_recompute_layers
+        layers = per_stage[pipeline_rank] if per_stage else self.recompute_num_layers
+        return {"recompute_granularity": "full", "recompute_method": self.recompute_method, "recompute_num_layers": layers}  # fmt: skip
 
     def num_microbatches(self, dp_size: int) -> int:
         """Micro-batches per step and DP rank: global / (micro x DP), which must divide exactly."""
@@ -327,12 +420,17 @@ class DataConfig:
     balance: str = "none"  # "compute": bins of each global batch laid out over DP ranks by cost
     # the cost model's coefficients (mmpack.packing.cost.COST_FEATURES order); None: the trained model's FLOP counts
     balance_cost: tuple[float, float, float, float] | None = None
+    # Megatron-LM's --split (train, valid, test weights): the bins of --data-path divided by
+    # mmpack.dataloader.order.split_bins; the valid part is the eval data of --eval-interval
+    split: tuple[float, float, float] | None = None
 
     def __post_init__(self) -> None:
         if not self.data_path and not self.data_mixture and not self.mock_data:
             raise ValueError("give --data-path (a packed dataset), --data-mixture or --mock-data")
         if self.data_path and self.data_mixture:
             raise ValueError("give one of --data-path and a mixture (--data-mixture or weighted --data-path)")
+        if self.split is not None and self.eval_data_path:
+            raise ValueError("--split takes the eval data out of --data-path's bins: give it or --eval-data-path, not both")  # fmt: skip
         if self.balance not in ("none", "compute"):
             raise ValueError(f"--balance must be none or compute, got {self.balance!r}")
         if self.balance_cost is not None and self.balance != "compute":
@@ -386,8 +484,18 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
+    stage: StageFlags = field(default_factory=StageFlags)  # Megatron-LM stage-script flags checked at start
 
     def __post_init__(self) -> None:
+        per_stage, pp = (
+            self.train.custom_pipeline_recompute_layers,
+            self.parallel.pipeline_model_parallel_size,
+        )
+        if per_stage is not None and len(per_stage) != pp:
+            raise ValueError(
+                f"--custom-pipeline-recompute-layers {','.join(map(str, per_stage))} must give one count per "
+                f"pipeline stage: --pipeline-model-parallel-size is {pp}"
+            )
         if self.exit.exit_signal_handler and not self.checkpoint.save:
             raise ValueError("--exit-signal-handler saves a checkpoint before it exits: add --save DIR")
 
@@ -402,8 +510,11 @@ class MegatronConfigs:
     optimizer: OptimizerConfig
 
 
-def build_megatron_configs(cfg: RunConfig, arch: Any, *, use_te: bool = False) -> MegatronConfigs:
-    """Translate our configs (and the model family's architecture) into megatron-core's.
+def build_megatron_configs(
+    cfg: RunConfig, arch: Any, *, use_te: bool = False, pipeline_rank: int = 0
+) -> MegatronConfigs:
+    """Translate our configs (and the model family's architecture) into megatron-core's; ``pipeline_rank``:
+    this rank's stage (its own --custom-pipeline-recompute-layers count).
 
     `use_te`: the model is built with Transformer Engine on CUDA; only then are the fusion flags switched on
     (on CPU megatron-core would compile its fused ops with torch.compile, for no gain).
@@ -436,11 +547,7 @@ def build_megatron_configs(cfg: RunConfig, arch: Any, *, use_te: bool = False) -
         deallocate_pipeline_outputs=False,
         calculate_per_token_loss=True,  # the loss function returns (sum, tokens); see training._loss_func
     )
-    recompute = (
-        {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
-        if tr.recompute_activations
-        else {}
-    )
+    recompute = tr.recompute_fields(pipeline_rank)
     vp = par.virtual_pipeline_size(arch.num_layers)
     # The interleaved schedule sends activations and gradients both ways at once: batched into one
     # batch_isend_irecv, two sends to the same peer (PP 2: next and previous stage are one rank) are matched
@@ -460,6 +567,7 @@ def build_megatron_configs(cfg: RunConfig, arch: Any, *, use_te: bool = False) -
         "expert_tensor_parallel_size": par.expert_tensor_parallel_size or par.tensor_model_parallel_size,
         "num_layers_in_first_pipeline_stage": par.decoder_first_pipeline_num_layers,
         "num_layers_in_last_pipeline_stage": par.decoder_last_pipeline_num_layers,
+        "pipeline_model_parallel_layout": par.pipeline_layout(),
         "virtual_pipeline_model_parallel_size": vp,
         **interleaved,
         **recompute,

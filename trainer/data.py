@@ -121,10 +121,11 @@ def build_step_batches(
     balance: str = "none",
     cost_model: Any = None,
     position_rule: PositionRule | None = None,
+    split: tuple[tuple[float, float, float], int, int] | None = None,
 ) -> StepBatches:
     """The loader of this rank's DP replica (megatron-core parallel_state must be initialised); `balance`,
-    `cost_model` and `position_rule` (the model's) as in `mmpack.dataloader.build_loader` (synthetic batches
-    ignore the first two)."""
+    `cost_model`, `position_rule` (the model's) and `split` (--split's weights, the part read: 0 train,
+    1 valid, and the split's seed) as in `mmpack.dataloader.build_loader` (synthetic batches ignore all but the position rule)."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -162,6 +163,7 @@ def build_step_batches(
         balance=balance,
         cost_model=cost_model,
         position_rule=position_rule,
+        split=split,
     )
     return StepBatches(loader)
 

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from functools import partial
 from typing import Any
@@ -50,6 +51,7 @@ from mmpack.trainer.models import family_of
 from mmpack.trainer.models.protocol import ModelFamily
 from mmpack.trainer.observability import Observer, SourceMetrics, source_loss_parts
 from mmpack.trainer.shared_batches import SharedStepBatches, shared_step_batches
+from mmpack.trainer.stage_flags import check_model_flags, check_stage_flags
 
 
 def balance_cost_model(
@@ -86,7 +88,9 @@ def initialize_distributed(cfg: RunConfig, *, virtual_pipeline_size: int | None 
         if not on_cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         timeout = datetime.timedelta(minutes=par.distributed_timeout_minutes)
-        dist.init_process_group("gloo" if on_cpu else "nccl", timeout=timeout)
+        dist.init_process_group(
+            process_group_backend(par.distributed_backend, on_cpu=on_cpu), timeout=timeout
+        )
     par.data_parallel_size(dist.get_world_size())  # validates the layout divides the world
     ps.initialize_model_parallel(
         par.tensor_model_parallel_size,
@@ -102,6 +106,20 @@ def initialize_distributed(cfg: RunConfig, *, virtual_pipeline_size: int | None 
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return on_cpu
+
+
+def process_group_backend(given: str | None, *, on_cpu: bool) -> str:
+    """gloo on CPU, NCCL on CUDA; ``--distributed-backend nccl`` without CUDA falls back to gloo with one
+    warning line (rank 0), gloo on CUDA is refused."""
+    if on_cpu:
+        if given == "nccl" and os.environ.get("RANK", "0") == "0":
+            print("pretrain_vlm: warning: --distributed-backend nccl: no CUDA here, running gloo on CPU", file=sys.stderr, flush=True)  # fmt: skip
+        return "gloo"
+    if given == "gloo":
+        raise ValueError(
+            "--distributed-backend gloo: on CUDA mmpack runs NCCL; leave the flag out or give nccl"
+        )
+    return "nccl"
 
 
 def resolve_train_config(cfg: RunConfig, info: DataInfo, dp_size: int) -> RunConfig:
@@ -129,13 +147,16 @@ def microbatches_per_step(cfg: RunConfig, dp_size: int, virtual_pipeline_size: i
 def build_scheduler(cfg: RunConfig, optimizer: Any) -> OptimizerParamScheduler:
     """Linear warmup from 0 to --lr, then decay to --min-lr, counted in iterations."""
     o = cfg.optim
-    decay = max(o.lr_decay_iters or cfg.train.train_iters, o.lr_warmup_iters + 1)
+    decay_iters = o.lr_decay_iters or cfg.train.train_iters
+    # Megatron-LM's --lr-warmup-fraction: that fraction of the decay iterations (not rounded)
+    warmup = o.lr_warmup_iters if o.lr_warmup_fraction is None else o.lr_warmup_fraction * decay_iters
+    decay = max(decay_iters, math.floor(warmup) + 1)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=o.lr,
         min_lr=o.min_lr,
-        lr_warmup_steps=o.lr_warmup_iters,
+        lr_warmup_steps=warmup,  # type: ignore[arg-type]
         lr_decay_steps=decay,
         lr_decay_style=o.lr_decay_style,
         start_wd=o.weight_decay,
@@ -189,10 +210,13 @@ class Trainer:
         )
         if cfg.model.hf_model and cfg.data.first_path:  # tokenizer file and the whole image rule too
             check_dataset_for_hf_model(cfg.data.first_path, cfg.model.hf_model)
+        self._check_stage_flags(cfg, info)
         self.use_te = te_available()
         self.pad_id = info.pad_id
         self.thd_multiple = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
-        self.mcfg = build_megatron_configs(cfg, self.arch, use_te=self.use_te)
+        self.mcfg = build_megatron_configs(
+            cfg, self.arch, use_te=self.use_te, pipeline_rank=ps.get_pipeline_model_parallel_rank()
+        )
         self.num_micro = microbatches_per_step(cfg, self.dp_size, self.virtual_pipeline_size)
         self.chunks = build_model(cfg, self.mcfg, self.arch, use_te=self.use_te)
         self.trainable_message = self._count_trainable()
@@ -222,13 +246,34 @@ class Trainer:
             else None,
             position_rule=self.family.position_rule(self.arch),
         )
-        self.train_data = shared_step_batches(partial(step_batches, cfg.data.train_data, seed=cfg.train.seed))
+        split = cfg.data.split
+        carves = split is not None and (
+            split[1] > 0 or split[2] > 0
+        )  # 100,0,0 trains on every bin, as without
+        self.train_data = shared_step_batches(
+            partial(
+                step_batches,
+                cfg.data.train_data,
+                seed=cfg.train.seed,
+                split=(split, 0, cfg.train.seed) if carves else None,
+            )
+        )
         self.eval_data: SharedStepBatches | None = None
         if cfg.train.eval_interval > 0:
-            eval_path = cfg.data.eval_data_path
+            eval_path = cfg.data.eval_data_path or (cfg.data.train_data if split else None)
             if cfg.data.train_data and not eval_path:
-                raise ValueError("--eval-interval needs --eval-data-path (a held-out packed dataset)")
-            self.eval_data = shared_step_batches(partial(step_batches, eval_path, seed=cfg.train.seed + 1))
+                raise ValueError(
+                    "--eval-interval needs held-out data: --eval-data-path (a packed dataset) or --split "
+                    "(e.g. 969,30,1: a valid part of --data-path's bins)"
+                )
+            self.eval_data = shared_step_batches(
+                partial(
+                    step_batches,
+                    eval_path,
+                    seed=cfg.train.seed + 1,
+                    split=split and (split, 1, cfg.train.seed),
+                )
+            )
         self.iteration = 0
         self.skipped = 0
         names = cfg.data.source_names
@@ -253,6 +298,19 @@ class Trainer:
             if ck.save and _same_folder(ck.load, ck.save):  # nothing new to save before the next step
                 self.saved_iteration = self.iteration
             self.log_text(message)
+
+    def _check_stage_flags(self, cfg: RunConfig, info: DataInfo) -> None:
+        """The Megatron-LM stage-script flags fixed by the dataset and the model (trainer/stage_flags.py)."""
+        flags = cfg.stage
+        source = cfg.model.hf_model or cfg.checkpoint.load or f"--model-type {cfg.model.model_type}"
+        check_model_flags(flags, self.arch, seq_length=info.seq_length, source=source)
+        if cfg.data.first_path:
+            from mmpack.dataloader import load_manifest
+
+            check_stage_flags(flags, load_manifest(cfg.data.first_path).raw, data_path=cfg.data.first_path)
+        if dist.get_rank() == 0:
+            for note in flags.notes(on_cpu=self.on_cpu):
+                print(f"pretrain_vlm: note: {note}", file=sys.stderr, flush=True)
 
     @property
     def model(self) -> Any:
@@ -538,6 +596,9 @@ class Trainer:
         1-1,3-3)"."""
         config, pp = self.mcfg.language, self.cfg.parallel.pipeline_model_parallel_size
         vp = self.virtual_pipeline_size
+        layout = config.pipeline_model_parallel_layout
+        if layout is not None:  # get_num_layers_to_build would count this rank's stage for every pp_rank
+            return ",".join(str(layout.get_num_layers_to_build(pp_rank=r)) for r in range(pp))  # type: ignore[union-attr]
         if not vp:
             return ",".join(str(get_num_layers_to_build(config, pp_rank=r)) for r in range(pp))
         stages = []
