@@ -26,6 +26,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,28 +93,31 @@ def _reference_modules():  # type: ignore[no-untyped-def]
     return conf, modeling, video
 
 
-def tiny_hf_model(folder: Path, ids: dict[str, int]) -> Path:
-    """A random OneVision-2 built from the reference classes (config from the family's tiny config), with
-    weights wide enough that every part matters, the processor config and the tokenizer."""
+def tiny_hf_model(
+    folder: Path, ids: dict[str, int], model_type: str = "llava_onevision2", **spec_fields: int
+) -> Path:
+    """A random OneVision-2 (``model_type``: dense or MoE) built from the reference classes (config from the
+    family's tiny config), with weights wide enough that every part matters, the processor config and the
+    tokenizer."""
     import torch
 
     from mmpack.trainer.models import family
     from mmpack.trainer.models.protocol import TinyModelSpec
 
-    conf, modeling, _ = _reference_modules()
+    conf, modeling = _reference_classes(model_type)
     spec = TinyModelSpec(
         vocab_size=VOCAB, image_token_id=ids["<|image_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], num_layers=4, vision_depth=2, vision_num_heads=2,
-        vision_hidden_size=64, patch_size=14, merge_size=MERGE,
+        vision_hidden_size=64, patch_size=14, merge_size=MERGE, **spec_fields,
     )  # fmt: skip
-    config = family("llava_onevision2").tiny_hf_config(spec)
+    config = family(model_type).tiny_hf_config(spec)
     assert config["video_token_id"] == ids["<|video_pad|>"]
     # small bases, so that every rotary frequency turns within a sample and an image
     config["text_config"]["rope_parameters"]["rope_theta"] = 100.0
     config["vision_config"]["rope_theta"] = 100.0
     fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
     torch.manual_seed(0)
-    model = modeling.LlavaOnevision2ForConditionalGeneration(conf.LlavaOnevision2Config(**fields))
+    model = modeling(conf(**fields))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ("norm" in name or "ln_q" in name) and name.endswith("weight"):
@@ -128,24 +132,44 @@ def tiny_hf_model(folder: Path, ids: dict[str, int]) -> Path:
     return folder
 
 
-def _samples(packed: Path) -> list[dict]:
+def _reference_classes(model_type: str):  # type: ignore[no-untyped-def]
+    """(config class, model class) of the reference's dense or MoE variant."""
+    _reference_modules()
+    if model_type == "llava_onevision2":
+        from llava_onevision2 import configuration_llava_onevision2 as conf
+        from llava_onevision2 import modeling_llava_onevision2 as modeling
+
+        return conf.LlavaOnevision2Config, modeling.LlavaOnevision2ForConditionalGeneration
+    from llava_onevision2 import configuration_llava_onevision2_moe as conf_moe
+    from llava_onevision2 import modeling_llava_onevision2_moe as modeling_moe
+
+    return conf_moe.LlavaOnevision2MoeConfig, modeling_moe.LlavaOnevision2ForConditionalGeneration
+
+
+def _samples(packed: Path, bins: int = 1) -> list[dict]:
     """Each sample of bin 0 as the loader gives it, with its slice of the image inputs."""
     from tests.test_trainer_video_parity import _samples as loader_samples
 
-    return loader_samples(packed, [(True, False)] * 6)
+    return loader_samples(packed, [(True, False)] * 6, bins=bins)
 
 
-def reference_loss(hf_dir: Path, packed: Path, *, zero_pixels: bool = False) -> dict:
-    """The reference's loss over the samples one by one (its own patch positions of each sample's grids)."""
+def reference_loss(
+    hf_dir: Path, packed: Path, *, zero_pixels: bool = False, bins: int = 1, edit: Any = None
+) -> dict:
+    """The reference's loss over the samples of the first ``bins`` bins one by one (its own patch positions
+    of each sample's grids); ``edit``: a function applied to the loaded model first (controls)."""
     import torch
     import torch.nn.functional as F
 
-    _, modeling, video = _reference_modules()
-    model = modeling.LlavaOnevision2ForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32)
+    _, _, video = _reference_modules()
+    config = json.loads((hf_dir / "config.json").read_text())
+    model = _reference_classes(config["model_type"])[1].from_pretrained(hf_dir, dtype=torch.float32)
     model.eval()
+    if edit is not None:
+        edit(model)
     total, count = torch.zeros((), dtype=torch.float64), 0
     with torch.no_grad():
-        for s in _samples(packed):
+        for s in _samples(packed, bins):
             pixels, grids = s["image"]
             logits = model(
                 input_ids=s["tokens"][None], pixel_values=torch.zeros_like(pixels) if zero_pixels else pixels,
@@ -157,9 +181,9 @@ def reference_loss(hf_dir: Path, packed: Path, *, zero_pixels: bool = False) -> 
     return {"loss": float(total / count), "tokens": count}
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from mmpack.offline_packing.cli import main as mmpack
+def model_and_records(root: Path, model_type: str, **spec_fields: int) -> tuple[Path, Path]:
+    """(tiny model folder, records file of the six mllm_demo records) under ``root``; skips without the
+    shared files."""
     from tests.test_qwen3_vl_trainer import records_file
 
     if not (
@@ -168,14 +192,21 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
         and (REFERENCE_DIR / "llava_onevision2").is_dir()
     ):
         pytest.skip("needs ../shared (Qwen3 tokenizer, mllm_demo, reference/llava_onevision2)")
-    root = tmp_path_factory.mktemp("onevision2")
     ids = {t["content"]: t["id"] for t in json.loads(QWEN3_TOKENIZER.read_text())["added_tokens"]}
-    hf_dir = tiny_hf_model(root / "hf", ids)
+    return tiny_hf_model(root / "hf", ids, model_type, **spec_fields), records_file(root, with_video=False)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from mmpack.offline_packing.cli import main as mmpack
+
+    root = tmp_path_factory.mktemp("onevision2")
+    hf_dir, records = model_and_records(root, "llava_onevision2")
     packed = root / "packed"
     args = [
         "pack",
         "-i",
-        str(records_file(root, with_video=False)),
+        str(records),
         "-o",
         str(packed),
         "-L",

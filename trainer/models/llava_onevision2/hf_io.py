@@ -7,6 +7,7 @@ from __future__ import annotations
 from mmpack.trainer.models.hf_weights import Rule, output_rules
 from mmpack.trainer.models.llava_onevision2.config import OneVision2Arch
 from mmpack.trainer.models.qwen_lm import decoder_rules
+from mmpack.trainer.models.qwen_moe import MoEArch
 
 LANGUAGE = "model.language_model."
 VISUAL = "model.visual."
@@ -47,11 +48,16 @@ def _vision_rules(arch: OneVision2Arch) -> dict[str, Rule]:
     }
 
 
-def part_rules(arch: OneVision2Arch, *, first: bool, last: bool, layers: tuple[int, int]) -> dict[str, Rule]:
+def part_rules(
+    arch: OneVision2Arch, *, first: bool, last: bool, layers: tuple[int, int], moe: MoEArch | None = None
+) -> dict[str, Rule]:
     """The rules of a consecutive part of the model: ``first`` (vision tower and embedding), the language
-    ``layers`` (first global layer, count), ``last`` (final norm and output layer)."""
+    ``layers`` (first global layer, count), ``last`` (final norm and output layer); ``moe``: the language
+    layers' MLPs are that mixture of experts (the MoE variant)."""
     rules = _vision_rules(arch) if first else {}
-    rules |= decoder_rules(arch, *layers, hf_layers=LANGUAGE + "layers.", qkv_bias=False, qk_norm=True)
+    rules |= decoder_rules(
+        arch, *layers, hf_layers=LANGUAGE + "layers.", qkv_bias=False, qk_norm=True, moe=moe
+    )
     return rules | output_rules(
         first=first, last=last, tied=arch.tie_word_embeddings, norm=LANGUAGE + "norm.weight",
         embedding=LANGUAGE + "embed_tokens.weight",
