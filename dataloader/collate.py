@@ -154,6 +154,7 @@ def collate_bins(
         raise ValueError(f"bins {[rec['key'] for rec in records]}: {row_at} patch rows, grids need {n_rows}")
     vision = collate_videos([v for row in videos for v in row])
     cu = np.concatenate([[0], np.cumsum(np.concatenate(segments))]).astype(np.int32)
+    image_grids = np.concatenate(grids) if n_rows else np.zeros((0, 3), dtype=np.int64)
     return MicroBatch(
         tokens=tokens,
         labels=labels,
@@ -163,7 +164,7 @@ def collate_bins(
         max_seqlen=max(int(s.max()) for s in segments),
         num_real_tokens=num_real,
         pixel_values=pixels,
-        image_grid_thw=np.concatenate(grids) if n_rows else np.zeros((0, 3), dtype=np.int64),
+        image_grid_thw=image_grids,
         pixel_values_videos=vision["pixel_values_videos"]
         if len(vision["video_grid_thw"])
         else np.zeros((0, width), dtype=np.float32),
@@ -174,6 +175,7 @@ def collate_bins(
         attention_mask=np.stack([block_mask(segment_ids(s))[None] for s in segments])
         if cfg.build_attention_mask
         else None,
+        patch_positions=None if cfg.position_rule is None else cfg.position_rule.patch_positions(image_grids),
     )
 
 

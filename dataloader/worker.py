@@ -512,7 +512,12 @@ def worker_loop(
     rest = spec.plan.micro_batch_size * length * (28 + (length if spec.collate.build_attention_mask else 0))
 
     def pixel_out(rows: int, width: int) -> np.ndarray:
-        return writer.stage(rows * width * 4, rest + (64 << 10)).view(np.float32).reshape(rows, width)
+        # room after them for the rest, the patches' positions included (3 int64 per patch)
+        return (
+            writer.stage(rows * width * 4, rest + rows * 24 + (64 << 10))
+            .view(np.float32)
+            .reshape(rows, width)
+        )
 
     def send(items: list[tuple[str, int, Any, dict[str, int] | None]]) -> None:
         """One message; its last batch carries the storage counters (the consumer keeps the latest)."""

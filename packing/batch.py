@@ -26,10 +26,13 @@ bin_ids              int64 [B]        global bin index of each row in its datase
 source_ids           int64 [B]        index of each row's dataset in the loader's mixture (0 for one dataset;
                                       None for synthetic batches)
 attention_mask       bool [B,1,L,L]   block-diagonal causal mask, True = masked (only when asked for)
+patch_positions      int64 [P, 3]     (frame, row, column) of each row of `pixel_values`, in its order (only
+                                      where the position rule gives them: LLaVA-OneVision-2's 3-D vision RoPE)
 ==================== ================ ===========================================================================
 
 A position rule (`PositionRule`) is the model family's: the trainer hands it to the loader, whose workers
-compute the positions as they collate (`mmpack.packing.mrope.MRopeRule` for Qwen-VL models).
+compute the positions as they collate (`mmpack.packing.mrope.MRopeRule` for Qwen-VL models,
+`mmpack.packing.patch_positions.TextPositionRule` for 1-D text positions with per-patch vision positions).
 """
 
 from __future__ import annotations
@@ -59,6 +62,10 @@ class PositionRule(Protocol):
         """int64 [A, len(input_ids)]: positions of a row whose samples (padding included) have `seq_lens`."""
         ...
 
+    def patch_positions(self, image_grid_thw: np.ndarray) -> np.ndarray | None:
+        """int64 [P, 3] positions of the micro-batch's image patches for the vision tower; None: it takes none."""
+        ...
+
 
 @dataclass(frozen=True)
 class MicroBatch(Generic[A]):
@@ -79,6 +86,7 @@ class MicroBatch(Generic[A]):
     bin_ids: A | None = None
     source_ids: A | None = None
     attention_mask: A | None = None
+    patch_positions: A | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -114,6 +122,7 @@ DTYPES = {
     "bin_ids": "int64",
     "source_ids": "int64",
     "attention_mask": "bool",
+    "patch_positions": "int64",
 }
 
 
@@ -146,6 +155,10 @@ def contract_problems(batch: MicroBatch[Any]) -> list[str]:
         need = int(np.prod(np.asarray(rows).reshape(-1, 3), axis=1).sum())
         if len(getattr(batch, name)) != need:
             out.append(f"{name}: {len(getattr(batch, name))} rows, the grids need {need}")
+    if batch.patch_positions is not None:
+        shape = tuple(batch.patch_positions.shape)  # type: ignore[attr-defined]
+        if shape != (len(batch.pixel_values), 3):  # type: ignore[arg-type]
+            out.append(f"patch_positions: shape {shape}, want ({len(batch.pixel_values)}, 3)")  # type: ignore[arg-type]
     if len(batch.second_per_grid_ts) != n_videos:  # type: ignore[arg-type]
         out.append(f"second_per_grid_ts: {len(batch.second_per_grid_ts)} values for {n_videos} videos")  # type: ignore[arg-type]
     return out

@@ -170,3 +170,7 @@ class MRopeRule:
             video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts, video_pad_id=self.video_pad_id,
             tokens_per_second=self.tokens_per_second, video_frames_apart=self.video_frames_apart,
         )  # fmt: skip
+
+    def patch_positions(self, image_grid_thw: np.ndarray) -> None:
+        """None: the Qwen-VL vision towers compute their patches' positions from the grids."""
+        return None

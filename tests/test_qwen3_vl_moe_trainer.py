@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER
-from tests.test_qwen3_vl_trainer import VIDEO_DEMO, _records, _torchrun
+from tests.test_qwen3_vl_trainer import VIDEO_DEMO, _torchrun, records_file
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +117,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
     hf_dir = tiny_hf_model(root / "hf", ids, "qwen3_vl_moe", num_experts=4, moe_router_topk=2, ffn_hidden_size=48,
                            moe_aux_loss_coeff=0)  # fmt: skip
     packed = root / "packed"
-    args = ["pack", "-i", str(_records(root)), "-o", str(packed), "-L", "640", "--model", str(hf_dir)]
+    args = ["pack", "-i", str(records_file(root)), "-o", str(packed), "-L", "640", "--model", str(hf_dir)]
     assert mmpack([*args, "--no-progress"]) == 0
     manifest = json.loads((packed / "manifest.json").read_text())
     assert manifest["counts"]["bins"] == 2, manifest["counts"]

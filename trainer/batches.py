@@ -64,6 +64,7 @@ def make_micro_batch(
     pixels = [s.pixel_values for s in samples if len(s.pixel_values)]
     patch_dim = samples[0].pixel_values.shape[1] if samples else 0
     positions = layout["position_ids"]
+    image_grids = np.concatenate(grids).astype(np.int64) if grids else np.zeros((0, 3), dtype=np.int64)
     if position_rule is not None:
         positions = np.stack(
             [
@@ -81,11 +82,12 @@ def make_micro_batch(
         max_seqlen=int(layout["max_seqlen"]),
         num_real_tokens=int(layout["num_real_tokens"]),
         pixel_values=np.concatenate(pixels) if pixels else np.zeros((0, patch_dim), dtype=np.float32),
-        image_grid_thw=np.concatenate(grids).astype(np.int64) if grids else np.zeros((0, 3), dtype=np.int64),
+        image_grid_thw=image_grids,
         pixel_values_videos=np.zeros((0, patch_dim), dtype=np.float32),
         video_grid_thw=np.zeros((0, 3), dtype=np.int64),
         second_per_grid_ts=np.zeros(0, dtype=np.float32),
         attention_mask=layout.get("attention_mask"),
+        patch_positions=None if position_rule is None else position_rule.patch_positions(image_grids),
     )
     return batch.map_arrays(torch.from_numpy)
 

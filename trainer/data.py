@@ -224,6 +224,8 @@ def model_inputs(batch: MicroBatch[torch.Tensor], *, use_thd: bool) -> dict[str,
         "pixel_values_videos": batch.pixel_values_videos,
         "video_grid_thw": batch.video_grid_thw,
     }
+    if batch.patch_positions is not None:  # the tower of a family whose rule gives them (LLaVA-OneVision-2)
+        inputs["patch_positions"] = batch.patch_positions
     cu = batch.cu_seqlens.to(device=tokens.device, dtype=torch.int32)
     if use_thd:
         from megatron.core.packed_seq_params import PackedSeqParams

@@ -85,10 +85,12 @@ def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
         grids = grid_thw.numpy().astype("int64") if grid_thw is not None else np.zeros((0, 3), dtype=np.int64)
         rule = fam.position_rule(arch)
         positions = torch.from_numpy(rule.positions(tokens[0].numpy(), [n], grids)).reshape(3, 1, n)
+        patches = rule.patch_positions(grids)
+        extra = {} if patches is None else {"patch_positions": torch.from_numpy(patches)}
         with torch.no_grad():
             logits = model(
                 tokens, positions, block_causal_mask(cu, 1, n), labels=None,
-                pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw,
+                pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw, **extra,
             )  # fmt: skip
         return logits[0].float()
     finally:

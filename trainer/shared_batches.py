@@ -27,7 +27,8 @@ from megatron.core import parallel_state as ps
 
 from mmpack.packing.batch import MicroBatch
 
-IMAGE_KEYS = ("pixel_values", "pixel_values_videos")  # sent to the first stage only (the vision tower)
+# the vision tower's inputs: sent to the first stage only
+IMAGE_KEYS = ("pixel_values", "pixel_values_videos", "patch_positions")
 
 
 def reads_data() -> bool:

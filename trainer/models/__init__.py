@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from mmpack.trainer.models.protocol import ModelFamily
 
 FAMILIES: dict[str, str] = {
+    "llava_onevision2": "mmpack.trainer.models.llava_onevision2",
+    "llava_onevision2_moe": "mmpack.trainer.models.llava_onevision2_moe",
     "qwen2_5_vl": "mmpack.trainer.models.qwen2_5_vl",
     "qwen3_vl": "mmpack.trainer.models.qwen3_vl",
     "qwen3_vl_moe": "mmpack.trainer.models.qwen3_vl_moe",

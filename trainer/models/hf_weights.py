@@ -36,7 +36,8 @@ class Rule:
     An expert's parameter (``expert`` >= 0) is matrix ``expert`` of a 3-D HF tensor [experts, a, b]
     (transformers' ``gate_up_proj`` / ``down_proj``) of ``experts`` matrices whose rows number ``rows`` in
     transformers' layout (a file holding each matrix transposed, as Qwen's own MoE checkpoints do, is read
-    too); it is cut over the expert-tensor-parallel ranks instead of the tensor-parallel ones.
+    too); with ``experts`` 0 it is the expert's own 2-D HF tensors. Either is cut over the
+    expert-tensor-parallel ranks instead of the tensor-parallel ones.
     """
 
     kind: str
@@ -243,7 +244,7 @@ class ExpertMatrix:
 
 def hf_shapes(rule: Rule, param_shape: tuple[int, ...], tp_size: int) -> dict[str, tuple[int, ...]]:
     """Full shapes of the HF tensors behind a megatron-core parameter of ``param_shape`` on one TP rank."""
-    if rule.expert >= 0:
+    if rule.expert >= 0 and rule.experts:
         inner = hf_shapes(Rule(rule.kind, rule.hf, rule.split), param_shape, tp_size)
         return {name: (rule.experts, *shape) for name, shape in inner.items()}
     rest = tuple(param_shape[1:])
@@ -315,7 +316,7 @@ def _interleave_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups
 def read_shard(reader: Any, rule: Rule, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This TP rank's part of the parameter described by ``rule``, reading only that part from disk
     (``reader``: a :class:`SafetensorsReader` or :class:`RandomHFWeights`)."""
-    if rule.expert >= 0:
+    if rule.expert >= 0 and rule.experts:
         reader = ExpertMatrix(reader, rule)
     if rule.kind == "fused_glu":  # this rank's gate rows, then its up rows
         half = reader.shape(rule.hf[0])[0] // 2
@@ -472,7 +473,7 @@ def hf_state_dict(
             if missing:
                 raise ValueError(f"checkpoint stage {pp} has no {name} (TP ranks {missing})")
             for hf_name, tensor in merge_tp_shards(rule, [s[name] for s in states]).items():
-                if rule.expert >= 0:
+                if rule.expert >= 0 and rule.experts:
                     stacked.setdefault(hf_name, {})[rule.expert] = tensor
                 else:
                     out.setdefault(hf_name, tensor.contiguous())  # a tied output layer repeats the embedding

@@ -20,8 +20,8 @@ from typing import Any, Protocol
 
 import torch
 
+from mmpack.packing.batch import PositionRule
 from mmpack.packing.cost import CostModel, ModelFlopShape, forward_flop_model
-from mmpack.packing.mrope import MRopeRule
 from mmpack.trainer.models import hf_weights
 from mmpack.trainer.models.hf_weights import ExpertSlice, Rule
 
@@ -127,8 +127,9 @@ class ModelFamily(abc.ABC):
         language ``layers`` (first global layer, count), ``last`` (final norm and output layer)."""
 
     @abc.abstractmethod
-    def position_rule(self, arch: Any) -> MRopeRule:
-        """How the MRoPE positions of a packed micro-batch are made from its tokens and grids."""
+    def position_rule(self, arch: Any) -> PositionRule:
+        """How the positions of a packed micro-batch (its tokens' and, where the tower takes them, its
+        patches') are made from its tokens and grids."""
 
     @abc.abstractmethod
     def flop_shape(self, arch: Any) -> ModelFlopShape:

@@ -24,6 +24,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
+from mmpack.packing.cost import LanguageFlopShape
 from mmpack.trainer.models.common import build_block_spec
 from mmpack.trainer.models.hf_weights import Rule
 from mmpack.trainer.models.qwen_moe import MoEArch, moe_rules
@@ -83,6 +84,16 @@ def lm_fields(
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         hidden_act=str(text.get("hidden_act", "silu")),
     )
+
+
+def language_flop_shape(arch: QwenLMArch) -> LanguageFlopShape:
+    """The dimensions of the language model that the FLOP count reads (dense MLPs)."""
+    return LanguageFlopShape(
+        hidden_size=arch.hidden_size, num_layers=arch.num_layers,
+        attention_size=arch.num_attention_heads * arch.head_dim,
+        kv_size=arch.num_key_value_heads * arch.head_dim, ffn_hidden_size=arch.intermediate_size,
+        vocab_size=arch.vocab_size,
+    )  # fmt: skip
 
 
 def language_config(

@@ -18,12 +18,14 @@ megatron-core 0.16.1's ``alltoall`` one creates a CUDA stream, ``flex`` needs De
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from megatron.core.transformer.moe import moe_utils
 
+from mmpack.packing.cost import ModelFlopShape
 from mmpack.trainer.models.hf_weights import Rule
 
 # megatron-core 0.16.1's router gating reads `te_general_gemm`, which it defines only when Transformer
@@ -41,6 +43,9 @@ class MoEArch:
     ffn_hidden_size: int  # each expert's intermediate size (moe_intermediate_size)
     norm_topk_prob: bool = True
     aux_loss_coeff: float = 0.0
+    # HF layout of the experts: transformers 5's stacked tensors, or (``per_expert_files``) each expert's own
+    # ``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (the Qwen3-MoE checkpoint layout)
+    per_expert_files: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -70,16 +75,43 @@ def moe_arch_from_text(text: dict[str, Any], *, norm_topk_prob: bool | None = No
     )
 
 
-def tiny_moe_text_fields(num_experts: int | None, top_k: int | None, aux: float | None, hidden: int) -> dict:
-    """``text_config`` fields of a small random mixture of experts (4 experts, 2 per token by default)."""
+def tiny_moe_text_fields(
+    num_experts: int | None, top_k: int | None, aux: float | None, hidden: int, ffn: int | None = None
+) -> dict:
+    """``text_config`` fields of a small random mixture of experts (4 experts, 2 per token by default; each
+    expert ``ffn`` wide, else as wide as the hidden size)."""
     return {
         "num_experts": num_experts or 4,
         "num_experts_per_tok": top_k or min(2, num_experts or 4),
-        "moe_intermediate_size": hidden,
+        "moe_intermediate_size": ffn or hidden,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "router_aux_loss_coef": 0.001 if aux is None else float(aux),
     }
+
+
+def moe_language_extra(moe: MoEArch, language_extra: dict[str, Any]) -> dict[str, Any]:
+    """The language model's own megatron-core fields with the experts' (its dispatcher from them)."""
+    dispatcher = language_extra.get("moe_token_dispatcher_type", "allgather")
+    return {**language_extra, **moe_config_fields(moe, dispatcher)}
+
+
+def moe_size_flags(dense: dict[str, Any], moe: MoEArch) -> dict[str, Any]:
+    """A dense family's size flags (``ModelFamily.size_flags_of``) with the experts'."""
+    return dense | {
+        "num_experts": moe.num_experts,
+        "moe_router_topk": moe.top_k,
+        "moe_aux_loss_coeff": moe.aux_loss_coeff,
+    }
+
+
+def moe_flop_shape(dense: ModelFlopShape, moe: MoEArch) -> ModelFlopShape:
+    """A dense family's FLOP shape, each token running its top-k experts and the router."""
+    language = dataclasses.replace(
+        dense.language, ffn_hidden_size=moe.ffn_hidden_size, experts_per_token=moe.top_k,
+        num_experts=moe.num_experts,
+    )  # fmt: skip
+    return dataclasses.replace(dense, language=language)
 
 
 def moe_config_fields(moe: MoEArch, dispatcher: str) -> dict[str, Any]:
@@ -108,6 +140,8 @@ def moe_rules(moe: MoEArch, hidden_size: int, hf: str, mc: str) -> dict[str, Rul
     gate_up_proj`` / ``down_proj`` (transformers 5's stacked [experts, out, in] tensors), megatron-core names
     under ``{mc}`` (its MoE layer) with global expert numbers."""
     rules = {mc + "router.weight": Rule("copy", (hf + "gate.weight",), None)}
+    if moe.per_expert_files:
+        return rules | _per_expert_rules(moe, hf, mc)
     stacked = dict(experts=moe.num_experts)
     for e in range(moe.num_experts):
         ours = f"{mc}experts.local_experts.{e}."
@@ -117,6 +151,18 @@ def moe_rules(moe: MoEArch, hidden_size: int, hf: str, mc: str) -> dict[str, Rul
         rules[ours + "linear_fc2.weight"] = Rule(
             "copy", (hf + "experts.down_proj",), 1, expert=e, rows=hidden_size, **stacked
         )
+    return rules
+
+
+def _per_expert_rules(moe: MoEArch, hf: str, mc: str) -> dict[str, Rule]:
+    """The experts' rules where each expert has its own 2-D HF tensors (``experts`` 0: not stacked)."""
+    rules = {}
+    for e in range(moe.num_experts):
+        ours, theirs = f"{mc}experts.local_experts.{e}.", f"{hf}experts.{e}."
+        rules[ours + "linear_fc1.weight"] = Rule(
+            "glu", (theirs + "gate_proj.weight", theirs + "up_proj.weight"), expert=e
+        )
+        rules[ours + "linear_fc2.weight"] = Rule("copy", (theirs + "down_proj.weight",), 1, expert=e)
     return rules
 
 

@@ -28,20 +28,14 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
 
-from mmpack.trainer.models.common import build_layer_spec
+from mmpack.packing.patch_positions import block_patch_positions
+from mmpack.trainer.models.common import LayerNorm, build_layer_spec
 from mmpack.trainer.models.segment_attention import SegmentAttention
 
 
 def patch_hw_positions(grid_thw: np.ndarray, merge_size: int) -> np.ndarray:
     """[P, 2] (row, column) of every patch in processor order."""
-    out = []
-    for t, h, w in grid_thw.tolist():
-        grid_rows, grid_cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        shape = (h // merge_size, merge_size, w // merge_size, merge_size)
-        rows = grid_rows.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
-        cols = grid_cols.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
-        out.append(np.tile(np.stack([rows, cols], axis=-1), (t, 1)))
-    return np.concatenate(out) if out else np.zeros((0, 2), dtype=np.int64)
+    return block_patch_positions(grid_thw, merge_size)[:, 1:]
 
 
 def vision_rotary_angles(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
@@ -85,14 +79,37 @@ def merger_mlp(projector_config: TransformerConfig, merged_size: int) -> Multimo
     return MultimodalProjector(projector_config, submodules, "mlp", merged_size)
 
 
+class PatchMerger(MegatronModule):
+    """LayerNorm per patch (or, ``after_merge``, over each merge group's concatenation), then the groups
+    through a GELU MLP (:func:`merger_mlp`): Qwen3-VL's mergers and LLaVA-OneVision-2's."""
+
+    def __init__(
+        self, vision_config: TransformerConfig, projector_config: TransformerConfig, merge_units: int, *,
+        after_merge: bool,
+    ) -> None:  # fmt: skip
+        super().__init__(projector_config)
+        self.merged_size = vision_config.hidden_size * merge_units
+        self.after_merge = after_merge
+        size = self.merged_size if after_merge else vision_config.hidden_size
+        self.norm = LayerNorm(vision_config, size, eps=vision_config.layernorm_epsilon)
+        self.projector = merger_mlp(projector_config, self.merged_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.after_merge:
+            return self.projector(self.norm(hidden.reshape(-1, self.merged_size)))
+        return self.projector(self.norm(hidden).reshape(-1, self.merged_size))
+
+
 def tower_configs(
     *, depth: int, hidden_size: int, num_heads: int, ffn_hidden_size: int, merged_size: int, out_size: int,
     common: dict[str, Any], normalization: str, activation: Callable[..., torch.Tensor], gated: bool,
+    layernorm_epsilon: float = 1e-6, rotary_interleaved: bool = False,
 ) -> tuple[TransformerConfig, TransformerConfig]:  # fmt: skip
     """megatron-core configs of a vision tower's layers and of its patch-merger MLP (``merged_size`` ->
     ``merged_size`` -> ``out_size``, GELU); ``common``: the run's parallel/precision fields. The tower runs on
     the first pipeline stage only, in the parameter dtype, and is never sequence-parallel (image patches are
-    few and variable; they stay whole on every TP rank)."""
+    few and variable; they stay whole on every TP rank). ``rotary_interleaved``: the rotary angles turn
+    adjacent pairs of a head's channels (LLaVA-OneVision-2) instead of its two halves."""
     vision_common = {**common, "pipeline_model_parallel_size": 1, "fp32_residual_connection": False}
     layers = TransformerConfig(
         num_layers=depth,
@@ -101,7 +118,8 @@ def tower_configs(
         kv_channels=hidden_size // num_heads,
         ffn_hidden_size=ffn_hidden_size,
         normalization=normalization,
-        layernorm_epsilon=1e-6,
+        layernorm_epsilon=layernorm_epsilon,
+        rotary_interleaved=rotary_interleaved,
         gated_linear_unit=gated,
         activation_func=activation,
         add_bias_linear=True,
@@ -132,10 +150,15 @@ class VisionTowerBase(MegatronModule):
     ) -> None:
         super().__init__(config)
         self.arch = arch
-        self.patch_shape = (arch.in_channels, arch.temporal_patch_size, arch.patch_size, arch.patch_size)
+        self.patch_shape: tuple[int, ...] = (
+            arch.in_channels,
+            arch.temporal_patch_size,
+            arch.patch_size,
+            arch.patch_size,
+        )
         self.embed_size = arch.hidden_size
         kernel = self.patch_shape[1:]
-        self.patch_embed = torch.nn.Conv3d(
+        self.patch_embed: torch.nn.Conv2d | torch.nn.Conv3d = torch.nn.Conv3d(
             arch.in_channels, arch.hidden_size, kernel, stride=kernel, bias=patch_bias
         )
         # megatron-core's layer, its attention over the cu_seqlens segments of each forward

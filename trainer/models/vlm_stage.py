@@ -86,15 +86,18 @@ class VisionLanguageStage(MegatronModule):
         return self.language_model.shared_embedding_or_output_weight()
 
     def _vision_features(
-        self, slots: torch.Tensor, pixels: torch.Tensor | None, grid_thw: torch.Tensor | None, what: str
-    ) -> VisionFeatures | None:
-        """The tower's features for the ``slots`` (the pad tokens of one kind); None without such pads."""
+        self, slots: torch.Tensor, pixels: torch.Tensor | None, grid_thw: torch.Tensor | None, what: str,
+        patch_positions: torch.Tensor | None = None,
+    ) -> VisionFeatures | None:  # fmt: skip
+        """The tower's features for the ``slots`` (the pad tokens of one kind); None without such pads.
+        ``patch_positions``: the micro-batch's, for a tower that takes them."""
         num_slots = int(slots.sum())
         if not num_slots:
             return None
         if pixels is None or grid_thw is None or self.vision is None:
             raise ValueError(f"batch has <|{what}_pad|> tokens but no pixels/grids for them")
-        out = self.vision(pixels, grid_thw)
+        extra = {} if patch_positions is None else {"patch_positions": patch_positions}
+        out = self.vision(pixels, grid_thw, **extra)
         features = out if isinstance(out, VisionFeatures) else VisionFeatures(out)
         if features.merged.shape[0] != num_slots:
             raise ValueError(
@@ -118,18 +121,20 @@ class VisionLanguageStage(MegatronModule):
         image_grid_thw: torch.Tensor | None,
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
+        patch_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Text embeddings with image (video) features scattered into the ``<|image_pad|>``
-        (``<|video_pad|>``) slots -> [s, b, h]; DeepStack features kept for this forward's hooks."""
+        (``<|video_pad|>``) slots -> [s, b, h]; DeepStack features kept for this forward's hooks.
+        ``patch_positions`` (of the image patches) go to a tower that takes them."""
         emb_module = self.language_model.embedding
         emb = emb_module.word_embeddings(tokens)
         media = [
-            (tokens == self.image_pad_id, pixel_values, image_grid_thw, "image"),
-            (tokens == self.video_pad_id, pixel_values_videos, video_grid_thw, "video"),
+            (tokens == self.image_pad_id, pixel_values, image_grid_thw, "image", patch_positions),
+            (tokens == self.video_pad_id, pixel_values_videos, video_grid_thw, "video", None),
         ]
         deepstack: list[torch.Tensor] | None = None
-        for slots, pixels, grids, what in media:
-            found = self._vision_features(slots, pixels, grids, what)
+        for slots, pixels, grids, what, positions in media:
+            found = self._vision_features(slots, pixels, grids, what, positions)
             if found is None:
                 continue
             emb = emb.masked_scatter(slots.unsqueeze(-1), found.merged.to(emb.dtype))
@@ -157,11 +162,15 @@ class VisionLanguageStage(MegatronModule):
         packed_seq_params: PackedSeqParams | None = None,
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
+        patch_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] on the last stage when labels are given (logits without), hidden states
-        elsewhere. ``position_ids`` are the MRoPE positions [3, b, s]."""
+        elsewhere. ``position_ids`` are the MRoPE positions [3, b, s]; ``patch_positions`` [P, 3] those of
+        the image patches, for a tower that takes them (the micro-batch's, see `mmpack.packing.batch`)."""
         decoder_input = (
-            self.embed(tokens, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+            self.embed(
+                tokens, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, patch_positions
+            )
             if self.pre_process
             else None
         )

@@ -7,11 +7,12 @@ from typing import Any
 
 import torch
 
-from mmpack.packing.cost import LanguageFlopShape, ModelFlopShape, VisionFlopShape
+from mmpack.packing.cost import ModelFlopShape, VisionFlopShape
 from mmpack.packing.mrope import MRopeRule
 from mmpack.trainer.models.protocol import ModelFamily, TinyModelSpec
 from mmpack.trainer.models.qwen2_5_vl import config, hf_check, hf_io
 from mmpack.trainer.models.qwen2_5_vl.vision import VisionTower
+from mmpack.trainer.models.qwen_lm import language_flop_shape
 from mmpack.trainer.models.vision_common import VLMegatronConfigs
 from mmpack.trainer.models.vlm_stage import build_stage
 
@@ -55,12 +56,7 @@ class Qwen25VLFamily(ModelFamily):
         v = arch.vision
         side = v.window_size // v.spatial_merge_size // v.patch_size * v.spatial_merge_size
         return ModelFlopShape(
-            language=LanguageFlopShape(
-                hidden_size=arch.hidden_size, num_layers=arch.num_layers,
-                attention_size=arch.num_attention_heads * arch.head_dim,
-                kv_size=arch.num_key_value_heads * arch.head_dim, ffn_hidden_size=arch.intermediate_size,
-                vocab_size=arch.vocab_size,
-            ),
+            language=language_flop_shape(arch),
             vision=VisionFlopShape(
                 hidden_size=v.hidden_size, num_layers=v.depth, ffn_hidden_size=v.intermediate_size,
                 patch_pixels=v.in_channels * v.temporal_patch_size * v.patch_size**2,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from mmpack.packing.cost import LanguageFlopShape, ModelFlopShape, VisionFlopShape
+from mmpack.packing.cost import ModelFlopShape, VisionFlopShape
 from mmpack.packing.mrope import MRopeRule
 from mmpack.trainer.models.protocol import ModelFamily
 from mmpack.trainer.models.qwen3_vl import config, hf_io
 from mmpack.trainer.models.qwen3_vl.vision import Qwen3VisionTower
+from mmpack.trainer.models.qwen_lm import language_flop_shape
 from mmpack.trainer.models.vision_common import VLMegatronConfigs
 from mmpack.trainer.models.vlm_stage import build_stage
 
@@ -46,12 +47,7 @@ class Qwen3VLFamily(ModelFamily):
     def flop_shape(self, arch: config.Qwen3VLArch) -> ModelFlopShape:
         v = arch.vision
         return ModelFlopShape(
-            language=LanguageFlopShape(
-                hidden_size=arch.hidden_size, num_layers=arch.num_layers,
-                attention_size=arch.num_attention_heads * arch.head_dim,
-                kv_size=arch.num_key_value_heads * arch.head_dim, ffn_hidden_size=arch.intermediate_size,
-                vocab_size=arch.vocab_size,
-            ),
+            language=language_flop_shape(arch),
             vision=VisionFlopShape(
                 hidden_size=v.hidden_size, num_layers=v.depth, ffn_hidden_size=v.intermediate_size,
                 gated_mlp=False, patch_pixels=v.in_channels * v.temporal_patch_size * v.patch_size**2,

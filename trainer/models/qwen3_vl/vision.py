@@ -16,40 +16,19 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmpack.trainer.models.common import LayerNorm
 from mmpack.trainer.models.qwen3_vl.config import Qwen3VisionArch
 from mmpack.trainer.models.vision_common import (
+    PatchMerger,
     VisionTowerBase,
     frame_lengths,
-    merger_mlp,
     patch_hw_positions,
     segments,
     vision_rotary_angles,
 )
 from mmpack.trainer.models.vlm_stage import VisionFeatures
-
-
-class Qwen3PatchMerger(MegatronModule):
-    """LayerNorm per patch (or, ``after_merge``, over each 2x2 group's concatenation), then the groups through
-    a GELU MLP."""
-
-    def __init__(
-        self, vision_config: TransformerConfig, projector_config: TransformerConfig, merge_units: int, *,
-        after_merge: bool,
-    ) -> None:  # fmt: skip
-        super().__init__(projector_config)
-        self.merged_size = vision_config.hidden_size * merge_units
-        self.after_merge = after_merge
-        self.norm = LayerNorm(vision_config, self.merged_size if after_merge else vision_config.hidden_size)
-        self.projector = merger_mlp(projector_config, self.merged_size)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.after_merge:
-            return self.projector(self.norm(hidden.reshape(-1, self.merged_size)))
-        return self.projector(self.norm(hidden).reshape(-1, self.merged_size))
 
 
 def interpolation_taps(
@@ -84,10 +63,10 @@ class Qwen3VisionTower(VisionTowerBase):
         super().__init__(config, arch, norm=LayerNorm, patch_bias=True)
         self.pos_embed = torch.nn.Embedding(arch.num_position_embeddings, arch.hidden_size)
         units = arch.spatial_merge_size**2
-        self.merger = Qwen3PatchMerger(config, projector_config, units, after_merge=False)
+        self.merger = PatchMerger(config, projector_config, units, after_merge=False)
         self.deepstack_mergers = torch.nn.ModuleList(
             [
-                Qwen3PatchMerger(config, projector_config, units, after_merge=True)
+                PatchMerger(config, projector_config, units, after_merge=True)
                 for _ in arch.deepstack_visual_indexes
             ]
         )

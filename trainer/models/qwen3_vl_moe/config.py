@@ -13,7 +13,7 @@ from mmpack.trainer.models.qwen3_vl import config as dense
 from mmpack.trainer.models.qwen_moe import (
     MoEArch,
     moe_arch_from_text,
-    moe_config_fields,
+    moe_language_extra,
     tiny_moe_text_fields,
 )
 from mmpack.trainer.models.vision_common import VLMegatronConfigs
@@ -44,10 +44,12 @@ def tiny_hf_config(spec: TinyModelSpec) -> dict[str, Any]:
     unless ``spec`` says; each expert as wide as the hidden size unless ``spec.ffn_hidden_size``)."""
     config = dense.tiny_hf_config(spec)
     moe = tiny_moe_text_fields(
-        spec.num_experts, spec.moe_router_topk, spec.moe_aux_loss_coeff, spec.hidden_size
+        spec.num_experts,
+        spec.moe_router_topk,
+        spec.moe_aux_loss_coeff,
+        spec.hidden_size,
+        spec.ffn_hidden_size,
     )
-    if spec.ffn_hidden_size:
-        moe["moe_intermediate_size"] = spec.ffn_hidden_size
     return {
         **config,
         "architectures": ["Qwen3VLMoeForConditionalGeneration"],
@@ -61,6 +63,4 @@ def build_transformer_configs(
     arch: Qwen3VLMoeArch, common: dict[str, Any], language_extra: dict[str, Any]
 ) -> VLMegatronConfigs:
     """Qwen3-VL's megatron-core configs, the language model's with the experts' fields."""
-    dispatcher = language_extra.get("moe_token_dispatcher_type", "allgather")
-    extra = {**language_extra, **moe_config_fields(arch.moe, dispatcher)}
-    return dense.build_transformer_configs(arch, common, extra)
+    return dense.build_transformer_configs(arch, common, moe_language_extra(arch.moe, language_extra))

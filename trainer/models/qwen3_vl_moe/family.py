@@ -3,7 +3,6 @@ with the experts in its language layers, their HF weight rules, size flags and F
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from mmpack.packing.cost import ModelFlopShape
@@ -11,7 +10,7 @@ from mmpack.trainer.models.hf_weights import Rule
 from mmpack.trainer.models.qwen3_vl import hf_io
 from mmpack.trainer.models.qwen3_vl.family import Qwen3VLFamily
 from mmpack.trainer.models.qwen3_vl_moe import config
-from mmpack.trainer.models.qwen_moe import mark_expert_parameters
+from mmpack.trainer.models.qwen_moe import mark_expert_parameters, moe_flop_shape, moe_size_flags
 
 
 def part_rules(
@@ -37,20 +36,11 @@ class Qwen3VLMoeFamily(Qwen3VLFamily):
         return mark_expert_parameters(super().build_stage(arch, configs, **kwargs))
 
     def size_flags_of(self, arch: Any) -> dict[str, Any]:
-        return super().size_flags_of(arch) | {
-            "num_experts": arch.moe.num_experts,
-            "moe_router_topk": arch.moe.top_k,
-            "moe_aux_loss_coeff": arch.moe.aux_loss_coeff,
-        }
+        return moe_size_flags(super().size_flags_of(arch), arch.moe)
 
     def flop_shape(self, arch: Any) -> ModelFlopShape:
-        """Qwen3-VL's, each token running its top-k experts and the router."""
-        shape = super().flop_shape(arch)
-        language = dataclasses.replace(
-            shape.language, ffn_hidden_size=arch.moe.ffn_hidden_size, experts_per_token=arch.moe.top_k,
-            num_experts=arch.moe.num_experts,
-        )  # fmt: skip
-        return dataclasses.replace(shape, language=language)
+        """The dense family's, each token running its top-k experts and the router."""
+        return moe_flop_shape(super().flop_shape(arch), arch.moe)
 
 
 FAMILY = Qwen3VLMoeFamily()

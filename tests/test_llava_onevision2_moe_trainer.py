@@ -1,0 +1,138 @@
+"""LLaVA-OneVision-2 MoE with expert parallelism, against the reference MoE
+``LlavaOnevision2ForConditionalGeneration`` (../shared/reference/llava_onevision2, loaded in tests only).
+
+One packed dataset for all tests: the mllm_demo records (six samples, eight images) packed into bins by
+``mmpack pack --model DIR``, DIR a tiny random OneVision-2 MoE (4 experts, 2 per token, renormalised; RoPE
+bases 100) built from the reference classes. The trainer's load-balancing coefficient is 0 here
+(config.json's ``router_aux_loss_coef``), so that its loss is the language loss the reference computes
+without ``output_router_logits``. One step of the first two bins (global batch 2) at lr 0:
+
+- EP2 (TP1, DP2) and TP2 x EP2 on two ranks (sequence parallel, ``--expert-tensor-parallel-size 1``): the
+  logged lm loss equals the reference's on the same samples one by one to 1e-5 relative; control: the
+  reference with two experts of every layer swapped gives another loss;
+- a checkpoint saved at EP2 (DP2) after one iteration (lr 3e-3) resumes at EP1 (DP1, the same global batch):
+  its next iteration equals the uninterrupted run's;
+- ``mmpack convert`` HF -> megatron-core at TP2 -> HF is bit-exact (each expert's own tensors, as the
+  reference's ``save_pretrained`` writes them) and the export gives the same loss in the reference classes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.test_llava_onevision2_trainer import model_and_records, reference_loss
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from mmpack.offline_packing.cli import main as mmpack
+
+    root = tmp_path_factory.mktemp("onevision2-moe")
+    hf_dir, records = model_and_records(
+        root,
+        "llava_onevision2_moe",
+        num_experts=4,
+        moe_router_topk=2,
+        ffn_hidden_size=48,
+        moe_aux_loss_coeff=0,
+    )
+    packed = {}
+    for length in (640, 256):  # two bins: one step holds them all; more: two steps of other bins
+        packed[length] = root / f"packed{length}"
+        args = ["pack", "-i", str(records), "-o", str(packed[length])]
+        assert mmpack([*args, "-L", str(length), "--model", str(hf_dir), "--no-progress"]) == 0
+    counts = [json.loads((packed[n] / "manifest.json").read_text())["counts"] for n in (640, 256)]
+    assert counts[0]["bins"] == 2 and counts[1]["bins"] >= 4, counts
+    assert counts[0]["samples_packed"] == counts[1]["samples_packed"] == 6, counts
+    found = {"hf": hf_dir, "packed": packed[640], "packed_small": packed[256]}
+    return found | {"ref": reference_loss(hf_dir, packed[640], bins=2)}
+
+
+def _args(setup: dict, tp: int, ep: int, *more: str, data: str = "packed") -> list[str]:
+    return [
+        "--hf-model", str(setup["hf"]), "--data-path", str(setup[data]),
+        "--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size", str(ep),
+        "--expert-tensor-parallel-size", "1", *(["--sequence-parallel"] if tp > 1 else []),
+        "--micro-batch-size", "1", "--global-batch-size", "2", "--log-interval", "1", "--num-workers", "0",
+        "--seed", "5", *more,
+    ]  # fmt: skip
+
+
+def _swap_experts(model) -> None:  # type: ignore[no-untyped-def]
+    """Experts 0 and 1 of every layer change places (router rows unchanged)."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.language_model.layers:
+            for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                p[[0, 1]] = p[[1, 0]].clone()
+
+
+def test_ep2_and_tp2_ep2_loss_equals_the_reference(setup: dict, tmp_path: Path) -> None:
+    from tests.test_trainer_support import ok, train
+
+    runs = {}
+    for tp, ep in ((1, 2), (2, 2)):
+        run = ok(
+            train(
+                2,
+                _args(setup, tp, ep, "--train-iters", "1", "--lr", "0"),
+                tmp_path / f"tp{tp}ep{ep}",
+                tiny=False,
+            )
+        )
+        runs[(tp, ep)] = run.train[0]
+    ref = setup["ref"]
+    swapped = reference_loss(setup["hf"], setup["packed"], bins=2, edit=_swap_experts)
+    print(
+        f"EP2 {runs[(1, 2)]['loss']!r}, TP2xEP2 {runs[(2, 2)]['loss']!r}, reference {ref['loss']!r}, swapped experts {swapped['loss']!r}"
+    )
+    for step in runs.values():
+        assert step["target_tokens"] == ref["tokens"]
+        assert step["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert abs(swapped["loss"] - ref["loss"]) / ref["loss"] > 1e-3
+
+
+def test_ep2_checkpoint_resumed_at_ep1_continues_equal(setup: dict, tmp_path: Path) -> None:
+    from tests.test_trainer_support import checkpoint_view, ok, train
+
+    ckpt = tmp_path / "ckpt"
+    more = ["--train-iters", "2", "--lr", "3e-3"]
+    full = ok(
+        train(
+            2,
+            _args(setup, 1, 2, *more, "--save", str(ckpt), "--save-interval", "1", data="packed_small"),
+            tmp_path / "full",
+            tiny=False,
+        )
+    )
+    assert [m["iteration"] for m in full.train] == [1, 2]
+    view = checkpoint_view(ckpt, 1, tmp_path)
+    again = ok(
+        train(
+            1,
+            _args(setup, 1, 1, *more, "--load", str(view), data="packed_small"),
+            tmp_path / "resumed",
+            tiny=False,
+        )
+    )
+    assert f"resumed from {view} at iteration 1" in again.stdout
+    print(f"full {[m['loss'] for m in full.train]}, resumed at EP1 {[m['loss'] for m in again.train]}")
+    [resumed] = again.train
+    assert resumed["iteration"] == 2 and resumed["data_digest"] == full.train[1]["data_digest"]
+    assert resumed["loss"] == pytest.approx(full.train[1]["loss"], rel=1e-4)
+    assert resumed["loss"] != pytest.approx(full.train[0]["loss"], rel=1e-4)
+
+
+def test_convert_round_trip_is_bit_exact_and_the_export_loads_in_the_reference(
+    setup: dict, tmp_path: Path
+) -> None:
+    """HF -> megatron-core at TP2 (the experts cut over 2 ranks) -> HF: each expert's own tensors, bit for bit."""
+    from tests.test_qwen3_vl_trainer import check_convert_round_trip
+
+    check_convert_round_trip(setup, tmp_path, 2, 1, lambda hf, packed: reference_loss(hf, packed, bins=2))

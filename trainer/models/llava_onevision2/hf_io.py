@@ -1,0 +1,64 @@
+"""The HF weight rules of LLaVA-OneVision-2 (its part of the state-dict adapter; reading, cutting and merging
+is :mod:`mmpack.trainer.models.hf_weights`). HF names are those ``LlavaOnevision2ForConditionalGeneration``
+writes with ``save_pretrained`` (``model.visual.*``, ``model.language_model.*``, ``lm_head``)."""
+
+from __future__ import annotations
+
+from mmpack.trainer.models.hf_weights import Rule, output_rules
+from mmpack.trainer.models.llava_onevision2.config import OneVision2Arch
+from mmpack.trainer.models.qwen_lm import decoder_rules
+from mmpack.trainer.models.qwen_moe import MoEArch
+
+LANGUAGE = "model.language_model."
+VISUAL = "model.visual."
+
+
+def _layer_rules(mc: str, hf: str, attn: dict[str, int]) -> dict[str, Rule]:
+    rules = {
+        mc + "self_attention.linear_qkv.weight": Rule("fused_qkv", (hf + "self_attn.qkv.weight",), **attn),
+        mc + "self_attention.linear_qkv.bias": Rule("fused_qkv", (hf + "self_attn.qkv.bias",), **attn),
+        mc + "self_attention.linear_proj.weight": Rule("copy", (hf + "self_attn.proj.weight",), 1),
+        mc + "self_attention.linear_proj.bias": Rule("copy", (hf + "self_attn.proj.bias",), None),
+        mc + "mlp.linear_fc1.weight": Rule("copy", (hf + "mlp.fc1.weight",), 0),
+        mc + "mlp.linear_fc1.bias": Rule("copy", (hf + "mlp.fc1.bias",), 0),
+        mc + "mlp.linear_fc2.weight": Rule("copy", (hf + "mlp.fc2.weight",), 1),
+        mc + "mlp.linear_fc2.bias": Rule("copy", (hf + "mlp.fc2.bias",), None),
+    }
+    for norm, ours in (("layer_norm1", "input_layernorm"), ("layer_norm2", "pre_mlp_layernorm")):
+        for p in ("weight", "bias"):
+            rules[f"{mc}{ours}.{p}"] = Rule("copy", (f"{hf}{norm}.{p}",), None)
+    return rules
+
+
+def _vision_rules(arch: OneVision2Arch) -> dict[str, Rule]:
+    v = arch.vision
+    rules = {"vision.patch_embed.weight": Rule("copy", (VISUAL + "embeddings.patch_embedding.weight",), None)}
+    for p in ("weight", "bias"):
+        rules[f"vision.pre_layernorm.{p}"] = Rule("copy", (f"{VISUAL}layernorm_pre.{p}",), None)
+        rules[f"vision.merger.norm.{p}"] = Rule("copy", (f"{VISUAL}merger.ln_q.{p}",), None)
+    attn = dict(heads=v.num_heads, groups=v.num_heads, head_dim=v.head_dim)
+    for i in range(v.depth):
+        rules |= _layer_rules(f"vision.layers.{i}.", f"{VISUAL}encoder.layers.{i}.", attn)
+    enc, hf = "vision.merger.projector.encoder.", VISUAL + "merger.mlp."
+    return rules | {
+        enc + "linear_fc1.weight": Rule("copy", (hf + "0.weight",), 0),
+        enc + "linear_fc1.bias": Rule("copy", (hf + "0.bias",), 0),
+        enc + "linear_fc2.weight": Rule("copy", (hf + "2.weight",), 1),
+        enc + "linear_fc2.bias": Rule("copy", (hf + "2.bias",), None),
+    }
+
+
+def part_rules(
+    arch: OneVision2Arch, *, first: bool, last: bool, layers: tuple[int, int], moe: MoEArch | None = None
+) -> dict[str, Rule]:
+    """The rules of a consecutive part of the model: ``first`` (vision tower and embedding), the language
+    ``layers`` (first global layer, count), ``last`` (final norm and output layer); ``moe``: the language
+    layers' MLPs are that mixture of experts (the MoE variant)."""
+    rules = _vision_rules(arch) if first else {}
+    rules |= decoder_rules(
+        arch, *layers, hf_layers=LANGUAGE + "layers.", qkv_bias=False, qk_norm=True, moe=moe
+    )
+    return rules | output_rules(
+        first=first, last=last, tied=arch.tie_word_embeddings, norm=LANGUAGE + "norm.weight",
+        embedding=LANGUAGE + "embed_tokens.weight",
+    )  # fmt: skip
