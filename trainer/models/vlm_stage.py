@@ -86,9 +86,13 @@ class VisionLanguageStage(MegatronModule):
         return self.language_model.shared_embedding_or_output_weight()
 
     def _vision_features(
-        self, slots: torch.Tensor, pixels: torch.Tensor | None, grid_thw: torch.Tensor | None, what: str
-    ) -> VisionFeatures | None:
-        """The tower's features for the ``slots`` (the pad tokens of one kind); None without such pads."""
+        self, slots: torch.Tensor, pixels: torch.Tensor | None, grid_thw: torch.Tensor | None, what: str,
+        rows: torch.Tensor | None = None,
+    ) -> VisionFeatures | None:  # fmt: skip
+        """The tower's features for the ``slots`` (the pad tokens of one kind); None without such pads.
+
+        ``rows`` (context parallelism): the tower runs on every image of the micro-batch and the slots of
+        this rank take the feature rows given (their pads' ordinals in the whole micro-batch)."""
         num_slots = int(slots.sum())
         if not num_slots:
             return None
@@ -96,6 +100,13 @@ class VisionLanguageStage(MegatronModule):
             raise ValueError(f"batch has <|{what}_pad|> tokens but no pixels/grids for them")
         out = self.vision(pixels, grid_thw)
         features = out if isinstance(out, VisionFeatures) else VisionFeatures(out)
+        if rows is not None:
+            if len(rows) != num_slots or int(rows.max()) >= features.merged.shape[0]:
+                raise ValueError(
+                    f"{num_slots} <|{what}_pad|> tokens on this CP rank, {len(rows)} feature rows given for "
+                    f"{features.merged.shape[0]} {what} features"
+                )
+            return VisionFeatures(features.merged[rows], tuple(f[rows] for f in features.deepstack))
         if features.merged.shape[0] != num_slots:
             raise ValueError(
                 f"{features.merged.shape[0]} {what} features for {num_slots} <|{what}_pad|> tokens"
@@ -118,18 +129,21 @@ class VisionLanguageStage(MegatronModule):
         image_grid_thw: torch.Tensor | None,
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
+        image_rows: torch.Tensor | None = None,
+        video_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Text embeddings with image (video) features scattered into the ``<|image_pad|>``
-        (``<|video_pad|>``) slots -> [s, b, h]; DeepStack features kept for this forward's hooks."""
+        (``<|video_pad|>``) slots -> [s, b, h]; DeepStack features kept for this forward's hooks.
+        ``image_rows`` / ``video_rows``: under CP, the feature row of each of this rank's slots."""
         emb_module = self.language_model.embedding
         emb = emb_module.word_embeddings(tokens)
         media = [
-            (tokens == self.image_pad_id, pixel_values, image_grid_thw, "image"),
-            (tokens == self.video_pad_id, pixel_values_videos, video_grid_thw, "video"),
+            (tokens == self.image_pad_id, pixel_values, image_grid_thw, "image", image_rows),
+            (tokens == self.video_pad_id, pixel_values_videos, video_grid_thw, "video", video_rows),
         ]
         deepstack: list[torch.Tensor] | None = None
-        for slots, pixels, grids, what in media:
-            found = self._vision_features(slots, pixels, grids, what)
+        for slots, pixels, grids, what, rows in media:
+            found = self._vision_features(slots, pixels, grids, what, rows)
             if found is None:
                 continue
             emb = emb.masked_scatter(slots.unsqueeze(-1), found.merged.to(emb.dtype))
@@ -157,11 +171,22 @@ class VisionLanguageStage(MegatronModule):
         packed_seq_params: PackedSeqParams | None = None,
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
+        image_rows: torch.Tensor | None = None,
+        video_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] on the last stage when labels are given (logits without), hidden states
-        elsewhere. ``position_ids`` are the MRoPE positions [3, b, s]."""
+        elsewhere. ``position_ids`` are the MRoPE positions [3, b, s]; ``image_rows`` / ``video_rows`` as in
+        :meth:`embed`."""
         decoder_input = (
-            self.embed(tokens, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+            self.embed(
+                tokens,
+                pixel_values,
+                image_grid_thw,
+                pixel_values_videos,
+                video_grid_thw,
+                image_rows,
+                video_rows,
+            )
             if self.pre_process
             else None
         )
