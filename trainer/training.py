@@ -54,17 +54,19 @@ from mmpack.trainer.shared_batches import SharedStepBatches, shared_step_batches
 
 
 def balance_cost_model(
-    family: ModelFamily, arch: Any, *, use_te: bool, given: tuple[float, ...] | None = None
+    family: ModelFamily, arch: Any, *, use_te: bool, given: tuple[float, ...] | None = None, cp_size: int = 1
 ) -> CostModel:
     """The bin cost `--balance compute` evens out over DP ranks: `given` coefficients (`--balance-cost`), else
-    the FLOP count of the model being trained (its family's `flop_model`, the count MFU reports).
+    the FLOP count of the model being trained (its family's `flop_model`, the count MFU reports); under
+    context parallelism the work of one CP rank (`CostModel.per_cp_rank`: 1/CP of the language model, the
+    whole vision tower).
 
     Without Transformer Engine the language model attends through a dense [seq, seq] block mask, whose work
     is the same for every bin, so only with TE (attention per sample, THD) does the sum of squared sample
     lengths count."""
     if given is not None:
-        return CostModel.from_coefficients(given)
-    return family.flop_model(arch, attention_by_sample=use_te)
+        return CostModel.from_coefficients(given).per_cp_rank(cp_size)
+    return family.flop_model(arch, attention_by_sample=use_te).per_cp_rank(cp_size)
 
 
 def te_available() -> bool:
@@ -193,9 +195,12 @@ class Trainer:
         self.cp: CpRank | None = None
         if cfg.parallel.context_parallel_size > 1:
             self.cp = CpRank(
-                cp_size=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
-                pad_id=info.pad_id, image_pad_id=self.arch.image_token_id, video_pad_id=self.arch.video_token_id,
-            )  # fmt: skip
+                cp_size=ps.get_context_parallel_world_size(),
+                cp_rank=ps.get_context_parallel_rank(),
+                pad_id=info.pad_id,
+                image_pad_id=self.arch.image_token_id,
+                video_pad_id=self.arch.video_token_id,
+            )
         self.mcfg = build_megatron_configs(cfg, self.arch, use_te=self.use_te)
         self.num_micro = microbatches_per_step(cfg, self.dp_size, self.virtual_pipeline_size)
         self.chunks = build_model(cfg, self.mcfg, self.arch, use_te=self.use_te)
@@ -220,7 +225,11 @@ class Trainer:
             cache_dir=cfg.data.cache_dir,
             balance=cfg.data.balance,
             cost_model=balance_cost_model(
-                self.family, self.arch, use_te=self.use_te, given=cfg.data.balance_cost
+                self.family,
+                self.arch,
+                use_te=self.use_te,
+                given=cfg.data.balance_cost,
+                cp_size=cfg.parallel.context_parallel_size,
             )
             if cfg.data.balance == "compute"
             else None,
