@@ -6,7 +6,10 @@ H100/H200-class GPU):
    gradients must agree (bf16 tolerances);
 2. throughput: bf16 training steps of a ~0.5B-parameter random ``qwen2_5_vl`` at seq 8192 (synthetic packed
    bins), printing tokens/s, model TFLOPs per GPU and MFU (formula: ``trainer/observability.py``);
-3. save/load/resume: a run saved at iteration 2 and resumed continues with the uninterrupted run's losses.
+3. save/load/resume: a run saved at iteration 2 and resumed continues with the uninterrupted run's losses;
+4. context parallelism: two steps at CP 2 (two ranks; TE's THD attention with ``--cp-comm-type p2p`` and the
+   per-sample 2xCP split) against the same steps at CP 1, losses and gradient norms within bf16 tolerance
+   (needs 2 GPUs on the machine: reported as skipped on one).
 
 ``--dry-run`` runs all of it on CPU (gloo, fp32, tiny sizes, the mask path twice instead of THD), so CI keeps
 the script working. Prints one table; writes benchmarks/results/gpu_check.json.
@@ -43,9 +46,9 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _torchrun(args: list[str], *, timeout_s: int) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(_port()),
-           *args]  # fmt: skip
+def _torchrun(args: list[str], *, timeout_s: int, nproc: int = 1) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(_port()), *args]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
@@ -53,11 +56,14 @@ def _torchrun(args: list[str], *, timeout_s: int) -> subprocess.CompletedProcess
     return proc
 
 
-def _train(flags: list[str], work: Path, name: str, *, timeout_s: int) -> list[dict[str, Any]]:
+def _train(
+    flags: list[str], work: Path, name: str, *, timeout_s: int, nproc: int = 1
+) -> list[dict[str, Any]]:
     metrics = work / f"{name}.jsonl"
     _torchrun(
-        ["-m", "mmpack.trainer.pretrain_vlm", *flags, "--metrics-file", str(metrics)], timeout_s=timeout_s
-    )
+        ["-m", "mmpack.trainer.pretrain_vlm", *flags, "--metrics-file", str(metrics)], timeout_s=timeout_s,
+        nproc=nproc,
+    )  # fmt: skip
     return [m for m in map(json.loads, metrics.read_text().splitlines()) if "loss" in m]
 
 
@@ -165,10 +171,28 @@ def run(dry_run: bool, out: Path) -> dict[str, Any]:
             "same_data": [m["data_digest"] for m in resumed] == [m["data_digest"] for m in full[2:]],
         }
         results["resume"]["ok"] = results["resume"]["same_data"] and max(diffs) < (1e-6 if dry_run else 1e-3)
+        results["context_parallel"] = context_parallel_check(dry_run, small, work)
     results["wall_s"] = time.perf_counter() - start
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     return results
+
+
+def context_parallel_check(dry_run: bool, small: list[str], work: Path) -> dict[str, Any]:
+    """Phase 4: CP 2 against CP 1 on the same synthetic packed bins (2 micro-batches of 2 bins per step)."""
+    import torch
+
+    if not dry_run and torch.cuda.device_count() < 2:
+        return {"ok": True, "skipped": f"needs 2 GPUs, the machine has {torch.cuda.device_count()}"}
+    flags = [*small, "--train-iters", "2", "--micro-batch-size", "2", "--global-batch-size", "4"]
+    ref = _train(flags, work, "cp1", timeout_s=300)
+    cp2 = _train([*flags, "--context-parallel-size", "2", "--cp-comm-type", "p2p"], work, "cp2", timeout_s=300,
+                 nproc=2)  # fmt: skip
+    loss = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(cp2, ref, strict=True))
+    norm = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(cp2, ref, strict=True))
+    tol = 1e-5 if dry_run else 2e-2
+    return {"max_rel_loss_diff": loss, "max_rel_grad_norm_diff": norm, "ok": loss < tol and norm < tol * 5,
+            "attention": "all-gather K/V (CPU)" if dry_run else "TE THD p2p"}  # fmt: skip
 
 
 def print_table(r: dict[str, Any]) -> None:
@@ -182,10 +206,20 @@ def print_table(r: dict[str, Any]) -> None:
                        f" -> {tp['loss_first_last'][1]:.3f}"),
         ("resume", f"iterations {rs['iterations']}, max rel loss diff {rs['max_rel_loss_diff']:.2e}, same data "
                    f"{rs['same_data']} -> {'ok' if rs['ok'] else 'FAIL'}"),
+        ("cp2", _cp_row(r["context_parallel"])),
         ("wall", f"{r['wall_s']:.0f} s{' (dry run on CPU)' if r['dry_run'] else ''}"),
     ]  # fmt: skip
     for name, text in rows:
         print(f"{name:<11} {text}")
+
+
+def _cp_row(cp: dict[str, Any]) -> str:
+    if "skipped" in cp:
+        return f"skipped: {cp['skipped']}"
+    return (
+        f"CP 2 ({cp['attention']}) vs CP 1: loss rel {cp['max_rel_loss_diff']:.2e}, grad norm rel "
+        f"{cp['max_rel_grad_norm_diff']:.2e} -> {'ok' if cp['ok'] else 'FAIL'}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = run(args.dry_run, args.out)
     print_table(results)
-    ok = results["equality"]["ok"] and results["resume"]["ok"]
+    ok = results["equality"]["ok"] and results["resume"]["ok"] and results["context_parallel"]["ok"]
     return 0 if ok else 1
 
 

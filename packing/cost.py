@@ -31,6 +31,7 @@ coefficients: `CostModel.fit`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -114,6 +115,16 @@ class CostModel:
     def scaled(self, factor: float) -> CostModel:
         """The same model with every coefficient times `factor` (> 0): the same balance, other units."""
         return CostModel.from_coefficients((self.coefficients * factor).tolist())
+
+    def per_cp_rank(self, cp_size: int) -> CostModel:
+        """The work of one of ``cp_size`` context-parallel ranks holding a bin: its 1/CP share of the language
+        model's tokens and (load-balanced, `mmpack.packing.context_parallel`) causal attention, and the whole
+        vision tower, which every CP rank runs on all the bin's images."""
+        if cp_size < 1:
+            raise ValueError(f"CP size must be >= 1, got {cp_size}")
+        return dataclasses.replace(
+            self, tokens=self.tokens / cp_size, sum_sq_seq_len=self.sum_sq_seq_len / cp_size
+        )
 
     @classmethod
     def from_coefficients(cls, values: Sequence[float]) -> CostModel:

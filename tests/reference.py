@@ -6,6 +6,7 @@ including its tie-breaking, so tests can compare outputs exactly.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 UNLIMITED = 1 << 62
@@ -277,3 +278,17 @@ def best_pattern(units, images, values, counts, capacity_units, max_images, max_
 
     walk(0, 0, 0, 0, 0.0)
     return best
+
+
+def cp_split(cu_seqlens: list[int], cp_size: int, cp_rank: int) -> list[int]:
+    """The flat-token index (-1 for a pad) of each token CP rank ``cp_rank`` holds: every segment padded to
+    a multiple of 2 * CP, cut into 2 * CP chunks, chunks r and 2 * CP - 1 - r of each segment in order."""
+    out: list[int] = []
+    for start, end in itertools.pairwise(cu_seqlens):
+        length = end - start
+        padded = math.ceil(length / (2 * cp_size)) * 2 * cp_size
+        tokens = [start + i if i < length else -1 for i in range(padded)]
+        size = padded // (2 * cp_size)
+        chunks = [tokens[i * size : (i + 1) * size] for i in range(2 * cp_size)]
+        out += chunks[cp_rank] + chunks[2 * cp_size - 1 - cp_rank]
+    return out

@@ -347,3 +347,27 @@ def test_trainer_logs_each_steps_dp_compute_spread(tmp_path: Path) -> None:
     for m in run.train:
         assert 0 < m["compute_ms_mean"] <= m["compute_ms_max"] <= m["step_ms"]
         assert m["dp_imbalance"] == pytest.approx(m["compute_ms_max"] / m["compute_ms_mean"])
+
+
+def test_cost_model_under_context_parallelism_is_one_cp_rank_share() -> None:
+    """A CP rank does 1/CP of the language model's token and attention work and the whole vision tower (run
+    on every CP rank), so the vision part weighs CP times more against the text part."""
+    from mmpack.trainer.models.qwen2_5_vl import FAMILY
+    from mmpack.trainer.training import balance_cost_model
+    from tests.test_trainer_observability import _arch
+
+    arch = _arch()
+    whole = balance_cost_model(FAMILY, arch, use_te=True)
+    cp2 = balance_cost_model(FAMILY, arch, use_te=True, cp_size=2)
+    assert cp2.tokens == pytest.approx(whole.tokens / 2)
+    assert cp2.sum_sq_seq_len == pytest.approx(whole.sum_sq_seq_len / 2)
+    assert (cp2.image_patches, cp2.sum_sq_image_patches) == (whole.image_patches, whole.sum_sq_image_patches)
+    given = balance_cost_model(FAMILY, arch, use_te=False, given=(4.0, 2.0, 3.0, 1.0), cp_size=4)
+    assert given == CostModel(tokens=1.0, sum_sq_seq_len=0.5, image_patches=3.0, sum_sq_image_patches=1.0)
+    # the balance it drives changes: a text-heavy and an image-heavy bin swap which costs more
+    text, image = np.array([1000.0, 4e5, 0.0, 0.0]), np.array([200.0, 4e4, 64.0, 4096.0])
+    tiny = CostModel(tokens=1.0, sum_sq_seq_len=0.0, image_patches=6.0, sum_sq_image_patches=0.0)
+    assert tiny.cost(text) > tiny.cost(image)
+    assert tiny.per_cp_rank(4).cost(text) < tiny.per_cp_rank(4).cost(image)
+    with pytest.raises(ValueError, match="CP size must be >= 1"):
+        tiny.per_cp_rank(0)

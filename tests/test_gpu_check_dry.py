@@ -23,13 +23,15 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    for row in ("equality", "throughput", "resume", "wall"):
+    for row in ("equality", "throughput", "resume", "cp2", "wall"):
         assert any(line.startswith(row) for line in proc.stdout.splitlines()), proc.stdout
     result = json.loads(out.read_text())
     assert result["dry_run"] and result["equality"]["ok"] and result["resume"]["ok"]
     assert result["resume"]["iterations"] == [3, 4] and result["resume"]["same_data"]
     assert result["throughput"]["tokens_per_s"] > 0 and result["throughput"]["tflops_per_gpu"] > 0
     assert result["throughput"]["mfu"] is None  # no peak known on CPU
+    cp = result["context_parallel"]  # CP 2 (two gloo ranks) against CP 1 on the same bins
+    assert cp["ok"] and "skipped" not in cp and cp["max_rel_loss_diff"] < 1e-5, cp
 
 
 def test_gpu_check_without_cuda_says_to_dry_run() -> None:

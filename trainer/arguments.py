@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from mmpack.dataloader.mixture import load_mixture_file, parse_inline
 from mmpack.trainer.config import (
+    CP_COMM_TYPES,
     LR_DECAY_STYLES,
     MOE_DISPATCHERS,
     CheckpointConfig,
@@ -146,6 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="TP size of each expert (default: --tensor-model-parallel-size)",
     )  # fmt: skip
     g.add_argument("--sequence-parallel", action="store_true", help="shard activations along sequence (TP>1)")
+    # context parallelism: each sample's tokens split over CP ranks (mmpack.packing.context_parallel)
+    g.add_argument(
+        "--context-parallel-size", type=int, default=1,
+        help="CP size: every packed sample split over CP ranks in the load-balanced 2xCP chunk layout",
+    )  # fmt: skip
+    g.add_argument(
+        "--cp-comm-type", choices=CP_COMM_TYPES, default="p2p",
+        help="how Transformer Engine's THD attention exchanges K/V over CP on GPU (the CPU path all-gathers)",
+    )  # fmt: skip
     g.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer state over DP")
     g.add_argument(
         "--overlap-grad-reduce",

@@ -17,8 +17,9 @@ What one checkpoint holds:
   either way, so a checkpoint saved with chunks loads without them and the other way round;
 - ``optimizer``: megatron-core's sharded optimizer state in model space (the distributed optimizer's
   ``fully_reshardable`` format), so the optimizer reshards like the model;
-- ``scheduler``, ``iteration``, the ``layout`` (TP, PP, DP) and the ``model_config`` (HF config.json);
-- ``rng``: the Python, NumPy, torch (CPU and CUDA) and tensor-parallel tracker states of every rank;
+- ``scheduler``, ``iteration``, the ``layout`` (TP, PP, DP, CP) and the ``model_config`` (HF config.json);
+- ``rng``: the Python, NumPy, torch (CPU and CUDA) and tensor-parallel tracker states of every rank (a
+  (PP, TP, DP x CP) grid: at CP 1 the (PP, TP, DP) grid of checkpoints from before CP);
 - ``loader``: the loader state of every DP rank.
 
 RNG states are restored only under the layout they were saved with (the states of another layout do not
@@ -101,18 +102,23 @@ def _load_model_state(model: Any, state: dict[str, Any]) -> None:
 
 
 def layout() -> dict[str, int]:
-    """TP, PP and DP sizes, and ``vp``, the model chunks per stage (1 without the interleaved pipeline)."""
+    """TP, PP, DP and CP sizes, and ``vp``, the model chunks per stage (1 without the interleaved
+    pipeline)."""
     return {
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
         "dp": ps.get_data_parallel_world_size(),
         "vp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+        "cp": ps.get_context_parallel_world_size(),
     }
 
 
 def _describe_layout(lay: dict[str, int]) -> str:
-    vp = lay.get("vp", 1)
-    return f"TP {lay['tp']} x PP {lay['pp']}{f' (VP {vp})' if vp > 1 else ''} x DP {lay['dp']}"
+    vp, cp = lay.get("vp", 1), lay.get("cp", 1)
+    return (
+        f"TP {lay['tp']} x PP {lay['pp']}{f' (VP {vp})' if vp > 1 else ''}{f' x CP {cp}' if cp > 1 else ''} "
+        f"x DP {lay['dp']}"
+    )
 
 
 def _rng_state() -> dict[str, Any]:
@@ -144,9 +150,15 @@ def _rank_coords() -> tuple[int, int, int]:
     )
 
 
-def _rng_object(lay: dict[str, int], coords: tuple[int, int, int], state: Any) -> ShardedObject:
-    """One RNG state per rank of a (PP, TP, DP) grid."""
-    return ShardedObject("rng_state", state, (lay["pp"], lay["tp"], lay["dp"]), coords, replica_id=0)
+def _rng_object(lay: dict[str, int], state: Any) -> ShardedObject:
+    """One RNG state per rank of a (PP, TP, DP x CP) grid (the CP ranks of a DP rank hold their own)."""
+    coords = (
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_data_parallel_rank(with_context_parallel=True),
+    )
+    grid = (lay["pp"], lay["tp"], lay["dp"] * lay.get("cp", 1))
+    return ShardedObject("rng_state", state, grid, coords, replica_id=0)
 
 
 def _loader_object(dp_size: int, dp_rank: int, state: Any, replica: int) -> ShardedObject:
@@ -167,8 +179,13 @@ def _state_for_save(
         "scheduler": scheduler.state_dict(),
         **model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=OPTIMIZER_METADATA),
-        "rng": _rng_object(lay, (pp_rank, tp_rank, dp_rank), _rng_state()),
-        "loader": _loader_object(lay["dp"], dp_rank, loader_state, replica=tp_rank * lay["pp"] + pp_rank),
+        "rng": _rng_object(lay, _rng_state()),
+        "loader": _loader_object(
+            lay["dp"],
+            dp_rank,
+            loader_state,
+            replica=(ps.get_context_parallel_rank() * lay["tp"] + tp_rank) * lay["pp"] + pp_rank,
+        ),
     }
 
 
@@ -333,9 +350,9 @@ def load_checkpoint(
     folder = iteration_dir(root, iteration)
     common = load_common(root, iteration)
     check_model_config(common.get("model_config") or {}, model_config, folder)
-    saved_layout: dict[str, int] = {"vp": 1, **common["layout"]}
+    saved_layout: dict[str, int] = {"vp": 1, "cp": 1, **common["layout"]}
     lay = layout()
-    pp_rank, tp_rank, dp_rank = _rank_coords()
+    dp_rank = ps.get_data_parallel_rank()
     model_sd = model_sharded_state_dict(model)
     request: dict[str, Any] = dict(model_sd)
     weights_only = "scheduler" not in common  # written by `mmpack convert hf-to-mcore`
@@ -347,9 +364,9 @@ def load_checkpoint(
         )
     same_layout = saved_layout == lay
     if restore_training:
-        # one RNG state per (PP, TP, DP) rank: it fits whenever those sizes are the same
-        if all(saved_layout[k] == lay[k] for k in ("tp", "pp", "dp")):
-            request["rng"] = _rng_object(lay, (pp_rank, tp_rank, dp_rank), None)
+        # one RNG state per (PP, TP, DP x CP) rank: it fits whenever those sizes are the same
+        if all(saved_layout[k] == lay[k] for k in ("tp", "pp", "dp", "cp")):
+            request["rng"] = _rng_object(lay, None)
         saved_dp = saved_layout["dp"]
         # every rank reads all of them: only rank 0's request counts as the main replica
         request["loaders"] = [

@@ -17,6 +17,7 @@ from mmpack.trainer.observability import ObservabilityConfig
 from mmpack.trainer.stage_flags import StageFlags
 
 MOE_DISPATCHERS = ("allgather", "alltoall", "flex")  # megatron-core's token dispatchers
+CP_COMM_TYPES = ("p2p", "a2a", "all_gather")  # Transformer Engine's context-parallel attention
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -95,10 +96,14 @@ class ModelConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
-    """TP x PP x DP layout and the parallel options tied to it."""
+    """TP x PP x CP x DP layout and the parallel options tied to it."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # context parallelism: every packed sample split over CP ranks (mmpack.packing.context_parallel); on GPU
+    # TE's THD attention exchanges K/V by cp_comm_type, on CPU the K/V are all-gathered
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"
     # experts of a mixture of experts: spread over EP ranks, each cut over ETP ranks (None: the TP size);
     # ETP x EP x PP divides the world as TP x PP does (megatron-core's expert grid)
     expert_model_parallel_size: int = 1
@@ -127,6 +132,22 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
             raise ValueError("parallel sizes must be >= 1")
+        if self.context_parallel_size < 1:
+            raise ValueError(f"--context-parallel-size must be >= 1, got {self.context_parallel_size}")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(
+                f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}"
+            )
+        if self.context_parallel_size > 1 and self.pipeline_model_parallel_size > 1:
+            # the CP split pads every sample, so a micro-batch's local length varies while the pipeline
+            # schedule sends activations of one fixed shape
+            raise ValueError(
+                "--context-parallel-size > 1 with --pipeline-model-parallel-size > 1 is not supported yet: use "
+                "TP x CP x DP"
+            )
+        if self.context_parallel_size > 1 and self.sequence_parallel:
+            # the per-sample CP padding does not yet round each rank's share to a multiple of TP
+            raise ValueError("--context-parallel-size > 1 with --sequence-parallel is not supported yet")
         if self.expert_model_parallel_size < 1 or (self.expert_tensor_parallel_size or 1) < 1:
             raise ValueError("--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1")
         if not 0 < self.distributed_timeout_minutes < float("inf"):
@@ -256,16 +277,23 @@ class ParallelConfig:
         return chunks if chunks > 1 else None
 
     def data_parallel_size(self, world_size: int) -> int:
-        """DP size implied by the world size; raises if TP x PP does not divide it."""
-        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        """DP size implied by the world size; raises if TP x PP x CP does not divide it."""
+        tp, pp, cp = (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.context_parallel_size,
+        )
+        mp = tp * pp * cp
         if world_size % mp:
-            raise ValueError(f"world size {world_size} is not divisible by TP x PP = {mp}")
+            raise ValueError(
+                f"world size {world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {mp}: give "
+                "parallel sizes whose product divides the number of ranks (world = TP x PP x CP x DP)"
+            )
         given = self.expected_data_parallel_size
         if given is not None and given != world_size // mp:
             raise ValueError(
                 f"--data-parallel-size {given} does not match the launch: world size {world_size} / (TP "
-                f"{self.tensor_model_parallel_size} x PP {self.pipeline_model_parallel_size} x CP 1) = "
-                f"{world_size // mp}"
+                f"{tp} x PP {pp} x CP {cp}) = {world_size // mp}"
             )
         etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
         experts = etp * self.expert_model_parallel_size * self.pipeline_model_parallel_size
@@ -561,6 +589,9 @@ def build_megatron_configs(
         )
     language_extra = {
         "sequence_parallel": par.sequence_parallel,
+        # the language model alone: the vision tower runs whole on every CP rank
+        "context_parallel_size": par.context_parallel_size,
+        "cp_comm_type": par.cp_comm_type if par.context_parallel_size > 1 else None,
         "moe_token_dispatcher_type": m.moe_token_dispatcher_type,
         # the experts' layout: the language model's alone (a vision tower config with EP > 1 is refused)
         "expert_model_parallel_size": par.expert_model_parallel_size,

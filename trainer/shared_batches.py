@@ -1,8 +1,12 @@
-"""The one owner of how a micro-batch reaches the TP and PP ranks of a DP replica: one read and one image
-decode per DP replica, on TP rank 0 of the first pipeline stage, which takes the step's micro-batches
-(`mmpack.packing.batch.MicroBatch`) from the loader; the other ranks of its model-parallel group receive them
-by broadcast, as Megatron-LM's ``get_batch_on_this_tp_rank`` does. The loader itself knows only DP ranks.
+"""The one owner of how a micro-batch reaches the TP, PP and CP ranks of a DP replica: one read and one image
+decode per DP replica, on TP rank 0 and CP rank 0 of the first pipeline stage, which takes the step's
+micro-batches (`mmpack.packing.batch.MicroBatch`) from the loader; the other ranks of its model-parallel group
+receive them by broadcast, as Megatron-LM's ``get_batch_on_this_tp_rank`` does. The loader itself knows only DP
+ranks.
 
+- the other CP ranks of the first stage get the whole micro-batches (pixels included: the vision tower runs on
+  every CP rank) over the CP group; each takes its share of the tokens in the trainer
+  (`mmpack.trainer.context_parallel`);
 - later pipeline stages get, from the first stage over the pipeline group, everything but the pixels
   (tokens, the M-RoPE positions the loader computed, cu_seqlens for the packed attention, labels and loss
   mask for the loss; their pixel fields are empty); the loader state travels with them, so every rank can
@@ -32,8 +36,12 @@ IMAGE_KEYS = ("pixel_values", "pixel_values_videos", "patch_positions")
 
 
 def reads_data() -> bool:
-    """True on the rank of each DP replica that reads and decodes: TP rank 0 of the first stage."""
-    return ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_first_stage()
+    """True on the rank of each DP replica that reads and decodes: TP and CP rank 0 of the first stage."""
+    return (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+        and ps.is_pipeline_first_stage()
+    )
 
 
 def _device() -> torch.device:
@@ -147,7 +155,13 @@ class SharedStepBatches:
         if self.source is not None:
             batches, wait_s = self.source.next_step()
             state = self.source.state_dict()
-        if ps.get_pipeline_model_parallel_world_size() > 1 and ps.get_tensor_model_parallel_rank() == 0:
+        tp_first = ps.get_tensor_model_parallel_rank() == 0
+        if ps.get_context_parallel_world_size() > 1 and tp_first and ps.is_pipeline_first_stage():
+            batches, state = broadcast_step(
+                batches, state, group=ps.get_context_parallel_group(),
+                src=ps.get_context_parallel_global_ranks()[0],
+            )  # fmt: skip
+        if ps.get_pipeline_model_parallel_world_size() > 1 and tp_first:
             batches, state = broadcast_step(
                 batches, state, group=ps.get_pipeline_model_parallel_group(),
                 src=ps.get_pipeline_model_parallel_first_rank(), skip=IMAGE_KEYS,

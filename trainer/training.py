@@ -37,6 +37,7 @@ from mmpack.trainer.build import (
 from mmpack.trainer.checkpoint import CheckpointWriter, load_checkpoint
 from mmpack.trainer.checkpoint_commit import HF_CONFIG_NAME, claim_checkpoint_folder
 from mmpack.trainer.config import RunConfig, build_megatron_configs
+from mmpack.trainer.context_parallel import CpRank, cp_micro_batch
 from mmpack.trainer.data import (
     DataInfo,
     build_step_batches,
@@ -55,17 +56,19 @@ from mmpack.trainer.stage_flags import check_model_flags, check_stage_flags
 
 
 def balance_cost_model(
-    family: ModelFamily, arch: Any, *, use_te: bool, given: tuple[float, ...] | None = None
+    family: ModelFamily, arch: Any, *, use_te: bool, given: tuple[float, ...] | None = None, cp_size: int = 1
 ) -> CostModel:
     """The bin cost `--balance compute` evens out over DP ranks: `given` coefficients (`--balance-cost`), else
-    the FLOP count of the model being trained (its family's `flop_model`, the count MFU reports).
+    the FLOP count of the model being trained (its family's `flop_model`, the count MFU reports); under
+    context parallelism the work of one CP rank (`CostModel.per_cp_rank`: 1/CP of the language model, the
+    whole vision tower).
 
     Without Transformer Engine the language model attends through a dense [seq, seq] block mask, whose work
     is the same for every bin, so only with TE (attention per sample, THD) does the sum of squared sample
     lengths count."""
     if given is not None:
-        return CostModel.from_coefficients(given)
-    return family.flop_model(arch, attention_by_sample=use_te)
+        return CostModel.from_coefficients(given).per_cp_rank(cp_size)
+    return family.flop_model(arch, attention_by_sample=use_te).per_cp_rank(cp_size)
 
 
 def te_available() -> bool:
@@ -96,6 +99,7 @@ def initialize_distributed(cfg: RunConfig, *, virtual_pipeline_size: int | None 
         par.tensor_model_parallel_size,
         par.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_size,
+        context_parallel_size=par.context_parallel_size,
         expert_model_parallel_size=par.expert_model_parallel_size,
         expert_tensor_parallel_size=par.expert_tensor_parallel_size,
         distributed_timeout_minutes=par.distributed_timeout_minutes,  # type: ignore[arg-type]
@@ -214,6 +218,15 @@ class Trainer:
         self.use_te = te_available()
         self.pad_id = info.pad_id
         self.thd_multiple = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
+        self.cp: CpRank | None = None
+        if cfg.parallel.context_parallel_size > 1:
+            self.cp = CpRank(
+                cp_size=ps.get_context_parallel_world_size(),
+                cp_rank=ps.get_context_parallel_rank(),
+                pad_id=info.pad_id,
+                image_pad_id=self.arch.image_token_id,
+                video_pad_id=self.arch.video_token_id,
+            )
         self.mcfg = build_megatron_configs(
             cfg, self.arch, use_te=self.use_te, pipeline_rank=ps.get_pipeline_model_parallel_rank()
         )
@@ -240,7 +253,11 @@ class Trainer:
             cache_dir=cfg.data.cache_dir,
             balance=cfg.data.balance,
             cost_model=balance_cost_model(
-                self.family, self.arch, use_te=self.use_te, given=cfg.data.balance_cost
+                self.family,
+                self.arch,
+                use_te=self.use_te,
+                given=cfg.data.balance_cost,
+                cp_size=cfg.parallel.context_parallel_size,
             )
             if cfg.data.balance == "compute"
             else None,
@@ -355,6 +372,9 @@ class Trainer:
     # -- steps --------------------------------------------------------------------------------------------
     def _forward_step(self, poison: bool, data_iterator: Any, model: Any):
         batch: MicroBatch[torch.Tensor] = next(data_iterator)
+        if self.cp is not None:  # this CP rank's share of every sample (split on the host)
+            inputs, loss_mask = cp_micro_batch(batch, self.cp, use_thd=self.use_te)
+            return model(**inputs), partial(_loss_func, loss_mask, poison)
         if torch.cuda.is_available():
             batch = batch.map_arrays(lambda v: v.cuda(non_blocking=True))
         sources = None
@@ -392,12 +412,14 @@ class Trainer:
         self._grads_ready_at = time.perf_counter()
         return finalize_model_grads(*args, **kwargs)
 
-    def _reduce_over_dp(self, values: list[float], op: Any = dist.ReduceOp.SUM) -> list[float]:
+    def _reduce_over_dp(
+        self, values: list[float], op: Any = dist.ReduceOp.SUM, *, with_cp: bool = False
+    ) -> list[float]:
         """Sums ``values`` (or reduces them by ``op``) over this stage's DP group (meaningful on the last
-        pipeline stage)."""
+        pipeline stage); ``with_cp``: over DP x CP (the loss, whose tokens the CP ranks share)."""
         device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL reduces CUDA tensors only
         t = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=op, group=ps.get_data_parallel_group())
+        dist.all_reduce(t, op=op, group=ps.get_data_parallel_group(with_context_parallel=with_cp))
         return t.tolist()
 
     def train_step(self) -> dict[str, Any]:
@@ -424,9 +446,8 @@ class Trainer:
         loss_sum = sum(float(x["lm loss"][0]) for x in losses) if losses else 0.0
         n_tok = sum(float(x["lm loss"][1]) for x in losses) if losses else 0.0
         digest = float(sum(_tokens_digest(b.tokens) for b in batches))
-        loss_sum, n_tok, real, digest, compute_sum = self._reduce_over_dp(
-            [loss_sum, n_tok, real, digest, compute_s]
-        )
+        loss_sum, n_tok = self._reduce_over_dp([loss_sum, n_tok], with_cp=True)
+        real, digest, compute_sum = self._reduce_over_dp([real, digest, compute_s])
         (compute_max,) = self._reduce_over_dp([compute_s], op=dist.ReduceOp.MAX)
         if self.source_metrics is not None:
             k = len(self.source_metrics.names)
@@ -473,7 +494,7 @@ class Trainer:
                     n_tok += float(x["lm loss"][1])
         for chunk in self.chunks:
             chunk.train()
-        loss_sum, n_tok = self._reduce_over_dp([loss_sum, n_tok])
+        loss_sum, n_tok = self._reduce_over_dp([loss_sum, n_tok], with_cp=True)
         return loss_sum / max(n_tok, 1.0)
 
     # -- logging and the loop -----------------------------------------------------------------------------
@@ -572,7 +593,8 @@ class Trainer:
         prec = "bf16" if c.precision.bf16 else "fp16" if c.precision.fp16 else "fp32"
         return (
             f"mmpack trainer: world {dist.get_world_size()} = TP {c.parallel.tensor_model_parallel_size} x "
-            f"PP {c.parallel.pipeline_model_parallel_size} x DP {self.dp_size} | {prec} | "
+            f"PP {c.parallel.pipeline_model_parallel_size} x CP {c.parallel.context_parallel_size} x DP "
+            f"{self.dp_size} | {prec} | "
             f"backend {'cpu/gloo' if self.on_cpu else 'cuda/nccl'} | attention "
             f"{'THD cu_seqlens (TE)' if self.use_te else 'block-diagonal mask'} | seq {c.train.seq_length} | "
             f"micro {c.train.micro_batch_size} x {self.num_micro} micro-batches x DP {self.dp_size} = "

@@ -95,10 +95,12 @@ def build_layer_spec(
 
 def build_block_spec(
     num_local_layers: int, *, use_te: bool = False, fp32_residual: bool = False, qk_norm: bool = False,
-    num_experts: int | None = None,
+    num_experts: int | None = None, context_parallel: bool = False,
 ) -> TransformerBlockSubmodules:  # fmt: skip
     """Decoder block spec: ``num_local_layers`` layers of this pipeline stage plus the final norm
-    (``qk_norm``: with RMSNorm over each query and key head; ``num_experts``: mixture-of-experts MLPs).
+    (``qk_norm``: with RMSNorm over each query and key head; ``num_experts``: mixture-of-experts MLPs;
+    ``context_parallel``: without TE, the all-gather attention of
+    :mod:`mmpack.trainer.models.cp_attention`).
 
     Without TE the block-diagonal packed mask is passed densely (``AttnMaskType.arbitrary``); with TE the
     attention takes ``PackedSeqParams`` (THD, cu_seqlens) and its own causal-per-segment kernel.
@@ -116,6 +118,10 @@ def build_block_spec(
             )
         return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=TENorm)
     layer = build_layer_spec(AttnMaskType.arbitrary, qk_norm=qk_norm, num_experts=num_experts)
+    if context_parallel:
+        from mmpack.trainer.models.cp_attention import GatheredKVAttention
+
+        layer.submodules.self_attention.submodules.core_attention = GatheredKVAttention
     return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=RMSNorm)
 
 

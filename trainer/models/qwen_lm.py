@@ -152,6 +152,7 @@ def build_language_model(
         get_num_layers_to_build(config, vp_stage=vp_stage), use_te=use_te,
         fp32_residual=config.fp32_residual_connection, qk_norm=config.qk_layernorm,
         num_experts=config.num_moe_experts,
+        context_parallel=config.context_parallel_size > 1 and not use_te,
     )  # fmt: skip
     model = GPTModel(
         config=config,
@@ -168,6 +169,9 @@ def build_language_model(
     )
     if interleaved_mrope:  # the same frequencies (inv_freq), assigned to the axes as Qwen3-VL does
         model.rotary_pos_emb = InterleavedMRoPE(arch.head_dim, 1.0, rotary_base=int(arch.rope_theta))
+    # under CP the positions are already this rank's (the CP split takes them with the tokens): megatron-core
+    # must not cut the rotary angles into its own CP chunks of the whole sequence again
+    model.rotary_pos_emb.cp_group = None
     return model
 
 

@@ -88,9 +88,13 @@ class VisionLanguageStage(MegatronModule):
     def _vision_features(
         self, slots: torch.Tensor, pixels: torch.Tensor | None, grid_thw: torch.Tensor | None, what: str,
         patch_positions: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> VisionFeatures | None:  # fmt: skip
         """The tower's features for the ``slots`` (the pad tokens of one kind); None without such pads.
-        ``patch_positions``: the micro-batch's, for a tower that takes them."""
+
+        ``patch_positions``: the micro-batch's, for a tower that takes them. ``rows`` (context parallelism): the
+        tower runs on every image of the micro-batch and the slots of this rank take the feature rows given
+        (their pads' ordinals in the whole micro-batch)."""
         num_slots = int(slots.sum())
         if not num_slots:
             return None
@@ -99,6 +103,13 @@ class VisionLanguageStage(MegatronModule):
         extra = {} if patch_positions is None else {"patch_positions": patch_positions}
         out = self.vision(pixels, grid_thw, **extra)
         features = out if isinstance(out, VisionFeatures) else VisionFeatures(out)
+        if rows is not None:
+            if len(rows) != num_slots or int(rows.max()) >= features.merged.shape[0]:
+                raise ValueError(
+                    f"{num_slots} <|{what}_pad|> tokens on this CP rank, {len(rows)} feature rows given for "
+                    f"{features.merged.shape[0]} {what} features"
+                )
+            return VisionFeatures(features.merged[rows], tuple(f[rows] for f in features.deepstack))
         if features.merged.shape[0] != num_slots:
             raise ValueError(
                 f"{features.merged.shape[0]} {what} features for {num_slots} <|{what}_pad|> tokens"
@@ -122,19 +133,22 @@ class VisionLanguageStage(MegatronModule):
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
         patch_positions: torch.Tensor | None = None,
+        image_rows: torch.Tensor | None = None,
+        video_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Text embeddings with image (video) features scattered into the ``<|image_pad|>``
         (``<|video_pad|>``) slots -> [s, b, h]; DeepStack features kept for this forward's hooks.
-        ``patch_positions`` (of the image patches) go to a tower that takes them."""
+        ``patch_positions`` (of the image patches) go to a tower that takes them; ``image_rows`` /
+        ``video_rows``: under CP, the feature row of each of this rank's slots."""
         emb_module = self.language_model.embedding
         emb = emb_module.word_embeddings(tokens)
         media = [
-            (tokens == self.image_pad_id, pixel_values, image_grid_thw, "image", patch_positions),
-            (tokens == self.video_pad_id, pixel_values_videos, video_grid_thw, "video", None),
+            (tokens == self.image_pad_id, pixel_values, image_grid_thw, "image", patch_positions, image_rows),
+            (tokens == self.video_pad_id, pixel_values_videos, video_grid_thw, "video", None, video_rows),
         ]
         deepstack: list[torch.Tensor] | None = None
-        for slots, pixels, grids, what, positions in media:
-            found = self._vision_features(slots, pixels, grids, what, positions)
+        for slots, pixels, grids, what, positions, rows in media:
+            found = self._vision_features(slots, pixels, grids, what, positions, rows)
             if found is None:
                 continue
             emb = emb.masked_scatter(slots.unsqueeze(-1), found.merged.to(emb.dtype))
@@ -163,13 +177,23 @@ class VisionLanguageStage(MegatronModule):
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
         patch_positions: torch.Tensor | None = None,
+        image_rows: torch.Tensor | None = None,
+        video_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] on the last stage when labels are given (logits without), hidden states
         elsewhere. ``position_ids`` are the MRoPE positions [3, b, s]; ``patch_positions`` [P, 3] those of
-        the image patches, for a tower that takes them (the micro-batch's, see `mmpack.packing.batch`)."""
+        the image patches, for a tower that takes them (the micro-batch's, see `mmpack.packing.batch`);
+        ``image_rows`` / ``video_rows`` as in :meth:`embed`."""
         decoder_input = (
             self.embed(
-                tokens, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, patch_positions
+                tokens,
+                pixel_values,
+                image_grid_thw,
+                pixel_values_videos,
+                video_grid_thw,
+                patch_positions=patch_positions,
+                image_rows=image_rows,
+                video_rows=video_rows,
             )
             if self.pre_process
             else None
