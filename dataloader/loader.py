@@ -102,7 +102,7 @@ class PackedLoader:
         # bins of each source's epoch (all, or --split's part: StreamOrder refuses an empty part)
         sizes = [self._source_order(s.manifest).num_bins for s in self.sources]
         self.shares = mixture.shares(sizes) if mixture is not None else (1.0,)
-        self.epoch_bins = mixture.epoch_bins(sizes) if mixture is not None else manifest.num_bins
+        self.epoch_bins = mixture.epoch_bins(sizes) if mixture is not None else sizes[0]
         self.spec = ProducerSpec(
             manifest=manifest,
             topology=topology,

@@ -227,7 +227,7 @@ def test_split_bins_disjoint_complete_deterministic(packed: Path) -> None:
                               global_batch_size=1, seed=order_seed, num_workers=0,
                               split=((8, 2, 0), part, 1234))  # fmt: skip
         it = iter(loader)
-        seen = [int(next(it).bin_ids[0]) for _ in range(loader.num_bins)]
+        seen = [int(next(it).bin_ids[0]) for _ in range(loader.epoch_bins)]
         loader.close()
         assert loader.state_dict()["split"] == f"8,2,0:{('train', 'valid')[part]}"
         return seen

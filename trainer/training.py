@@ -294,6 +294,12 @@ class Trainer:
         self.iteration = 0
         self.skipped = 0
         names = cfg.data.source_names
+        if names and self.cp is not None:  # each CP rank holds a share of every row: no per-row source sums
+            if dist.get_rank() == 0:
+                print(
+                    "mmpack trainer: note: under --context-parallel-size > 1 a mixture logs its blended loss only"
+                )
+            names = ()
         self.source_metrics = SourceMetrics(names) if names else None
         self.is_logger = dist.get_rank() == dist.get_world_size() - 1
         self.observer = Observer(
@@ -374,7 +380,7 @@ class Trainer:
         batch: MicroBatch[torch.Tensor] = next(data_iterator)
         if self.cp is not None:  # this CP rank's share of every sample (split on the host)
             inputs, loss_mask = cp_micro_batch(batch, self.cp, use_thd=self.use_te)
-            return model(**inputs), partial(_loss_func, loss_mask, poison)
+            return model(**inputs), partial(_loss_func, loss_mask, poison, None)
         if torch.cuda.is_available():
             batch = batch.map_arrays(lambda v: v.cuda(non_blocking=True))
         sources = None
@@ -593,7 +599,8 @@ class Trainer:
         prec = "bf16" if c.precision.bf16 else "fp16" if c.precision.fp16 else "fp32"
         return (
             f"mmpack trainer: world {dist.get_world_size()} = TP {c.parallel.tensor_model_parallel_size} x "
-            f"PP {c.parallel.pipeline_model_parallel_size} x CP {c.parallel.context_parallel_size} x DP "
+            f"PP {c.parallel.pipeline_model_parallel_size} x "
+            f"{f'CP {cp} x ' if (cp := c.parallel.context_parallel_size) > 1 else ''}DP "
             f"{self.dp_size} | {prec} | "
             f"backend {'cpu/gloo' if self.on_cpu else 'cuda/nccl'} | attention "
             f"{'THD cu_seqlens (TE)' if self.use_te else 'block-diagonal mask'} | seq {c.train.seq_length} | "
