@@ -11,15 +11,14 @@ reduce-scatter), so the gradients reach the rank that owns the tokens.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mmpack.trainer.models.segment_attention import SegmentAttention
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -45,20 +44,10 @@ def gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _GatherSequence.apply(x, group)
 
 
-class GatheredKVAttention(MegatronModule):
+class GatheredKVAttention(SegmentAttention):
     """``core_attention`` of megatron-core's ``SelfAttention`` under CP on CPU: [s, 1, heads, d] local
     queries over the CP group's gathered keys and values; ``attention_mask`` [1, 1, s, CP * s], True =
-    masked."""
-
-    def __init__(
-        self, config: TransformerConfig, layer_number: int, attn_mask_type: Any, attention_type: str,
-        attention_dropout: float | None = None, softmax_scale: float | None = None, **_: Any,
-    ) -> None:  # fmt: skip
-        super().__init__(config=config)
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.scale = softmax_scale or 1.0 / math.sqrt(
-            config.kv_channels or config.hidden_size // config.num_attention_heads
-        )
+    masked. Its settings (dropout, softmax scale) are the packed-segment attention's."""
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
