@@ -61,7 +61,7 @@ def test_checkpoint_holds_every_dp_ranks_loader_state(setup: tuple[Path, Path, R
     assert (folder / "metadata.json").is_file()  # a complete dist_checkpointing checkpoint
     assert {f.name.split("_")[2] for f in folder.glob("__*.distcp")} == {"0", "1"}  # each rank its shards
     common = torch.load(folder / "common.pt", weights_only=False)
-    assert common["iteration"] == 10 and common["layout"] == {"tp": 1, "pp": 1, "dp": 2, "vp": 1}
+    assert common["iteration"] == 10 and common["layout"] == {"tp": 1, "pp": 1, "dp": 2, "vp": 1, "cp": 1}
     assert {"scheduler", "model_config", "optimizer"} <= set(common)
     index = (folder / ".metadata").read_bytes()
     for key in (b"loader_state/shard_0_2", b"loader_state/shard_1_2", b"rng_state/shard_0.0.0_1.1.2"):
