@@ -47,12 +47,10 @@ SCRIPT_FLAGS: dict[str, str | None] = {
 
 REFUSED = {
     "--training-phase pretrain": "--training-phase pretrain is not supported: the loss mask is fixed when packing",
-    "--length-sort-pool-size 1000": "--length-sort-pool-size 1000 is not supported: bins are packed offline",
     "--dataloader-type cyclic": "--dataloader-type cyclic is not supported: mmpack reads packed bins",
     "--optimizer sgd": "--optimizer sgd is not supported: mmpack trains with megatron-core's Adam",
     "--tokenizer-type NullTokenizer": "--tokenizer-type NullTokenizer is not supported: the tokens come",
     "--ckpt-format zarr": "--ckpt-format zarr is not supported: mmpack writes torch_dist",
-    "--moe-per-layer-logging": "--moe-per-layer-logging is not supported: mmpack does not log the MoE router",
     "--chat-template llama3": "--chat-template llama3: mmpack applies the chat template when packing",
 }
 
@@ -202,12 +200,29 @@ def test_refused_flags_give_one_line() -> None:
         assert str(e.value).startswith(line) and "\n" not in str(e.value), str(e.value)
     proc = subprocess.run(
         [sys.executable, "-m", "mmpack.trainer.pretrain_vlm", "--mock-data", "--seq-length", "64",
-         "--length-sort-pool-size", "1000"],
+         "--optimizer", "sgd"],
         cwd=REPO, capture_output=True, text=True, env={"PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"pretrain_vlm: error: {REFUSED['--length-sort-pool-size 1000']}"), lines
+    assert lines[0].startswith(f"pretrain_vlm: error: {REFUSED['--optimizer sgd']}"), lines
+
+
+def test_length_sort_pool_turns_on_compute_balance() -> None:
+    from mmpack.trainer.arguments import parse_args
+    from mmpack.trainer.stage_flags import StageFlags
+
+    base = ["--mock-data", "--seq-length", "64"]
+    assert parse_args(base).data.balance == "none"
+    pooled = parse_args([*base, "--length-sort-pool-size", "1000"])
+    assert pooled.data.balance == "compute" and pooled.stage.length_sort_pool_size == 1000
+    assert parse_args([*base, "--length-sort-pool-size", "1000", "--balance", "none"]).data.balance == "none"
+    assert parse_args([*base, "--length-sort-pool-size", "0"]).data.balance == "none"
+    (note,) = pooled.stage.notes(on_cpu=True, balance="compute")
+    assert note.startswith("--length-sort-pool-size 1000: no pool of samples is sorted") and "compute" in note
+    assert StageFlags().notes(on_cpu=True) == []
+    with pytest.raises(ValueError, match="--length-sort-pool-size must be >= 0"):
+        parse_args([*base, "--length-sort-pool-size", "-1"])
 
 
 def test_split_bins_disjoint_complete_deterministic(packed: Path) -> None:
@@ -295,3 +310,4 @@ def test_onevision2_recipes_parse(tmp_path: Path, script: str, trains: set[str])
     else:
         assert cfg.checkpoint.load == "first" and cfg.checkpoint.finetune
         assert cfg.train.recompute_granularity == "full" and cfg.train.recompute_num_layers == 1
+    assert cfg.data.balance == ("compute" if script == "llava_onevision2_instruct.sh" else "none")

@@ -25,7 +25,7 @@ from mmpack.trainer.exits import ExitConfig
 from mmpack.trainer.freeze import parse_modules
 from mmpack.trainer.models import FAMILIES
 from mmpack.trainer.observability import ObservabilityConfig
-from mmpack.trainer.stage_flags import StageFlags, add_stage_flags, refuse_unsupported
+from mmpack.trainer.stage_flags import StageFlags, add_stage_flags, refuse_unsupported, resolve_balance
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -287,8 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--balance",
         choices=("none", "compute"),
-        default="none",
-        help="compute: spread each global batch's bins over DP ranks by compute cost (mmpack.dataloader.balance)",
+        default=None,
+        help="none (the default) or compute: spread each global batch's bins over DP ranks by compute cost (mmpack.dataloader.balance)",
     )
     g.add_argument(
         "--balance-cost",
@@ -452,6 +452,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     """Parse flags into a validated :class:`RunConfig` (raises ``SystemExit``/``ValueError`` on bad input)."""
     args = build_parser().parse_args(argv)
     refuse_unsupported(args)
+    args.balance = resolve_balance(args)
     modules = args.trainable_modules
     if modules is not None:  # Megatron-LM's space-separated list, mmpack's comma list, or `all`
         modules = None if modules == ["all"] else parse_modules(",".join(modules))

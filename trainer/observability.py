@@ -147,6 +147,7 @@ TAGS = {
     "mem_allocated_gb": "memory/allocated-gb",
     "mem_max_allocated_gb": "memory/max-allocated-gb",
     "mem_max_rss_gb": "memory/max-rss-gb",
+    "moe_load_balancing_loss": "load_balancing_loss",  # megatron-core's tag
 }
 
 
@@ -194,6 +195,63 @@ def source_scalars(metrics: dict[str, Any]) -> dict[str, float]:
     return out | {f"tokens/{n}": float(v) for n, v in (metrics.get("source_tokens") or {}).items()}
 
 
+class RouterLosses:
+    """The MoE routers' load-balancing loss of each step, as megatron-core's routers record it in its
+    layer-wise tracker: the mean over the MoE layers, and each layer's with ``--moe-per-layer-logging``.
+    The values are the loss before ``--moe-aux-loss-coeff`` scales it, summed over the TP x CP ranks that share
+    the tokens, averaged over DP ranks and over the step's micro-batches (as Megatron-LM logs them)."""
+
+    NAME = "load_balancing_loss"
+
+    def __init__(self, language_config: Any, *, per_layer: bool) -> None:
+        self.num_layers = int(language_config.num_layers)
+        self.per_layer = per_layer
+
+    @staticmethod
+    def wanted(language_config: Any) -> bool:
+        """An MoE language model whose routers add the load-balancing loss (a coefficient above 0)."""
+        coeff = getattr(language_config, "moe_aux_loss_coeff", 0) or 0
+        coeffs = coeff if isinstance(coeff, list) else [coeff]
+        return bool(getattr(language_config, "num_moe_experts", None)) and any(c > 0 for c in coeffs)
+
+    def start(self) -> None:
+        """Before a step's forward passes (drops what evaluation passes recorded)."""
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        clear_aux_losses_tracker()
+
+    def take(self, num_microbatches: int) -> dict[str, Any]:
+        """The step's losses, reduced over the ranks (collective: every rank calls it), then cleared."""
+        from megatron.core.transformer.moe.moe_utils import (
+            clear_aux_losses_tracker,
+            get_moe_layer_wise_logging_tracker,
+            reduce_aux_losses_tracker_across_ranks,
+        )
+
+        tracker = get_moe_layer_wise_logging_tracker()
+        if self.NAME not in tracker:  # a stage without MoE layers still takes part in the reductions
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            tracker[self.NAME] = {
+                "values": torch.zeros(self.num_layers, device=device),
+                "reduce_group": ps.get_tensor_and_context_parallel_group(),
+                "avg_group": None,
+                "reduce_group_has_dp": False,
+            }
+        reduce_aux_losses_tracker_across_ranks([self.NAME])
+        values = tracker[self.NAME]["values"].float().cpu() / max(num_microbatches, 1)
+        out: dict[str, Any] = {"moe_load_balancing_loss": float(values.sum()) / self.num_layers}
+        if self.per_layer:
+            out["moe_load_balancing_loss_layers"] = values.tolist()
+        clear_aux_losses_tracker()
+        return out
+
+
+def router_scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """TensorBoard tags of each layer's load-balancing loss (`moe/load_balancing_loss_layer_<i>`, Megatron-LM's)."""
+    layers = metrics.get("moe_load_balancing_loss_layers") or []
+    return {f"moe/{RouterLosses.NAME}_layer_{i}": float(v) for i, v in enumerate(layers)}
+
+
 class MetricsSink:
     """TensorBoard and W&B writers of the logging rank (the last one, as in Megatron-LM); no-ops elsewhere."""
 
@@ -233,7 +291,7 @@ class MetricsSink:
             TAGS[k]: float(v)
             for k, v in metrics.items()
             if k in TAGS and v is not None and math.isfinite(float(v))
-        } | {k: v for k, v in source_scalars(metrics).items() if math.isfinite(v)}
+        } | {k: v for k, v in (source_scalars(metrics) | router_scalars(metrics)).items() if math.isfinite(v)}
         if self.tensorboard is not None:
             for tag, value in scalars.items():
                 self.tensorboard.add_scalar(tag, value, iteration)

@@ -31,7 +31,7 @@ def add_stage_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, help="must be a ChatML template (qwen2-vl, ...): the dataset was tokenized with one when packing")  # fmt: skip
     g.add_argument("--training-phase", choices=("pretrain", "sft"), default=None, help="sft: the loss mask packed with the dataset (assistant tokens); pretrain is refused")  # fmt: skip
     g.add_argument("--enable-discard-sample", action="store_true", help="checked: the dataset must have been packed with --overlength drop or error")  # fmt: skip
-    g.add_argument("--length-sort-pool-size", type=int, default=0, help="refused when > 0: use --balance compute")  # fmt: skip
+    g.add_argument("--length-sort-pool-size", type=int, default=0, help="> 0: turns on --balance compute unless --balance is given (bins are packed to even lengths offline)")  # fmt: skip
     g.add_argument("--dataloader-type", choices=("single", "cyclic", "external"), default=None, help="external (mmpack's packed loader); single/cyclic refused")  # fmt: skip
     g.add_argument("--dataloader-save", default=None, help="accepted: the loader's state is saved inside every checkpoint of --save")  # fmt: skip
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="adam (AdamW, --weight-decay); sgd refused")  # fmt: skip
@@ -40,7 +40,7 @@ def add_stage_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-format", choices=("torch", "torch_dist", "zarr"), default="torch_dist", help="mmpack writes torch_dist (reshardable); torch gives a warning, zarr is refused")  # fmt: skip
     g.add_argument("--ckpt-fully-parallel-load", action="store_true", help="accepted: every rank reads only its own shards already")  # fmt: skip
     g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"), default="auto", help="CUDA: Transformer Engine's attention (flash/fused kernels); CPU: megatron-core's local attention")  # fmt: skip
-    g.add_argument("--moe-per-layer-logging", action="store_true", help="refused: the router losses are not logged")  # fmt: skip
+    g.add_argument("--moe-per-layer-logging", action="store_true", help="each MoE layer's load-balancing loss in the metrics and TensorBoard (the mean over layers is always logged)")  # fmt: skip
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -57,6 +57,8 @@ class StageFlags:
     max_position_embeddings: int | None = None
     ckpt_format: str = "torch_dist"
     attention_backend: str = "auto"
+    length_sort_pool_size: int = 0
+    moe_per_layer_logging: bool = False
 
     def __post_init__(self) -> None:
         if self.chat_template is not None and self.chat_template not in CHATML_TEMPLATES:
@@ -65,12 +67,17 @@ class StageFlags:
                 f"on the packed tokens; the trainer accepts the ChatML ones ({', '.join(CHATML_TEMPLATES)}): "
                 "repack with `mmpack pack --chat-template FILE` for another"
             )
+        if self.length_sort_pool_size < 0:
+            raise ValueError(f"--length-sort-pool-size must be >= 0, got {self.length_sort_pool_size}")
         if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
             raise ValueError(f"--max-position-embeddings must be >= 1, got {self.max_position_embeddings}")
 
-    def notes(self, *, on_cpu: bool) -> list[str]:
-        """The one-line notes of accepted flags that do something other than their name says."""
+    def notes(self, *, on_cpu: bool, balance: str = "none") -> list[str]:
+        """The one-line notes of accepted flags that do something other than their name says (``balance``:
+        the run's --balance)."""
         notes = []
+        if self.length_sort_pool_size:
+            notes.append(f"--length-sort-pool-size {self.length_sort_pool_size}: no pool of samples is sorted; bins are packed to even lengths offline and " + ("--balance compute spreads each global batch's bins over the DP ranks by compute cost" if balance == "compute" else f"--balance {balance} was given, so bins are not re-spread by cost"))  # fmt: skip
         if self.ckpt_format == "torch":
             notes.append("--ckpt-format torch: mmpack writes megatron-core's torch_dist format (reshardable over TP/PP/DP)")  # fmt: skip
         if self.dataloader_save:
@@ -88,10 +95,6 @@ def refuse_unsupported(args: argparse.Namespace) -> None:
             "the loss mask is fixed when packing (assistant turns): pack captions as assistant turns and give "
             "--training-phase sft (or leave it out)",
         ),
-        f"--length-sort-pool-size {args.length_sort_pool_size}": (
-            args.length_sort_pool_size > 0,
-            "bins are packed offline to even lengths; to even out the ranks' compute use --balance compute",
-        ),
         f"--dataloader-type {args.dataloader_type}": (
             args.dataloader_type in ("single", "cyclic"),
             "mmpack reads packed bins with its own loader (deterministic order, exact resume): give "
@@ -103,15 +106,18 @@ def refuse_unsupported(args: argparse.Namespace) -> None:
             "the tokens come from the packed dataset's tokenizer: give --tokenizer-type HFTokenizer or leave it out",
         ),
         "--ckpt-format zarr": (args.ckpt_format == "zarr", "mmpack writes torch_dist checkpoints only"),
-        "--moe-per-layer-logging": (
-            args.moe_per_layer_logging,
-            "mmpack does not log the MoE router losses; the load-balancing loss enters the gradient as "
-            "--moe-aux-loss-coeff sets",
-        ),
     }
     for flag, (given, instead) in refusals.items():
         if given:
             raise StageFlagRefused(f"{flag} is not supported: {instead}")
+
+
+def resolve_balance(args: argparse.Namespace) -> str:
+    """``--balance`` as given, else ``compute`` when ``--length-sort-pool-size`` > 0 asks for even ranks
+    (what the pool's length sort is for), else ``none``."""
+    if args.balance is not None:
+        return str(args.balance)
+    return "compute" if (args.length_sort_pool_size or 0) > 0 else "none"
 
 
 def check_stage_flags(flags: StageFlags, manifest: dict[str, Any], *, data_path: str) -> None:

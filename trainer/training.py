@@ -50,7 +50,7 @@ from mmpack.trainer.exits import ExitPolicy, ExitSignals
 from mmpack.trainer.freeze import count_parameters
 from mmpack.trainer.models import family_of
 from mmpack.trainer.models.protocol import ModelFamily
-from mmpack.trainer.observability import Observer, SourceMetrics, source_loss_parts
+from mmpack.trainer.observability import Observer, RouterLosses, SourceMetrics, source_loss_parts
 from mmpack.trainer.shared_batches import SharedStepBatches, shared_step_batches
 from mmpack.trainer.stage_flags import check_model_flags, check_stage_flags
 
@@ -301,6 +301,18 @@ class Trainer:
                 )
             names = ()
         self.source_metrics = SourceMetrics(names) if names else None
+        self.router_losses = (
+            RouterLosses(self.mcfg.language, per_layer=cfg.stage.moe_per_layer_logging)
+            if RouterLosses.wanted(self.mcfg.language)
+            else None
+        )
+        if cfg.stage.moe_per_layer_logging and self.router_losses is None and dist.get_rank() == 0:
+            print(
+                "pretrain_vlm: note: --moe-per-layer-logging: the model's routers add no load-balancing loss "
+                "(a dense model, or --moe-aux-loss-coeff 0): nothing to log",
+                file=sys.stderr,
+                flush=True,
+            )
         self.is_logger = dist.get_rank() == dist.get_world_size() - 1
         self.observer = Observer(
             cfg.logging, flop_model=self.family.flop_model(self.arch), pad_id=info.pad_id,
@@ -332,7 +344,7 @@ class Trainer:
 
             check_stage_flags(flags, load_manifest(cfg.data.first_path).raw, data_path=cfg.data.first_path)
         if dist.get_rank() == 0:
-            for note in flags.notes(on_cpu=self.on_cpu):
+            for note in flags.notes(on_cpu=self.on_cpu, balance=cfg.data.balance):
                 print(f"pretrain_vlm: note: {note}", file=sys.stderr, flush=True)
 
     @property
@@ -437,6 +449,8 @@ class Trainer:
         self.optimizer.zero_grad()
         poison = (self.iteration + 1) in self.cfg.train.debug_overflow_iterations
         self._grads_ready_at = None
+        if self.router_losses is not None:
+            self.router_losses.start()
         losses = self._run_schedule(batches, forward_only=False, poison=poison)  # timed by the schedule
         # this rank's compute: its forward and backward passes, up to the gradient reduction over DP ranks
         compute_s = (self._grads_ready_at or time.perf_counter()) - start
@@ -467,6 +481,8 @@ class Trainer:
         elapsed = time.perf_counter() - start + wait_s
         total = float(self.cfg.train.global_batch_size * self.cfg.train.seq_length)
         extra = self.observer.step_metrics(batches, wait_s=wait_s, elapsed_s=elapsed, num_zeros=num_zeros)
+        if self.router_losses is not None:
+            extra |= self.router_losses.take(len(batches))
         return extra | {
             "iteration": self.iteration,
             "loss": loss_sum / max(n_tok, 1.0),
@@ -521,6 +537,11 @@ class Trainer:
             f" DP compute max/mean: {m['dp_imbalance']:.3f} |"
             f" TFLOPs/GPU: {m['tflops_per_gpu']:.3f} |{mfu}"
             f" skipped iterations: {m['skipped_total']} |"
+            + (
+                ""
+                if m.get("moe_load_balancing_loss") is None
+                else f" load-balancing loss: {m['moe_load_balancing_loss']:.6E} |"
+            )
             + "".join(
                 f" {n} loss: {'nan' if v is None else f'{v:.6E}'} tokens: {m['source_tokens'][n]} |"
                 for n, v in (m.get("source_loss") or {}).items()

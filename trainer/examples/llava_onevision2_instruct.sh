@@ -2,9 +2,8 @@
 # LLaVA-OneVision-2 stage 3, instruct: every module trains on instruction data, from the mid-training checkpoint;
 # the flags of its examples/llava_onevision2/qwen3_30b_a3b/instruct_780k.sh for a dense model (the MoE ones,
 # --num-experts 128 --moe-router-topk 8 --moe-aux-loss-coeff 0.01 --expert-model-parallel-size 8
-# --moe-token-dispatcher-type alltoall, pass through as extra flags for a Qwen3-MoE model). Two of that script's
-# flags are left out because mmpack refuses them: --length-sort-pool-size (bins are packed to even lengths
-# offline; --balance compute evens the ranks' compute) and --moe-per-layer-logging (router losses are not logged).
+# --moe-token-dispatcher-type alltoall --moe-per-layer-logging, pass through as extra flags for a Qwen3-MoE
+# model). --length-sort-pool-size 1000 turns on --balance compute (bins are packed to even lengths offline).
 #   bash trainer/examples/llava_onevision2_instruct.sh INIT_CKPT DATA_DIR [CKPT_DIR] [extra flags]
 # TP, PP, SEQ_LEN, MBS, GBS, NSTEP, CUSTOM_PIPELINE_LAYERS, NPROC, TORCHRUN and MODEL_TYPE as in
 # llava_onevision2_align.sh (SEQ_LEN 16000 and GBS 96 here, as in the script).
@@ -24,7 +23,7 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1
 exec ${TORCHRUN:-torchrun} --nproc_per_node "${NPROC:-8}" -m mmpack.trainer.pretrain_vlm \
     --load "$init" --finetune --model-type "${MODEL_TYPE:-llava_onevision2}" --model-name llava-onevision2-4b \
     --tokenizer-type HFTokenizer --data-path "$data" --dataloader-type external \
-    --split 100,0,0 --num-workers 2 --chat-template qwen2-vl --enable-discard-sample \
+    --split 100,0,0 --num-workers 2 --chat-template qwen2-vl --enable-discard-sample --length-sort-pool-size 1000 \
     --training-phase sft --trainable-modules language_model adapter vision_model --seq-length "$SEQ_LEN" \
     --max-position-embeddings "$SEQ_LEN" --init-method-std 0.02 --micro-batch-size "$MBS" --global-batch-size "$GBS" \
     --lr 1.0e-5 --min-lr 1.0e-6 --clip-grad 1.0 --weight-decay 0 --optimizer adam \
