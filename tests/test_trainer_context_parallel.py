@@ -105,17 +105,17 @@ def packed_bin(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return hf_dir, packed
 
 
-def _run(hf_dir: Path, packed: Path, out: Path, tp: int, cp: int) -> list[dict]:
+def _run(hf_dir: Path, packed: Path, out: Path, tp: int, cp: int, pp: int = 1) -> list[dict]:
     import torch
 
     from tests.test_trainer_hf_parity import _torchrun, _train_args
 
     out.mkdir()
-    argv = [*_train_args(hf_dir, packed, tp, 1), "--context-parallel-size", str(cp)]
-    _torchrun(tp * cp, [__file__, str(out), *argv], out)
+    argv = [*_train_args(hf_dir, packed, tp, pp), "--context-parallel-size", str(cp)]
+    _torchrun(tp * cp * pp, [__file__, str(out), *argv], out)
     return [
         {**json.loads((out / f"result{r}.json").read_text()), "grads": torch.load(out / f"grads{r}.pt")}
-        for r in range(tp * cp)
+        for r in range(tp * cp * pp)
     ]
 
 
@@ -150,6 +150,48 @@ def test_cp2_equals_cp1_with_split_image_and_video(
     gap = abs(cp2[0][SWAPPED] - cp2[0]["loss"]) / cp2[0]["loss"]
     print(f"control: swapped chunks change the loss by {gap:.2e}")
     assert gap > 1e-3
+
+
+@pytest.mark.slow
+def test_cp2_pp2_equals_cp1_pp2(packed_bin: tuple[Path, Path], tmp_path: Path) -> None:
+    """CP with pipeline parallelism: each micro-batch's local length is its own (every sample padded to a
+    multiple of 2 x CP), so the stages exchange activation shapes (megatron-core's variable_seq_lengths)."""
+    hf_dir, packed = packed_bin
+    ref = _run(hf_dir, packed, tmp_path / "cp1", 1, 1, pp=2)  # ranks: stage 0, stage 1
+    cp2 = _run(hf_dir, packed, tmp_path / "cp2", 1, 2, pp=2)  # ranks: stage 0 CP 0, 1; stage 1 CP 0, 1
+    for rank, mine in enumerate(cp2):
+        want = ref[rank // 2]
+        diff = _max_rel_diff(mine["grads"], want["grads"])
+        print(f"PP2 CP2 rank {rank}: loss {mine['loss']!r} vs CP1 {want['loss']!r}, max grad diff {diff:.2e}")
+        assert diff < 1e-5
+        if rank >= 2:  # the last stage has the loss
+            assert mine["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert all(float(g.abs().max()) > 0 for n, g in cp2[0]["grads"].items() if "vision" in n)
+    gap = abs(cp2[2][SWAPPED] - cp2[2]["loss"]) / cp2[2]["loss"]
+    print(f"control: swapped chunks change the loss by {gap:.2e}")
+    assert gap > 1e-3
+
+
+def test_cp_with_interleaved_pipeline_is_refused_in_one_line() -> None:
+    from mmpack.trainer.arguments import parse_args
+
+    base = [
+        "--mock-data",
+        "--seq-length",
+        "64",
+        "--context-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+    ]
+    assert parse_args(base).parallel.context_parallel_size == 2  # the plain pipeline is taken
+    for extra in (
+        ["--num-layers-per-virtual-pipeline-stage", "1"],
+        ["--virtual-pipeline-model-parallel-size", "2"],
+    ):
+        with pytest.raises(ValueError, match=r"with the interleaved pipeline .* is not supported yet") as e:
+            parse_args([*base, *extra])
+        assert "\n" not in str(e.value)
 
 
 if __name__ == "__main__":

@@ -138,12 +138,15 @@ class ParallelConfig:
             raise ValueError(
                 f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}"
             )
-        if self.context_parallel_size > 1 and self.pipeline_model_parallel_size > 1:
-            # the CP split pads every sample, so a micro-batch's local length varies while the pipeline
-            # schedule sends activations of one fixed shape
+        if self.context_parallel_size > 1 and (
+            self.num_layers_per_virtual_pipeline_stage is not None
+            or (self.virtual_pipeline_model_parallel_size or 1) > 1
+        ):
+            # CP x PP runs the plain pipeline schedule with per-micro-batch shapes; the interleaved one is
+            # not verified with them
             raise ValueError(
-                "--context-parallel-size > 1 with --pipeline-model-parallel-size > 1 is not supported yet: use "
-                "TP x CP x DP"
+                "--context-parallel-size > 1 with the interleaved pipeline (--num-layers-per-virtual-pipeline-"
+                "stage / --virtual-pipeline-model-parallel-size) is not supported yet: use the plain pipeline"
             )
         if self.context_parallel_size > 1 and self.sequence_parallel:
             # the per-sample CP padding does not yet round each rank's share to a multiple of TP
@@ -587,12 +590,24 @@ def build_megatron_configs(
             f"--expert-model-parallel-size {par.expert_model_parallel_size} needs a mixture-of-experts model; "
             f"{arch.source.get('model_type')} has no experts"
         )
+    variable_lengths = par.context_parallel_size > 1 and par.pipeline_model_parallel_size > 1
+    dispatcher = m.moe_token_dispatcher_type
+    if variable_lengths and getattr(arch, "moe", None) is None:
+        dispatcher = "alltoall"  # no experts: megatron-core only refuses allgather with variable lengths
+    elif variable_lengths and dispatcher == "allgather":
+        raise ValueError(
+            "--context-parallel-size > 1 with --pipeline-model-parallel-size > 1 and experts needs "
+            "--moe-token-dispatcher-type alltoall (megatron-core's allgather dispatcher takes fixed lengths only)"
+        )
     language_extra = {
         "sequence_parallel": par.sequence_parallel,
         # the language model alone: the vision tower runs whole on every CP rank
         "context_parallel_size": par.context_parallel_size,
         "cp_comm_type": par.cp_comm_type if par.context_parallel_size > 1 else None,
-        "moe_token_dispatcher_type": m.moe_token_dispatcher_type,
+        # the CP split pads every sample, so a micro-batch's local length varies from one micro-batch to the
+        # next: the pipeline stages send each other the shape of every activation before it
+        "variable_seq_lengths": variable_lengths,
+        "moe_token_dispatcher_type": dispatcher,
         # the experts' layout: the language model's alone (a vision tower config with EP > 1 is refused)
         "expert_model_parallel_size": par.expert_model_parallel_size,
         "expert_tensor_parallel_size": par.expert_tensor_parallel_size or par.tensor_model_parallel_size,
