@@ -270,3 +270,22 @@ def test_stats_of_a_mixture(local: list[str], capsys: pytest.CaptureFixture[str]
 def _stats(main: Any, capsys: pytest.CaptureFixture[str], *args: str) -> str:
     assert main(["stats", *args]) == 0
     return capsys.readouterr().out
+
+
+def test_split_of_a_mixture_splits_every_source(local: list[str]) -> None:
+    """--split over a mixture: each source is split by its own bin count; the train part reads only its
+    sources' train bins, the valid part only their valid bins, both from every source."""
+    from mmpack.dataloader.order import split_bins
+
+    weights, seed = (8.0, 2.0, 0.0), 1234
+    parts = {}
+    for part in (0, 1):
+        rows = read(mixed(local, WEIGHTS, Topology(0, 1), split=(weights, part, seed)), 40)
+        parts[part] = {(s, b) for s, b in rows}
+        for source, path in enumerate(local):
+            own = set(split_bins(load_manifest(path).num_bins, weights, seed=seed)[part].tolist())
+            mine = {b for s, b in parts[part] if s == source}
+            assert mine and mine <= own, (part, source)
+    assert not parts[0] & parts[1]  # control: no bin of a source in both parts
+    whole = {(s, b) for s, b in read(mixed(local, WEIGHTS, Topology(0, 1)), 40)}
+    assert whole - parts[0]  # without the split the train part's complement is read too
