@@ -193,7 +193,7 @@ def as_mixture(data: MixtureLike) -> Mixture | None:
 
 def check_sources(names: Sequence[str], manifests: Sequence[Any]) -> None:
     """One clear error for sources a blended batch cannot hold together: no bins, another bin length, image
-    rule or token ids than the first source (`manifests`: the loader's `Manifest` of each source)."""
+    rule, token ids or tokenizer than the first source (`manifests`: the loader's `Manifest` of each source)."""
     for name, m in zip(names, manifests):
         if m.num_bins == 0:
             raise ValueError(f"mixture source {name!r} has no bins; repack it or leave it out of the mixture")
@@ -211,3 +211,16 @@ def check_sources(names: Sequence[str], manifests: Sequence[Any]) -> None:
                     f"mixture sources {first!r} and {name!r} differ in {what} ({a} vs {b}); a micro-batch "
                     "holds bins of one layout: pack every source with the same settings"
                 )
+        a, b = _tokenizer_sha(m0), _tokenizer_sha(m)
+        if a and b and a != b:
+            raise ValueError(
+                f"mixture sources {first!r} and {name!r} were packed with different tokenizers (sha256 "
+                f"{a[:12]} vs {b[:12]}, manifest.json); their token ids mean other words: repack them with one "
+                "`mmpack pack --tokenizer`"
+            )
+
+
+def _tokenizer_sha(manifest: Any) -> str | None:
+    """The sha256 of the tokenizer file a source was packed with (None: the manifest does not record it)."""
+    sha = (manifest.raw.get("tokenizer") or {}).get("sha256")
+    return str(sha) if sha else None

@@ -245,6 +245,9 @@ def test_bad_specs_each_one_clear_error(local: list[str], tmp_path: Path) -> Non
         ValueError, match=r"mixture sources 'packed' and 'short256' differ in seq_len \(384 vs 256\)"
     ):
         mixed([local[0], str(tmp_path / "short256")], (0.5, 0.5), topo)
+    other = str(build_packed_dataset(tmp_path / "other", n_samples=16, seed=0, tokenizer_seed=1, fmt="arrow"))
+    with pytest.raises(ValueError, match=r"other/packed' were packed with different tokenizers \(sha256"):
+        mixed([local[0], other], (0.5, 0.5), topo)
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"sources:\n  - {{path: {local[0]}, weigth: 1}}\n")
     with pytest.raises(ValueError, match="source 0 must be a mapping"):
