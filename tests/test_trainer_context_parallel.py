@@ -172,6 +172,46 @@ def test_cp2_pp2_equals_cp1_pp2(packed_bin: tuple[Path, Path], tmp_path: Path) -
     assert gap > 1e-3
 
 
+@pytest.mark.slow
+def test_qwen3_vl_cp2_equals_cp1(tmp_path: Path) -> None:
+    """Qwen3-VL (DeepStack: vision features added to the first language layers' hidden states at the media
+    pads, which under CP are each rank's own pads) on the mllm_demo records and a real video in one bin."""
+    from mmpack.offline_packing.cli import main as mmpack
+    from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER
+    from tests.test_qwen3_vl_trainer import VIDEO_DEMO, records_file, tiny_hf_model
+
+    if not (QWEN3_TOKENIZER.is_file() and MLLM_DEMO_JSON.is_file() and VIDEO_DEMO.is_dir()):
+        pytest.skip("needs ../shared (Qwen3 tokenizer, mllm_demo and mllm_video_demo)")
+    ids = {t["content"]: t["id"] for t in json.loads(QWEN3_TOKENIZER.read_text())["added_tokens"]}
+    hf_dir, packed = tiny_hf_model(tmp_path / "hf", ids), tmp_path / "packed"
+    args = [
+        "pack",
+        "-i",
+        str(records_file(tmp_path)),
+        "-o",
+        str(packed),
+        "-L",
+        "2048",
+        "--model",
+        str(hf_dir),
+    ]
+    assert mmpack([*args, "--no-progress"]) == 0
+    ref = _run(hf_dir, packed, tmp_path / "cp1", 1, 1)
+    cp2 = _run(hf_dir, packed, tmp_path / "cp2", 1, 2)
+    for rank, mine in enumerate(cp2):
+        diff = _max_rel_diff(mine["grads"], ref[0]["grads"])
+        print(
+            f"Qwen3-VL CP2 rank {rank}: loss {mine['loss']!r} vs CP1 {ref[0]['loss']!r}, max grad diff {diff:.2e}"
+        )
+        assert mine["loss"] == pytest.approx(ref[0]["loss"], rel=1e-5)
+        assert diff < 1e-5
+    images, videos = cp2[1]["slots"][0]
+    assert images > 0 and videos > 0, cp2[1]["slots"]
+    gap = abs(cp2[0][SWAPPED] - cp2[0]["loss"]) / cp2[0]["loss"]
+    print(f"control: swapped chunks change the loss by {gap:.2e}")
+    assert gap > 1e-3
+
+
 def test_cp_with_interleaved_pipeline_is_refused_in_one_line() -> None:
     from mmpack.trainer.arguments import parse_args
 
