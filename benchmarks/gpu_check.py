@@ -73,10 +73,10 @@ def _train(
 def _loss_and_grads(trainer: Any, model: Any, batch: Any, use_thd: bool) -> tuple[float, Any]:
     import torch
 
-    from mmpack.trainer.checkpoint import _bare
+    from mmpack.trainer.checkpoint import bare_module
     from mmpack.trainer.data import model_inputs
 
-    bare = _bare(model)
+    bare = bare_module(model)
     bare.zero_grad(set_to_none=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     b = batch.map_arrays(lambda v: v.to(device))

@@ -27,7 +27,7 @@ def _worker(out: Path) -> None:
     from megatron.core import parallel_state as ps
 
     from mmpack.trainer.arguments import parse_args
-    from mmpack.trainer.checkpoint import _bare
+    from mmpack.trainer.checkpoint import bare_module
     from mmpack.trainer.data import model_inputs
     from mmpack.trainer.training import Trainer, shutdown
 
@@ -47,7 +47,7 @@ def _worker(out: Path) -> None:
     t.model.zero_grad_buffer()
     t.optimizer.zero_grad()
     losses = t._run_schedule(batches, forward_only=False)
-    model = _bare(t.model)
+    model = bare_module(t.model)
     params = [p for p in model.parameters() if p.requires_grad]
     megatron = torch.cat([p.main_grad.detach().reshape(-1).clone() for p in params])
 

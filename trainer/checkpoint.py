@@ -77,7 +77,7 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint that does not fit the model of this run (and cannot be resharded into it)."""
 
 
-def _bare(model: Any) -> Any:
+def bare_module(model: Any) -> Any:
     """The stage's model without the DDP / Float16Module wrappers (checkpoint keys do not depend on them)."""
     return unwrap_model(model, (DistributedDataParallel, Float16Module))
 
@@ -91,14 +91,14 @@ def model_sharded_state_dict(model: Any) -> dict[str, Any]:
     """``{"model": ...}`` of one chunk, ``{"model0": ..., "model1": ...}`` of the interleaved pipeline's."""
     chunks = _chunks(model)
     if len(chunks) == 1:
-        return {"model": _bare(chunks[0]).sharded_state_dict()}
-    return {f"model{i}": _bare(c).sharded_state_dict() for i, c in enumerate(chunks)}
+        return {"model": bare_module(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": bare_module(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
 def _load_model_state(model: Any, state: dict[str, Any]) -> None:
     chunks = _chunks(model)
     for i, chunk in enumerate(chunks):
-        _bare(chunk).load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=False)
+        bare_module(chunk).load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=False)
 
 
 def layout() -> dict[str, int]:
