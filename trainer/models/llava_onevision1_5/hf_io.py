@@ -4,29 +4,12 @@ merging is :mod:`mmpack.trainer.models.hf_weights`). HF names are those of LLaVA
 
 from __future__ import annotations
 
-from mmpack.trainer.models.hf_weights import Rule, output_rules
+from mmpack.trainer.models.hf_weights import Rule, output_rules, vision_layer_rules
 from mmpack.trainer.models.llava_onevision1_5.config import OneVision15Arch
 from mmpack.trainer.models.qwen_lm import decoder_rules
 
 LANGUAGE = "model."
 VISUAL = "visual."
-
-
-def _block_rules(mc: str, hf: str, attn: dict[str, int]) -> dict[str, Rule]:
-    rules = {
-        mc + "self_attention.linear_qkv.weight": Rule("fused_qkv", (hf + "attn.qkv.weight",), **attn),
-        mc + "self_attention.linear_qkv.bias": Rule("fused_qkv", (hf + "attn.qkv.bias",), **attn),
-        mc + "self_attention.linear_proj.weight": Rule("copy", (hf + "attn.proj.weight",), 1),
-        mc + "self_attention.linear_proj.bias": Rule("copy", (hf + "attn.proj.bias",), None),
-        mc + "mlp.linear_fc1.weight": Rule("copy", (hf + "mlp.fc1.weight",), 0),
-        mc + "mlp.linear_fc1.bias": Rule("copy", (hf + "mlp.fc1.bias",), 0),
-        mc + "mlp.linear_fc2.weight": Rule("copy", (hf + "mlp.fc2.weight",), 1),
-        mc + "mlp.linear_fc2.bias": Rule("copy", (hf + "mlp.fc2.bias",), None),
-    }
-    for norm, ours in (("norm1", "input_layernorm"), ("norm2", "pre_mlp_layernorm")):
-        for p in ("weight", "bias"):
-            rules[f"{mc}{ours}.{p}"] = Rule("copy", (f"{hf}{norm}.{p}",), None)
-    return rules
 
 
 def _vision_rules(arch: OneVision15Arch) -> dict[str, Rule]:
@@ -41,7 +24,10 @@ def _vision_rules(arch: OneVision15Arch) -> dict[str, Rule]:
         rules[f"vision.merger.norm.{p}"] = Rule("copy", (f"{VISUAL}merger.ln_q.{p}",), None)
     attn = dict(heads=v.num_heads, groups=v.num_heads, head_dim=v.head_dim)
     for i in range(v.depth):
-        rules |= _block_rules(f"vision.layers.{i}.", f"{VISUAL}blocks.{i}.", attn)
+        rules |= vision_layer_rules(
+            f"vision.layers.{i}.", f"{VISUAL}blocks.{i}.", attn, qkv="attn.qkv", proj="attn.proj", fc1="mlp.fc1",
+            fc2="mlp.fc2", norms=("norm1", "norm2"),
+        )  # fmt: skip
     enc, hf = "vision.merger.projector.encoder.", VISUAL + "merger.mlp."
     return rules | {
         enc + "linear_fc1.weight": Rule("copy", (hf + "0.weight",), 0),

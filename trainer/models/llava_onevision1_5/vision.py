@@ -29,12 +29,12 @@ from mmpack.trainer.models.vision_common import (
 
 class ClassToken(torch.nn.Module):
     """The class token's embedding [hidden] and its learned rotary angles [1, head_dim / 2] (replicated over
-    tensor-parallel ranks)."""
+    tensor-parallel ranks); a random model starts them as the RICE-ViT does (N(0, 1 / hidden), N(0, 1))."""
 
     def __init__(self, hidden_size: int, head_dim: int) -> None:
         super().__init__()
-        self.embedding = torch.nn.Parameter(torch.zeros(hidden_size))
-        self.angles = torch.nn.Parameter(torch.zeros(1, head_dim // 2))
+        self.embedding = torch.nn.Parameter(torch.randn(hidden_size) * hidden_size**-0.5)
+        self.angles = torch.nn.Parameter(torch.randn(1, head_dim // 2))
 
 
 def class_token_layout(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
