@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from mmpack.trainer.models.protocol import ModelFamily
 
 FAMILIES: dict[str, str] = {
+    "llavaonevision1_5": "mmpack.trainer.models.llava_onevision1_5",
     "llava_onevision2": "mmpack.trainer.models.llava_onevision2",
     "llava_onevision2_moe": "mmpack.trainer.models.llava_onevision2_moe",
     "qwen2_5_vl": "mmpack.trainer.models.qwen2_5_vl",

@@ -117,6 +117,29 @@ def output_rules(
     return rules
 
 
+def vision_layer_rules(
+    mc: str, hf: str, attn: dict[str, int], *, qkv: str, proj: str, fc1: str, fc2: str, norms: tuple[str, str]
+) -> dict[str, Rule]:
+    """The rules of one layer of a LayerNorm vision tower with biases everywhere (a fused [q; k; v], a
+    plain fc1 -> fc2 MLP): megatron-core names under ``mc``, HF names under ``hf`` (``qkv`` ... ``fc2``:
+    the HF module names, ``norms``: those of the norms before attention and before the MLP); ``attn``: the
+    fused QKV's heads, groups and head_dim."""
+    rules = {
+        mc + "self_attention.linear_qkv.weight": Rule("fused_qkv", (f"{hf}{qkv}.weight",), **attn),
+        mc + "self_attention.linear_qkv.bias": Rule("fused_qkv", (f"{hf}{qkv}.bias",), **attn),
+        mc + "self_attention.linear_proj.weight": Rule("copy", (f"{hf}{proj}.weight",), 1),
+        mc + "self_attention.linear_proj.bias": Rule("copy", (f"{hf}{proj}.bias",), None),
+        mc + "mlp.linear_fc1.weight": Rule("copy", (f"{hf}{fc1}.weight",), 0),
+        mc + "mlp.linear_fc1.bias": Rule("copy", (f"{hf}{fc1}.bias",), 0),
+        mc + "mlp.linear_fc2.weight": Rule("copy", (f"{hf}{fc2}.weight",), 1),
+        mc + "mlp.linear_fc2.bias": Rule("copy", (f"{hf}{fc2}.bias",), None),
+    }
+    for norm, ours in zip(norms, ("input_layernorm", "pre_mlp_layernorm"), strict=True):
+        for p in ("weight", "bias"):
+            rules[f"{mc}{ours}.{p}"] = Rule("copy", (f"{hf}{norm}.{p}",), None)
+    return rules
+
+
 # -- reading slices --------------------------------------------------------------------------------------
 
 

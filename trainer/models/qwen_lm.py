@@ -15,7 +15,7 @@ by the width position when j % 3 == 2 and j < 3 * section_w, else by the tempora
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ from mmpack.packing.cost import LanguageFlopShape
 from mmpack.trainer.models.common import build_block_spec
 from mmpack.trainer.models.hf_weights import Rule
 from mmpack.trainer.models.qwen_moe import MoEArch, moe_rules
+
+if TYPE_CHECKING:
+    from mmpack.trainer.models.protocol import TinyModelSpec
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -207,3 +210,35 @@ def decoder_rules(
                     "copy", (hf + f"self_attn.{which}_norm.weight",), None
                 )
     return rules
+
+
+def tiny_vlm_config(
+    spec: TinyModelSpec, *, architecture: str, model_type: str, text_model_type: str, rope_theta: float
+) -> dict[str, Any]:
+    """The special ids and the Qwen3 ``text_config`` (default 1-D RoPE of base ``rope_theta``) of a small
+    random vision-language ``config.json``; the family adds its ``vision_config``."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "image_token_id": spec.image_token_id,
+        "video_token_id": spec.image_token_id + 1,
+        "vision_start_token_id": spec.vision_start_token_id,
+        "vision_end_token_id": spec.vision_end_token_id,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "text_config": {
+            "model_type": text_model_type,
+            "vocab_size": spec.vocab_size,
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.ffn_hidden_size or 4 * spec.hidden_size,
+            "num_hidden_layers": spec.num_layers,
+            "num_attention_heads": spec.num_attention_heads,
+            "num_key_value_heads": spec.num_key_value_heads,
+            "head_dim": spec.hidden_size // spec.num_attention_heads,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": spec.max_position_embeddings,
+            "attention_bias": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+            "tie_word_embeddings": spec.tie_word_embeddings,
+        },
+    }

@@ -1,0 +1,7 @@
+"""LLaVA-OneVision-1.5 dense (``LLaVAOneVision1_5_ForConditionalGeneration``: the RICE-ViT and a Qwen3 text
+model) on megatron-core."""
+
+from mmpack.trainer.models.llava_onevision1_5.config import MODEL_TYPE, OneVision15Arch, arch_from_hf_config
+from mmpack.trainer.models.llava_onevision1_5.family import FAMILY, OneVision15Family
+
+__all__ = ["FAMILY", "MODEL_TYPE", "OneVision15Arch", "OneVision15Family", "arch_from_hf_config"]

@@ -1,0 +1,54 @@
+"""LLaVA-OneVision-1.5 (dense) behind the :class:`mmpack.trainer.models.protocol.ModelFamily` contract."""
+
+from __future__ import annotations
+
+import torch
+
+from mmpack.packing.cost import ModelFlopShape, VisionFlopShape
+from mmpack.packing.patch_positions import TextPositionRule
+from mmpack.trainer.models.llava_onevision1_5 import config, hf_io
+from mmpack.trainer.models.llava_onevision1_5.vision import RiceViT
+from mmpack.trainer.models.protocol import ModelFamily
+from mmpack.trainer.models.qwen_lm import language_flop_shape
+from mmpack.trainer.models.vision_common import VLMegatronConfigs
+from mmpack.trainer.models.vlm_stage import build_stage
+
+
+class OneVision15Family(ModelFamily):
+    """``LLaVAOneVision1_5_ForConditionalGeneration`` with a Qwen3 dense text model."""
+
+    model_type = config.MODEL_TYPE
+    video_rule = "llava_onevision1_5"  # no packer rule: a dataset with videos is refused for this family
+
+    arch_from_hf_config = staticmethod(config.arch_from_hf_config)
+    megatron_configs = staticmethod(config.build_transformer_configs)
+    part_rules = staticmethod(hf_io.part_rules)
+    tiny_hf_config = staticmethod(config.tiny_hf_config)
+
+    def build_stage(
+        self, arch: config.OneVision15Arch, configs: VLMegatronConfigs, *, pre_process: bool,
+        post_process: bool, use_te: bool = False, vp_stage: int | None = None,
+    ) -> torch.nn.Module:  # fmt: skip
+        """The RICE-ViT and the Qwen3 language model (QK-norm, no QKV bias, 1-D RoPE)."""
+        return build_stage(
+            arch, configs.language, lambda: RiceViT(configs.vision, configs.projector, arch.vision),
+            pre_process=pre_process, post_process=post_process, use_te=use_te, vp_stage=vp_stage,
+        )  # fmt: skip
+
+    def position_rule(self, arch: config.OneVision15Arch) -> TextPositionRule:
+        """1-D text positions per sample, and each image patch's (frame, row, column) for the ViT's rotary."""
+        return TextPositionRule(merge_size=arch.vision.spatial_merge_size)
+
+    def flop_shape(self, arch: config.OneVision15Arch) -> ModelFlopShape:
+        v = arch.vision
+        return ModelFlopShape(
+            language=language_flop_shape(arch),
+            vision=VisionFlopShape(
+                hidden_size=v.hidden_size, num_layers=v.depth, ffn_hidden_size=v.intermediate_size,
+                gated_mlp=False, patch_pixels=v.in_channels * v.patch_size**2,
+                merge_units=v.spatial_merge_size**2, out_hidden_size=v.out_hidden_size, mergers=1,
+            ),
+        )  # fmt: skip
+
+
+FAMILY = OneVision15Family()
