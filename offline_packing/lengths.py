@@ -73,6 +73,7 @@ def prepare_scanned(
     """Image grids, video plans and the rendered conversation of one scanned sample (SampleReject where a rule
     refuses an image or video, or the chat template renders it in a way the loss mask cannot be read from).
     `remote`: what `--video-check decode` reads videos with (`plan_videos`)."""
+    from mmpack.packing import video_tokens_ov2
     from mmpack.packing.chat import Conversation, prepare_conversation
     from mmpack.packing.image_tokens import ImageSizeError
     from mmpack.packing.jinja_chat import ChatTemplateError
@@ -101,9 +102,15 @@ def prepare_scanned(
     # tokenizer without a video pad is refused by prepare_conversation
     timestamped = bool(plans) and bool(plans[0].timestamps_s) and "video_pad" in tokenizer.special_ids
     expansions = [placeholder_ids(tokenizer, p) for p in plans] if timestamped else []
+    heads: list[str] = []
+    if (
+        timestamped and options.video_rule.style == video_tokens_ov2.STYLE
+    ):  # each frame an image, with its time
+        expansions = [video_tokens_ov2.block_ids(tokenizer, p) for p in plans]
+        heads = [video_tokens_ov2.timestamp_text(p.timestamps_s[0]) for p in plans]
     try:
         prep = prepare_conversation(
-            conv, tokenizer, counts, options.chat_template, [p.num_tokens for p in plans], expansions
+            conv, tokenizer, counts, options.chat_template, [p.num_tokens for p in plans], expansions, heads
         )
     except ChatTemplateError as exc:
         raise SampleReject("chat_template_mismatch", str(exc)) from None
