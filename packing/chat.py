@@ -262,9 +262,8 @@ class PreparedConversation:
     image_token_counts: tuple[int, ...]
     video_token_counts: tuple[int, ...]
     video_expansions: tuple[np.ndarray | None, ...] = ()  # per video: the ids its one pad becomes (or pads)
-    # where the expansions replace each video's whole <|vision_start|><|video_pad|><|vision_end|>: per video
-    # the text its ids begin with (checked not to merge with the text before it); empty: they replace the pad
-    video_block_heads: tuple[str, ...] = ()
+    # the expansions replace each video's whole <|vision_start|><|video_pad|><|vision_end|>, not its pad
+    video_whole_blocks: bool = False
 
 
 def prepare_conversation(
@@ -274,18 +273,16 @@ def prepare_conversation(
     template: ChatTemplate | None = None,
     video_token_counts: Sequence[int] = (),
     video_expansions: Sequence[np.ndarray | None] = (),
-    video_block_heads: Sequence[str] = (),
+    video_whole_blocks: bool = False,
 ) -> PreparedConversation:
     """Check `conv` against the media token counts and render it for encoding (ValueError where they differ).
     `video_expansions`: per video the ids its pad becomes (`video_tokens_qwen3.placeholder_ids`), else its pads
-    repeated; with `video_block_heads` (per video the text its expansion begins with), the ids its whole
-    vision block becomes (`video_tokens_ov2.block_ids`)."""
+    repeated; with `video_whole_blocks`, the ids its whole vision block becomes (`video_tokens_ov2.block_ids`:
+    the caller checks that their first text does not merge with the text before, `video_tokens_ov2`)."""
     counts = _checked_counts(image_token_counts, conv.images, "image")
     video_counts = _checked_counts(video_token_counts, conv.videos, "video")
     if video_expansions and len(video_expansions) != len(video_counts):
         raise ValueError(f"{len(video_expansions)} video expansions for {len(video_counts)} videos")
-    if video_block_heads and len(video_block_heads) != len(video_expansions):
-        raise ValueError(f"{len(video_block_heads)} video block heads for {len(video_expansions)} expansions")
     if video_counts and "video_pad" not in tokenizer.special_ids:
         raise ValueError(
             f"tokenizer {tokenizer.name} has no {VIDEO_PAD} token, needed for videos; use a "
@@ -302,7 +299,7 @@ def prepare_conversation(
     rendered = template.render(messages, [1] * len(counts), [1] * len(video_counts))
     return PreparedConversation(
         rendered.text, rendered, tuple(messages), tuple(counts), tuple(video_counts), tuple(video_expansions),
-        tuple(video_block_heads),
+        video_whole_blocks,
     )  # fmt: skip
 
 
@@ -399,7 +396,6 @@ def _finish_one(
         repeats = np.ones(n, dtype=np.int64)
         n_of = {IMAGE_TAG: iter(prep.image_token_counts), VIDEO_TAG: iter(prep.video_token_counts)}
         expansions = iter(prep.video_expansions or [None] * len(prep.video_token_counts))
-        heads = iter(prep.video_block_heads)
         replaced: list[tuple[int, np.ndarray]] = []  # (compact index, ids it becomes)
         pad_role = {IMAGE_TAG: "image_pad", VIDEO_TAG: "video_pad"}
         for tag, a, b in rendered.media_char_spans:
@@ -417,10 +413,7 @@ def _finish_one(
             expansion = next(expansions) if tag == VIDEO_TAG else None
             if expansion is not None:
                 at_k = int(inside[1])
-                if prep.video_block_heads:
-                    _check_block_start(
-                        prep.text, int(starts[inside[0] - 1]) if inside[0] else a, a, next(heads), tokenizer
-                    )
+                if prep.video_whole_blocks:
                     repeats[inside], at_k = 0, int(inside[0])
                 repeats[at_k] = len(expansion)
                 replaced.append((at_k, expansion))
@@ -448,17 +441,6 @@ def _finish_one(
         turn_video_counts=tuple(content.count(VIDEO_TAG) for _, content in messages),
         video_spans=tuple((at(a), at(b)) for a, b in compact_spans[VIDEO_TAG]),
     )
-
-
-def _check_block_start(text: str, before: int, at: int, head: str, tokenizer: TextTokenizer) -> None:
-    """ValueError where a video's first text (`head`), encoded alone, is not how it encodes after the token
-    before it (`text[before:at]`): the two would merge into other tokens than the processor's."""
-    prev = text[before:at]
-    if prev and tokenizer.encode(prev + head) != tokenizer.encode(prev) + tokenizer.encode(head):
-        raise ValueError(
-            f"the text {prev!r} right before a <video> merges with its first timestamp {head!r} in the tokenizer, "
-            "so its tokens cannot be counted offline; put a newline or a letter before the <video> tag"
-        )
 
 
 def tokenize_conversation(

@@ -76,7 +76,7 @@ def block_ids(tokenizer: Any, plan: Any) -> np.ndarray:
     `mmpack.packing.video_tokens.VideoPlan` of this rule).
 
     Each timestamp text is encoded alone: it sits between special tokens, or after the text before the video,
-    which `mmpack.packing.chat` checks does not merge with it."""
+    which the packer checks does not merge with it (else it rejects the sample: `video_timestamp_merge`)."""
     ids = tokenizer.special_ids
     per_frame = plan.num_tokens // plan.grid_thw[0]
     frame = [ids["vision_start"], *[ids["image_pad"]] * per_frame, ids["vision_end"]]

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.conftest import QWEN3_TOKENIZER, SHARED_DIR
+from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER, SHARED_DIR
 
 REFERENCE_DIR = SHARED_DIR / "reference"
 VIDEO_DEMO = SHARED_DIR / "data" / "mllm_video_demo"
@@ -107,8 +107,7 @@ def test_video_tokens_equal_the_reference_processor(folder: Path, monkeypatch: p
             videos=(str(path),),
         )
         blocks = [video_tokens_ov2.block_ids(tokenizer, plan)]
-        heads = [video_tokens_ov2.timestamp_text(plan.timestamps_s[0])]
-        prep = prepare_conversation(conv, tokenizer, [], None, [plan.num_tokens], blocks, heads)
+        prep = prepare_conversation(conv, tokenizer, [], None, [plan.num_tokens], blocks, True)
         [ours] = finish_tokenized([prep], tokenizer, encode_texts(tokenizer, [prep.text]))
         theirs = proc(text=[prep.text], videos=[str(path)])
         assert ours.input_ids.tolist() == theirs["input_ids"][0].tolist(), path.name
@@ -128,27 +127,6 @@ def test_video_tokens_equal_the_reference_processor(folder: Path, monkeypatch: p
         )
         [other] = finish_tokenized([qwen3], tokenizer, encode_texts(tokenizer, [qwen3.text]))
         assert other.input_ids.tolist() != theirs["input_ids"][0].tolist()
-
-
-def test_packer_refuses_a_first_timestamp_that_merges_with_the_text_before(folder: Path) -> None:
-    """Text ending in punctuation right before `<video>` would merge with `<0.0 seconds>`: one clear error."""
-    from mmpack.offline_packing.inputs.video_probe import probe_video
-    from mmpack.offline_packing.model_folder import resolve_image_rule, resolve_video_rule
-    from mmpack.packing import video_tokens_ov2
-    from mmpack.packing.chat import Conversation, encode_texts, finish_tokenized, prepare_conversation
-    from mmpack.packing.tokenizer import load_tokenizer
-
-    _, image_rule = resolve_image_rule(str(folder), None, {})
-    rule = resolve_video_rule(str(folder), None, {}, image_rule)
-    tokenizer = load_tokenizer(folder / "tokenizer.json")
-    path = _videos()[0]
-    plan = rule.plan(probe_video(path).meta)
-    blocks = [video_tokens_ov2.block_ids(tokenizer, plan)]
-    heads = [video_tokens_ov2.timestamp_text(plan.timestamps_s[0])]
-    conv = Conversation(messages=(("user", "Look:<video>"), ("assistant", "A baby.")), videos=(str(path),))
-    prep = prepare_conversation(conv, tokenizer, [], None, [plan.num_tokens], blocks, heads)
-    with pytest.raises(ValueError, match="merges with its first timestamp"):
-        list(finish_tokenized([prep], tokenizer, encode_texts(tokenizer, [prep.text])))
 
 
 def test_model_folder_video_rule_and_its_flags(folder: Path) -> None:
@@ -202,8 +180,18 @@ def test_pack_writes_the_reference_tokens_and_the_trainer_refuses_videos_in_one_
     from mmpack.trainer.models.protocol import TinyModelSpec
 
     shutil.copytree(VIDEO_DEMO / "mllm_demo_data", tmp_path / "mllm_demo_data")
+    image = next((MLLM_DEMO_JSON.parent / "mllm_demo_data").glob("*.jpg"))
+    shutil.copy(image, tmp_path / "mllm_demo_data" / "image.jpg")
+    records = json.loads((VIDEO_DEMO / "mllm_video_demo.json").read_text())
+    video = records[0]["videos"]
+    turn = {"role": "assistant", "content": "A baby."}
+    records += [  # refused: its processor mixes images and videos up; text that merges with the first timestamp
+        {"messages": [{"role": "user", "content": "<image><video>Same?"}, turn], "videos": video,
+         "images": ["mllm_demo_data/image.jpg"]},
+        {"messages": [{"role": "user", "content": "Look:<video>"}, turn], "videos": video},
+    ]  # fmt: skip
     src = tmp_path / "videos.json"
-    shutil.copy(VIDEO_DEMO / "mllm_video_demo.json", src)
+    src.write_text(json.dumps(records))
     packed = tmp_path / "packed"
     assert (
         mmpack(
@@ -213,6 +201,8 @@ def test_pack_writes_the_reference_tokens_and_the_trainer_refuses_videos_in_one_
     )
     manifest = json.loads((packed / "manifest.json").read_text())
     assert manifest["video_rule"]["style"] == "llava_onevision2" and manifest["counts"]["samples_packed"] == 3
+    rejects = [json.loads(line) for line in (packed / "rejects.jsonl").read_text().splitlines()]
+    assert sorted(r["reason"] for r in rejects) == ["video_timestamp_merge", "video_with_images"]
     # each packed sample, its video blocks folded back to the template's one pad, through the reference
     tokenizer = load_tokenizer(folder / "tokenizer.json")
     proc = _reference_processor(folder, monkeypatch)

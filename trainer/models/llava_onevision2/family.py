@@ -19,7 +19,9 @@ class OneVision2Family(ModelFamily):
 
     model_type = config.MODEL_TYPE
     video_rule = "llava_onevision2"
-    trains_videos = False  # the loader does not yet hand video frames to the image path the model reads them on
+    trains_videos = (
+        False  # the loader does not yet hand video frames to the image path the model reads them on
+    )
 
     arch_from_hf_config = staticmethod(config.arch_from_hf_config)
     megatron_configs = staticmethod(config.build_transformer_configs)
