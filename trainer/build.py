@@ -98,12 +98,6 @@ def check_data_matches_model(fam: ModelFamily, arch: Any, info: DataInfo, where:
             f"the dataset's videos follow the {info.video_rule} video rule, {fam.model_type}'s processor the "
             f"{fam.video_rule} one"
         )
-    if info.video_rule and not fam.trains_videos:
-        problems.append(
-            f"the dataset holds videos, which mmpack does not train {fam.model_type} on yet (its packed "
-            "videos are counted as the processor counts them, but the loader does not hand their frames to "
-            "the model); pack without the video samples"
-        )
     if problems:
         raise ValueError(f"dataset and model {where} disagree: " + "; ".join(problems) + " (repack the data)")
 

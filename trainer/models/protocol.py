@@ -97,7 +97,6 @@ class ModelFamily(abc.ABC):
 
     model_type: str  # the HF config.json "model_type"
     video_rule: str  # `mmpack.packing.video_tokens.VideoTokenRule.style` of its video processor
-    trains_videos: bool = True  # False: the packer writes its videos, the trainer does not take them yet
 
     @abc.abstractmethod
     def arch_from_hf_config(self, cfg: dict[str, Any]) -> Any:
