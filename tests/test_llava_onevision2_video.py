@@ -358,6 +358,7 @@ def _reference_video_loss(hf_dir: Path, packed: Path, root: Path) -> dict[str, A
     return {name: totals[name] / count for name in out} | {"tokens": count}
 
 
+@pytest.mark.slow
 def test_video_loss_equals_the_reference(tmp_path: Path) -> None:
     """A tiny random OneVision-2 (reference classes), the three demo videos packed with `--model`: one
     iteration at lr 0 (TP1) logs the reference's loss to 1e-5 (each frame an image, its patches at t = the
