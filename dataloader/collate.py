@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
@@ -22,6 +22,7 @@ from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS
 from mmpack.packing.image_tokens import ImageTokenRule, image_to_patches
 from mmpack.packing.layout import IGNORE_INDEX, block_mask, build_labels, build_position_ids, segment_ids
 from mmpack.packing.video_tokens import VideoPlan
+from mmpack.packing.video_tokens_ov2 import STYLE as FRAMES_AS_IMAGES_STYLE
 
 if TYPE_CHECKING:
     from mmpack.dataloader.manifest import Manifest
@@ -39,6 +40,9 @@ class CollateConfig:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # the manifest's image_rule.max_image_pixels
     video_pad_id: int = -1  # the manifest's <|video_pad|> id (-1: the tokenizer has none)
     position_rule: PositionRule | None = None  # the model family's positions (None: restart per sample)
+    # the videos' frames are images in `<|image_pad|>` blocks (the llava_onevision2 video rule): they go into
+    # `pixel_values` / `image_grid_thw` in token order, one [1, h, w] grid per frame
+    frames_as_images: bool = False
 
     @classmethod
     def from_manifest(
@@ -58,6 +62,8 @@ class CollateConfig:
             max_image_pixels=manifest.max_image_pixels,
             video_pad_id=manifest.video_pad_id,
             position_rule=position_rule,
+            frames_as_images=manifest.dataset.video_rule is not None
+            and manifest.dataset.video_rule.style == FRAMES_AS_IMAGES_STYLE,
         )
 
 
@@ -114,6 +120,11 @@ def collate_bins(
         raise ValueError("collate_bins needs at least one bin")
     b, length = len(records), cfg.seq_len
     width = cfg.rule.patch_dim
+    if cfg.frames_as_images:  # each video frame an image, in token order (`_frames_into_images`)
+        flat = [_frames_into_images(rec, cfg) for rec in records]
+        plain = replace(cfg, frames_as_images=False)
+        batch = collate_bins([r for r, _ in flat], plain, pixel_out, bin_ids, source_ids)
+        return _with_frame_times(batch, [t for _, ts in flat for t in ts])
     grids = [_checked_grids(rec) for rec in records]
     n_rows = sum(int(np.prod(g, axis=1).sum()) for g in grids)
     pixels = (
@@ -141,6 +152,10 @@ def collate_bins(
         _check_image_pads(rec, ids, grids[row], cfg)
         for i, (data, g) in enumerate(zip(rec["images"], grids[row])):
             where = f"bin {rec['key']} image {i}"
+            if isinstance(data, np.ndarray):  # a video frame's patches (`_frames_into_images`)
+                pixels[row_at : row_at + len(data)] = data
+                row_at += len(data)
+                continue
             try:
                 patches = decode_image_patches(
                     data, g, cfg.rule, max_pixels=cfg.max_image_pixels, where=where
@@ -179,7 +194,78 @@ def collate_bins(
     )
 
 
+def _with_frame_times(batch: MicroBatch[np.ndarray], ts: list[np.ndarray]) -> MicroBatch[np.ndarray]:
+    """The batch with each frame's patch positions at t = its index in its video (`ts`: per image or frame,
+    what to add to its patches' t)."""
+    if batch.patch_positions is not None and ts:
+        batch.patch_positions[:, 0] += np.concatenate(ts)
+    return batch
+
+
+def _frames_into_images(rec: BinRecord, cfg: CollateConfig) -> tuple[BinRecord, list[np.ndarray]]:
+    """The record with its videos' frames as images (patch arrays beside the images' bytes), in token order,
+    and per image or frame the t to add to its patches' frame positions (0, or the frame's index).
+
+    Segment by segment, the next videos are that sample's where their plans name its sample id and their
+    frames are its runs of pads (one run per frame); else the next images are, one run each."""
+    ids, _, lens = _checked_row(rec, cfg.seq_len)
+    stored = list(rec.get("video_plans", ()))
+    decoded = decode_bin_videos(rec, ids, cfg, check_pads=False)
+    videos = [
+        (VideoPlan.from_dict(e), e.get("sample_id"), px.pixel_values_videos) for e, px in zip(stored, decoded)
+    ]
+    images = list(zip(rec["images"], _checked_grids(rec)))
+    media: list[Any] = []
+    grids: list[tuple[int, ...]] = []
+    ts: list[np.ndarray] = []
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    v = i = 0
+    for k, sid in enumerate(rec["sample_ids"]):
+        runs = _pad_runs(ids[starts[k] : starts[k + 1]], cfg.image_pad_id)
+        n_videos, frames = 0, list[int]()
+        while len(frames) < len(runs) and v + n_videos < len(videos) and videos[v + n_videos][1] == sid:
+            plan = videos[v + n_videos][0]
+            frames += [plan.num_tokens // plan.grid_thw[0]] * plan.grid_thw[0]
+            n_videos += 1
+        if n_videos and frames == runs:
+            for plan, _, patches in videos[v : v + n_videos]:
+                per_frame = patches.shape[0] // plan.grid_thw[0]
+                for f, index in enumerate(plan.frame_indices):
+                    media.append(patches[f * per_frame : (f + 1) * per_frame])
+                    grids.append((1, plan.grid_thw[1], plan.grid_thw[2]))
+                    ts.append(np.full(per_frame, index, dtype=np.int64))
+            v += n_videos
+            continue
+        mine = images[i : i + len(runs)]
+        if [int(np.prod(g)) // cfg.rule.merge_size**2 for _, g in mine] != runs:
+            raise ValueError(
+                f"bin {rec['key']} sample {k}: its {len(runs)} runs of <|image_pad|> are neither its next videos' "
+                "frames nor its next images; repack the data"
+            )
+        for data, g in mine:
+            media.append(data)
+            grids.append(tuple(int(x) for x in g))
+            ts.append(np.zeros(int(np.prod(g)), dtype=np.int64))
+        i += len(runs)
+    if v != len(videos) or i != len(images):
+        raise ValueError(f"bin {rec['key']}: videos or images that none of its samples' blocks take")
+    out: dict[str, Any] = {
+        k: x for k, x in rec.items() if k not in ("videos", "video_plans", "video_grid_thw")
+    }
+    out["images"] = media
+    out["image_grid_thw"] = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+    return out, ts  # type: ignore[return-value]
+
+
+def _pad_runs(ids: np.ndarray, pad_id: int) -> list[int]:
+    """Lengths of the runs of `pad_id` in `ids`, in order (an image or a frame is one run)."""
+    pads = np.concatenate([[0], (ids == pad_id).astype(np.int8), [0]])
+    edges = np.diff(pads)
+    return (np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)).tolist()
+
+
 def _checked_grids(rec: BinRecord) -> np.ndarray:
+
     grid = np.asarray(rec["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
     if len(grid) != len(rec["images"]):
         raise ValueError(f"bin {rec['key']}: {len(rec['images'])} images but {len(grid)} grids")
@@ -240,8 +326,11 @@ def _positions(
     return np.stack(rows, axis=1)
 
 
-def decode_bin_videos(rec: BinRecord, ids: np.ndarray, cfg: CollateConfig) -> list[VideoPixels]:
-    """The planned frames of each video of one bin, as model inputs; checks plans, grids and pad count."""
+def decode_bin_videos(
+    rec: BinRecord, ids: np.ndarray, cfg: CollateConfig, *, check_pads: bool = True
+) -> list[VideoPixels]:
+    """The planned frames of each video of one bin, as model inputs; checks plans, grids and (`check_pads`)
+    the `<|video_pad|>` count."""
     stored = rec.get("video_plans", ())
     plans = [VideoPlan.from_dict(p) for p in stored]
     grid = np.asarray(rec.get("video_grid_thw", np.zeros((0, 3))), dtype=np.int64).reshape(-1, 3)
@@ -250,6 +339,19 @@ def decode_bin_videos(rec: BinRecord, ids: np.ndarray, cfg: CollateConfig) -> li
         raise ValueError(f"bin {rec['key']}: {len(data)} videos, {len(plans)} plans, {len(grid)} grids")
     if not plans:
         return []
+    if check_pads:
+        _check_video_pads(rec, ids, plans, cfg)
+    out = []
+    for i, (blob, plan, g) in enumerate(zip(data, plans, grid)):
+        if tuple(int(v) for v in g) != tuple(plan.grid_thw):
+            raise ValueError(
+                f"bin {rec['key']} video {i}: grid {g.tolist()} differs from its plan's {plan.grid_thw}"
+            )
+        out.append(load_video(blob, plan, cfg.rule, name=_video_name(stored[i], rec["key"], i)))
+    return out
+
+
+def _check_video_pads(rec: BinRecord, ids: np.ndarray, plans: list[VideoPlan], cfg: CollateConfig) -> None:
     if cfg.video_pad_id < 0:
         raise ValueError(
             f"bin {rec['key']} holds videos but the manifest's tokenizer has no <|video_pad|> id"
@@ -260,14 +362,6 @@ def decode_bin_videos(rec: BinRecord, ids: np.ndarray, cfg: CollateConfig) -> li
         raise ValueError(
             f"bin {rec['key']}: {got_pads} <|video_pad|> tokens, its videos need {expected_pads}"
         )
-    out = []
-    for i, (blob, plan, g) in enumerate(zip(data, plans, grid)):
-        if tuple(int(v) for v in g) != tuple(plan.grid_thw):
-            raise ValueError(
-                f"bin {rec['key']} video {i}: grid {g.tolist()} differs from its plan's {plan.grid_thw}"
-            )
-        out.append(load_video(blob, plan, cfg.rule, name=_video_name(stored[i], rec["key"], i)))
-    return out
 
 
 def _video_name(plan: dict, key: str, i: int) -> str:

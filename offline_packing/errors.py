@@ -61,6 +61,8 @@ REJECT_REASONS: dict[str, str] = {
     "video_aspect_ratio": "longer side over 200 times the shorter",
     "video_too_small": "too elongated for the pixel budget: a side would shrink below one merged patch",
     "undecodable_video": "--video-check decode: the planned frames do not decode",
+    "video_with_images": "llava_onevision2 rule: a sample with images and videos (its processor mixes them up)",
+    "video_timestamp_merge": "llava_onevision2 rule: the text before a <video> merges with its first timestamp",
     # length
     "overlength": "longer than -L under --overlength drop (or no cut keeps a target token under truncate)",
 }

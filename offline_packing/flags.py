@@ -155,7 +155,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="records without a system prompt get none, even where the chat template adds a default one",
     )
     g = p.add_argument_group(
-        "video rule (qwen-vl-utils, or Qwen3-VL's processor from --model DIR's video_preprocessor_config.json; "
+        "video rule (qwen-vl-utils, Qwen3-VL's processor from --model DIR's video_preprocessor_config.json, or "
+        "LLaVA-OneVision-2's from a OneVision-2 --model DIR; "
         "patch, merge and temporal patch sizes as for images)"
     )
     _add(
@@ -165,7 +166,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=VIDEO_RULE_STYLES,
         help="whose frame sampling, frame size and video tokens: qwen-vl-utils (Qwen2-VL / Qwen2.5-VL, default) "
         "or qwen3_vl (transformers' Qwen3-VL processor: timestamps before each temporal patch; the default "
-        "with a Qwen3-VL --model DIR)",
+        "with a Qwen3-VL --model DIR) or llava_onevision2 (LLaVA-OneVision-2's processor: 8/16/max frames by "
+        "duration, a timestamp and <|image_pad|> block per frame; the default with a OneVision-2 --model DIR)",
     )
     qwen3 = "; qwen3_vl: on all sampled frames' pixels together (its size.{})"
     for name, kind, what in (

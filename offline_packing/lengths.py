@@ -73,6 +73,7 @@ def prepare_scanned(
     """Image grids, video plans and the rendered conversation of one scanned sample (SampleReject where a rule
     refuses an image or video, or the chat template renders it in a way the loss mask cannot be read from).
     `remote`: what `--video-check decode` reads videos with (`plan_videos`)."""
+    from mmpack.packing import video_tokens_ov2
     from mmpack.packing.chat import Conversation, prepare_conversation
     from mmpack.packing.image_tokens import ImageSizeError
     from mmpack.packing.jinja_chat import ChatTemplateError
@@ -101,9 +102,14 @@ def prepare_scanned(
     # tokenizer without a video pad is refused by prepare_conversation
     timestamped = bool(plans) and bool(plans[0].timestamps_s) and "video_pad" in tokenizer.special_ids
     expansions = [placeholder_ids(tokenizer, p) for p in plans] if timestamped else []
+    whole = timestamped and options.video_rule.style == video_tokens_ov2.STYLE  # each frame an image
+    if whole:
+        if grids:  # its processor gives such a sample other ids and pixels than its text says
+            raise SampleReject("video_with_images", f"{len(grids)} images and {len(plans)} videos")
+        expansions = [video_tokens_ov2.block_ids(tokenizer, p) for p in plans]
     try:
         prep = prepare_conversation(
-            conv, tokenizer, counts, options.chat_template, [p.num_tokens for p in plans], expansions
+            conv, tokenizer, counts, options.chat_template, [p.num_tokens for p in plans], expansions, whole
         )
     except ChatTemplateError as exc:
         raise SampleReject("chat_template_mismatch", str(exc)) from None
@@ -111,7 +117,26 @@ def prepare_scanned(
         if plans and "video_pad" not in tokenizer.special_ids:
             raise PackError(f"{sample['src']}:{sample['line']}: {exc}") from None
         raise
+    if whole:
+        _check_video_starts(prep, plans, tokenizer)
     return ScannedPrep(sample, grids, plans, prep)
+
+
+def _check_video_starts(prep: Any, plans: list[Any], tokenizer: Any) -> None:
+    """SampleReject where a video's first timestamp, encoded alone (`video_tokens_ov2.block_ids`), is not how
+    the processor's text encodes it after the text before the video (the two would merge)."""
+    from mmpack.packing import video_tokens_ov2
+    from mmpack.packing.jinja_chat import VIDEO_TAG
+
+    starts = [a for tag, a, _ in prep.rendered.media_char_spans if tag == VIDEO_TAG]
+    for a, plan in zip(starts, plans):
+        before, head = prep.text[:a], video_tokens_ov2.timestamp_text(plan.timestamps_s[0])
+        if tokenizer.encode(before + head) != tokenizer.encode(before) + tokenizer.encode(head):
+            raise SampleReject(
+                "video_timestamp_merge",
+                f"the text {before[-12:]!r} right before a <video> merges with its first timestamp {head!r} in "
+                "the tokenizer; put a newline or a letter before the <video> tag",
+            )
 
 
 def finish_scanned(pending: ScannedPrep, cfg: LengthsStage, tok: Any) -> tuple[Any, dict]:

@@ -6,7 +6,9 @@ template; the preprocessor config settles patch, merge and temporal patch sizes,
 rescale factor and resampling, read as transformers 5 reads it (`ImageTokenRule.from_preprocessor_config`).
 `-t DIR` where DIR holds a `preprocessor_config.json` is the same as `--model DIR`. Without a model folder, the
 image flags and their defaults give the rule. A Qwen3-VL folder's `video_preprocessor_config.json` gives the
-video rule (`resolve_video_rule`); otherwise the --video-* flags do. The chat template
+video rule (`resolve_video_rule`), and so does a LLaVA-OneVision-2 folder (`config.json` model_type
+`llava_onevision2[_moe]`: its processor's rule, `mmpack.packing.video_tokens_ov2`); otherwise the --video-* flags
+do. The chat template
 (`mmpack.packing.jinja_chat`) is that of `--model DIR`, else of `-t DIR` (a folder); `--chat-template FILE`
 names another, `--chat-template builtin` (and a tokenizer file or a folder without one) gives mmpack's built-in
 Qwen rendering.
@@ -14,10 +16,12 @@ Qwen rendering.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
 from mmpack.offline_packing.config import SHARED_PATCH_FIELDS
+from mmpack.packing import video_tokens_ov2
 from mmpack.packing.image_tokens import (
     PREPROCESSOR_CONFIG,
     ImageTokenRule,
@@ -112,6 +116,43 @@ def _model_video_fields(folder: str | None) -> tuple[str, dict[str, Any]] | None
     return path, rule_fields(config, source=path)
 
 
+# the model types whose processor writes LLaVA-OneVision-2's video blocks
+OV2_MODEL_TYPES = ("llava_onevision2", "llava_onevision2_moe")
+# the --video-* options that rule takes (its video processor's constructor arguments); the others are refused
+OV2_VIDEO_OPTIONS = ("video_max_frames", "video_min_pixels", "video_max_pixels", "video_style")
+
+
+def _is_ov2_folder(folder: str | None) -> bool:
+    path = os.path.join(folder, "config.json") if folder else ""
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get("model_type") in OV2_MODEL_TYPES
+
+
+def _ov2_video_rule(
+    given: dict[str, Any], patch: dict[str, Any], image_rule: ImageTokenRule, where: str
+) -> VideoTokenRule:
+    """The LLaVA-OneVision-2 processor's video rule, its defaults under the --video-* options it takes."""
+    refused = sorted(o for o, f in VIDEO_FLAG_FIELDS.items() if f in given and o not in OV2_VIDEO_OPTIONS)
+    if refused:
+        raise ValueError(
+            f"{_video_flag(refused[0])}: {where} samples 8, 16 or --video-max-frames frames by duration "
+            "(LLaVA-OneVision-2's processor); drop it"
+        )
+    if given.get("style", video_tokens_ov2.STYLE) != video_tokens_ov2.STYLE:
+        raise ValueError(
+            f"--video-rule {given['style']} disagrees with {where} ({video_tokens_ov2.STYLE}); drop --video-rule"
+        )
+    fields = {
+        "max_frames": video_tokens_ov2.MAX_FRAMES, "min_pixels": video_tokens_ov2.MIN_PIXELS,
+        "max_pixels": video_tokens_ov2.MAX_PIXELS, **given, "style": video_tokens_ov2.STYLE,
+        "image_min_pixels": image_rule.min_pixels, "image_max_pixels": image_rule.max_pixels,
+    }  # fmt: skip
+    fields["min_frames"] = min(fields["max_frames"], 4)  # unused by this rule; kept valid for any max_frames
+    return VideoTokenRule(**fields, **patch)
+
+
 def resolve_video_rule(
     model: str | None, tokenizer: str | None, flags: dict[str, Any], image_rule: ImageTokenRule
 ) -> VideoTokenRule:
@@ -124,7 +165,12 @@ def resolve_video_rule(
     """
     given = {VIDEO_FLAG_FIELDS[name]: value for name, value in flags.items()}
     patch = {name: getattr(image_rule, name) for name in SHARED_PATCH_FIELDS}
-    found = _model_video_fields(model_folder_of(model, tokenizer))
+    folder = model_folder_of(model, tokenizer)
+    if _is_ov2_folder(folder):
+        return _ov2_video_rule(given, patch, image_rule, f"--model {folder}")
+    if given.get("style") == video_tokens_ov2.STYLE:
+        return _ov2_video_rule(given, patch, image_rule, "--video-rule llava_onevision2")
+    found = _model_video_fields(folder)
     if found is None:
         base: dict[str, Any] = {}
         if given.get("style") == "qwen3_vl":  # the processor's defaults, not qwen-vl-utils'

@@ -9,7 +9,8 @@ there is none, mmpack's built-in Qwen rendering
 
 In both, each `<image>` is `<|vision_start|>` + N x `<|image_pad|>` + `<|vision_end|>` (each `<video>`
 `<|vision_start|>` + N x `<|video_pad|>` + `<|vision_end|>`, N from the video rule; under a rule that writes
-timestamps, Qwen3-VL's, the one pad becomes `mmpack.packing.video_tokens_qwen3.placeholder_ids`); the whole
+timestamps, Qwen3-VL's, the one pad becomes `mmpack.packing.video_tokens_qwen3.placeholder_ids`; under
+LLaVA-OneVision-2's, the whole block becomes `mmpack.packing.video_tokens_ov2.block_ids`); the whole
 string is encoded once (so the ids equal a direct tokenizer encode of the rendered text) and the loss mask comes from
 the token offsets. `truncate_sample` implements the `truncate` over-length policy.
 """
@@ -261,6 +262,8 @@ class PreparedConversation:
     image_token_counts: tuple[int, ...]
     video_token_counts: tuple[int, ...]
     video_expansions: tuple[np.ndarray | None, ...] = ()  # per video: the ids its one pad becomes (or pads)
+    # the expansions replace each video's whole <|vision_start|><|video_pad|><|vision_end|>, not its pad
+    video_whole_blocks: bool = False
 
 
 def prepare_conversation(
@@ -270,10 +273,12 @@ def prepare_conversation(
     template: ChatTemplate | None = None,
     video_token_counts: Sequence[int] = (),
     video_expansions: Sequence[np.ndarray | None] = (),
+    video_whole_blocks: bool = False,
 ) -> PreparedConversation:
     """Check `conv` against the media token counts and render it for encoding (ValueError where they differ).
     `video_expansions`: per video the ids its pad becomes (`video_tokens_qwen3.placeholder_ids`), else its pads
-    repeated."""
+    repeated; with `video_whole_blocks`, the ids its whole vision block becomes (`video_tokens_ov2.block_ids`:
+    the caller checks that their first text does not merge with the text before, `video_tokens_ov2`)."""
     counts = _checked_counts(image_token_counts, conv.images, "image")
     video_counts = _checked_counts(video_token_counts, conv.videos, "video")
     if video_expansions and len(video_expansions) != len(video_counts):
@@ -293,8 +298,9 @@ def prepare_conversation(
     # cost for large images (thousands of pads each).
     rendered = template.render(messages, [1] * len(counts), [1] * len(video_counts))
     return PreparedConversation(
-        rendered.text, rendered, tuple(messages), tuple(counts), tuple(video_counts), tuple(video_expansions)
-    )
+        rendered.text, rendered, tuple(messages), tuple(counts), tuple(video_counts), tuple(video_expansions),
+        video_whole_blocks,
+    )  # fmt: skip
 
 
 def encode_texts(tokenizer: TextTokenizer, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -406,8 +412,11 @@ def _finish_one(
             repeats[inside[1]] = next(n_of[tag])
             expansion = next(expansions) if tag == VIDEO_TAG else None
             if expansion is not None:
-                repeats[inside[1]] = len(expansion)
-                replaced.append((int(inside[1]), expansion))
+                at_k = int(inside[1])
+                if prep.video_whole_blocks:
+                    repeats[inside], at_k = 0, int(inside[0])
+                repeats[at_k] = len(expansion)
+                replaced.append((at_k, expansion))
             compact_spans[tag].append((int(inside[0]), int(inside[-1]) + 1))
         new_index = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(repeats, out=new_index[1:])

@@ -23,6 +23,11 @@ duration x frame rate (containers without a frame count), frame k is the frame s
 its own frame sampling and `smart_resize`, `min_pixels` / `max_pixels` being its `size.shortest_edge` /
 `size.longest_edge` (pixels of all sampled frames together; `total_pixels` unused), and a timestamp before each
 temporal patch (`VideoPlan.timestamps_s`).
+
+`style="llava_onevision2"` is the rule of LLaVA-OneVision-2's processor (`mmpack.packing.video_tokens_ov2`):
+8, 16 or `max_frames` frames by duration, `min_pixels` / `max_pixels` its video processor's resize bounds, then
+`image_min_pixels` / `image_max_pixels` (the image rule's) for the image processor every frame goes through, a
+timestamp before each frame, and `<|image_pad|>` tokens (each frame is an image to the model).
 """
 
 from __future__ import annotations
@@ -33,11 +38,12 @@ from typing import Any
 
 import numpy as np
 
+from mmpack.packing import video_tokens_ov2 as ov2
 from mmpack.packing import video_tokens_qwen3 as qwen3
 from mmpack.packing.errors import MmpackError
 from mmpack.packing.image_tokens import smart_resize
 
-VIDEO_RULE_STYLES = ("qwen-vl-utils", "qwen3_vl")
+VIDEO_RULE_STYLES = ("qwen-vl-utils", "qwen3_vl", ov2.STYLE)
 
 
 class VideoRuleError(MmpackError, ValueError):
@@ -82,7 +88,7 @@ class VideoPlan:
     second_per_grid_t: float
     frame_count_exact: bool
     video_fps: float
-    timestamps_s: tuple[float, ...] = ()  # per temporal patch, where the rule writes them (qwen3_vl)
+    timestamps_s: tuple[float, ...] = ()  # per temporal patch, where the rule writes them (qwen3_vl, OV-2)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (lists, not tuples; no timestamps where the rule writes none)."""
@@ -128,6 +134,8 @@ class VideoTokenRule:
     temporal_patch_size: int = 2
     max_aspect_ratio: float = 200
     style: str = "qwen-vl-utils"  # whose rule: VIDEO_RULE_STYLES
+    image_min_pixels: int = 0  # llava_onevision2 only: the image rule's bounds, which every frame then takes
+    image_max_pixels: int = 0
 
     def __post_init__(self) -> None:
         if self.style not in VIDEO_RULE_STYLES:
@@ -155,6 +163,13 @@ class VideoTokenRule:
                 f"frame_factor {self.frame_factor} must be a multiple of temporal_patch_size "
                 f"{self.temporal_patch_size}: frames are grouped in temporal patches"
             )
+        if self.style == ov2.STYLE and (
+            self.temporal_patch_size != 1 or min(self.image_min_pixels, self.image_max_pixels) < 1
+        ):
+            raise ValueError(
+                f"the {ov2.STYLE} video rule needs temporal_patch_size 1 and the image rule's pixel bounds, got "
+                f"{self.temporal_patch_size}, {self.image_min_pixels}, {self.image_max_pixels}"
+            )
 
     @property
     def factor(self) -> int:
@@ -163,6 +178,8 @@ class VideoTokenRule:
 
     def num_frames(self, total_frames: int, video_fps: float) -> int:
         """Frames sampled from a video of `total_frames` at `video_fps` (qwen-vl-utils `smart_nframes`)."""
+        if self.style == ov2.STYLE:
+            return ov2.num_frames(total_frames, video_fps, max_frames=self.max_frames)
         if self.style == "qwen3_vl":
             n = qwen3.num_frames(
                 total_frames, video_fps, fps=self.fps, min_frames=self.min_frames, max_frames=self.max_frames
@@ -194,6 +211,8 @@ class VideoTokenRule:
     def resized_hw(self, height: int, width: int, nframes: int) -> tuple[int, int]:
         """(h', w') every sampled frame is resized to (qwen-vl-utils `smart_resize` for videos)."""
         factor = self.factor
+        if self.style == ov2.STYLE:
+            return self._ov2_resized_hw(height, width)
         if self.style == "qwen3_vl":
             try:
                 return qwen3.resized_hw(
@@ -223,6 +242,16 @@ class VideoTokenRule:
             )
         return h_bar, w_bar
 
+    def _ov2_resized_hw(self, height: int, width: int) -> tuple[int, int]:
+        try:
+            return ov2.resized_hw(
+                height, width, patch_size=self.patch_size, merge_size=self.merge_size,
+                min_pixels=self.min_pixels, max_pixels=self.max_pixels, image_min_pixels=self.image_min_pixels,
+                image_max_pixels=self.image_max_pixels,
+            )  # fmt: skip
+        except ValueError as exc:
+            raise VideoRuleError("video_too_small", f"video of {width}x{height} (w x h): {exc}") from None
+
     def plan(self, meta: VideoMeta) -> VideoPlan:
         """Frames, size, grid and tokens of a video from its container metadata."""
         nframes = self.num_frames(meta.total_frames, meta.fps)
@@ -242,8 +271,16 @@ class VideoTokenRule:
             second_per_grid_t=tp / sample_fps,
             frame_count_exact=meta.frame_count_exact,
             video_fps=meta.fps,
-            timestamps_s=qwen3.timestamps(indices, meta.fps, tp) if qwen3_vl else (),
+            timestamps_s=self._timestamps(indices, meta.fps),
         )
+
+    def _timestamps(self, indices: list[int], video_fps: float) -> tuple[float, ...]:
+        """Seconds written before each temporal patch, where the rule writes them."""
+        if self.style == ov2.STYLE:
+            return tuple(ov2.frame_seconds(i, video_fps) for i in indices)
+        if self.style == "qwen3_vl":
+            return qwen3.timestamps(indices, video_fps, self.temporal_patch_size)
+        return ()
 
     def tokens_of_grid(self, grid_thw: tuple[int, int, int]) -> int:
         """LLM tokens (<|video_pad|> count) of a vision grid (t, h, w) in patches."""
@@ -254,7 +291,9 @@ class VideoTokenRule:
         """The manifest's "video_rule" entry; `style` only where it is not qwen-vl-utils (the rule of the
         manifests written before there was a choice)."""
         d = asdict(self)
-        if d["style"] == VIDEO_RULE_STYLES[0]:
+        if self.style != ov2.STYLE:  # only that rule has image bounds
+            del d["image_min_pixels"], d["image_max_pixels"]
+        if self.style == VIDEO_RULE_STYLES[0]:
             del d["style"]
         return d
 

@@ -26,7 +26,11 @@ from tests.video_fixtures import encode_video, stream_copy_cut, timescale_one
 
 # Reasons no input file can produce, and why: the header of every image Pillow opens has pixels.
 UNREACHABLE = {
-    "image_size_invalid": "Pillow refuses an image header without pixels before mmpack sees a size"
+    "image_size_invalid": "Pillow refuses an image header without pixels before mmpack sees a size",
+    # reasons of the llava_onevision2 video rule only (this corpus packs with another): there they are tested
+    # by tests/test_llava_onevision2_video.py
+    "video_with_images": "the llava_onevision2 video rule only",
+    "video_timestamp_merge": "the llava_onevision2 video rule only",
 }
 # A read error a test cannot cause for root (permissions do not stop it): checked only when not root.
 ROOT_CANNOT_TEST = {"unreadable_video": "a file root cannot read (chmod 000 stops other users only)"}

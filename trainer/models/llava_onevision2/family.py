@@ -18,7 +18,7 @@ class OneVision2Family(ModelFamily):
     """``LlavaOnevision2ForConditionalGeneration`` with a Qwen3 dense text model."""
 
     model_type = config.MODEL_TYPE
-    video_rule = "llava_onevision2"  # no packer rule yet: a dataset with videos is refused for this family
+    video_rule = "llava_onevision2"  # its video frames are images to the model (dataloader/collate.py)
 
     arch_from_hf_config = staticmethod(config.arch_from_hf_config)
     megatron_configs = staticmethod(config.build_transformer_configs)

@@ -1,0 +1,84 @@
+"""The LLaVA-OneVision-2 video rule (its `LlavaOnevision2VideoProcessor` and `Llava_Onevision2Processor`, as
+`Llava_Onevision2Processor.from_pretrained` builds them): frames sampled, frame size, and one block of tokens
+per frame; `VideoTokenRule(style="llava_onevision2")` applies it.
+
+    duration = total / video_fps
+    nframes  = 8 below 10 s, 16 below 30 s, else max_frames; at most total (then every frame)
+    indices  = round(torch float32 linspace(0, total - 1, nframes))
+    h1, w1   = smart_resize(h, w, factor = patch * merge, min_pixels, max_pixels)   (the video processor's
+               own bounds, 256*28*28 and 1605632 unless set: sides first at least `factor`)
+    h', w'   = the image rule's resize of an h1 x w1 frame (each frame then goes through the image processor)
+    grid     = (nframes, h' / patch, w' / patch)            (temporal patch 1: one frame, one grid step)
+    seconds  = index / video_fps, written "MM:SS.ffffff" and read back (the processor's round trip)
+
+The processor replaces the chat template's ``<|vision_start|><|video_pad|><|vision_end|>`` by, per frame,
+``<{seconds:.1f} seconds><|vision_start|>`` + h' w' / merge^2 ``<|image_pad|>`` + ``<|vision_end|>`` (no
+separator): the model sees each frame as an image with t = 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mmpack.packing.image_tokens import ImageTokenRule, smart_resize
+
+STYLE = "llava_onevision2"
+# `LlavaOnevision2VideoProcessor`'s defaults, which `from_pretrained` keeps (transformers 5's image processor
+# has no `min_pixels` / `max_pixels` attributes for it to take)
+MAX_FRAMES = 384
+MIN_PIXELS = 256 * 28 * 28
+MAX_PIXELS = 1605632
+
+
+def num_frames(total_frames: int, video_fps: float, *, max_frames: int) -> int:
+    """Frames sampled from a video (`choose_target_frames` by duration, then all frames if fewer)."""
+    duration = total_frames / video_fps
+    wanted = 8 if duration < 10 else 16 if duration < 30 else max_frames
+    return min(wanted, total_frames)
+
+
+def resized_hw(
+    height: int, width: int, *, patch_size: int, merge_size: int, min_pixels: int, max_pixels: int,
+    image_min_pixels: int, image_max_pixels: int,
+) -> tuple[int, int]:  # fmt: skip
+    """(h', w') of every sampled frame: the video processor's resize, then the image processor's
+    (`mmpack.packing.image_tokens.ImageSizeError` where that refuses the frame; ValueError for an empty one)."""
+    factor = patch_size * merge_size
+    h1, w1 = smart_resize(
+        height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels, video=True
+    )
+    if h1 < 1 or w1 < 1:
+        raise ValueError(f"the video processor's resize leaves a {w1}x{h1} (w x h) frame")
+    image = ImageTokenRule(
+        patch_size=patch_size, merge_size=merge_size, temporal_patch_size=1, min_pixels=image_min_pixels,
+        max_pixels=image_max_pixels,
+    )  # fmt: skip
+    return image.resized_hw(h1, w1)
+
+
+def frame_seconds(index: int, video_fps: float) -> float:
+    """A frame's time as the processor holds it: index / fps through its "MM:SS.ffffff" text."""
+    seconds = index / video_fps
+    minutes = int(seconds // 60)
+    return minutes * 60 + float(f"{seconds - minutes * 60:09.6f}")
+
+
+def timestamp_text(seconds: float) -> str:
+    """The text before a frame's tokens."""
+    return f"<{seconds:.1f} seconds>"
+
+
+def block_ids(tokenizer: Any, plan: Any) -> np.ndarray:
+    """The ids that replace a video's ``<|vision_start|><|video_pad|><|vision_end|>`` (see the module
+    docstring; `tokenizer`: a `mmpack.packing.tokenizer.TextTokenizer`, `plan`: a
+    `mmpack.packing.video_tokens.VideoPlan` of this rule).
+
+    Each timestamp text is encoded alone: it sits between special tokens, or after the text before the video,
+    which the packer checks does not merge with it (else it rejects the sample: `video_timestamp_merge`)."""
+    ids = tokenizer.special_ids
+    per_frame = plan.num_tokens // plan.grid_thw[0]
+    frame = [ids["vision_start"], *[ids["image_pad"]] * per_frame, ids["vision_end"]]
+    out = [tokenizer.encode(timestamp_text(t)) + frame for t in plan.timestamps_s]
+    return np.asarray([i for part in out for i in part], dtype=np.uint32)
