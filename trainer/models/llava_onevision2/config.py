@@ -11,7 +11,7 @@ from typing import Any
 import torch.nn.functional as F
 
 from mmpack.trainer.models.protocol import TinyModelSpec
-from mmpack.trainer.models.qwen_lm import QwenLMArch, language_config, lm_fields
+from mmpack.trainer.models.qwen_lm import QwenLMArch, language_config, lm_fields, tiny_vlm_config
 from mmpack.trainer.models.vision_common import VLMegatronConfigs, tower_configs
 
 MODEL_TYPE = "llava_onevision2"
@@ -124,30 +124,11 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> OneVision2Arch:
 def tiny_hf_config(spec: TinyModelSpec) -> dict[str, Any]:
     """A ``config.json`` dict of a small random LLaVA-OneVision-2 (its vision heads 32 wide at least)."""
     vision_hidden = max(spec.vision_hidden_size, 32 * spec.vision_num_heads)
-    return {
-        "architectures": ["LlavaOnevision2ForConditionalGeneration"],
-        "model_type": MODEL_TYPE,
-        "image_token_id": spec.image_token_id,
-        "video_token_id": spec.image_token_id + 1,
-        "vision_start_token_id": spec.vision_start_token_id,
-        "vision_end_token_id": spec.vision_end_token_id,
-        "tie_word_embeddings": spec.tie_word_embeddings,
-        "text_config": {
-            "model_type": "qwen3",
-            "vocab_size": spec.vocab_size,
-            "hidden_size": spec.hidden_size,
-            "intermediate_size": spec.ffn_hidden_size or 4 * spec.hidden_size,
-            "num_hidden_layers": spec.num_layers,
-            "num_attention_heads": spec.num_attention_heads,
-            "num_key_value_heads": spec.num_key_value_heads,
-            "head_dim": spec.hidden_size // spec.num_attention_heads,
-            "hidden_act": "silu",
-            "rms_norm_eps": 1e-6,
-            "max_position_embeddings": spec.max_position_embeddings,
-            "attention_bias": False,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-            "tie_word_embeddings": spec.tie_word_embeddings,
-        },
+    config = tiny_vlm_config(
+        spec, architecture="LlavaOnevision2ForConditionalGeneration", model_type=MODEL_TYPE,
+        text_model_type="qwen3", rope_theta=1000000.0,
+    )  # fmt: skip
+    return config | {
         "vision_config": {
             "model_type": "onevision_encoder",
             "hidden_size": vision_hidden,

@@ -4,30 +4,13 @@ writes with ``save_pretrained`` (``model.visual.*``, ``model.language_model.*``,
 
 from __future__ import annotations
 
-from mmpack.trainer.models.hf_weights import Rule, output_rules
+from mmpack.trainer.models.hf_weights import Rule, output_rules, vision_layer_rules
 from mmpack.trainer.models.llava_onevision2.config import OneVision2Arch
 from mmpack.trainer.models.qwen_lm import decoder_rules
 from mmpack.trainer.models.qwen_moe import MoEArch
 
 LANGUAGE = "model.language_model."
 VISUAL = "model.visual."
-
-
-def _layer_rules(mc: str, hf: str, attn: dict[str, int]) -> dict[str, Rule]:
-    rules = {
-        mc + "self_attention.linear_qkv.weight": Rule("fused_qkv", (hf + "self_attn.qkv.weight",), **attn),
-        mc + "self_attention.linear_qkv.bias": Rule("fused_qkv", (hf + "self_attn.qkv.bias",), **attn),
-        mc + "self_attention.linear_proj.weight": Rule("copy", (hf + "self_attn.proj.weight",), 1),
-        mc + "self_attention.linear_proj.bias": Rule("copy", (hf + "self_attn.proj.bias",), None),
-        mc + "mlp.linear_fc1.weight": Rule("copy", (hf + "mlp.fc1.weight",), 0),
-        mc + "mlp.linear_fc1.bias": Rule("copy", (hf + "mlp.fc1.bias",), 0),
-        mc + "mlp.linear_fc2.weight": Rule("copy", (hf + "mlp.fc2.weight",), 1),
-        mc + "mlp.linear_fc2.bias": Rule("copy", (hf + "mlp.fc2.bias",), None),
-    }
-    for norm, ours in (("layer_norm1", "input_layernorm"), ("layer_norm2", "pre_mlp_layernorm")):
-        for p in ("weight", "bias"):
-            rules[f"{mc}{ours}.{p}"] = Rule("copy", (f"{hf}{norm}.{p}",), None)
-    return rules
 
 
 def _vision_rules(arch: OneVision2Arch) -> dict[str, Rule]:
@@ -38,7 +21,10 @@ def _vision_rules(arch: OneVision2Arch) -> dict[str, Rule]:
         rules[f"vision.merger.norm.{p}"] = Rule("copy", (f"{VISUAL}merger.ln_q.{p}",), None)
     attn = dict(heads=v.num_heads, groups=v.num_heads, head_dim=v.head_dim)
     for i in range(v.depth):
-        rules |= _layer_rules(f"vision.layers.{i}.", f"{VISUAL}encoder.layers.{i}.", attn)
+        rules |= vision_layer_rules(
+            f"vision.layers.{i}.", f"{VISUAL}encoder.layers.{i}.", attn, qkv="self_attn.qkv",
+            proj="self_attn.proj", fc1="mlp.fc1", fc2="mlp.fc2", norms=("layer_norm1", "layer_norm2"),
+        )  # fmt: skip
     enc, hf = "vision.merger.projector.encoder.", VISUAL + "merger.mlp."
     return rules | {
         enc + "linear_fc1.weight": Rule("copy", (hf + "0.weight",), 0),
