@@ -29,7 +29,8 @@ def _arm_stalled_writer(spec: str) -> None:
 
     def stalled(*args: Any, **kwargs: Any) -> Any:
         if dist.get_rank() == int(rank):
-            (Path(folder) / f"writer-{os.getpid()}").write_text(str(os.getppid()))
+            # the rank's pid and the writer's bucket index (the writers of a rank are forked in index order)
+            (Path(folder) / f"writer-{os.getpid()}").write_text(f"{os.getppid()} {args[1]}")
             time.sleep(120)
         return original(*args, **kwargs)
 

@@ -100,10 +100,23 @@ def rank_process(launch: Launch, rank: int) -> psutil.Process:
     raise AssertionError(f"no process of rank {rank}")
 
 
-def stalled_writer(folder: Path) -> int | None:
-    """The pid of a checkpoint writer stopped by tests.faults, once there is one."""
-    files = sorted(folder.glob("writer-*"))
-    return int(files[0].name.split("-")[1]) if files else None
+def stalled_writer(folder: Path, settle_s: float = 0.0) -> int | None:
+    """The pid of a checkpoint writer stopped by tests.faults, once there is one: of those there ``settle_s``
+    seconds later, the one forked last (the highest bucket index; pids wrap, so not the highest pid). Its death
+    is the one a pipe end inherited by the writers forked before it would hide."""
+    if not any(folder.glob("writer-*")):
+        return None
+    time.sleep(settle_s)
+    found = {}
+    for path in folder.glob("writer-*"):
+        with contextlib.suppress(ValueError, IndexError):  # a file still being written
+            found[int(path.read_text().split()[1])] = int(path.name.split("-")[1])
+    return found[max(found)] if found else None
+
+
+def writer_parent(folder: Path, writer: int) -> int:
+    """The pid of the rank that forked a stalled writer."""
+    return int((folder / f"writer-{writer}").read_text().split()[0])
 
 
 def kill(pid: int) -> None:
@@ -166,7 +179,9 @@ def test_killed_loader_worker_ends_the_job(data: Path, tmp_path: Path) -> None:
 def test_killed_checkpoint_writer_ends_the_job(data: Path, tmp_path: Path) -> None:
     run = start_training(data, tmp_path, env={STALL_WRITER_ENV: f"{tmp_path}:1"})
     try:
-        writer = run.wait_until(lambda: stalled_writer(tmp_path), "a checkpoint writer of rank 1")
+        writer = run.wait_until(
+            lambda: stalled_writer(tmp_path, settle_s=2.0), "a checkpoint writer of rank 1"
+        )
         kill(writer)
         code, took_s = run.finish()
     finally:
@@ -202,7 +217,7 @@ def test_killed_converter_rank_ends_the_job_and_the_same_run_finishes(data: Path
     run = convert("killed", env={STALL_WRITER_ENV: f"{stalls}:1"})
     try:
         writer = run.wait_until(lambda: stalled_writer(stalls), "a checkpoint writer of converter rank 1")
-        rank_1 = int((stalls / f"writer-{writer}").read_text())  # the writer's parent: the converter rank
+        rank_1 = writer_parent(stalls, writer)  # the converter rank
         kill(rank_1)
         code, took_s = run.finish()
     finally:

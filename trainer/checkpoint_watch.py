@@ -119,18 +119,21 @@ def write_buckets(
 
 def _run_writers(transform_list: list, use_msc: bool, rank: int, buckets: list) -> dict[int, list]:
     ctx = mp.get_context("fork")  # as megatron-core: the writers read the parent's staged tensors
-    writers = []
-    for i, bucket in enumerate(buckets):
-        recv, send = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=_write_one, args=(transform_list, use_msc, i, bucket, send), daemon=True)
-        writers.append((_Writer(process, recv, str(bucket[0])), send))
-    for writer, send in writers:
-        writer.process.start()
-        send.close()  # the writer holds the only sending end: its death shows as end of file here
+    writers: list[_Writer] = []
     try:
-        return _collect([w for w, _ in writers], rank)
+        # each pipe is made just before its writer is forked and its sending end closed here right after, so
+        # that no later writer inherits it: the writer holds the only sending end, and its death shows as end
+        # of file here even while the other writers are still at work
+        for i, bucket in enumerate(buckets):
+            recv, send = ctx.Pipe(duplex=False)
+            args = (transform_list, use_msc, i, bucket, send)
+            writer = _Writer(ctx.Process(target=_write_one, args=args, daemon=True), recv, str(bucket[0]))
+            writer.process.start()
+            send.close()
+            writers.append(writer)
+        return _collect(writers, rank)
     finally:
-        for writer, _ in writers:
+        for writer in writers:
             if writer.process.is_alive():  # the checkpoint failed: the other writers' work is moot
                 writer.process.kill()
             writer.process.join()
