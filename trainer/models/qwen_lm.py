@@ -89,6 +89,22 @@ def lm_fields(
     )
 
 
+def refuse_value(cfg: dict[str, Any], where: str, key: str, allowed: tuple[Any, ...]) -> None:
+    """ValueError naming ``where`` and ``key`` when ``cfg[key]`` (absent: ``allowed[0]``) is not in ``allowed``."""
+    if cfg.get(key, allowed[0]) not in allowed:
+        raise ValueError(f"{where} {key} {cfg.get(key)!r} is not supported ({', '.join(map(repr, allowed))})")
+
+
+def rope_1d(text: dict[str, Any], head_dim: int) -> tuple[float, tuple[int, int, int]]:
+    """(theta, mrope_section) of a text model with 1-D RoPE behind a vision tower (``rope_parameters`` of
+    transformers 5, or the 4.x keys; default RoPE only): every frequency on the first axis, the loader writing
+    the same 1-D positions on all three."""
+    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        raise ValueError(f"text_config rope_type {params.get('rope_type')!r} is not supported (default only)")
+    return float(params.get("rope_theta", text.get("rope_theta", 1000000.0))), (head_dim // 2, 0, 0)
+
+
 def language_flop_shape(arch: QwenLMArch) -> LanguageFlopShape:
     """The dimensions of the language model that the FLOP count reads (dense MLPs)."""
     return LanguageFlopShape(

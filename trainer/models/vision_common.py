@@ -28,6 +28,7 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
 
+from mmpack.packing.cost import VisionFlopShape
 from mmpack.packing.patch_positions import block_patch_positions
 from mmpack.trainer.models.common import LayerNorm, build_layer_spec
 from mmpack.trainer.models.segment_attention import SegmentAttention
@@ -98,6 +99,17 @@ class PatchMerger(MegatronModule):
         if self.after_merge:
             return self.projector(self.norm(hidden.reshape(-1, self.merged_size)))
         return self.projector(self.norm(hidden).reshape(-1, self.merged_size))
+
+
+def single_merger_flop_shape(v: Any) -> VisionFlopShape:
+    """The FLOP dimensions of a tower of full-attention layers with a plain (not gated) MLP and one merger, 2-D
+    patches (temporal patch 1): ``v`` has ``hidden_size``, ``depth``, ``intermediate_size``, ``in_channels``,
+    ``patch_size``, ``spatial_merge_size`` and ``out_hidden_size`` (the OneVision towers' arch)."""
+    return VisionFlopShape(
+        hidden_size=v.hidden_size, num_layers=v.depth, ffn_hidden_size=v.intermediate_size, gated_mlp=False,
+        patch_pixels=v.in_channels * v.patch_size**2, merge_units=v.spatial_merge_size**2,
+        out_hidden_size=v.out_hidden_size, mergers=1,
+    )  # fmt: skip
 
 
 def tower_configs(

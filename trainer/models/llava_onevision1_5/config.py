@@ -11,7 +11,14 @@ from typing import Any
 import torch.nn.functional as F
 
 from mmpack.trainer.models.protocol import TinyModelSpec
-from mmpack.trainer.models.qwen_lm import QwenLMArch, language_config, lm_fields, tiny_vlm_config
+from mmpack.trainer.models.qwen_lm import (
+    QwenLMArch,
+    language_config,
+    lm_fields,
+    refuse_value,
+    rope_1d,
+    tiny_vlm_config,
+)
 from mmpack.trainer.models.vision_common import VLMegatronConfigs, tower_configs
 
 MODEL_TYPE = "llavaonevision1_5"
@@ -59,13 +66,8 @@ class OneVision15Arch(QwenLMArch):
     source: dict[str, Any]  # the config.json it was read from, written back on export
 
 
-def _check(cfg: dict[str, Any], where: str, key: str, allowed: tuple[Any, ...]) -> None:
-    if cfg.get(key, allowed[0]) not in allowed:
-        raise ValueError(f"{where} {key} {cfg.get(key)!r} is not supported ({', '.join(map(repr, allowed))})")
-
-
 def _vision_arch(v: dict[str, Any]) -> RiceViTArch:
-    _check(v, "vision_config", "hidden_act", ("gelu",))
+    refuse_value(v, "vision_config", "hidden_act", ("gelu",))
     return RiceViTArch(
         depth=int(v.get("depth", 24)),
         hidden_size=int(v.get("hidden_size", 1024)),
@@ -80,21 +82,13 @@ def _vision_arch(v: dict[str, Any]) -> RiceViTArch:
     )
 
 
-def _rope_theta(text: dict[str, Any]) -> float:
-    """The text model's RoPE base (``rope_parameters`` of transformers 5, or the 4.x keys); default RoPE only."""
-    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    if params.get("rope_type", params.get("type", "default")) != "default":
-        raise ValueError(f"text_config rope_type {params.get('rope_type')!r} is not supported (default only)")
-    return float(params.get("rope_theta", text.get("rope_theta", 1000000.0)))
-
-
 def arch_from_hf_config(cfg: dict[str, Any]) -> OneVision15Arch:
     """The architecture of a ``LLaVAOneVision1_5_ForConditionalGeneration`` config dict (Qwen3 dense text)."""
     if cfg.get("model_type") != MODEL_TYPE:
         raise ValueError(f"model_type is {cfg.get('model_type')!r}, expected {MODEL_TYPE!r}")
     text = cfg.get("text_config") or {}
-    _check(text, "text_config", "model_type", TEXT_MODEL_TYPES)
-    _check(text, "text_config", "attention_bias", (False,))
+    refuse_value(text, "text_config", "model_type", TEXT_MODEL_TYPES)
+    refuse_value(text, "text_config", "attention_bias", (False,))
     head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"]))
     vision = _vision_arch(cfg.get("vision_config") or {})
     if vision.out_hidden_size != int(text["hidden_size"]):
@@ -103,8 +97,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> OneVision15Arch:
             f"{text['hidden_size']}"
         )
     return OneVision15Arch(
-        # 1-D RoPE: every frequency on the first axis (the loader writes the same positions on all three)
-        **lm_fields(cfg, (_rope_theta(text), (head_dim // 2, 0, 0)), max_positions=32768, own_head_dim=True),
+        **lm_fields(cfg, rope_1d(text, head_dim), max_positions=32768, own_head_dim=True),
         image_token_id=int(cfg.get("image_token_id", 151655)),
         video_token_id=int(cfg.get("video_token_id", 151656)),
         vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from mmpack.packing.cost import ModelFlopShape, VisionFlopShape
+from mmpack.packing.cost import ModelFlopShape
 from mmpack.packing.patch_positions import TextPositionRule
 from mmpack.trainer.models.llava_onevision1_5 import config, hf_io
 from mmpack.trainer.models.llava_onevision1_5.vision import RiceViT
 from mmpack.trainer.models.protocol import ModelFamily
 from mmpack.trainer.models.qwen_lm import language_flop_shape
-from mmpack.trainer.models.vision_common import VLMegatronConfigs
+from mmpack.trainer.models.vision_common import VLMegatronConfigs, single_merger_flop_shape
 from mmpack.trainer.models.vlm_stage import build_stage
 
 
@@ -40,15 +40,9 @@ class OneVision15Family(ModelFamily):
         return TextPositionRule(merge_size=arch.vision.spatial_merge_size)
 
     def flop_shape(self, arch: config.OneVision15Arch) -> ModelFlopShape:
-        v = arch.vision
         return ModelFlopShape(
-            language=language_flop_shape(arch),
-            vision=VisionFlopShape(
-                hidden_size=v.hidden_size, num_layers=v.depth, ffn_hidden_size=v.intermediate_size,
-                gated_mlp=False, patch_pixels=v.in_channels * v.patch_size**2,
-                merge_units=v.spatial_merge_size**2, out_hidden_size=v.out_hidden_size, mergers=1,
-            ),
-        )  # fmt: skip
+            language=language_flop_shape(arch), vision=single_merger_flop_shape(arch.vision)
+        )
 
 
 FAMILY = OneVision15Family()

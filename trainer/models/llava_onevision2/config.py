@@ -11,7 +11,14 @@ from typing import Any
 import torch.nn.functional as F
 
 from mmpack.trainer.models.protocol import TinyModelSpec
-from mmpack.trainer.models.qwen_lm import QwenLMArch, language_config, lm_fields, tiny_vlm_config
+from mmpack.trainer.models.qwen_lm import (
+    QwenLMArch,
+    language_config,
+    lm_fields,
+    refuse_value,
+    rope_1d,
+    tiny_vlm_config,
+)
 from mmpack.trainer.models.vision_common import VLMegatronConfigs, tower_configs
 
 MODEL_TYPE = "llava_onevision2"
@@ -67,15 +74,10 @@ class OneVision2Arch(QwenLMArch):
     source: dict[str, Any]  # the config.json it was read from, written back on export
 
 
-def _refuse(cfg: dict[str, Any], where: str, key: str, allowed: tuple[Any, ...]) -> None:
-    if cfg.get(key, allowed[0]) not in allowed:
-        raise ValueError(f"{where} {key} {cfg.get(key)!r} is not supported ({', '.join(map(repr, allowed))})")
-
-
 def _vision_arch(v: dict[str, Any]) -> OneVisionEncoderArch:
-    _refuse(v, "vision", "hidden_act", ("gelu",))
-    _refuse(v, "vision", "layer_norm_type", ("layer_norm",))
-    _refuse(v, "vision", "use_head", (False,))
+    refuse_value(v, "vision", "hidden_act", ("gelu",))
+    refuse_value(v, "vision", "layer_norm_type", ("layer_norm",))
+    refuse_value(v, "vision", "use_head", (False,))
     return OneVisionEncoderArch(
         depth=int(v.get("num_hidden_layers", 24)),
         hidden_size=int(v.get("hidden_size", 1024)),
@@ -92,27 +94,17 @@ def _vision_arch(v: dict[str, Any]) -> OneVisionEncoderArch:
     )
 
 
-def _text_rope(text: dict[str, Any], head_dim: int) -> tuple[float, tuple[int, int, int]]:
-    """(theta, mrope_section) of the 1-D RoPE: every frequency on the first axis (the loader writes the same
-    1-D positions on all three)."""
-    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    if params.get("rope_type", "default") != "default":
-        raise ValueError(f"text rope_type {params.get('rope_type')!r} is not supported (default only)")
-    theta = float(params.get("rope_theta", text.get("rope_theta", 1000000.0)))
-    return theta, (head_dim // 2, 0, 0)
-
-
 def arch_from_hf_config(cfg: dict[str, Any]) -> OneVision2Arch:
     """The architecture of a ``LlavaOnevision2ForConditionalGeneration`` config dict (Qwen3 dense text)."""
     if cfg.get("model_type") != MODEL_TYPE:
         raise ValueError(f"model_type is {cfg.get('model_type')!r}, expected {MODEL_TYPE!r}")
     text = cfg.get("text_config") or {}
-    _refuse(text, "text_config", "model_type", ("qwen3",))
-    _refuse(text, "text_config", "attention_bias", (False,))
+    refuse_value(text, "text_config", "model_type", ("qwen3",))
+    refuse_value(text, "text_config", "attention_bias", (False,))
     heads = int(text["num_attention_heads"])
     head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
     return OneVision2Arch(
-        **lm_fields(cfg, _text_rope(text, head_dim), max_positions=40960, own_head_dim=True),
+        **lm_fields(cfg, rope_1d(text, head_dim), max_positions=40960, own_head_dim=True),
         image_token_id=int(cfg.get("image_token_id", 151655)),
         video_token_id=int(cfg.get("video_token_id", 151656)),
         vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
