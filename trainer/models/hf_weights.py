@@ -117,6 +117,17 @@ def output_rules(
     return rules
 
 
+def mlp_rules(mc: str, fc1: str, fc2: str) -> dict[str, Rule]:
+    """A plain MLP with biases (megatron-core's ``linear_fc1`` -> ``linear_fc2`` under ``mc``; ``fc1``/``fc2``:
+    the HF module names): fc1 cut over TP by rows (bias too), fc2 by columns (bias whole)."""
+    return {
+        mc + "linear_fc1.weight": Rule("copy", (fc1 + ".weight",), 0),
+        mc + "linear_fc1.bias": Rule("copy", (fc1 + ".bias",), 0),
+        mc + "linear_fc2.weight": Rule("copy", (fc2 + ".weight",), 1),
+        mc + "linear_fc2.bias": Rule("copy", (fc2 + ".bias",), None),
+    }
+
+
 def vision_layer_rules(
     mc: str, hf: str, attn: dict[str, int], *, qkv: str, proj: str, fc1: str, fc2: str, norms: tuple[str, str]
 ) -> dict[str, Rule]:
@@ -129,11 +140,7 @@ def vision_layer_rules(
         mc + "self_attention.linear_qkv.bias": Rule("fused_qkv", (f"{hf}{qkv}.bias",), **attn),
         mc + "self_attention.linear_proj.weight": Rule("copy", (f"{hf}{proj}.weight",), 1),
         mc + "self_attention.linear_proj.bias": Rule("copy", (f"{hf}{proj}.bias",), None),
-        mc + "mlp.linear_fc1.weight": Rule("copy", (f"{hf}{fc1}.weight",), 0),
-        mc + "mlp.linear_fc1.bias": Rule("copy", (f"{hf}{fc1}.bias",), 0),
-        mc + "mlp.linear_fc2.weight": Rule("copy", (f"{hf}{fc2}.weight",), 1),
-        mc + "mlp.linear_fc2.bias": Rule("copy", (f"{hf}{fc2}.bias",), None),
-    }
+    } | mlp_rules(mc + "mlp.", hf + fc1, hf + fc2)
     for norm, ours in zip(norms, ("input_layernorm", "pre_mlp_layernorm"), strict=True):
         for p in ("weight", "bias"):
             rules[f"{mc}{ours}.{p}"] = Rule("copy", (f"{hf}{norm}.{p}",), None)

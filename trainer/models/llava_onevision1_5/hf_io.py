@@ -4,7 +4,7 @@ merging is :mod:`mmpack.trainer.models.hf_weights`). HF names are those of LLaVA
 
 from __future__ import annotations
 
-from mmpack.trainer.models.hf_weights import Rule, output_rules, vision_layer_rules
+from mmpack.trainer.models.hf_weights import Rule, mlp_rules, output_rules, vision_layer_rules
 from mmpack.trainer.models.llava_onevision1_5.config import OneVision15Arch
 from mmpack.trainer.models.qwen_lm import decoder_rules
 
@@ -28,13 +28,9 @@ def _vision_rules(arch: OneVision15Arch) -> dict[str, Rule]:
             f"vision.layers.{i}.", f"{VISUAL}blocks.{i}.", attn, qkv="attn.qkv", proj="attn.proj", fc1="mlp.fc1",
             fc2="mlp.fc2", norms=("norm1", "norm2"),
         )  # fmt: skip
-    enc, hf = "vision.merger.projector.encoder.", VISUAL + "merger.mlp."
-    return rules | {
-        enc + "linear_fc1.weight": Rule("copy", (hf + "0.weight",), 0),
-        enc + "linear_fc1.bias": Rule("copy", (hf + "0.bias",), 0),
-        enc + "linear_fc2.weight": Rule("copy", (hf + "2.weight",), 1),
-        enc + "linear_fc2.bias": Rule("copy", (hf + "2.bias",), None),
-    }
+    return rules | mlp_rules(
+        "vision.merger.projector.encoder.", VISUAL + "merger.mlp.0", VISUAL + "merger.mlp.2"
+    )
 
 
 def part_rules(arch: OneVision15Arch, *, first: bool, last: bool, layers: tuple[int, int]) -> dict[str, Rule]:

@@ -4,7 +4,7 @@ writes with ``save_pretrained`` (``model.visual.*``, ``model.language_model.*``,
 
 from __future__ import annotations
 
-from mmpack.trainer.models.hf_weights import Rule, output_rules, vision_layer_rules
+from mmpack.trainer.models.hf_weights import Rule, mlp_rules, output_rules, vision_layer_rules
 from mmpack.trainer.models.llava_onevision2.config import OneVision2Arch
 from mmpack.trainer.models.qwen_lm import decoder_rules
 from mmpack.trainer.models.qwen_moe import MoEArch
@@ -25,13 +25,9 @@ def _vision_rules(arch: OneVision2Arch) -> dict[str, Rule]:
             f"vision.layers.{i}.", f"{VISUAL}encoder.layers.{i}.", attn, qkv="self_attn.qkv",
             proj="self_attn.proj", fc1="mlp.fc1", fc2="mlp.fc2", norms=("layer_norm1", "layer_norm2"),
         )  # fmt: skip
-    enc, hf = "vision.merger.projector.encoder.", VISUAL + "merger.mlp."
-    return rules | {
-        enc + "linear_fc1.weight": Rule("copy", (hf + "0.weight",), 0),
-        enc + "linear_fc1.bias": Rule("copy", (hf + "0.bias",), 0),
-        enc + "linear_fc2.weight": Rule("copy", (hf + "2.weight",), 1),
-        enc + "linear_fc2.bias": Rule("copy", (hf + "2.bias",), None),
-    }
+    return rules | mlp_rules(
+        "vision.merger.projector.encoder.", VISUAL + "merger.mlp.0", VISUAL + "merger.mlp.2"
+    )
 
 
 def part_rules(

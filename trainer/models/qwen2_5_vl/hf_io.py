@@ -8,7 +8,7 @@ HF names are those transformers writes with ``save_pretrained`` (``model.layers.
 from __future__ import annotations
 
 from mmpack.trainer.models import hf_weights
-from mmpack.trainer.models.hf_weights import Rule, output_rules
+from mmpack.trainer.models.hf_weights import Rule, mlp_rules, output_rules
 from mmpack.trainer.models.qwen2_5_vl.config import Qwen25VLArch
 from mmpack.trainer.models.qwen_lm import decoder_rules
 
@@ -34,13 +34,8 @@ def _vision_rules(arch: Qwen25VLArch) -> dict[str, Rule]:
             mc + "mlp.linear_fc2.bias": Rule("copy", (hf + "mlp.down_proj.bias",), None),
         }
     enc = "vision.merger.projector.encoder."
-    return rules | {
-        "vision.merger.ln_q.weight": Rule("copy", ("visual.merger.ln_q.weight",), None),
-        enc + "linear_fc1.weight": Rule("copy", ("visual.merger.mlp.0.weight",), 0),
-        enc + "linear_fc1.bias": Rule("copy", ("visual.merger.mlp.0.bias",), 0),
-        enc + "linear_fc2.weight": Rule("copy", ("visual.merger.mlp.2.weight",), 1),
-        enc + "linear_fc2.bias": Rule("copy", ("visual.merger.mlp.2.bias",), None),
-    }
+    merger = mlp_rules(enc, "visual.merger.mlp.0", "visual.merger.mlp.2")
+    return rules | {"vision.merger.ln_q.weight": Rule("copy", ("visual.merger.ln_q.weight",), None)} | merger
 
 
 def part_rules(arch: Qwen25VLArch, *, first: bool, last: bool, layers: tuple[int, int]) -> dict[str, Rule]:

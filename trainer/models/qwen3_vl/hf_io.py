@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from mmpack.trainer.models.hf_weights import Rule, output_rules
+from mmpack.trainer.models.hf_weights import Rule, mlp_rules, output_rules
 from mmpack.trainer.models.qwen3_vl.config import Qwen3VLArch
 from mmpack.trainer.models.qwen_lm import decoder_rules
 from mmpack.trainer.models.qwen_moe import MoEArch
@@ -14,15 +14,10 @@ VISUAL = "model.visual."
 
 
 def _merger_rules(mc: str, hf: str) -> dict[str, Rule]:
-    enc = mc + "projector.encoder."
     return {
         mc + "norm.weight": Rule("copy", (hf + "norm.weight",), None),
         mc + "norm.bias": Rule("copy", (hf + "norm.bias",), None),
-        enc + "linear_fc1.weight": Rule("copy", (hf + "linear_fc1.weight",), 0),
-        enc + "linear_fc1.bias": Rule("copy", (hf + "linear_fc1.bias",), 0),
-        enc + "linear_fc2.weight": Rule("copy", (hf + "linear_fc2.weight",), 1),
-        enc + "linear_fc2.bias": Rule("copy", (hf + "linear_fc2.bias",), None),
-    }
+    } | mlp_rules(mc + "projector.encoder.", hf + "linear_fc1", hf + "linear_fc2")
 
 
 def _vision_rules(arch: Qwen3VLArch) -> dict[str, Rule]:
