@@ -166,7 +166,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
 
     if not (QWEN3_TOKENIZER.is_file() and MLLM_DEMO_JSON.is_file()):
         pytest.skip("needs ../shared (Qwen3 tokenizer, mllm_demo)")
-    rice = _rice_vit_module(Path(request.config.cache.mkdir("nemo_automodel_rice_vit")))
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider: download per session
+    folder = cache.mkdir("nemo_automodel_rice_vit") if cache else tmp_path_factory.mktemp("nemo_automodel")
+    rice = _rice_vit_module(Path(folder))
     root = tmp_path_factory.mktemp("onevision1_5")
     ids = {t["content"]: t["id"] for t in json.loads(QWEN3_TOKENIZER.read_text())["added_tokens"]}
     hf_dir = tiny_hf_model(root / "hf", rice, ids)

@@ -155,24 +155,31 @@ def tower_configs(
 
 class VisionTowerBase(MegatronModule):
     """A tower's patch embedding, its layers (``arch``: in_channels, temporal_patch_size, patch_size,
-    hidden_size, depth) and its checkpoint shards. Subclasses add their merger(s) and the forward pass."""
+    hidden_size, depth) and its checkpoint shards. Subclasses add their merger(s) and the forward pass.
+
+    ``flat_patches``: 2-D patches (temporal patch 1) through a Conv2d, as the OneVision checkpoints store the
+    patch embedding; else a Conv3d over temporal x spatial patches (Qwen-VL)."""
 
     def __init__(
-        self, config: TransformerConfig, arch: Any, *, norm: type[torch.nn.Module], patch_bias: bool
-    ) -> None:
+        self, config: TransformerConfig, arch: Any, *, norm: type[torch.nn.Module], patch_bias: bool,
+        flat_patches: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__(config)
         self.arch = arch
-        self.patch_shape: tuple[int, ...] = (
-            arch.in_channels,
-            arch.temporal_patch_size,
-            arch.patch_size,
-            arch.patch_size,
-        )
+        p = arch.patch_size
         self.embed_size = arch.hidden_size
-        kernel = self.patch_shape[1:]
-        self.patch_embed: torch.nn.Conv2d | torch.nn.Conv3d = torch.nn.Conv3d(
-            arch.in_channels, arch.hidden_size, kernel, stride=kernel, bias=patch_bias
-        )
+        self.patch_embed: torch.nn.Conv2d | torch.nn.Conv3d
+        if flat_patches:
+            self.patch_shape: tuple[int, ...] = (arch.in_channels, p, p)
+            self.patch_embed = torch.nn.Conv2d(
+                arch.in_channels, arch.hidden_size, p, stride=p, bias=patch_bias
+            )
+        else:
+            self.patch_shape = (arch.in_channels, arch.temporal_patch_size, p, p)
+            kernel = self.patch_shape[1:]
+            self.patch_embed = torch.nn.Conv3d(
+                arch.in_channels, arch.hidden_size, kernel, stride=kernel, bias=patch_bias
+            )
         # megatron-core's layer, its attention over the cu_seqlens segments of each forward
         spec = build_layer_spec(AttnMaskType.no_mask, norm=norm)
         spec.submodules.self_attention.submodules.core_attention = SegmentAttention

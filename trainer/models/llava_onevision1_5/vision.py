@@ -29,12 +29,13 @@ from mmpack.trainer.models.vision_common import (
 
 class ClassToken(torch.nn.Module):
     """The class token's embedding [hidden] and its learned rotary angles [1, head_dim / 2] (replicated over
-    tensor-parallel ranks); a random model starts them as the RICE-ViT does (N(0, 1 / hidden), N(0, 1))."""
+    tensor-parallel ranks); their values come from the checkpoint, or from the random init by HF name
+    (``hf_weights.RandomHFWeights``) like every other weight."""
 
     def __init__(self, hidden_size: int, head_dim: int) -> None:
         super().__init__()
-        self.embedding = torch.nn.Parameter(torch.randn(hidden_size) * hidden_size**-0.5)
-        self.angles = torch.nn.Parameter(torch.randn(1, head_dim // 2))
+        self.embedding = torch.nn.Parameter(torch.zeros(hidden_size))
+        self.angles = torch.nn.Parameter(torch.zeros(1, head_dim // 2))
 
 
 def class_token_layout(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -51,10 +52,7 @@ class RiceViT(VisionTowerBase):
     def __init__(
         self, config: TransformerConfig, projector_config: TransformerConfig, arch: RiceViTArch
     ) -> None:
-        super().__init__(config, arch, norm=LayerNorm, patch_bias=False)
-        p = arch.patch_size
-        self.patch_shape = (arch.in_channels, p, p)  # 2-D patches: a Conv2d, as the checkpoint stores it
-        self.patch_embed = torch.nn.Conv2d(arch.in_channels, arch.hidden_size, p, stride=p, bias=False)
+        super().__init__(config, arch, norm=LayerNorm, patch_bias=False, flat_patches=True)
         self.class_token = ClassToken(arch.hidden_size, arch.head_dim)
         self.pre_layernorm = LayerNorm(config, arch.hidden_size, eps=arch.layer_norm_eps)
         self.merger = PatchMerger(config, projector_config, arch.spatial_merge_size**2, after_merge=False)

@@ -47,10 +47,7 @@ class OneVisionEncoder(VisionTowerBase):
     def __init__(
         self, config: TransformerConfig, projector_config: TransformerConfig, arch: OneVisionEncoderArch
     ) -> None:
-        super().__init__(config, arch, norm=LayerNorm, patch_bias=False)
-        p = arch.patch_size
-        self.patch_shape = (arch.in_channels, p, p)  # 2-D patches: a Conv2d, as the checkpoint stores it
-        self.patch_embed = torch.nn.Conv2d(arch.in_channels, arch.hidden_size, p, stride=p, bias=False)
+        super().__init__(config, arch, norm=LayerNorm, patch_bias=False, flat_patches=True)
         self.pre_layernorm = LayerNorm(config, arch.hidden_size, eps=arch.layer_norm_eps)
         self.merger = PatchMerger(config, projector_config, arch.spatial_merge_size**2, after_merge=False)
 
