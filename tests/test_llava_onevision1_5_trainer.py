@@ -66,26 +66,58 @@ def _rice_vit_module(cache: Path) -> ModuleType:
 
 
 class Reference:
-    """RiceTransformer + Qwen3ForCausalLM of a model folder's config, with the image scatter."""
+    """RiceTransformer + Qwen3ForCausalLM (Qwen3MoeForCausalLM for a Qwen3-MoE ``text_config``) of a model
+    folder's config, with the image scatter."""
 
     def __init__(self, rice: ModuleType, config: dict[str, Any]) -> None:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
+        import transformers
 
         text = {k: v for k, v in config["text_config"].items() if k != "model_type"}
+        self.moe = config["text_config"].get("model_type") == "qwen3_moe"
+        name = "Qwen3Moe" if self.moe else "Qwen3"
+        self.text_config = getattr(transformers, f"{name}Config")(**text)
+        self.text_class = getattr(transformers, f"{name}ForCausalLM")
         self.visual = rice.RiceTransformer(SimpleNamespace(**config["vision_config"]))
-        self.text = Qwen3ForCausalLM(Qwen3Config(**text))
+        self.text = self.text_class(self.text_config)
         self.image_token_id = config["image_token_id"]
 
-    def state_dict(self) -> dict:
-        """The tensors under the checkpoint's names (``visual.*``, ``model.*``, ``lm_head.weight``)."""
+    def parameters(self) -> dict:
+        """The modules' own tensors, to set in place (the experts stacked, as transformers holds them)."""
         return {**{f"visual.{k}": v for k, v in self.visual.state_dict().items()}, **self.text.state_dict()}
 
+    def state_dict(self) -> dict:
+        """The tensors under the checkpoint's names (``visual.*``, ``model.*``, ``lm_head.weight``); the text
+        model's as its ``save_pretrained`` writes them (each expert's own tensors for Qwen3-MoE)."""
+        import tempfile
+
+        from safetensors.torch import load_file
+
+        visual = {f"visual.{k}": v for k, v in self.visual.state_dict().items()}
+        if not self.moe:
+            return {**visual, **self.text.state_dict()}
+        with tempfile.TemporaryDirectory() as folder:
+            self.text.save_pretrained(folder)
+            return {
+                **visual,
+                **{k: v for f in Path(folder).glob("*.safetensors") for k, v in load_file(f).items()},
+            }
+
     def load(self, tensors: dict) -> None:
+        import tempfile
+
+        from safetensors.torch import save_file
+
         visual = {k.removeprefix("visual."): v for k, v in tensors.items() if k.startswith("visual.")}
         self.visual.load_state_dict(visual, strict=True)
-        self.text.load_state_dict(
-            {k: v for k, v in tensors.items() if not k.startswith("visual.")}, strict=True
-        )
+        text = {k: v for k, v in tensors.items() if not k.startswith("visual.")}
+        if not self.moe:
+            self.text.load_state_dict(text, strict=True)
+            return
+        with tempfile.TemporaryDirectory() as folder:  # transformers stacks the experts' tensors on loading
+            self.text_config.save_pretrained(folder)
+            save_file({k: v.contiguous() for k, v in text.items()}, str(Path(folder) / "model.safetensors"))
+            self.text = self.text_class.from_pretrained(folder, dtype=self.text_config.dtype or "float32")
+        assert sorted(self.text.state_dict()) == sorted(self.text_class(self.text_config).state_dict())
 
     def logits(self, tokens, pixels, grids):  # type: ignore[no-untyped-def]
         embeds = self.text.model.embed_tokens(tokens[None])
@@ -96,9 +128,11 @@ class Reference:
         return self.text(inputs_embeds=embeds).logits[0]
 
 
-def tiny_hf_model(folder: Path, rice: ModuleType, ids: dict[str, int]) -> Path:
-    """A random OneVision-1.5 (config from the family's tiny config) with weights wide enough that every part
-    matters, the processor config and the tokenizer."""
+def tiny_hf_model(
+    folder: Path, rice: ModuleType, ids: dict[str, int], model_type: str = MODEL_TYPE, **spec_fields: Any
+) -> Path:
+    """A random OneVision-1.5 (config from ``model_type``'s tiny config, ``spec_fields`` on top of the sizes
+    here) with weights wide enough that every part matters, the processor config and the tokenizer."""
     import torch
     from safetensors.torch import save_file
 
@@ -109,15 +143,15 @@ def tiny_hf_model(folder: Path, rice: ModuleType, ids: dict[str, int]) -> Path:
     spec = TinyModelSpec(
         vocab_size=VOCAB, image_token_id=ids["<|image_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], num_layers=4, vision_depth=2, vision_num_heads=2,
-        vision_hidden_size=64, patch_size=14, merge_size=2,
+        vision_hidden_size=64, patch_size=14, merge_size=2, **spec_fields,
     )  # fmt: skip
-    config = family(MODEL_TYPE).tiny_hf_config(spec)
+    config = family(model_type).tiny_hf_config(spec)
     # a small base, so that every rotary frequency turns within a sample
     config["text_config"]["rope_parameters"]["rope_theta"] = 100.0
     torch.manual_seed(0)
     model = Reference(rice, config)
     with torch.no_grad():
-        for name, param in model.state_dict().items():
+        for name, param in model.parameters().items():
             if name == "visual.class_pos_emb":
                 continue  # learned rotary angles: keep their N(0, 1) start
             if ("norm" in name or "ln_q" in name) and name.endswith("weight"):
@@ -126,6 +160,8 @@ def tiny_hf_model(folder: Path, rice: ModuleType, ids: dict[str, int]) -> Path:
                 param.normal_(0.0, 0.3)
             elif name.endswith("attn.qkv.weight"):
                 param.normal_(0.0, 0.3)  # sharp vision attention: the class token and positions matter
+            elif ".mlp.experts." in name or name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.3)  # MoE variant: experts and routing that move the loss
             else:
                 param.normal_(0.0, 0.08)
     folder.mkdir(parents=True)
@@ -136,9 +172,9 @@ def tiny_hf_model(folder: Path, rice: ModuleType, ids: dict[str, int]) -> Path:
     return folder
 
 
-def reference_loss(hf_dir: Path, packed: Path, rice: ModuleType, *, edit: Any = None) -> dict:
-    """The reference's loss over the samples of bin 0 one by one; ``edit``: a function of the loaded
-    :class:`Reference` and the sample's pixels, giving the pixels to use (controls)."""
+def reference_loss(hf_dir: Path, packed: Path, rice: ModuleType, *, edit: Any = None, bins: int = 1) -> dict:
+    """The reference's loss over the samples of the first ``bins`` bins one by one; ``edit``: a function of
+    the loaded :class:`Reference` and the sample's pixels, giving the pixels to use (controls)."""
     import torch
     import torch.nn.functional as F
     from safetensors.torch import load_file
@@ -150,7 +186,7 @@ def reference_loss(hf_dir: Path, packed: Path, rice: ModuleType, *, edit: Any = 
     model.visual.eval(), model.text.eval()
     total, count = torch.zeros((), dtype=torch.float64), 0
     with torch.no_grad():
-        for s in loader_samples(packed, [(True, False)] * 6, bins=1):
+        for s in loader_samples(packed, [(True, False)] * 6, bins=bins):
             pixels, grids = s["image"]
             logits = model.logits(s["tokens"], pixels if edit is None else edit(model, pixels), grids)
             keep = s["labels"] != -100
@@ -159,18 +195,23 @@ def reference_loss(hf_dir: Path, packed: Path, rice: ModuleType, *, edit: Any = 
     return {"loss": float(total / count), "tokens": count}
 
 
+def rice_and_ids(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """(the reference rice_vit module, the Qwen3 tokenizer's special ids); skips without ../shared."""
+    if not (QWEN3_TOKENIZER.is_file() and MLLM_DEMO_JSON.is_file()):
+        pytest.skip("needs ../shared (Qwen3 tokenizer, mllm_demo)")
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider: download per session
+    folder = cache.mkdir("nemo_automodel_rice_vit") if cache else tmp_path_factory.mktemp("nemo_automodel")
+    ids = {t["content"]: t["id"] for t in json.loads(QWEN3_TOKENIZER.read_text())["added_tokens"]}
+    return _rice_vit_module(Path(folder)), ids
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict:
     from mmpack.offline_packing.cli import main as mmpack
     from tests.test_qwen3_vl_trainer import records_file
 
-    if not (QWEN3_TOKENIZER.is_file() and MLLM_DEMO_JSON.is_file()):
-        pytest.skip("needs ../shared (Qwen3 tokenizer, mllm_demo)")
-    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider: download per session
-    folder = cache.mkdir("nemo_automodel_rice_vit") if cache else tmp_path_factory.mktemp("nemo_automodel")
-    rice = _rice_vit_module(Path(folder))
+    rice, ids = rice_and_ids(request, tmp_path_factory)
     root = tmp_path_factory.mktemp("onevision1_5")
-    ids = {t["content"]: t["id"] for t in json.loads(QWEN3_TOKENIZER.read_text())["added_tokens"]}
     hf_dir = tiny_hf_model(root / "hf", rice, ids)
     packed = root / "packed"
     args = ["pack", "-i", str(records_file(root, with_video=False)), "-o", str(packed), "-L", "2048"]

@@ -34,6 +34,7 @@ class DataInfo:
     vision_end_id: int
     patch_size: int
     merge_size: int
+    temporal_patch_size: int = 2  # frames per patch of --mock-data's pixels (the model's, see Trainer)
     video_pad_id: int = -1  # the dataset's <|video_pad|> id where it holds videos, else -1
     video_rule: str = ""  # the style of the video rule its videos were planned with, where it holds videos
 
@@ -137,6 +138,7 @@ def build_step_batches(
             vision_start_id=MOCK_VOCAB["vision_start"],
             vision_end_id=MOCK_VOCAB["vision_end"],
             patch_size=info.patch_size,
+            temporal_patch_size=info.temporal_patch_size,
             merge_size=info.merge_size,
         )
         synthetic = SyntheticLoader(

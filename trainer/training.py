@@ -203,6 +203,8 @@ class Trainer:
         self.hf_config = model_hf_config(cfg, info)
         self.family = family_of(self.hf_config)
         self.arch = self.family.arch_from_hf_config(self.hf_config)
+        if not cfg.data.first_path:  # --mock-data: pixels as this model's patches take them
+            info = dataclasses.replace(info, temporal_patch_size=self.arch.vision.temporal_patch_size)
         self.virtual_pipeline_size = cfg.parallel.virtual_pipeline_size(self.arch.num_layers)
         self.on_cpu = initialize_distributed(cfg, virtual_pipeline_size=self.virtual_pipeline_size)
         if cfg.checkpoint.save:  # refused before any work when it is not mmpack's to write into

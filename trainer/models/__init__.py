@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 FAMILIES: dict[str, str] = {
     "llavaonevision1_5": "mmpack.trainer.models.llava_onevision1_5",
+    "llavaonevision1_5_moe": "mmpack.trainer.models.llava_onevision1_5_moe",
     "llava_onevision2": "mmpack.trainer.models.llava_onevision2",
     "llava_onevision2_moe": "mmpack.trainer.models.llava_onevision2_moe",
     "qwen2_5_vl": "mmpack.trainer.models.qwen2_5_vl",
@@ -38,8 +39,15 @@ def family(model_type: str) -> ModelFamily:
 
 
 def family_of(hf_config: dict[str, Any]) -> ModelFamily:
-    """The family of a ``config.json`` dict."""
-    return family(str(hf_config.get("model_type")))
+    """The family of a ``config.json`` dict: its ``model_type``'s, except for LLaVA-OneVision-1.5, whose MoE
+    checkpoints keep the dense ``model_type`` with a Qwen3-MoE ``text_config`` (``llavaonevision1_5_moe``)."""
+    model_type = str(hf_config.get("model_type"))
+    if model_type == "llavaonevision1_5":
+        from mmpack.trainer.models.llava_onevision1_5_moe.config import has_experts
+
+        if has_experts(hf_config):
+            model_type = "llavaonevision1_5_moe"
+    return family(model_type)
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from mmpack.trainer.models.hf_weights import Rule, mlp_rules, output_rules, vision_layer_rules
 from mmpack.trainer.models.llava_onevision1_5.config import OneVision15Arch
 from mmpack.trainer.models.qwen_lm import decoder_rules
+from mmpack.trainer.models.qwen_moe import MoEArch
 
 LANGUAGE = "model."
 VISUAL = "visual."
@@ -33,11 +34,16 @@ def _vision_rules(arch: OneVision15Arch) -> dict[str, Rule]:
     )
 
 
-def part_rules(arch: OneVision15Arch, *, first: bool, last: bool, layers: tuple[int, int]) -> dict[str, Rule]:
+def part_rules(
+    arch: OneVision15Arch, *, first: bool, last: bool, layers: tuple[int, int], moe: MoEArch | None = None
+) -> dict[str, Rule]:
     """The rules of a consecutive part of the model: ``first`` (vision tower and embedding), the language
-    ``layers`` (first global layer, count), ``last`` (final norm and output layer)."""
+    ``layers`` (first global layer, count), ``last`` (final norm and output layer); ``moe``: the language
+    layers' MLPs are that mixture of experts (the MoE variant)."""
     rules = _vision_rules(arch) if first else {}
-    rules |= decoder_rules(arch, *layers, hf_layers=LANGUAGE + "layers.", qkv_bias=False, qk_norm=True)
+    rules |= decoder_rules(
+        arch, *layers, hf_layers=LANGUAGE + "layers.", qkv_bias=False, qk_norm=True, moe=moe
+    )
     return rules | output_rules(
         first=first, last=last, tied=arch.tie_word_embeddings, norm=LANGUAGE + "norm.weight",
         embedding=LANGUAGE + "embed_tokens.weight",

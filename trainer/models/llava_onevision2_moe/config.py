@@ -5,7 +5,6 @@ as every decoder layer's MLP (:mod:`mmpack.trainer.models.qwen_moe`, ``text_conf
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,9 +12,10 @@ from mmpack.trainer.models.llava_onevision2 import config as dense
 from mmpack.trainer.models.protocol import TinyModelSpec
 from mmpack.trainer.models.qwen_moe import (
     MoEArch,
-    moe_arch_from_text,
+    as_dense_text,
     moe_language_extra,
     tiny_moe_text_fields,
+    with_experts,
 )
 from mmpack.trainer.models.vision_common import VLMegatronConfigs
 
@@ -37,14 +37,10 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> OneVision2MoeArch:
     text = cfg.get("text_config") or {}
     if text.get("model_type", "qwen3_moe") != "qwen3_moe":
         raise ValueError(f"text_config model_type {text.get('model_type')!r} is not supported ('qwen3_moe')")
-    # the dense reading of the attention, norms and vision tower (the MLP sizes are the experts')
-    base = dense.arch_from_hf_config(
-        {**cfg, "model_type": dense.MODEL_TYPE, "text_config": {**text, "model_type": "qwen3"}}
-    )
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    # each expert's own tensors, as its save_pretrained writes them (Qwen3-MoE's checkpoint layout)
-    moe = dataclasses.replace(moe_arch_from_text(text), per_expert_files=True)
-    return OneVision2MoeArch(**{**fields, "source": cfg}, moe=moe)
+    # the dense reading of the attention, norms and vision tower (the MLP sizes are the experts'); each
+    # expert's own tensors, as its save_pretrained writes them (Qwen3-MoE's checkpoint layout)
+    dense_cfg, moe = as_dense_text(cfg, dense.MODEL_TYPE)
+    return with_experts(OneVision2MoeArch, dense.arch_from_hf_config(dense_cfg), cfg, moe)
 
 
 def tiny_hf_config(spec: TinyModelSpec) -> dict[str, Any]:

@@ -4,7 +4,6 @@ layer's MLP (:mod:`mmpack.trainer.models.qwen_moe`), from a ``config.json``; its
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +14,7 @@ from mmpack.trainer.models.qwen_moe import (
     moe_arch_from_text,
     moe_language_extra,
     tiny_moe_text_fields,
+    with_experts,
 )
 from mmpack.trainer.models.vision_common import VLMegatronConfigs
 
@@ -35,8 +35,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> Qwen3VLMoeArch:
         raise ValueError(f"model_type is {cfg.get('model_type')!r}, expected {MODEL_TYPE!r}")
     base = dense.arch_from_hf_config({**cfg, "model_type": dense.MODEL_TYPE})
     moe = moe_arch_from_text(cfg.get("text_config") or {}, norm_topk_prob=True)
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    return Qwen3VLMoeArch(**{**fields, "source": cfg}, moe=moe)
+    return with_experts(Qwen3VLMoeArch, base, cfg, moe)
 
 
 def tiny_hf_config(spec: TinyModelSpec) -> dict[str, Any]:
