@@ -13,10 +13,7 @@ The trainer's videos reach the tower one frame per grid row (t = 1), so only a d
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,38 +59,21 @@ def test_window_lengths_are_the_reference_cu_seqlens(frames: int) -> None:
 # -- the tower against the reference's ------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _one_rank() -> Iterator[None]:
-    """This process as a one-rank gloo group with megatron-core's parallel state at TP1 x PP1."""
-    import torch.distributed as dist
+def _our_features(hf_dir: Path, pixels: torch.Tensor, grid: torch.Tensor, positions: torch.Tensor) -> Any:
+    """The family's tower (the HF folder's weights) on the inputs: [P / m^2, out] merged features."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from mmpack.trainer import cpu_backend
-
-    cpu_backend.activate()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        ps.initialize_model_parallel(1, 1)
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-        yield
-    finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def _our_features(hf_dir: Path, pixels: torch.Tensor, grid: torch.Tensor, positions: torch.Tensor) -> Any:
-    """The family's tower (the HF folder's weights) on the inputs: [P / m^2, out] merged features."""
     from mmpack.trainer.config import RunConfig, build_megatron_configs
+    from mmpack.trainer.export_check import one_rank_group
     from mmpack.trainer.models import family_of, read_hf_config
 
     hf_config = read_hf_config(hf_dir)
     fam = family_of(hf_config)
     arch = fam.arch_from_hf_config(hf_config)
-    with _one_rank():
+    with one_rank_group():
+        ps.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
         stage = fam.build_stage(arch, build_megatron_configs(RunConfig(), arch).model, pre_process=True,
                                 post_process=True)  # fmt: skip
         fam.load_stage_weights(stage, hf_dir, arch, tp_rank=0, tp_size=1)
