@@ -293,58 +293,84 @@ def _video_records(root: Path) -> Path:
     return root / "videos.json"
 
 
-def _reference_video_loss(hf_dir: Path, packed: Path, root: Path) -> dict[str, Any]:
-    """The reference model's loss over the packed samples one by one: the loader's pixels, the processor's
-    grids ([1, h, w] per frame) and its `build_patch_positions` with the frame indices its own sampling picks
-    from the container's metadata; `zeroed` and `shuffled` (frames in reverse order) are the controls."""
-    import torch
-    import torch.nn.functional as F
-
-    from mmpack.dataloader import Topology, build_loader, load_manifest
+def _bin_video_sources(packed: Path, bin_id: int) -> list[str]:
+    """The videos of global bin ``bin_id`` in sample order (the names its record keeps)."""
+    from mmpack.dataloader import load_manifest
     from mmpack.dataloader.readers import open_shard_reader
-    from mmpack.offline_packing.inputs.video_probe import probe_video
-    from tests.test_llava_onevision2_trainer import _reference_classes, _reference_modules
 
-    _, _, video = _reference_modules()
-    model = _reference_classes("llava_onevision2")[1].from_pretrained(hf_dir, dtype=torch.float32).eval()
+    m = load_manifest(str(packed))
+    shard = m.shards[m.shard_index(bin_id)]
+    reader = open_shard_reader(str(packed / shard.path), shard.format, label=shard.path)
+    sources = [plan["source"] for plan in reader.read(bin_id - shard.first_bin)["video_plans"]]
+    reader.close()
+    return sources
+
+
+def _reference_video_loss(
+    hf_dir: Path, packed: Path, root: Path, *, bins: int = 1, edit: Any = None
+) -> dict[str, Any]:
+    """The reference model's (dense or MoE, as config.json says) loss over the samples of the first ``bins``
+    bins one by one: the loader's pixels, the processor's grids ([1, h, w] per frame) and its
+    `build_patch_positions` with the frame indices its own sampling picks from the container's metadata;
+    `zeroed` and `shuffled` (frames in reverse order) are the controls; ``edit``: a function applied to the
+    loaded model first (controls)."""
+    import torch
+
+    from mmpack.dataloader import Topology, build_loader
+    from tests.test_llava_onevision2_trainer import _reference_classes
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    model = _reference_classes(config["model_type"])[1].from_pretrained(hf_dir, dtype=torch.float32).eval()
+    if edit is not None:
+        edit(model)
     manifest = json.loads((packed / "manifest.json").read_text())
-    pad = manifest["tokenizer"]["special_ids"]["image_pad"]
     loader = build_loader(
         str(packed), topology=Topology(dp_rank=0, dp_size=1), micro_batch_size=1, global_batch_size=1,
         num_workers=0, num_epochs=1,
     )  # fmt: skip
-    batch = next(iter(loader))
+    totals = {"loss": 0.0, "zeroed": 0.0, "shuffled": 0.0}
+    count = 0
+    for batch in itertools.islice(loader, bins):
+        sources = [root / name for name in _bin_video_sources(packed, int(batch.bin_ids[0]))]
+        count += _add_bin_losses(model, batch, sources, manifest, config, totals)
     loader.close()
-    # the bin's videos in sample order (the names its record keeps)
-    m = load_manifest(str(packed))
-    reader = open_shard_reader(str(packed / m.shards[0].path), m.shards[0].format, label="shard")
-    sources = iter([plan["source"] for plan in reader.read(0)["video_plans"]])
-    reader.close()
-    out = {"loss": 0.0, "zeroed": 0.0, "shuffled": 0.0}
-    totals = dict.fromkeys(out, 0.0)
-    count, row = 0, 0
-    grids = batch.image_grid_thw.tolist()
-    frame = 0
-    real = int(batch.num_real_tokens)
-    cu = batch.cu_seqlens.tolist()
+    return {name: total / count for name, total in totals.items()} | {"tokens": count}
+
+
+def _add_bin_losses(
+    model: Any, batch: Any, sources: list[Path], manifest: dict, config: dict, totals: dict[str, float]
+) -> int:
+    """Adds each video sample's summed token losses of ``batch`` to ``totals`` (the frames as they are,
+    zeroed, in reverse order); returns the loss tokens counted."""
+    import torch
+    import torch.nn.functional as F
+
+    from mmpack.offline_packing.inputs.video_probe import probe_video
+    from tests.test_llava_onevision2_trainer import _reference_modules
+
+    _, _, video = _reference_modules()
+    pad = manifest["tokenizer"]["special_ids"]["image_pad"]
+    merge = config["vision_config"]["spatial_merge_size"]
+    grids, real, cu = batch.image_grid_thw.tolist(), int(batch.num_real_tokens), batch.cu_seqlens.tolist()
+    count, row, frame, videos = 0, 0, 0, iter(sources)
     with torch.no_grad():
         for a, b in itertools.pairwise(cu):
             if b > real:
                 break
             tokens, labels = batch.tokens[0, a:b], batch.labels[0, a:b]
             n_pads, taken = int((tokens == pad).sum()), []
-            while sum(t * h * w for t, h, w in taken) // 4 < n_pads:
+            while sum(t * h * w for t, h, w in taken) // merge**2 < n_pads:
                 taken.append(grids[frame])
                 frame += 1
             rows = sum(t * h * w for t, h, w in taken)
             pixels = batch.pixel_values[row : row + rows]
             row += rows
             t, h, w = len(taken), taken[0][1], taken[0][2]
-            meta = probe_video(root / next(sources)).meta
+            meta = probe_video(next(videos)).meta
             n_frames = video.choose_target_frames(meta.total_frames / meta.fps, 384)
             indices = video.select_frame_indices(meta.total_frames, n_frames)
             assert len(indices) == t
-            positions = video.build_patch_positions(torch.tensor([[t, h, w]]), spatial_merge_size=2,
+            positions = video.build_patch_positions(torch.tensor([[t, h, w]]), spatial_merge_size=merge,
                                                     frame_indices=[torch.tensor(indices)])  # fmt: skip
             per = h * w
             reverse = torch.cat([pixels[k * per : (k + 1) * per] for k in reversed(range(t))])
@@ -355,38 +381,85 @@ def _reference_video_loss(hf_dir: Path, packed: Path, root: Path) -> dict[str, A
                 totals[name] += float(F.cross_entropy(logits[keep].double(), labels[keep], reduction="sum"))
             count += int(keep.sum())
     assert row == len(batch.pixel_values)  # every frame of the bin was one sample's
-    return {name: totals[name] / count for name in out} | {"tokens": count}
+    return count
 
 
-@pytest.mark.slow
-def test_video_loss_equals_the_reference(tmp_path: Path) -> None:
-    """A tiny random OneVision-2 (reference classes), the three demo videos packed with `--model`: one
-    iteration at lr 0 (TP1) logs the reference's loss to 1e-5 (each frame an image, its patches at t = the
-    frame's index in the video); zeroed frames and frames in reverse order (their pixels meet other frame
-    positions) move the reference's, zeroed patch positions and zeroed vision features ours, by over 1e-4."""
+def _video_setup(root: Path, model_type: str, length: int, **spec_fields: int) -> dict[str, Any]:
+    """A tiny random ``model_type`` (reference classes) under ``root`` and the three demo videos packed with
+    its folder into bins of ``length`` tokens."""
     from mmpack.offline_packing.cli import main as mmpack
     from tests.test_llava_onevision2_trainer import tiny_hf_model
-    from tests.test_trainer_hf_parity import _torchrun, _train_args
 
     if not (
         QWEN3_TOKENIZER.is_file() and (REFERENCE_DIR / "llava_onevision2").is_dir() and VIDEO_DEMO.is_dir()
     ):
         pytest.skip("needs ../shared (the OneVision-2 reference, mllm_video_demo and the Qwen3 tokenizer)")
     ids = {t["content"]: t["id"] for t in json.loads(QWEN3_TOKENIZER.read_text())["added_tokens"]}
-    hf_dir = tiny_hf_model(tmp_path / "hf", ids)
-    records = _video_records(tmp_path)
-    packed = tmp_path / "packed"
-    assert mmpack(["pack", "-i", str(records), "-o", str(packed), "-L", "2048", "--model", str(hf_dir),
+    hf_dir = tiny_hf_model(root / "hf", ids, model_type, **spec_fields)
+    records = _video_records(root)
+    packed = root / "packed"
+    assert mmpack(["pack", "-i", str(records), "-o", str(packed), "-L", str(length), "--model", str(hf_dir),
                    "--no-progress"]) == 0  # fmt: skip
-    assert json.loads((packed / "manifest.json").read_text())["counts"]["bins"] == 1
-    ref = _reference_video_loss(hf_dir, packed, tmp_path)
+    counts = json.loads((packed / "manifest.json").read_text())["counts"]
+    assert counts["samples_packed"] == 3, counts
+    return {"root": root, "hf": hf_dir, "packed": packed, "bins": counts["bins"]}
+
+
+@pytest.fixture(scope="module")
+def dense_videos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The dense model; the three videos in one bin; the reference's loss and controls."""
+    found = _video_setup(tmp_path_factory.mktemp("ov2-video"), "llava_onevision2", 2048)
+    assert found["bins"] == 1
+    return found | {"ref": _reference_video_loss(found["hf"], found["packed"], found["root"])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_video_loss_equals_the_reference(dense_videos: dict[str, Any], tp: int, tmp_path: Path) -> None:
+    """A tiny random OneVision-2 (reference classes), the three demo videos packed with `--model`: one
+    iteration at lr 0 (TP1, and TP2 with sequence parallelism) logs the reference's loss to 1e-5 (each frame
+    an image, its patches at t = the frame's index in the video); zeroed frames and frames in reverse order
+    (their pixels meet other frame positions) move the reference's, zeroed patch positions and zeroed vision
+    features ours, by over 1e-4."""
+    from tests.test_trainer_hf_parity import _torchrun, _train_args
+
+    hf_dir, packed, ref = dense_videos["hf"], dense_videos["packed"], dense_videos["ref"]
     worker = Path(__file__).resolve().parent / "test_llava_onevision2_trainer.py"
-    _torchrun(1, [str(worker), str(tmp_path), *_train_args(hf_dir, packed, 1, 1)], tmp_path)
+    args = [*_train_args(hf_dir, packed, tp, 1), *(["--sequence-parallel"] if tp > 1 else [])]
+    _torchrun(tp, [str(worker), str(tmp_path), *args], tmp_path)
     ours = json.loads((tmp_path / "losses.json").read_text())
-    print(f"video: loss {ours['loss']!r}, reference {ref['loss']!r}; controls {ours}, reference {ref}")
+    print(f"video TP{tp}: loss {ours['loss']!r}, reference {ref['loss']!r}, relative gap "
+          f"{abs(ours['loss'] - ref['loss']) / ref['loss']:.2e}; controls {ours}, reference {ref}")  # fmt: skip
     assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     for name, value in (("ref zeroed", ref["zeroed"]), ("ref reversed", ref["shuffled"]),
                         ("ours zeroed positions", ours["zeroed_patch_positions"]),
                         ("ours zeroed vision", ours["zeroed_vision"])):  # fmt: skip
+        gap = abs(value - ref["loss"]) / ref["loss"]
+        assert gap > 1e-4, f"control {name}: the loss moves by only {gap:.2e} (relative)"
+
+
+@pytest.mark.slow
+def test_moe_video_loss_at_ep2_equals_the_reference(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The MoE variant (4 experts, 2 per token, load-balancing coefficient 0), the three videos in two bins:
+    one iteration of both bins at lr 0, EP2 (TP1, DP2, expert TP 1) on two ranks, logs the reference's loss
+    over the same samples to 1e-5; controls: zeroed frames, frames in reverse order and two experts of every
+    layer swapped move the reference's by over 1e-4."""
+    from tests.test_llava_onevision2_moe_trainer import _args, _swap_experts
+    from tests.test_trainer_support import ok, train
+
+    root = tmp_path_factory.mktemp("ov2-moe-video")
+    moe = _video_setup(root, "llava_onevision2_moe", 1152, num_experts=4, moe_router_topk=2, ffn_hidden_size=48,
+                       moe_aux_loss_coeff=0)  # fmt: skip
+    assert moe["bins"] == 2  # one global batch of two: both bins in the step
+    ref = _reference_video_loss(moe["hf"], moe["packed"], root, bins=2)
+    swapped = _reference_video_loss(moe["hf"], moe["packed"], root, bins=2, edit=_swap_experts)["loss"]
+    args = _args(moe, 1, 2, "--train-iters", "1", "--lr", "0")
+    [step] = ok(train(2, args, root / "ep2", tiny=False)).train
+    print(f"MoE video EP2: loss {step['loss']!r}, reference {ref['loss']!r}, relative gap "
+          f"{abs(step['loss'] - ref['loss']) / ref['loss']:.2e}; reference {ref}, swapped experts {swapped!r}")  # fmt: skip
+    assert step["target_tokens"] == ref["tokens"]
+    assert step["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    for name, value in (("ref zeroed", ref["zeroed"]), ("ref reversed", ref["shuffled"]),
+                        ("ref swapped experts", swapped)):  # fmt: skip
         gap = abs(value - ref["loss"]) / ref["loss"]
         assert gap > 1e-4, f"control {name}: the loss moves by only {gap:.2e} (relative)"

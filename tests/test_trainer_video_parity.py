@@ -46,17 +46,18 @@ def _samples(packed: Path, layout: list | None = None, bins: int = 1) -> list[di
     """Each sample of the first ``bins`` bins as the loader gives them, with their slices of the image and
     video inputs; `layout`: which samples must hold (images, videos), in any order (default: this file's
     two samples)."""
-    from mmpack.dataloader import Topology, build_loader
+    from mmpack.dataloader import Topology, build_loader, load_manifest
 
     loader = build_loader(
         str(packed), topology=Topology(dp_rank=0, dp_size=1), micro_batch_size=1, global_batch_size=1,
         num_workers=0, num_epochs=1,
     )  # fmt: skip
     specials = json.loads((packed / "manifest.json").read_text())["tokenizer"]["special_ids"]
+    merged = load_manifest(str(packed)).merge_size ** 2  # patches per token
     samples = []
     for batch in itertools.islice(loader, bins):
         assert batch is not None
-        samples += _bin_samples(batch, specials["image_pad"], specials["video_pad"])
+        samples += _bin_samples(batch, specials["image_pad"], specials["video_pad"], merged)
     loader.close()
     if layout is None:
         layout = [(True, False), (False, True)]
@@ -64,7 +65,7 @@ def _samples(packed: Path, layout: list | None = None, bins: int = 1) -> list[di
     return samples
 
 
-def _bin_samples(batch: MicroBatch, image_pad: int, video_pad: int) -> list[dict]:
+def _bin_samples(batch: MicroBatch, image_pad: int, video_pad: int, merged: int) -> list[dict]:
     import torch
 
     real = int(batch.num_real_tokens)
@@ -88,7 +89,7 @@ def _bin_samples(batch: MicroBatch, image_pad: int, video_pad: int) -> list[dict
             pads, mine = int((tokens == pad).sum()), []
             while pads > 0:
                 mine.append(next(grids[kind]))
-                pads -= int(mine[-1].prod()) // 4
+                pads -= int(mine[-1].prod()) // merged
             if mine:
                 n = sum(int(g.prod()) for g in mine)
                 sample[kind] = (getattr(batch, pixels)[rows[kind] : rows[kind] + n], torch.stack(mine))

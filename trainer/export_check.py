@@ -4,7 +4,9 @@ the `mmpack convert mcore-to-hf` export loaded in transformers, compared element
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,17 +60,16 @@ def first_image_sample(data_path: str) -> Sample:
     raise ValueError(f"the first bin of {data_path} has no sample with images (and no videos)")
 
 
-def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
-    """[L, V] logits of ``sample`` from the checkpoint's latest iteration at TP1 x PP1 (one gloo process: this
-    one; the process group and megatron-core's parallel state are set up and torn down here)."""
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    """This process as a one-rank gloo group on the CPU backend; on leaving, megatron-core's parallel state
+    (set up inside) and the group are torn down."""
     import socket
 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from mmpack.trainer import cpu_backend
-    from mmpack.trainer.batches import block_causal_mask
-    from mmpack.trainer.convert import load_tp1_model
 
     cpu_backend.activate()
     with socket.socket() as s:
@@ -76,6 +77,19 @@ def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
+    """[L, V] logits of ``sample`` from the checkpoint's latest iteration at TP1 x PP1 (one gloo process: this
+    one, see :func:`one_rank_group`)."""
+    from mmpack.trainer.batches import block_causal_mask
+    from mmpack.trainer.convert import load_tp1_model
+
+    with one_rank_group():
         fam, arch, model, _ = load_tp1_model(ckpt)
         model.eval()
         tokens = sample.tokens[None]
@@ -93,9 +107,6 @@ def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
                 pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw, **extra,
             )  # fmt: skip
         return logits[0].float()
-    finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def hf_logits(hf_dir: str, sample: Sample) -> torch.Tensor:
