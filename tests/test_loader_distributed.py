@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import socket
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from mmpack.dataloader import bin_order, load_manifest
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset
+from tests.processes import fresh_process_context, join_or_kill
 
 TP, PP, DP = 2, 2, 2
 GLOBAL_BATCH, MICRO = 4, 1
@@ -61,9 +61,7 @@ def rank_main(rank: int, world: int, port: int, dataset: str, out_dir: str) -> N
 def test_megatron_ranks_split_the_epoch(tmp_path: Path) -> None:
     dataset = build_packed_dataset(tmp_path / "data", fmt="arrow")
     world = TP * PP * DP
-    import megatron.core.parallel_state  # noqa: F401 - imported once here, inherited by the forked ranks
-
-    ctx = mp.get_context("fork")
+    ctx = fresh_process_context("megatron.core.parallel_state", "mmpack.dataloader")
     port = free_port()
     procs = [
         ctx.Process(target=rank_main, args=(r, world, port, str(dataset), str(tmp_path)))
@@ -71,8 +69,7 @@ def test_megatron_ranks_split_the_epoch(tmp_path: Path) -> None:
     ]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=240)
+    join_or_kill(procs, timeout_s=240)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     m = load_manifest(str(dataset))

@@ -258,11 +258,9 @@ def _timeout_rank(rank: int, port: int, results: Any) -> None:
 
 @pytest.mark.slow
 def test_collective_times_out_with_a_message_naming_the_flag() -> None:
-    import multiprocessing as mp
+    from tests.processes import fresh_process_context
 
-    import mmpack.trainer.training  # noqa: F401  (imported once here: the forked ranks start at once)
-
-    ctx = mp.get_context("fork")
+    ctx = fresh_process_context("megatron.core.parallel_state", "mmpack.trainer.training")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_timeout_rank, args=(rank, port, results)) for rank in (0, 1)]
