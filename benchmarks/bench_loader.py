@@ -62,7 +62,7 @@ from mmpack.dataloader.readers import WdsShardReader, decode_wds_bin  # noqa: E4
 from mmpack.dataloader.storage import ShardStore, StorageConfig  # noqa: E402
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset  # noqa: E402
 from mmpack.packing.batch import MicroBatch  # noqa: E402
-from tests.storage_servers import link_proxy_process, moto_s3, s3_storage_options  # noqa: E402
+from tests.support.storage_servers import link_proxy_process, moto_s3, s3_storage_options  # noqa: E402
 
 
 # -- plain webdataset -----------------------------------------------------------------------------------------

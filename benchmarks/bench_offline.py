@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from mmpack.offline_packing.config import PackJobConfig  # noqa: E402
 from mmpack.offline_packing.options import job_config, with_options  # noqa: E402
 from mmpack.offline_packing.pipeline import read_manifest, run_pack  # noqa: E402
-from tests.fixtures_data import make_synthetic_dataset, train_tiny_bpe  # noqa: E402
+from tests.support.fixtures_data import make_synthetic_dataset, train_tiny_bpe  # noqa: E402
 
 SHARED = Path(os.environ.get("MMPACK_SHARED_DIR", REPO.parent / "shared"))
 QWEN3 = SHARED / "data" / "tokenizer_qwen3" / "tokenizer.json"
@@ -105,7 +105,7 @@ def _cpu_s() -> float:
 
 
 def _bench_videos(data_dir: Path) -> list[Path]:
-    from tests.video_fixtures import encode_video
+    from tests.support.video_fixtures import encode_video
 
     folder = data_dir / "videos"
     folder.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 from mmpack.offline_packing.config import PackJobConfig  # noqa: E402
 from mmpack.offline_packing.options import job_config  # noqa: E402
 from mmpack.offline_packing.pipeline import run_pack  # noqa: E402
-from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe  # noqa: E402
+from tests.support.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe  # noqa: E402
 
 QWEN3 = REPO.parent / "shared" / "data" / "tokenizer_qwen3" / "tokenizer.json"
 STAGES = ("scan", "lengths", "binpack", "write")

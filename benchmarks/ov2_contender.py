@@ -55,7 +55,7 @@ class ImageTextQwen2VLProcessor(Qwen2VLProcessor):
 def make_model_folder(folder: Path, tokenizer_file: Path) -> Path:
     """A Qwen2-VL model folder both packers read: tokenizer, Qwen2-VL's chat template, preprocessor config, and
     the processor class OV-2's AutoProcessor loads."""
-    from tests.fixtures_chat import qwen2_vl_model_folder
+    from tests.support.fixtures_chat import qwen2_vl_model_folder
 
     qwen2_vl_model_folder(folder, tokenizer_file)
     (folder / "processing_image_text.py").write_text(PROCESSOR_MODULE)

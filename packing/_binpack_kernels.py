@@ -1,7 +1,7 @@
 """Numba kernels for bin packing over plain numpy arrays (item level and length histogram).
 
 Private module: the validating wrappers live in `mmpack.packing.binpack`. Every kernel here has a slow
-pure-Python counterpart in `tests/reference.py`.
+pure-Python counterpart in `tests/support/reference.py`.
 
 Conventions shared by all kernels: `lengths` is int64, `capacity` is a positive int; items that can
 never be placed (longer than the capacity, or with more images than a bin may hold) get bin -1;

@@ -1,7 +1,7 @@
 """Numba kernel of the LP lower bound for image-capped packing: the pricing knapsack.
 
 Private module: the wrapper is `mmpack.packing.stats.lower_bound_images_lp`; the pure-Python counterpart is
-`tests/reference.py:best_pattern`.
+`tests/support/reference.py:best_pattern`.
 """
 
 from __future__ import annotations

@@ -7,10 +7,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DIR = Path(os.environ.get("MMPACK_SHARED_DIR", REPO_ROOT.parent / "shared"))
-QWEN3_TOKENIZER = SHARED_DIR / "data" / "tokenizer_qwen3" / "tokenizer.json"
-MLLM_DEMO_JSON = SHARED_DIR / "data" / "mllm_demo" / "data" / "mllm_demo.json"
+from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER
 
 # Keep numba/torch from oversubscribing the 2-core CI machine when tests start subprocesses.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

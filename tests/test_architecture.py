@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.package_structure import (
+from tests.support.package_structure import (
     PACKAGE_DIRS,
     Module,
     find_import_cycles,

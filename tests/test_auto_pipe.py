@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER
-from tests.fixtures_chat import qwen2_vl_model_folder
-from tests.fixtures_data import dataset_files
+from tests.support.fixtures_chat import qwen2_vl_model_folder
+from tests.support.fixtures_data import dataset_files
+from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER
 
 SCRIPT = Path(__file__).resolve().parents[1] / "offline_packing" / "auto_pipe.sh"
 # The usage examples 1-7 of LLaVA-OneVision-2's offline_packing/auto_pipe.sh, as written there.

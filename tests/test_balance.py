@@ -20,7 +20,7 @@ from mmpack.dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
 from mmpack.dataloader.storage import StorageConfig
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset
 from mmpack.packing.cost import COST_FEATURES, DEFAULT_COST_MODEL, CostModel, bin_cost_features
-from tests.storage_servers import http_server
+from tests.support.storage_servers import http_server
 from tests.test_loader import all_records, global_batches
 
 FAST = settings(max_examples=60, deadline=None)
@@ -336,7 +336,7 @@ def test_trainer_cost_model_follows_the_model_and_its_attention() -> None:
 def test_trainer_logs_each_steps_dp_compute_spread(tmp_path: Path) -> None:
     """A real DP 2 run with balancing: every step logs the slowest and the mean rank's forward + backward
     time (gathered over the DP group) and their ratio."""
-    from tests.test_trainer_support import make_packed_dataset, ok, train
+    from tests.support.trainer import make_packed_dataset, ok, train
 
     data = make_packed_dataset(tmp_path / "data", n_samples=40, seed=5)
     args = ["--data-path", str(data), "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3",

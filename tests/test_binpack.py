@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from mmpack.packing import binpack
 from mmpack.packing.binpack import ALGORITHMS, PackResult, pack_lengths
 from mmpack.packing.stats import lower_bound_l2
-from tests import reference
+from tests.support import reference
 
 FAST = settings(max_examples=60, deadline=None)
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from mmpack.packing.binpack import pack_lengths
 from mmpack.packing.stats import lower_bound_images, lower_bound_l2
-from tests import reference
+from tests.support import reference
 from tests.test_binpack import _pack, assert_valid
 
 FAST = settings(max_examples=60, deadline=None)

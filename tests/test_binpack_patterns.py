@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmpack.packing import _pattern_kernels as kernels
-from tests import reference
+from tests.support import reference
 
 FAST = settings(max_examples=80, deadline=None)
 

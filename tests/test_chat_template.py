@@ -17,9 +17,9 @@ from mmpack.offline_packing.model_folder import resolve_chat_template
 from mmpack.packing.chat import ChatTemplate, Conversation, normalize_record, tokenize_conversation
 from mmpack.packing.jinja_chat import ChatTemplateError, JinjaChat
 from mmpack.packing.tokenizer import load_tokenizer
-from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER
-from tests.fixtures_chat import QWEN2_VL_CHAT_TEMPLATE, hf_messages, qwen2_vl_model_folder
-from tests.fixtures_data import read_arrow_bins
+from tests.support.fixtures_chat import QWEN2_VL_CHAT_TEMPLATE, hf_messages, qwen2_vl_model_folder
+from tests.support.fixtures_data import read_arrow_bins
+from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER
 
 transformers = pytest.importorskip("transformers")
 SYSTEM = "You are a sports and news expert."

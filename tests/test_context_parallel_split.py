@@ -1,5 +1,5 @@
 """The context-parallel split of a packed micro-batch (`mmpack.packing.context_parallel`) against the slow
-reference `tests.reference.cp_split`, and the invariants the trainer relies on: together the ranks hold every
+reference `tests.support.reference.cp_split`, and the invariants the trainer relies on: together the ranks hold every
 token once, pads carry no loss, and the gathered-key mask is the per-sample causal mask."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from mmpack.packing.context_parallel import cp_attention_allowed, cp_shard, padded_cu_seqlens, split_for_cp
 from mmpack.packing.layout import IGNORE_INDEX
-from tests.reference import cp_split
+from tests.support.reference import cp_split
 
 segments = st.lists(st.integers(min_value=0, max_value=23), min_size=1, max_size=6)
 

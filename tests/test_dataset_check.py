@@ -13,7 +13,7 @@ from mmpack.packing.image_tokens import ImageTokenRule
 from mmpack.packing.manifest import ManifestImageRule
 from mmpack.packing.tokenizer import BYTE_TOKENIZER, load_tokenizer, tokenizer_info
 from mmpack.trainer.dataset_check import DatasetModelMismatch, check_dataset_matches_model
-from tests.fixtures_data import train_tiny_bpe
+from tests.support.fixtures_data import train_tiny_bpe
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402

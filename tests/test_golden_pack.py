@@ -1,4 +1,4 @@
-"""Every output byte of a set of packing jobs (`tests.golden_pack`) equals what was recorded in
+"""Every output byte of a set of packing jobs (`tests.support.golden_pack`) equals what was recorded in
 `tests/golden/pack_sha256.json`: shards, manifest, rejects, stats and Energon metadata."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.golden_pack import GOLDEN_FILE, run_jobs, shared_data
+from tests.support.golden_pack import GOLDEN_FILE, run_jobs, shared_data
 
 pytestmark = pytest.mark.slow  # several small packing jobs, ~10 s of CPU
 

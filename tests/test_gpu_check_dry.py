@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer_support import REPO
+from tests.support.trainer import REPO
 
 pytestmark = pytest.mark.slow
 

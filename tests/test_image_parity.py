@@ -163,7 +163,7 @@ def test_odd_tiny_elongated_sizes(size: str, variant: str) -> None:
 
 @pytest.fixture(scope="module")
 def demo_images() -> list[bytes]:
-    from tests.conftest import MLLM_DEMO_JSON
+    from tests.support.shared import MLLM_DEMO_JSON
 
     folder = MLLM_DEMO_JSON.parent / "mllm_demo_data"
     files = sorted(folder.glob("*.jpg"))

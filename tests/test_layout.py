@@ -18,7 +18,7 @@ from mmpack.packing.layout import (
     collate_packed,
 )
 from mmpack.packing.tokenizer import ByteTokenizer
-from tests.reference_layout import reference_packed_sequence
+from tests.support.reference_layout import reference_packed_sequence
 
 PAD = 9999
 

@@ -37,8 +37,8 @@ from mmpack.packing.image_tokens import (
     read_image_size,
 )
 from mmpack.packing.tokenizer import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer, load_tokenizer
-from tests.conftest import QWEN3_TOKENIZER
-from tests.fixtures_data import SPECIAL_TOKENS
+from tests.support.fixtures_data import SPECIAL_TOKENS
+from tests.support.shared import QWEN3_TOKENIZER
 
 SPECIALS = list(SPECIAL_TOKENS)  # <|image_pad|> last
 CORPUS = [

@@ -86,7 +86,7 @@ def _swap_experts(model, pixels):  # type: ignore[no-untyped-def]
 
 
 def test_ep2_and_tp2_ep2_loss_equals_the_reference(setup: dict, tmp_path: Path) -> None:
-    from tests.test_trainer_support import ok, train
+    from tests.support.trainer import ok, train
 
     runs = {}
     for tp, ep in ((1, 2), (2, 2)):
@@ -134,7 +134,7 @@ def test_mock_data_trains_the_temporal_patch_1_families(
     """``--model-type`` with ``--mock-data`` (no ../shared needed): the synthetic pixels come in the model's
     patch width (temporal patch 1 here, 2 for the Qwen families), and the random MoE OneVision-1.5 (its
     config keeps the dense ``model_type``) trains at EP2 with its routers' load-balancing loss logged."""
-    from tests.test_trainer_support import ok, train
+    from tests.support.trainer import ok, train
 
     args = [
         "--model-type", model_type, "--mock-data", "--num-layers", "2", "--hidden-size", "64",

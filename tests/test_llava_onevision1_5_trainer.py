@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER
+from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER
 
 pytestmark = pytest.mark.slow
 

@@ -74,7 +74,7 @@ def _swap_experts(model) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_ep2_and_tp2_ep2_loss_equals_the_reference(setup: dict, tmp_path: Path) -> None:
-    from tests.test_trainer_support import ok, train
+    from tests.support.trainer import ok, train
 
     runs = {}
     for tp, ep in ((1, 2), (2, 2)):
@@ -99,7 +99,7 @@ def test_ep2_and_tp2_ep2_loss_equals_the_reference(setup: dict, tmp_path: Path) 
 
 
 def test_ep2_checkpoint_resumed_at_ep1_continues_equal(setup: dict, tmp_path: Path) -> None:
-    from tests.test_trainer_support import checkpoint_view, ok, train
+    from tests.support.trainer import checkpoint_view, ok, train
 
     ckpt = tmp_path / "ckpt"
     more = ["--train-iters", "2", "--lr", "3e-3"]

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER, SHARED_DIR
+from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER, SHARED_DIR
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER, SHARED_DIR
+from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER, SHARED_DIR
 
 REFERENCE_DIR = SHARED_DIR / "reference"
 VIDEO_DEMO = SHARED_DIR / "data" / "mllm_video_demo"
@@ -444,8 +444,8 @@ def test_moe_video_loss_at_ep2_equals_the_reference(tmp_path_factory: pytest.Tem
     one iteration of both bins at lr 0, EP2 (TP1, DP2, expert TP 1) on two ranks, logs the reference's loss
     over the same samples to 1e-5; controls: zeroed frames, frames in reverse order and two experts of every
     layer swapped move the reference's by over 1e-4."""
+    from tests.support.trainer import ok, train
     from tests.test_llava_onevision2_moe_trainer import _args, _swap_experts
-    from tests.test_trainer_support import ok, train
 
     root = tmp_path_factory.mktemp("ov2-moe-video")
     moe = _video_setup(root, "llava_onevision2_moe", 1152, num_experts=4, moe_router_topk=2, ffn_hidden_size=48,

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import QWEN3_TOKENIZER, SHARED_DIR
+from tests.support.shared import QWEN3_TOKENIZER, SHARED_DIR
 
 REFERENCE_DIR = SHARED_DIR / "reference"
 GRIDS = [[1, 4, 6], [9, 4, 4], [4, 2, 2], [5, 6, 4], [8, 2, 6], [13, 4, 2], [2, 2, 2], [3, 6, 6]]

@@ -10,7 +10,7 @@ import pytest
 
 from mmpack.dataloader import bin_order, load_manifest
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset
-from tests.processes import fresh_process_context, join_or_kill
+from tests.support.processes import fresh_process_context, join_or_kill
 
 TP, PP, DP = 2, 2, 2
 GLOBAL_BATCH, MICRO = 4, 1

@@ -19,7 +19,7 @@ from mmpack.dataloader.blend import blend_positions
 from mmpack.dataloader.mixture import Mixture, MixtureSource, load_mixture_file, parse_inline
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset
 from mmpack.packing.batch import contract_problems
-from tests.storage_servers import S3Endpoint, moto_s3
+from tests.support.storage_servers import S3Endpoint, moto_s3
 
 WEIGHTS = (0.5, 0.3, 0.2)
 

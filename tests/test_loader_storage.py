@@ -20,7 +20,7 @@ import torch
 from mmpack.dataloader import ShardError, Topology, build_loader, load_manifest
 from mmpack.dataloader.storage import ShardStore, StorageConfig
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset
-from tests.storage_servers import (
+from tests.support.storage_servers import (
     FaultPlan,
     FaultProxy,
     S3Endpoint,

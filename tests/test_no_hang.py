@@ -18,8 +18,9 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.faults import STALL_WRITER_ENV
-from tests.test_trainer_support import REPO, TINY, free_port, make_packed_dataset
+from tests.support.faults import STALL_WRITER_ENV
+from tests.support.ranks import free_port
+from tests.support.trainer import REPO, TINY, make_packed_dataset
 
 DEADLINE_S = 60  # from the kill to the job's exit
 TRAIN = [
@@ -78,7 +79,7 @@ def start_training(data: Path, folder: Path, env: dict[str, str] | None = None) 
     return start(
         [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-            "--master_port", str(free_port()), "-m", "tests.faults", "trainer", *TINY, *TRAIN,
+            "--master_port", str(free_port()), "-m", "tests.support.faults", "trainer", *TINY, *TRAIN,
             "--data-path", str(data), "--num-workers", "2", "--save", str(folder / "ckpt"),
             "--metrics-file", str(folder / "metrics.jsonl"),
         ],
@@ -101,7 +102,7 @@ def rank_process(launch: Launch, rank: int) -> psutil.Process:
 
 
 def stalled_writer(folder: Path, settle_s: float = 0.0) -> int | None:
-    """The pid of a checkpoint writer stopped by tests.faults, once there is one: of those there ``settle_s``
+    """The pid of a checkpoint writer stopped by tests.support.faults, once there is one: of those there ``settle_s``
     seconds later, the one forked last (the highest bucket index; pids wrap, so not the highest pid). Its death
     is the one a pipe end inherited by the writers forked before it would hide."""
     if not any(folder.glob("writer-*")):
@@ -124,7 +125,7 @@ def kill(pid: int) -> None:
 
 
 def kill_stalled_writers(folder: Path) -> None:
-    """Writers tests.faults holds that outlived their rank (they would sleep on for two minutes)."""
+    """Writers tests.support.faults holds that outlived their rank (they would sleep on for two minutes)."""
     for path in folder.glob("writer-*"):
         with contextlib.suppress(ProcessLookupError):
             kill(int(path.name.split("-")[1]))
@@ -204,7 +205,16 @@ def test_killed_converter_rank_ends_the_job_and_the_same_run_finishes(data: Path
     hf = _hf_model_for(data, tmp_path / "hf", tied=False)
 
     def convert(out: str, env: dict[str, str] | None = None) -> Launch:
-        cmd = [sys.executable, "-m", "tests.faults", "mmpack", "convert", "hf-to-mcore", "--hf", str(hf)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.support.faults",
+            "mmpack",
+            "convert",
+            "hf-to-mcore",
+            "--hf",
+            str(hf),
+        ]
         return start([*cmd, "--out", str(tmp_path / out), "--tp", "2"], tmp_path / f"run-{out}", env)
 
     control = convert("control")
@@ -258,7 +268,7 @@ def _timeout_rank(rank: int, port: int, results: Any) -> None:
 
 @pytest.mark.slow
 def test_collective_times_out_with_a_message_naming_the_flag() -> None:
-    from tests.processes import fresh_process_context
+    from tests.support.processes import fresh_process_context
 
     ctx = fresh_process_context("megatron.core.parallel_state", "mmpack.trainer.training")
     results = ctx.Queue()

@@ -12,8 +12,8 @@ import pytest
 from mmpack.offline_packing.errors import REJECT_REASONS
 from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
-from tests.bad_corpus import ROOT_CANNOT_TEST, UNREACHABLE, make_bad_corpus
-from tests.fixtures_data import train_tiny_bpe
+from tests.support.bad_corpus import ROOT_CANNOT_TEST, UNREACHABLE, make_bad_corpus
+from tests.support.fixtures_data import train_tiny_bpe
 from tests.test_offline_hostile_inputs import deadline
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from mmpack.offline_packing.options import job_config, with_options
 from mmpack.offline_packing.pipeline import run_pack
-from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
+from tests.support.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
 
 REPO = Path(__file__).resolve().parents[1]
 

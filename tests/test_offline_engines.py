@@ -8,7 +8,7 @@ import pytest
 from mmpack.offline_packing.context import JobContext
 from mmpack.offline_packing.engines import run_parallel
 from mmpack.packing.processes import ProcessDiedError
-from tests.engine_tasks import fail_on
+from tests.support.engine_tasks import fail_on
 
 CTX = JobContext(work_dir="unused")
 

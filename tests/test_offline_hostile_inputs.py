@@ -23,8 +23,8 @@ from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import run_pack
 from mmpack.packing.fileio import NotRegularFileError
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
-from tests.fixtures_data import write_image
-from tests.storage_servers import http_server
+from tests.support.fixtures_data import write_image
+from tests.support.storage_servers import http_server
 
 TURNS = [{"from": "human", "value": "<image>What is it?"}, {"from": "gpt", "value": "A picture."}]
 

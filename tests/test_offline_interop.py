@@ -15,7 +15,7 @@ from PIL import Image
 from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
-from tests.fixtures_data import make_synthetic_dataset, read_wds_bins, train_tiny_bpe
+from tests.support.fixtures_data import make_synthetic_dataset, read_wds_bins, train_tiny_bpe
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_energon_lists_and_reads_packed_bins(raw, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_s3_output_on_moto(raw, tmp_path: Path) -> None:
     pytest.importorskip("moto")
-    from tests.storage_servers import moto_s3
+    from tests.support.storage_servers import moto_s3
 
     with moto_s3() as s3:
         fs = s3.filesystem()

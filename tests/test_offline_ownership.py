@@ -17,8 +17,8 @@ from mmpack.offline_packing.pipeline import run_pack
 from mmpack.packing.joblock import LOCK_NAME, FolderLocked, hold_lock
 from mmpack.packing.ownership import MARKER_NAME, FolderNotOwned, claim_folder, has_marker
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
-from tests.fixtures_data import dataset_files, make_synthetic_dataset
-from tests.storage_servers import moto_s3
+from tests.support.fixtures_data import dataset_files, make_synthetic_dataset
+from tests.support.storage_servers import moto_s3
 
 
 def _cfg(data_dir: Path | str, out: str | Path, **kw) -> PackJobConfig:

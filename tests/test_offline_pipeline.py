@@ -17,7 +17,7 @@ from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.chat import ChatTemplate, normalize_record, render_conversation, tokenize_conversation
 from mmpack.packing.image_tokens import ImageTokenRule, read_image_size
 from mmpack.packing.tokenizer import load_tokenizer
-from tests.fixtures_data import (
+from tests.support.fixtures_data import (
     dataset_files,
     make_synthetic_dataset,
     read_arrow_bins,

@@ -11,7 +11,12 @@ import pytest
 
 from mmpack.offline_packing.cli import main as mmpack_main
 from mmpack.offline_packing.pipeline import run_pack
-from tests.fixtures_data import dataset_files, make_synthetic_dataset, small_job_config, train_tiny_bpe
+from tests.support.fixtures_data import (
+    dataset_files,
+    make_synthetic_dataset,
+    small_job_config,
+    train_tiny_bpe,
+)
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # a 2-node cluster takes ~10 s to start; the jobs themselves are small
@@ -89,7 +94,7 @@ def test_ray_equals_local(cluster, raw, local_files, tmp_path: Path) -> None:
 def test_killed_worker_is_retried(cluster, raw, local_files, tmp_path: Path, monkeypatch, stage: str) -> None:
     import mmpack.offline_packing.scan as scan_module
     import mmpack.offline_packing.write as write_module
-    from tests.engine_tasks import killing_once
+    from tests.support.engine_tasks import killing_once
 
     marker = tmp_path / "killed.txt"
     module, name = (scan_module, "scan_chunk") if stage == "scan" else (write_module, "write_shard")
@@ -105,7 +110,7 @@ def test_a_worker_keeps_its_context_for_the_stage(cluster) -> None:
     is loaded once per worker, not once per chunk); another stage starts from a new one."""
     from mmpack.offline_packing.context import JobContext
     from mmpack.offline_packing.engines.ray import run_ray
-    from tests.engine_tasks import caches_seen
+    from tests.support.engine_tasks import caches_seen
 
     ctx = JobContext(work_dir="unused", engine="ray")
     seen = run_ray(ctx, caches_seen, list(range(24)), desc="probe")
@@ -141,7 +146,7 @@ def test_ray_workers_read_s3_inputs(cluster, raw, tmp_path: Path) -> None:
     """The job's storage options reach the Ray workers: records and images from S3, the same output as the
     local engine from the same URLs (records without an id are named after their source, so the URL run is
     compared with a URL run)."""
-    from tests.storage_servers import moto_s3
+    from tests.support.storage_servers import moto_s3
 
     src, _ = raw
     with moto_s3() as endpoint:
@@ -160,7 +165,7 @@ def test_work_folder_on_s3_without_a_shared_filesystem(cluster, raw, local_files
     """`-w s3://...`: each node works from its own cache of the URL (per node, so nothing passes through a
     shared local folder), and the output equals the local engine's with a local work folder."""
     from mmpack.offline_packing.workdir import cache_root
-    from tests.storage_servers import moto_s3
+    from tests.support.storage_servers import moto_s3
 
     with moto_s3() as endpoint:
         fs = endpoint.make_bucket("work")

@@ -15,7 +15,7 @@ import pytest
 
 from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
-from tests.fixtures_data import read_arrow_bins, read_wds_bins
+from tests.support.fixtures_data import read_arrow_bins, read_wds_bins
 
 pytestmark = pytest.mark.shared
 QWEN3_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
@@ -45,7 +45,7 @@ def _render(messages: list[dict], n_tokens: list[int]) -> str:
 
 @pytest.fixture(scope="module")
 def packed_demo(tmp_path_factory: pytest.TempPathFactory):
-    from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER
+    from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER
 
     if not (MLLM_DEMO_JSON.is_file() and QWEN3_TOKENIZER.is_file()):
         pytest.skip("shared mllm_demo data or Qwen3 tokenizer absent")

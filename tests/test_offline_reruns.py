@@ -21,7 +21,7 @@ from mmpack.offline_packing.config import (
 from mmpack.offline_packing.options import job_config, with_options
 from mmpack.offline_packing.pipeline import run_pack
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
-from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
+from tests.support.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from mmpack.offline_packing.inputs import remote
 from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import run_pack
 from mmpack.packing.retry import RetryPolicy
-from tests.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
-from tests.storage_servers import FaultPlan, FaultProxy, http_server, moto_s3, s3_storage_options
+from tests.support.fixtures_data import dataset_files, make_synthetic_dataset, train_tiny_bpe
+from tests.support.storage_servers import FaultPlan, FaultProxy, http_server, moto_s3, s3_storage_options
 
 SEQ_LEN = 1024
 

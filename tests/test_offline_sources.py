@@ -13,7 +13,7 @@ import pytest
 from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
-from tests.fixtures_data import make_synthetic_dataset, read_arrow_bins, write_image
+from tests.support.fixtures_data import make_synthetic_dataset, read_arrow_bins, write_image
 
 
 def _jpeg(tmp: Path, name: str, w: int, h: int, seed: int) -> bytes:

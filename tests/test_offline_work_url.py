@@ -14,8 +14,13 @@ import pytest
 from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import resolve_work_dir, run_pack
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
-from tests.fixtures_data import dataset_files, make_synthetic_dataset, small_job_config, train_tiny_bpe
-from tests.storage_servers import moto_s3
+from tests.support.fixtures_data import (
+    dataset_files,
+    make_synthetic_dataset,
+    small_job_config,
+    train_tiny_bpe,
+)
+from tests.support.storage_servers import moto_s3
 
 ALL_STAGES = ["scan", "lengths", "binpack", "write"]
 

@@ -18,7 +18,7 @@ from mmpack.packing.ownership import (
     open_owned,
     read_marker,
 )
-from tests.storage_servers import moto_s3
+from tests.support.storage_servers import moto_s3
 
 
 def test_missing_or_empty_folder_is_created_and_marked(tmp_path: Path) -> None:

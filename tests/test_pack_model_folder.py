@@ -21,7 +21,7 @@ from mmpack.offline_packing.model_folder import resolve_image_rule
 from mmpack.packing.image_tokens import CLIP_MEAN, ImageTokenRule
 from mmpack.packing.tokenizer import load_tokenizer
 from mmpack.trainer.dataset_check import DatasetModelMismatch, check_dataset_matches_model
-from tests.fixtures_data import train_tiny_bpe
+from tests.support.fixtures_data import train_tiny_bpe
 from tests.test_loader import all_records
 
 pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.trainer import checkpoint_view, make_packed_dataset, ok, train
 from tests.test_trainer_checkpoint_reshard import check_continues
-from tests.test_trainer_support import checkpoint_view, make_packed_dataset, ok, train
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER
+from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER
 from tests.test_qwen3_vl_trainer import VIDEO_DEMO, _torchrun, records_file
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The packer's Qwen3-VL token rules against transformers' Qwen3-VL processing (tests/qwen3_vl_reference.py says
+"""The packer's Qwen3-VL token rules against transformers' Qwen3-VL processing (tests/support/qwen3_vl_reference.py says
 which parts are transformers' code and which are harness): image counts on 250+ sizes covering the range,
 video frames, grids and the timestamped token sequence on the real demo videos and on random metadata, and
 the MRoPE positions of such a sequence against `Qwen3VLModel.get_rope_index`."""
@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from mmpack.packing.image_tokens import ImageSizeError, ImageTokenRule
 from mmpack.packing.video_tokens import VideoMeta, VideoRuleError, VideoTokenRule
 from mmpack.packing.video_tokens_qwen3 import placeholder_ids, rule_fields
-from tests import qwen3_vl_reference as ref
-from tests.conftest import QWEN3_TOKENIZER, SHARED_DIR
+from tests.support import qwen3_vl_reference as ref
+from tests.support.shared import QWEN3_TOKENIZER, SHARED_DIR
 
 VIDEO_DEMO = SHARED_DIR / "data" / "mllm_video_demo"
 # the small video rule the parity tests pack with (few frames and tokens), besides the real one

@@ -6,7 +6,7 @@ from two vision layers, RoPE base 100) written by transformers with Qwen3-VL's p
 Qwen3 tokenizer. transformers' loss is each sample alone with the loader's pixels and grids and
 ``mm_token_type_ids`` (sum of token cross-entropies over the loss tokens / their count).
 
-- the video sample's tokens are the processor's (timestamps included, tests/qwen3_vl_reference.py);
+- the video sample's tokens are the processor's (timestamps included, tests/support/qwen3_vl_reference.py);
 - the trainer with only the qwen3_vl family registered (no Qwen2.5-VL module imported) logs that loss at TP1;
 - TP2 x PP2: the same loss, gradients of the word embedding, the patch embedding and a vision block equal
   transformers'; controls: zeroed image and video features, and megatron-core's contiguous-section MRoPE in
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER, SHARED_DIR
+from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER, SHARED_DIR
 
 pytestmark = pytest.mark.slow
 

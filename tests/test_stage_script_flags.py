@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from mmpack.trainer.models.protocol import TinyModelSpec
-from tests.test_trainer_support import REPO, make_packed_dataset, ok, train
+from tests.support.trainer import REPO, make_packed_dataset, ok, train
 
 # every distinct flag of qwen3_4b/alignment.sh, qwen3_30b_a3b/instruct_780k.sh, quick_start_4b/quick_start.sh
 # and quick_start_video_2b/instruct_video.sh (a value where the flag takes one)

@@ -18,7 +18,7 @@ from mmpack.packing.stats import (
     lower_bound_l2_from_counts,
     packing_stats,
 )
-from tests import reference
+from tests.support import reference
 
 FAST = settings(max_examples=80, deadline=None)
 

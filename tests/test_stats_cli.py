@@ -18,7 +18,7 @@ import pytest
 from mmpack.offline_packing.cli import main
 from mmpack.offline_packing.stats.inputs import StatsInputError, read_length_file
 from mmpack.packing.format import FORMAT_NAME, FORMAT_VERSION, bin_key, shard_name
-from tests import reference
+from tests.support import reference
 
 # ---------------------------------------------------------------------------------------------------------
 # independent computations (written from the definitions, not from mmpack.packing.stats)
@@ -40,7 +40,7 @@ def l2_bound(lengths: np.ndarray, capacity: int) -> int:
 
 
 def caps_bound(lengths: np.ndarray, capacity: int, max_items: int) -> int:
-    """The bound under an item cap: L2 or the item-cap bound of tests.reference, whichever is larger."""
+    """The bound under an item cap: L2 or the item-cap bound of tests.support.reference, whichever is larger."""
     fits = [int(x) for x in lengths if x <= capacity]
     return max(l2_bound(lengths, capacity), reference.lower_bound_item_cap(fits, capacity, max_items))
 
@@ -695,7 +695,7 @@ def test_dataset_reading_skips_image_bytes(tmp_path: Path, capsys: pytest.Captur
 # remote datasets: moto's S3 server and a plain HTTP server on 127.0.0.1
 
 
-from tests.storage_servers import http_server, moto_s3  # noqa: E402
+from tests.support.storage_servers import http_server, moto_s3  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -757,7 +757,7 @@ def test_dataset_over_http(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def packed_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mmpack.offline_packing.options import job_config
     from mmpack.offline_packing.pipeline import run_pack
-    from tests.fixtures_data import make_synthetic_dataset, train_tiny_bpe
+    from tests.support.fixtures_data import make_synthetic_dataset, train_tiny_bpe
 
     root = tmp_path_factory.mktemp("stats_raw")
     data = make_synthetic_dataset(root / "data", n_samples=60, seed=5, size_range=(40, 400), max_words=120)
@@ -779,7 +779,7 @@ def packed_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_packed_dataset_from_the_offline_job(
     packed_dataset: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tests.fixtures_data import read_arrow_bins
+    from tests.support.fixtures_data import read_arrow_bins
 
     manifest = json.loads((packed_dataset / "manifest.json").read_text())
     # independent read of every bin with plain pyarrow (all columns), in manifest shard order

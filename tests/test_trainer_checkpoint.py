@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer_support import Run, checkpoint_view, make_packed_dataset, ok, train
+from tests.support.trainer import Run, checkpoint_view, make_packed_dataset, ok, train
 
 pytestmark = pytest.mark.slow
 

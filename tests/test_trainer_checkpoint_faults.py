@@ -22,7 +22,7 @@ from mmpack.trainer.checkpoint_commit import (
     resolve_iteration,
     verify_checkpoint,
 )
-from tests.test_trainer_support import Run, make_packed_dataset, ok, train
+from tests.support.trainer import Run, make_packed_dataset, ok, train
 
 pytestmark = pytest.mark.slow
 

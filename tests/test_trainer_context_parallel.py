@@ -87,7 +87,7 @@ def _worker(out_dir: str, argv: list[str]) -> None:
 @pytest.fixture(scope="module")
 def packed_bin(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from mmpack.offline_packing.cli import main as mmpack
-    from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER
+    from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER
     from tests.test_trainer_hf_parity import _tiny_hf_model
     from tests.test_trainer_video_parity import VIDEO_DEMO, VIDEO_FLAGS, _inputs
 
@@ -177,7 +177,7 @@ def test_qwen3_vl_cp2_equals_cp1(tmp_path: Path) -> None:
     """Qwen3-VL (DeepStack: vision features added to the first language layers' hidden states at the media
     pads, which under CP are each rank's own pads) on the mllm_demo records and a real video in one bin."""
     from mmpack.offline_packing.cli import main as mmpack
-    from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER
+    from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER
     from tests.test_qwen3_vl_trainer import VIDEO_DEMO, records_file, tiny_hf_model
 
     if not (QWEN3_TOKENIZER.is_file() and MLLM_DEMO_JSON.is_file() and VIDEO_DEMO.is_dir()):

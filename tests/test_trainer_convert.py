@@ -52,8 +52,8 @@ def test_round_trip_bit_exact_and_export_loads(tmp_path: Path, tp: int, pp: int,
     the original model's loss on the packed samples (whose equality with the trainer's logged loss is
     tests/test_trainer_hf_parity.py)."""
     from mmpack.trainer.convert import hf_to_mcore, mcore_to_hf
+    from tests.support.trainer import make_packed_dataset
     from tests.test_trainer_hf_parity import _reference
-    from tests.test_trainer_support import make_packed_dataset
 
     packed = make_packed_dataset(tmp_path / "data", n_samples=5, seed=7, seq_len=1024)
     assert json.loads((packed / "manifest.json").read_text())["counts"]["bins"] == 1
@@ -73,8 +73,8 @@ def test_converted_checkpoint_trains_like_hf_model_and_trained_one_exports(tmp_p
     """Converted at TP2 x PP2, loaded at TP2 x PP1 (dist_checkpointing reshards): the same logged loss as
     `--hf-model`; the trainer's own checkpoint (optimizer and all, lr 0) exports to the original weights."""
     from mmpack.trainer.convert import hf_to_mcore, mcore_to_hf
+    from tests.support.trainer import make_packed_dataset
     from tests.test_trainer_hf_parity import _torchrun
-    from tests.test_trainer_support import make_packed_dataset
 
     packed = make_packed_dataset(tmp_path / "data", n_samples=40, seed=8, seq_len=256)
     hf_dir = _hf_model_for(packed, tmp_path / "hf", tied=False)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer_support import checkpoint_view, make_packed_dataset, ok, train
+from tests.support.trainer import checkpoint_view, make_packed_dataset, ok, train
 
 pytestmark = pytest.mark.slow
 

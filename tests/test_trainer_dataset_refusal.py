@@ -21,8 +21,8 @@ def _preprocessor_config(manifest: dict, **override: object) -> dict:
 
 
 def test_trainer_refuses_dataset_packed_for_another_model(tmp_path: Path, qwen3_tokenizer_path: Path) -> None:
+    from tests.support.trainer import make_packed_dataset, train
     from tests.test_trainer_convert import _hf_model_for
-    from tests.test_trainer_support import make_packed_dataset, train
 
     packed = make_packed_dataset(tmp_path / "data", n_samples=12, seed=3, seq_len=256)
     manifest = json.loads((packed / "manifest.json").read_text())

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer_support import REPO, TINY, free_port, make_packed_dataset
+from tests.support.ranks import free_port
+from tests.support.trainer import REPO, TINY, make_packed_dataset
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ def test_checkpoint_logits_equal_transformers(tmp_path: Path) -> None:
 
     from mmpack.trainer.convert import hf_to_mcore
     from mmpack.trainer.export_check import first_image_sample, hf_logits, mcore_logits
+    from tests.support.trainer import make_packed_dataset
     from tests.test_trainer_convert import _hf_model_for
-    from tests.test_trainer_support import make_packed_dataset
 
     packed = make_packed_dataset(tmp_path / "data", n_samples=12, seed=5, seq_len=256)
     hf_dir = _hf_model_for(packed, tmp_path / "hf", tied=False)

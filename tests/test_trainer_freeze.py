@@ -57,9 +57,9 @@ def test_frozen_weights_stay_bit_identical(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     from mmpack.trainer.convert import mcore_to_hf
+    from tests.support.trainer import make_packed_dataset
     from tests.test_trainer_convert import _hf_model_for
     from tests.test_trainer_hf_parity import _torchrun
-    from tests.test_trainer_support import make_packed_dataset
 
     packed = make_packed_dataset(tmp_path / "data", n_samples=40, seed=8, seq_len=256)
     hf_dir = _hf_model_for(packed, tmp_path / "hf", tied=False)
@@ -95,7 +95,7 @@ def test_frozen_weights_stay_bit_identical(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_nothing_to_train_is_one_error(tmp_path: Path) -> None:
-    from tests.test_trainer_support import train
+    from tests.support.trainer import train
 
     run = train(1, ["--mock-data", "--seq-length", "64", "--train-iters", "1", "--freeze-vision",
                     "--trainable-modules", "vision_model"], tmp_path)  # fmt: skip
@@ -113,7 +113,7 @@ def test_distributed_optimizer_with_an_idle_stage_is_refused_without_te(tmp_path
     (no Transformer Engine / Apex): the adapter-only run at PP2 says so before training."""
     from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
 
-    from tests.test_trainer_support import train
+    from tests.support.trainer import train
 
     if HAVE_APEX_OR_TE:
         pytest.skip("Transformer Engine or Apex present: megatron-core checkpoints empty optimizer shards")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer_support import train
+from tests.support.trainer import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

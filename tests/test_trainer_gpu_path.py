@@ -14,7 +14,7 @@ import torch
 from mmpack.packing.layout import IGNORE_INDEX
 from mmpack.packing.mrope import MRopeRule
 from mmpack.trainer.batches import Sample, make_micro_batch
-from tests.test_trainer_support import train
+from tests.support.trainer import train
 
 
 def _batch() -> dict:

@@ -13,10 +13,9 @@ from __future__ import annotations
 import io
 import itertools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -188,8 +187,8 @@ def loss_and_grads(model, inputs: list) -> dict:  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory):
-    from tests.conftest import MLLM_DEMO_JSON as mllm_demo_json
-    from tests.conftest import QWEN3_TOKENIZER as qwen3_tokenizer_path
+    from tests.support.shared import MLLM_DEMO_JSON as mllm_demo_json
+    from tests.support.shared import QWEN3_TOKENIZER as qwen3_tokenizer_path
 
     if not (qwen3_tokenizer_path.is_file() and mllm_demo_json.is_file()):
         pytest.skip("needs ../shared (Qwen3 tokenizer and the mllm_demo records)")
@@ -210,17 +209,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     return root, hf_dir, packed, _reference(hf_dir, packed)
 
 
-def _torchrun(nproc: int, args: list[str], cwd: Path, timeout_s: int = 600) -> subprocess.CompletedProcess:
-    from tests.test_trainer_support import REPO, free_port
+def _torchrun(nproc: int, args: list[str], cwd: Path, timeout_s: int = 600) -> Any:
+    """``torchrun --nproc_per_node nproc ARGS`` on warm ranks (``tests.support.ranks``); checks every rank
+    exited 0. The worker may be a test file that imports tests.*: the repository root is on its path."""
+    from tests.support import ranks
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), *args]  # fmt: skip
-    # the worker may be a test file that imports tests.*: the repository root goes on its path
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return proc
+    return ranks.checked(ranks.launch(nproc, args, cwd / "ranks", timeout_s=timeout_s))
 
 
 def _train_args(hf_dir: Path, packed: Path, tp: int, pp: int) -> list[str]:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer_support import REPO, free_port
+from tests.support.ranks import free_port
+from tests.support.trainer import REPO
 
 pytestmark = pytest.mark.slow
 

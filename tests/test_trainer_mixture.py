@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mmpack.trainer.arguments import parse_args
-from tests.test_trainer_support import make_packed_dataset, ok, train
+from tests.support.trainer import make_packed_dataset, ok, train
 
 pytestmark = pytest.mark.slow
 

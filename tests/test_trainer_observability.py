@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mmpack.packing.batch import MicroBatch
-from tests.test_trainer_support import make_packed_dataset, ok, train
+from tests.support.trainer import make_packed_dataset, ok, train
 
 
 @pytest.mark.slow

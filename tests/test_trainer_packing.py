@@ -192,7 +192,8 @@ def _worker(out_path: str, tp: int, source: str) -> None:
 def test_packed_bin_equals_samples_one_by_one(tmp_path: Path, source: str, tp: int) -> None:
     """``loader``: a real bin (offline packer -> loader, real JPEG/PNG patches) cut into its samples."""
     # imported here: this file is also the torchrun worker script, where the tests package is not importable
-    from tests.test_trainer_support import REPO, free_port, make_packed_dataset
+    from tests.support.ranks import free_port
+    from tests.support.trainer import REPO, make_packed_dataset
 
     if source == "loader":
         source = str(make_packed_dataset(tmp_path / "data", n_samples=60, seed=4))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer_support import REPO
+from tests.support.trainer import REPO
 
 EXAMPLES = REPO / "trainer" / "examples"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer_support import make_packed_dataset, train
+from tests.support.trainer import make_packed_dataset, train
 
 pytestmark = pytest.mark.slow
 
@@ -15,7 +15,7 @@ ARGS = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", 
 
 
 def test_training_from_s3_matches_local(tmp_path: Path) -> None:
-    from tests.storage_servers import moto_s3
+    from tests.support.storage_servers import moto_s3
 
     data = make_packed_dataset(tmp_path / "data", n_samples=80, seed=3)
     local = train(2, ["--data-path", str(data), *ARGS], tmp_path / "local")

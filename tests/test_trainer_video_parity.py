@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.conftest import MLLM_DEMO_JSON, QWEN3_TOKENIZER, SHARED_DIR
+from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER, SHARED_DIR
 from tests.test_trainer_hf_parity import _tiny_hf_model, _torchrun, _train_args, loss_and_grads
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ import pytest
 
 from mmpack.trainer.arguments import parse_args
 from mmpack.trainer.config import ParallelConfig
-from tests.test_trainer_support import Run, checkpoint_view, make_packed_dataset, ok, train
+from tests.support.trainer import Run, checkpoint_view, make_packed_dataset, ok, train
 
 SAVE_AT, TOTAL = 2, 4
 COMMON = [

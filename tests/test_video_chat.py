@@ -113,7 +113,7 @@ def test_truncation_never_cuts_inside_a_video() -> None:
 
 
 def test_a_tokenizer_without_video_pad_is_refused_for_videos(tmp_path: Path) -> None:
-    from tests.fixtures_data import train_tiny_bpe
+    from tests.support.fixtures_data import train_tiny_bpe
 
     tok = load_tokenizer(train_tiny_bpe(tmp_path))  # the demo tokenizer: Qwen control tokens, no video pad
     assert "video_pad" not in tok.special_ids  # an image-and-text tokenizer still loads

@@ -19,8 +19,8 @@ from mmpack.dataloader.video import (
 from mmpack.offline_packing.inputs.video_probe import probe_video
 from mmpack.packing.image_tokens import CLIP_MEAN, CLIP_STD
 from mmpack.packing.video_tokens import VideoPlan, VideoTokenRule
-from tests.conftest import SHARED_DIR
-from tests.video_fixtures import encode_video, reference_frames
+from tests.support.shared import SHARED_DIR
+from tests.support.video_fixtures import encode_video, reference_frames
 
 DEMO_VIDEOS = SHARED_DIR / "data" / "mllm_video_demo" / "mllm_demo_data"
 
@@ -186,7 +186,7 @@ import torch  # loaded up front in both modes (the resize uses it)
 from mmpack.dataloader.video import decode_planned_frames
 from mmpack.offline_packing.inputs.video_probe import probe_video
 from mmpack.packing.video_tokens import VideoTokenRule
-from tests.video_fixtures import reference_frames
+from tests.support.video_fixtures import reference_frames
 
 def status_kib(field):  # this process's own memory; ru_maxrss would carry the parent's peak over exec
     with open("/proc/self/status") as f:

@@ -19,9 +19,9 @@ from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.image_tokens import ImageTokenRule
 from mmpack.packing.video_tokens import VideoPlan, VideoTokenRule
-from tests.conftest import QWEN3_TOKENIZER, SHARED_DIR
-from tests.reference import qwen_vl_video_plan
-from tests.video_fixtures import encode_video, reference_frames
+from tests.support.reference import qwen_vl_video_plan
+from tests.support.shared import QWEN3_TOKENIZER, SHARED_DIR
+from tests.support.video_fixtures import encode_video, reference_frames
 
 DEMO_DIR = SHARED_DIR / "data" / "mllm_video_demo"
 VIDEO_PAD, IMAGE_PAD = 151656, 151655

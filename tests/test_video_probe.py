@@ -9,8 +9,8 @@ import pytest
 from mmpack.offline_packing.errors import VideoProbeError
 from mmpack.offline_packing.inputs.video_probe import VideoProbeConfig, probe_video
 from mmpack.packing.video_tokens import VideoRuleError, VideoTokenRule
-from tests.conftest import SHARED_DIR
-from tests.video_fixtures import encode_video
+from tests.support.shared import SHARED_DIR
+from tests.support.video_fixtures import encode_video
 
 DEMO_VIDEOS = SHARED_DIR / "data" / "mllm_video_demo" / "mllm_demo_data"
 

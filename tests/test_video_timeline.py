@@ -20,8 +20,8 @@ from mmpack.offline_packing.inputs.video_probe import probe_video
 from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.video_tokens import VideoTokenRule
-from tests.fixtures_data import train_tiny_bpe
-from tests.video_fixtures import encode_video, reference_frames, stream_copy_cut, timescale_one
+from tests.support.fixtures_data import train_tiny_bpe
+from tests.support.video_fixtures import encode_video, reference_frames, stream_copy_cut, timescale_one
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ from mmpack.packing.video_tokens import (
     VideoTokenRule,
     sample_frame_indices,
 )
-from tests.conftest import SHARED_DIR
-from tests.reference import qwen_vl_video_plan
+from tests.support.reference import qwen_vl_video_plan
+from tests.support.shared import SHARED_DIR
 
 DEMO_DIR = SHARED_DIR / "data" / "mllm_video_demo"
 

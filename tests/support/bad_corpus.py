@@ -21,8 +21,8 @@ from typing import Any
 
 from PIL import Image
 
-from tests.fixtures_data import random_words, write_image
-from tests.video_fixtures import encode_video, stream_copy_cut, timescale_one
+from tests.support.fixtures_data import random_words, write_image
+from tests.support.video_fixtures import encode_video, stream_copy_cut, timescale_one
 
 # Reasons no input file can produce, and why: the header of every image Pillow opens has pixels.
 UNREACHABLE = {

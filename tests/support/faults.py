@@ -1,7 +1,7 @@
 """Runs an mmpack entry point with a test fault armed from the environment (no fault: the entry point as is).
 
-    python -m tests.faults trainer ARGS...   (under torchrun: the trainer's ranks)
-    python -m tests.faults mmpack ARGS...    (the `mmpack` command, e.g. `convert`)
+    python -m tests.support.faults trainer ARGS...   (under torchrun: the trainer's ranks)
+    python -m tests.support.faults mmpack ARGS...    (the `mmpack` command, e.g. `convert`)
 
 ``MMPACK_TEST_STALL_WRITER=DIR:RANK``: every checkpoint writer process of global rank RANK (megatron-core's
 ``FileSystemWriterAsync.write_preloaded_data``, in the forked writer) writes its pid to ``DIR/writer-<pid>``

@@ -5,22 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset
+from tests.support import ranks
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_packed_dataset(root: Path, *, n_samples: int, seed: int, seq_len: int = 256) -> Path:
@@ -46,6 +38,7 @@ class Run:
     stdout: str
     stderr: str
     metrics: list[dict]
+    launch: ranks.Launch | None = None
 
     @property
     def train(self) -> list[dict]:
@@ -61,7 +54,7 @@ class Run:
 
 def ok(run: Run) -> Run:
     """``run``, after checking that it exited 0 (showing the tail of its stderr if not)."""
-    assert run.returncode == 0, run.stderr[-5000:]
+    assert run.returncode == 0, run.launch.report() if run.launch else run.stderr[-5000:]
     return run
 
 
@@ -102,20 +95,14 @@ def train(
     tiny: bool = True,
     send: Signal | None = None,
 ) -> Run:
-    """Runs ``torchrun --nproc_per_node nproc -m mmpack.trainer.pretrain_vlm`` with a tiny model (the size
-    flags of ``TINY``; ``tiny=False``: no size flags, for a model that brings its config.json); ``send``: a
-    signal to one of its ranks during the run."""
+    """Runs ``mmpack.trainer.pretrain_vlm`` on ``nproc`` warm ranks (``tests.support.ranks``, as ``torchrun
+    --nproc_per_node nproc -m mmpack.trainer.pretrain_vlm``) with a tiny model (the size flags of ``TINY``;
+    ``tiny=False``: no size flags, for a model that brings its config.json); ``send``: a signal to one of its
+    ranks during the run."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics_file = workdir / "metrics.jsonl"
     metrics_file.unlink(missing_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        str(free_port()),
+    argv = [
         "-m",
         "mmpack.trainer.pretrain_vlm",
         *(TINY if tiny else ["--num-workers", "0"]),
@@ -123,42 +110,30 @@ def train(
         "--metrics-file",
         str(metrics_file),
     ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    with subprocess.Popen(
-        cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    ) as proc:
-        try:
-            if send is not None:
-                _signal_when_logged(proc, metrics_file, send, deadline=time.monotonic() + timeout_s)
-            stdout, stderr = proc.communicate(timeout=timeout_s)
-        except BaseException:
-            proc.kill()
-            raise
+    deadline = time.monotonic() + timeout_s
+
+    def signal_when_logged(procs: list) -> None:
+        if send is not None:
+            _signal_when_logged(procs, metrics_file, send, deadline=deadline)
+
+    launch = ranks.launch(
+        nproc, argv, workdir / "ranks", env=env, timeout_s=timeout_s, while_running=signal_when_logged
+    )
     metrics = (
         [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     )
-    return Run(proc.returncode, stdout, stderr, metrics)
+    return Run(launch.returncode, launch.stdout, launch.stderr, metrics, launch)
 
 
-def _signal_when_logged(proc: subprocess.Popen, metrics_file: Path, send: Signal, *, deadline: float) -> None:
+def _signal_when_logged(procs: list, metrics_file: Path, send: Signal, *, deadline: float) -> None:
     """Waits until ``metrics_file`` holds ``send.after_iteration`` steps, then signals the rank."""
-    while time.monotonic() < deadline and proc.poll() is None:
+    while time.monotonic() < deadline and all(p.exitcode is None for p in procs):
         lines = metrics_file.read_text().splitlines() if metrics_file.exists() else []
         if sum('"loss"' in line for line in lines) >= send.after_iteration:
-            os.kill(_worker_pid(proc.pid, send.rank), send.signum)
+            os.kill(procs[send.rank].pid, send.signum)
             return
         time.sleep(0.05)
     raise AssertionError(f"the run ended or timed out before iteration {send.after_iteration}")
-
-
-def _worker_pid(launcher_pid: int, rank: int) -> int:
-    """The pid of torchrun's worker process of ``rank`` (Linux /proc: its children and their RANK)."""
-    tasks = Path(f"/proc/{launcher_pid}/task")
-    children = [pid for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
-    for pid in children:
-        if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-            return int(pid)
-    raise AssertionError(f"no worker of rank {rank} among {children}")
 
 
 def checkpoint_view(ckpt: Path, iteration: int, tmp: Path) -> Path:

@@ -8,7 +8,7 @@ absent) and over held-in data this module writes itself (synthetic records with 
 the byte-level tokenizer). Sample ids and reject rows name their input files, so every job reads from one
 fixed folder (`GOLDEN_ROOT`), held under a file lock while the jobs run.
 
-Record anew (after a change that is meant to change the outputs): `python -m tests.golden_pack --write`.
+Record anew (after a change that is meant to change the outputs): `python -m tests.support.golden_pack --write`.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 GOLDEN_ROOT = Path("/tmp/mmpack-golden-pack")
-GOLDEN_FILE = Path(__file__).resolve().parent / "golden" / "pack_sha256.json"
+GOLDEN_FILE = Path(__file__).resolve().parents[1] / "golden" / "pack_sha256.json"
 
 
 def shared_data() -> Path | None:
-    """The shared data folder (`tests.conftest.SHARED_DIR`), or None where a part the jobs use is absent."""
-    from tests.conftest import SHARED_DIR
+    """The shared data folder (`tests.support.shared.SHARED_DIR`), or None where a part the jobs use is absent."""
+    from tests.support.shared import SHARED_DIR
 
     root = SHARED_DIR / "data"
     needed = ("mllm_demo/data/mllm_demo.json", "mllm_video_demo/mllm_video_demo.json", "tokenizer_qwen3")
@@ -58,7 +58,7 @@ def _prepare_shared(shared: Path, root: Path) -> None:
 
 
 def _prepare_held_in(root: Path) -> None:
-    from tests.fixtures_data import make_bad_dataset, make_synthetic_dataset
+    from tests.support.fixtures_data import make_bad_dataset, make_synthetic_dataset
 
     make_synthetic_dataset(root / "syn", n_samples=90, seed=5, size_range=(30, 420), max_words=60)
     make_bad_dataset(root / "bad", seed=3)
@@ -109,7 +109,7 @@ def jobs(root: Path, with_shared: bool) -> dict[str, list[str]]:
 def output_hashes(out: Path) -> dict[str, str]:
     """Relative path -> sha256 of every file of a packed output (its work folder and ownership marker,
     which records when it was made, excluded)."""
-    from tests.fixtures_data import dataset_files
+    from tests.support.fixtures_data import dataset_files
 
     return {rel: hashlib.sha256(data).hexdigest() for rel, data in dataset_files(out).items()}
 

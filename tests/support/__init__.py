@@ -1,0 +1,1 @@
+"""Test helpers shared by the test modules (launching ranks, datasets, references, checks); no tests here."""
