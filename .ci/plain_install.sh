@@ -5,6 +5,8 @@
 # Then each extra alone: README's line for it on top of the plain install, its own feature on the path (pack
 # --energon, pack --engine ray, training with --tensorboard-dir; bench: pack and stats), and the extra's
 # packages removed again before the next one.
+# Also the wheel: `pip wheel . --no-deps` installed with its runtime dependencies into a venv of its own, then
+# `mmpack --help` and an import of every module (.ci/wheel_check.py) from it, in a folder outside the repository.
 # Usage: bash .ci/plain_install.sh [extra ...]   (default: every extra README lists but test, which test.sh
 # runs; "none" for the plain one only)
 # MMPACK_PLAIN_DIR keeps the work folder (default: a temporary one, removed at the end).
@@ -99,6 +101,24 @@ extra_path() {
   step "stats" mmpack stats "$d/ds"
 }
 
+# The wheel as a user installs it from an index: built from this copy, installed with its runtime dependencies
+# (torch's CPU build first, as README says) into a venv of its own, then used from a folder outside the repository:
+# `mmpack --help` and every part (every module but those of an extra) imported from site-packages.
+wheel_check() {
+  local venv="$work/wheel-venv" dist="$work/dist" away="$work/wheel-check"
+  step "build the wheel: pip wheel . --no-deps" pip wheel . --no-deps -q -w "$dist"
+  step "a fresh venv for the wheel" python3.11 -m venv "$venv"
+  limit=900 step "install torch==2.13.0 into it" "$venv/bin/pip" install -q torch==2.13.0
+  limit=900 step "install the wheel and its dependencies" "$venv/bin/pip" install -q "$dist"/mmpack-*.whl
+  mkdir -p "$away"
+  cp "$repo/.ci/wheel_check.py" "$away/"
+  step "mmpack --help from the wheel" bash -c 'cd "$1" && "$2" --help' _ "$away" "$venv/bin/mmpack"
+  expect "mmpack --help from the wheel" "$(cat "$log")" "usage: mmpack"
+  step "import every part from the wheel" bash -c 'cd "$1" && "$2" wheel_check.py' _ "$away" "$venv/bin/python"
+  expect "import every part from the wheel" "$(cat "$log")" "modules import from the wheel"
+  tail -n 1 "$log" | sed 's/^/    /'
+}
+
 # Fails naming them when the extra just installed replaced a package of the plain install.
 extra_adds_only() {
   local changed
@@ -164,6 +184,8 @@ raw="$work/raw"
 step "a small raw dataset and tokenizer" python -m mmpack.offline_packing.demo.synthetic "$raw" \
   --samples 40 --max-size 96 --tokenizer
 user_path
+echo "== the wheel: built, installed into a venv of its own, used outside the repository"
+wheel_check
 
 for extra in "${extras[@]}"; do
   echo "== extra $extra alone"

@@ -1,6 +1,7 @@
 """Structure of the package, read from its source (ast): no import cycle among modules (module-level imports,
-as Python runs them), no module-level mutable state, no module reaching into another module's privates.
-Each check has a control: a synthetic package that breaks the rule is caught."""
+as Python runs them), no module-level mutable state, no module reaching into another module's privates; and of
+the tests: no test module imported by another (helpers live in tests/support/). Each check has a control: a
+synthetic package or tests folder that breaks the rule is caught."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tests.support.package_structure import (
     Module,
     find_import_cycles,
     foreign_private_uses,
+    imports_of_test_modules,
     module_level_state,
     package_modules,
 )
@@ -38,6 +40,13 @@ def test_no_module_level_mutable_state(modules: dict[str, Module]) -> None:
 
 def test_no_module_uses_another_modules_privates(modules: dict[str, Module]) -> None:
     assert foreign_private_uses(modules) == []
+
+
+def test_no_test_module_imports_another() -> None:
+    """No module under tests/ (test modules, tests/support/, conftest) imports a tests/test_*.py module, not
+    even inside a function or under ``if __name__ == "__main__":``: shared helpers live in tests/support/."""
+    assert len(list((ROOT / "tests").glob("test_*.py"))) > 50  # the whole tests folder was read
+    assert imports_of_test_modules(ROOT / "tests") == []
 
 
 def _synthetic(tmp_path: Path, files: dict[str, str]) -> dict[str, Module]:
@@ -88,3 +97,33 @@ def test_controls_each_check_catches_its_violation(tmp_path: Path) -> None:
     assert find_import_cycles(clean) == find_import_cycles(clean, deferred=True) == []
     assert module_level_state(clean) == []
     assert foreign_private_uses(clean) == []
+
+
+def test_control_test_module_imports_are_caught(tmp_path: Path) -> None:
+    files = {
+        "__init__.py": "",
+        "conftest.py": "from tests.support import helpers\n",
+        "test_a.py": '"""Uses tests.test_b (a docstring is no import)."""\nfrom tests.test_b import helper\n',
+        "test_b.py": "from tests.support.helpers import x\nimport tests.support\nfrom tests import support\n"
+        "def helper():\n    return x\n",
+        "test_c.py": "def f():\n    from tests import test_b\n    return test_b\n",
+        "test_d.py": "if __name__ == '__main__':\n    import tests.test_b as b\n",
+        "test_e.py": "from .test_b import helper\n",
+        "support/__init__.py": "",
+        "support/helpers.py": "x = 1\ndef g():\n    from ..test_b import helper\n    return helper\n",
+    }
+    for rel, text in files.items():
+        path = tmp_path / "tests" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert imports_of_test_modules(tmp_path / "tests") == [
+        "tests/support/helpers.py:3: imports tests.test_b",
+        "tests/test_a.py:2: imports tests.test_b",
+        "tests/test_c.py:2: imports tests.test_b",
+        "tests/test_d.py:2: imports tests.test_b",
+        "tests/test_e.py:1: imports tests.test_b",
+    ]
+    # what is not a violation: imports of tests.support (any form), a module naming a test module in text
+    for rel in ("test_a.py", "test_c.py", "test_d.py", "test_e.py", "support/helpers.py"):
+        (tmp_path / "tests" / rel).unlink()
+    assert imports_of_test_modules(tmp_path / "tests") == []

@@ -18,7 +18,7 @@ import pytest
 
 from tests.support.fixtures_chat import qwen2_vl_model_folder
 from tests.support.fixtures_data import dataset_files
-from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER
+from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER, need_import, need_shared
 
 SCRIPT = Path(__file__).resolve().parents[1] / "offline_packing" / "auto_pipe.sh"
 # The usage examples 1-7 of LLaVA-OneVision-2's offline_packing/auto_pipe.sh, as written there.
@@ -39,10 +39,8 @@ OV2_EXAMPLES = {
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A working directory holding OV-2's default model folder (Qwen/Qwen2.5-VL-3B-Instruct) and the records."""
-    for path in (QWEN3_TOKENIZER, MLLM_DEMO_JSON):
-        if not path.is_file():
-            pytest.skip(f"shared data not found at {path}")
-    pytest.importorskip("megatron.energon")
+    need_shared(QWEN3_TOKENIZER, MLLM_DEMO_JSON, what="the Qwen3 tokenizer, mllm_demo")
+    need_import("megatron.energon", extra="energon")
     root = tmp_path_factory.mktemp("site")
     qwen2_vl_model_folder(root / "Qwen" / "Qwen2.5-VL-3B-Instruct", QWEN3_TOKENIZER)
     records = json.loads(MLLM_DEMO_JSON.read_text())
@@ -84,6 +82,7 @@ def _shards_and_manifest(out: Path) -> dict[str, bytes]:
     return {k: v for k, v in dataset_files(out).items() if not k.startswith(".nv-meta")}
 
 
+@pytest.mark.shared
 @pytest.mark.slow
 def test_ov2_usage_examples_run_unchanged(site: Path, tmp_path: Path) -> None:
     status = _run(site, 6)  # -s before any run: every stage to do

@@ -20,8 +20,8 @@ from mmpack.dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
 from mmpack.dataloader.storage import StorageConfig
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset
 from mmpack.packing.cost import COST_FEATURES, DEFAULT_COST_MODEL, CostModel, bin_cost_features
+from tests.support.loader_data import all_records, global_batches
 from tests.support.storage_servers import http_server
-from tests.test_loader import all_records, global_batches
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -297,9 +297,9 @@ def test_trainer_cost_model_follows_the_model_and_its_attention() -> None:
     """`--balance compute` evens out the FLOPs MFU reports (one formula), here worked out by hand."""
     from mmpack.trainer.models.qwen2_5_vl import FAMILY
     from mmpack.trainer.training import balance_cost_model
-    from tests.test_trainer_observability import _arch
+    from tests.support.qwen2_5_vl import tiny_arch
 
-    arch = _arch()
+    arch = tiny_arch()
     h, n, hv, lv = arch.hidden_size, arch.num_layers, arch.vision.hidden_size, arch.vision.depth
     g, d, f, fv = (
         arch.num_key_value_heads,
@@ -332,13 +332,14 @@ def test_trainer_cost_model_follows_the_model_and_its_attention() -> None:
     )
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
-def test_trainer_logs_each_steps_dp_compute_spread(tmp_path: Path) -> None:
+def test_trainer_logs_each_steps_dp_compute_spread(tmp_path: Path, packed_dataset: Any) -> None:
     """A real DP 2 run with balancing: every step logs the slowest and the mean rank's forward + backward
     time (gathered over the DP group) and their ratio."""
-    from tests.support.trainer import make_packed_dataset, ok, train
+    from tests.support.trainer import ok, train
 
-    data = make_packed_dataset(tmp_path / "data", n_samples=40, seed=5)
+    data = packed_dataset(n_samples=40, seed=5)
     args = ["--data-path", str(data), "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3",
             "--balance", "compute"]  # fmt: skip
     run = ok(train(2, args, tmp_path / "run"))
@@ -354,9 +355,9 @@ def test_cost_model_under_context_parallelism_is_one_cp_rank_share() -> None:
     on every CP rank), so the vision part weighs CP times more against the text part."""
     from mmpack.trainer.models.qwen2_5_vl import FAMILY
     from mmpack.trainer.training import balance_cost_model
-    from tests.test_trainer_observability import _arch
+    from tests.support.qwen2_5_vl import tiny_arch
 
-    arch = _arch()
+    arch = tiny_arch()
     whole = balance_cost_model(FAMILY, arch, use_te=True)
     cp2 = balance_cost_model(FAMILY, arch, use_te=True, cp_size=2)
     assert cp2.tokens == pytest.approx(whole.tokens / 2)

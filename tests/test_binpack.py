@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmpack.packing import binpack
-from mmpack.packing.binpack import ALGORITHMS, PackResult, pack_lengths
+from mmpack.packing.binpack import ALGORITHMS, pack_lengths
 from mmpack.packing.stats import lower_bound_l2
 from tests.support import reference
+from tests.support.binpack_checks import assert_valid, pack
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -26,56 +27,17 @@ def packing_inputs(draw, with_caps: bool = True):
     return lengths, capacity, max_items, images, max_images
 
 
-def _pack(lengths, capacity, max_items, images, max_images, algorithm):
-    return pack_lengths(
-        np.asarray(lengths, dtype=np.int64),
-        capacity,
-        algorithm=algorithm,
-        max_items_per_bin=max_items,
-        image_counts=None if images is None else np.asarray(images, dtype=np.int64),
-        max_images_per_bin=max_images,
-    )
-
-
-def assert_valid(result: PackResult, lengths, capacity, max_items, images, max_images):
-    lengths = np.asarray(lengths, dtype=np.int64)
-    images_arr = np.zeros(len(lengths), np.int64) if images is None else np.asarray(images, np.int64)
-    image_cap = max_images if (images is not None and max_images is not None) else None
-    bin_ids = result.bin_ids
-    assert bin_ids.dtype == np.int64 and bin_ids.shape == lengths.shape
-    unplaceable = (lengths > capacity) | (images_arr > (image_cap if image_cap is not None else 1 << 62))
-    np.testing.assert_array_equal(bin_ids == -1, unplaceable)
-    placed = bin_ids >= 0
-    if not placed.any():
-        assert result.num_bins == 0
-        return
-    # bins numbered 0..num_bins-1, none empty, every placed item in exactly one bin
-    assert set(np.unique(bin_ids[placed]).tolist()) == set(range(result.num_bins))
-    bins = result.bins()
-    assert len(bins) == result.num_bins
-    flat = np.concatenate(bins)
-    assert sorted(flat.tolist()) == np.flatnonzero(placed).tolist()
-    for b, members in enumerate(bins):
-        assert np.all(np.diff(members) > 0)
-        assert np.all(bin_ids[members] == b)
-        assert lengths[members].sum() <= capacity
-        if max_items is not None:
-            assert len(members) <= max_items
-        if image_cap is not None:
-            assert images_arr[members].sum() <= image_cap
-
-
 @FAST
 @given(packing_inputs(), st.sampled_from(ALGORITHMS))
 def test_every_algorithm_gives_a_valid_deterministic_packing(inputs, algorithm):
     lengths, capacity, max_items, images, max_images = inputs
     if algorithm == "patterns" and images is not None and max_images is not None and any(images):
         with pytest.raises(ValueError, match="patterns"):
-            _pack(*inputs, algorithm)
+            pack(*inputs, algorithm)
         return
-    first = _pack(*inputs, algorithm)
+    first = pack(*inputs, algorithm)
     assert_valid(first, lengths, capacity, max_items, images, max_images)
-    again = _pack(*inputs, algorithm)
+    again = pack(*inputs, algorithm)
     np.testing.assert_array_equal(first.bin_ids, again.bin_ids)
     assert first.num_bins == again.num_bins and first.algorithm == again.algorithm
 
@@ -84,7 +46,7 @@ def test_every_algorithm_gives_a_valid_deterministic_packing(inputs, algorithm):
 @given(packing_inputs())
 def test_next_fit_matches_reference(inputs):
     lengths, capacity, max_items, images, max_images = inputs
-    got = _pack(*inputs, "nf")
+    got = pack(*inputs, "nf")
     want, num_bins = reference.next_fit(lengths, capacity, *_ref_caps(max_items, images, max_images))
     assert got.bin_ids.tolist() == want and got.num_bins == num_bins
 
@@ -93,7 +55,7 @@ def test_next_fit_matches_reference(inputs):
 @given(packing_inputs())
 def test_first_fit_decreasing_matches_reference(inputs):
     lengths, capacity, max_items, images, max_images = inputs
-    got = _pack(*inputs, "ffd")
+    got = pack(*inputs, "ffd")
     want, num_bins = reference.first_fit_decreasing(
         lengths, capacity, *_ref_caps(max_items, images, max_images)
     )
@@ -105,7 +67,7 @@ def test_first_fit_decreasing_matches_reference(inputs):
 def test_best_fit_decreasing_with_caps_matches_reference(inputs):
     lengths, capacity, max_items, images, max_images = inputs
     max_items = 2 if max_items is None else max_items
-    got = _pack(lengths, capacity, max_items, images, max_images, "obfd")
+    got = pack(lengths, capacity, max_items, images, max_images, "obfd")
     want, num_bins = reference.best_fit_decreasing(
         lengths, capacity, *_ref_caps(max_items, images, max_images)
     )
@@ -123,7 +85,7 @@ def test_histogram_best_fit_equals_item_best_fit(inputs):
     """Without caps, best fit over the histogram is item-by-item best fit up to ties between bins
     with equal space, so bin count and bin loads agree with the reference."""
     lengths, capacity, *_ = inputs
-    got = _pack(lengths, capacity, None, None, None, "obfd")
+    got = pack(lengths, capacity, None, None, None, "obfd")
     want, num_bins = reference.best_fit_decreasing(lengths, capacity)
     assert got.num_bins == num_bins
     assert reference.bin_loads(lengths, got.bin_ids.tolist()) == reference.bin_loads(lengths, want)
@@ -133,8 +95,8 @@ def test_histogram_best_fit_equals_item_best_fit(inputs):
 @given(packing_inputs())
 def test_auto_never_uses_more_bins_than_obfd_nor_fewer_than_l2(inputs):
     lengths, capacity, *_ = inputs
-    auto = _pack(*inputs, "auto")
-    obfd = _pack(*inputs, "obfd")
+    auto = pack(*inputs, "auto")
+    obfd = pack(*inputs, "obfd")
     assert auto.num_bins <= obfd.num_bins
     placed = np.asarray(lengths, dtype=np.int64)[auto.bin_ids >= 0]
     assert auto.num_bins >= lower_bound_l2(placed, capacity)
@@ -171,7 +133,7 @@ def _ref_caps(max_items, images, max_images):
     ],
 )
 def test_edge_cases(algorithm, lengths, capacity, expected_bins):
-    result = _pack(lengths, capacity, None, None, None, algorithm)
+    result = pack(lengths, capacity, None, None, None, algorithm)
     assert_valid(result, lengths, capacity, None, None, None)
     assert result.num_bins == expected_bins
 
@@ -179,14 +141,14 @@ def test_edge_cases(algorithm, lengths, capacity, expected_bins):
 @pytest.mark.parametrize("algorithm", ["auto", "obfd", "ffd", "nf", "patterns"])
 def test_item_cap_of_one_gives_one_bin_per_item(algorithm):
     lengths = [3, 1, 2, 1]
-    result = _pack(lengths, 10, 1, None, None, algorithm)
+    result = pack(lengths, 10, 1, None, None, algorithm)
     assert result.num_bins == 4
     assert sorted(result.bin_ids.tolist()) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("algorithm", ["auto", "obfd", "ffd", "nf"])
 def test_item_with_too_many_images_is_rejected(algorithm):
-    result = _pack([2, 2, 2], 10, None, [1, 5, 2], 3, algorithm)
+    result = pack([2, 2, 2], 10, None, [1, 5, 2], 3, algorithm)
     assert result.bin_ids[1] == -1
     assert_valid(result, [2, 2, 2], 10, None, [1, 5, 2], 3)
 
@@ -259,8 +221,8 @@ def test_cheap_pattern_fill_for_large_inputs_is_valid(inputs, algorithm):
     saved = binpack.AUTO_PATTERNS_BUDGET
     binpack.AUTO_PATTERNS_BUDGET = 0
     try:
-        result = _pack(lengths, capacity, max_items, None, None, algorithm)
-        obfd = _pack(lengths, capacity, max_items, None, None, "obfd")
+        result = pack(lengths, capacity, max_items, None, None, algorithm)
+        obfd = pack(lengths, capacity, max_items, None, None, "obfd")
     finally:
         binpack.AUTO_PATTERNS_BUDGET = saved
     assert_valid(result, lengths, capacity, max_items, None, None)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from mmpack.packing.binpack import pack_lengths
 from mmpack.packing.stats import lower_bound_images, lower_bound_l2
 from tests.support import reference
-from tests.test_binpack import _pack, assert_valid
+from tests.support.binpack_checks import assert_valid, pack
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -31,7 +31,7 @@ def capped_inputs(draw, max_n: int = 40):
 @given(capped_inputs())
 def test_imagefit_matches_reference(inputs):
     lengths, capacity, max_items, images, max_images = inputs
-    got = _pack(*inputs, "imagefit")
+    got = pack(*inputs, "imagefit")
     assert_valid(got, lengths, capacity, max_items, images, max_images)
     if any(m <= max_images and m > 0 for m in images):  # the image-capped path (else plain best fit)
         want, num_bins = reference.image_fit(
@@ -52,14 +52,14 @@ def test_two_dimensional_bound_never_exceeds_the_optimum(inputs):
     )
     assert bound <= optimum
     for algorithm in ("auto", "imagefit", "obfd"):
-        assert _pack(*inputs, algorithm).num_bins >= optimum
+        assert pack(*inputs, algorithm).num_bins >= optimum
 
 
 @FAST
 @given(capped_inputs())
 def test_auto_with_image_cap_never_worse_than_obfd(inputs):
-    auto = _pack(*inputs, "auto")
-    assert auto.num_bins <= _pack(*inputs, "obfd").num_bins
+    auto = pack(*inputs, "auto")
+    assert auto.num_bins <= pack(*inputs, "obfd").num_bins
     lengths, capacity, max_items, images, max_images = inputs
     assert auto.num_bins >= lower_bound_images(
         np.array(lengths, dtype=np.int64), np.array(images), capacity, max_images, max_items
@@ -73,7 +73,7 @@ def test_long_item_bound_counts_image_room_full_length_samples_cannot_use():
     bound = lower_bound_images(np.array(lengths), np.array(images), 10, 2)
     assert lower_bound_l2(np.array(lengths), 10) == 5
     assert bound == reference.optimal_bins(lengths, 10, images, 2) == 8
-    assert _pack(lengths, 10, None, images, 2, "auto").num_bins == 8
+    assert pack(lengths, 10, None, images, 2, "auto").num_bins == 8
 
 
 @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ def test_long_item_bound_counts_image_room_full_length_samples_cannot_use():
 )
 def test_imagefit_edge_cases(lengths, images, max_images, expected_bins):
     for algorithm in ("imagefit", "auto"):
-        result = _pack(lengths, 10, None, images, max_images, algorithm)
+        result = pack(lengths, 10, None, images, max_images, algorithm)
         assert_valid(result, lengths, 10, None, images, max_images)
         assert result.num_bins == expected_bins
 
@@ -155,7 +155,6 @@ def test_best_pattern_kernel_matches_enumeration(classes, capacity_units, max_im
 @settings(max_examples=25, deadline=None)
 @given(capped_inputs(max_n=7))
 def test_lp_bound_never_exceeds_the_optimum(inputs):
-    pytest.importorskip("scipy")
     from mmpack.packing.stats import lower_bound_images_lp
 
     lengths, capacity, max_items, images, max_images = inputs
@@ -179,7 +178,6 @@ def test_lp_bound_never_exceeds_the_optimum(inputs):
 def test_lp_bound_reaches_the_optimum_where_the_simple_bound_does_not(lengths, images, max_images, optimum):
     """Found by search over small instances (capacity 10): the two dimensions interact; the control is
     `lower_bound_images`, one bin short."""
-    pytest.importorskip("scipy")
     from mmpack.packing.stats import image_cap_lp, lower_bound_images_lp
 
     assert reference.optimal_bins(lengths, 10, images, max_images) == optimum

@@ -19,15 +19,15 @@ from mmpack.packing.jinja_chat import ChatTemplateError, JinjaChat
 from mmpack.packing.tokenizer import load_tokenizer
 from tests.support.fixtures_chat import QWEN2_VL_CHAT_TEMPLATE, hf_messages, qwen2_vl_model_folder
 from tests.support.fixtures_data import read_arrow_bins
-from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER
+from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER, need_shared
 
-transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.shared]
+
 SYSTEM = "You are a sports and news expert."
 
 
 def _shared(path: Path) -> Path:
-    if not path.is_file():
-        pytest.skip(f"shared data not found at {path}")
+    need_shared(path, what="the Qwen3 tokenizer and the mllm_demo records")
     return path
 
 

@@ -8,15 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import transformers
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from mmpack.packing.image_tokens import ImageTokenRule
 from mmpack.packing.manifest import ManifestImageRule
 from mmpack.packing.tokenizer import BYTE_TOKENIZER, load_tokenizer, tokenizer_info
 from mmpack.trainer.dataset_check import DatasetModelMismatch, check_dataset_matches_model
 from tests.support.fixtures_data import train_tiny_bpe
-
-transformers = pytest.importorskip("transformers")
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
 
 MODEL_RULE = ImageTokenRule(max_pixels=50176)
 

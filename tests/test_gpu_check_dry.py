@@ -15,6 +15,7 @@ from tests.support.trainer import REPO
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.ranks
 def test_gpu_check_dry_run(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from PIL import Image
+from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil_processor
 
 from mmpack.dataloader.collate import decode_image_patches
 from mmpack.packing.image_tokens import (
@@ -26,8 +27,6 @@ from mmpack.packing.image_tokens import (
     load_model_image_rule,
     read_image_size,
 )
-
-pil_processor = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
 
 TOL = 1e-5
 RULES = {
@@ -163,12 +162,12 @@ def test_odd_tiny_elongated_sizes(size: str, variant: str) -> None:
 
 @pytest.fixture(scope="module")
 def demo_images() -> list[bytes]:
-    from tests.support.shared import MLLM_DEMO_JSON
+    from tests.support.shared import MLLM_DEMO_JSON, need_shared
 
     folder = MLLM_DEMO_JSON.parent / "mllm_demo_data"
+    need_shared(folder, what="the mllm_demo images")
     files = sorted(folder.glob("*.jpg"))
-    if not files:
-        pytest.skip(f"shared mllm_demo images not found in {folder}")
+    assert files, f"no JPEG in {folder}"
     return [f.read_bytes() for f in files]
 
 

@@ -38,7 +38,7 @@ from mmpack.packing.image_tokens import (
 )
 from mmpack.packing.tokenizer import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer, load_tokenizer
 from tests.support.fixtures_data import SPECIAL_TOKENS
-from tests.support.shared import QWEN3_TOKENIZER
+from tests.support.shared import QWEN3_TOKENIZER, need_shared
 
 SPECIALS = list(SPECIAL_TOKENS)  # <|image_pad|> last
 CORPUS = [
@@ -79,8 +79,7 @@ def bpe(bpe_file: Path) -> HFTokenizer:
 @pytest.fixture(scope="module")
 def qwen3() -> tuple[HFTokenizer, Tokenizer]:
     """The real Qwen3 tokenizer (ours and a plain `tokenizers` one), loaded once; skips when absent."""
-    if not QWEN3_TOKENIZER.is_file():
-        pytest.skip(f"shared tokenizer not found at {QWEN3_TOKENIZER}")
+    need_shared(QWEN3_TOKENIZER, what="the Qwen3 tokenizer")
     return HFTokenizer(QWEN3_TOKENIZER), Tokenizer.from_file(str(QWEN3_TOKENIZER))
 
 

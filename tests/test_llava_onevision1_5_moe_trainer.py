@@ -1,5 +1,5 @@
 """LLaVA-OneVision-1.5 MoE (the RICE-ViT and a Qwen3-MoE text model, as its 30B-A3B) with expert parallelism,
-against the reference: NeMo-AutoModel's ``RiceTransformer`` (see tests/test_llava_onevision1_5_trainer.py) and
+against the reference: NeMo-AutoModel's ``RiceTransformer`` (see tests/support/onevision1_5.py) and
 transformers' ``Qwen3MoeForCausalLM``, the image embeddings scattered into the image-pad positions.
 
 The model folder keeps the dense ``model_type`` ``llavaonevision1_5`` with a Qwen3-MoE ``text_config`` (4
@@ -15,7 +15,7 @@ one step of both (global batch 2) at lr 0:
 - ``mmpack convert`` HF -> megatron-core at TP2 -> HF is bit-exact and the export gives the same loss in the
   reference.
 
-Skips without ../shared or when the nemo-automodel wheel cannot be downloaded.
+Skips without ../shared (fails under CI).
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_llava_onevision1_5_trainer import reference_loss, rice_and_ids, tiny_hf_model
+from tests.support.hf_parity import check_convert_round_trip, records_file
+from tests.support.onevision1_5 import reference_loss, rice_and_ids, tiny_hf_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.family, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict:
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from mmpack.offline_packing.cli import main as mmpack
-    from tests.test_qwen3_vl_trainer import records_file
 
-    rice, ids = rice_and_ids(request, tmp_path_factory)
+    rice, ids = rice_and_ids()
     root = tmp_path_factory.mktemp("onevision1_5-moe")
     hf_dir = tiny_hf_model(
         root / "hf", rice, ids, "llavaonevision1_5_moe", num_experts=4, moe_router_topk=2, ffn_hidden_size=48,
@@ -50,6 +50,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
     return {"hf": hf_dir, "packed": packed, "rice": rice, "ref": ref}
 
 
+@pytest.mark.shared
 def test_the_folder_reads_as_the_moe_family(setup: dict) -> None:
     from safetensors.torch import load_file
 
@@ -85,6 +86,8 @@ def _swap_experts(model, pixels):  # type: ignore[no-untyped-def]
     return pixels
 
 
+@pytest.mark.shared
+@pytest.mark.ranks
 def test_ep2_and_tp2_ep2_loss_equals_the_reference(setup: dict, tmp_path: Path) -> None:
     from tests.support.trainer import ok, train
 
@@ -110,17 +113,18 @@ def test_ep2_and_tp2_ep2_loss_equals_the_reference(setup: dict, tmp_path: Path) 
     assert abs(swapped["loss"] - ref["loss"]) / ref["loss"] > 1e-3
 
 
+@pytest.mark.shared
+@pytest.mark.ranks
 def test_convert_round_trip_is_bit_exact_and_the_export_gives_the_same_loss(
     setup: dict, tmp_path: Path
 ) -> None:
     """HF -> megatron-core at TP2 (the experts cut over 2 ranks) -> HF: each expert's own tensors, bit for bit."""
-    from tests.test_qwen3_vl_trainer import check_convert_round_trip
-
     check_convert_round_trip(
         setup, tmp_path, 2, 1, lambda hf, packed: reference_loss(hf, packed, setup["rice"], bins=2)
     )
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize(
     ("model_type", "nproc", "more"),
     [

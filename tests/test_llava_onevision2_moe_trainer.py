@@ -19,28 +19,28 @@ without ``output_router_logits``. One step of the first two bins (global batch 2
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.test_llava_onevision2_trainer import model_and_records, reference_loss
+from tests.support import onevision
+from tests.support.hf_parity import check_convert_round_trip, records_file
+from tests.support.onevision import moe_args, reference_loss, swap_experts
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.ranks, pytest.mark.family, pytest.mark.shared, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def setup(onevision2_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The session's tiny OneVision-2 MoE; the six mllm_demo records packed into bins of 640 tokens (two)
+    and of 256 (four or more); the reference's loss on the two bins of 640."""
     from mmpack.offline_packing.cli import main as mmpack
 
+    onevision.need_demo_records()
+    hf_dir = onevision2_model("llava_onevision2_moe", **onevision.MOE_FIELDS)
     root = tmp_path_factory.mktemp("onevision2-moe")
-    hf_dir, records = model_and_records(
-        root,
-        "llava_onevision2_moe",
-        num_experts=4,
-        moe_router_topk=2,
-        ffn_hidden_size=48,
-        moe_aux_loss_coeff=0,
-    )
+    records = records_file(root, with_video=False)
     packed = {}
     for length in (640, 256):  # two bins: one step holds them all; more: two steps of other bins
         packed[length] = root / f"packed{length}"
@@ -53,26 +53,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return found | {"ref": reference_loss(hf_dir, packed[640], bins=2)}
 
 
-def _args(setup: dict, tp: int, ep: int, *more: str, data: str = "packed") -> list[str]:
-    return [
-        "--hf-model", str(setup["hf"]), "--data-path", str(setup[data]),
-        "--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size", str(ep),
-        "--expert-tensor-parallel-size", "1", *(["--sequence-parallel"] if tp > 1 else []),
-        "--micro-batch-size", "1", "--global-batch-size", "2", "--log-interval", "1", "--num-workers", "0",
-        "--seed", "5", *more,
-    ]  # fmt: skip
-
-
-def _swap_experts(model) -> None:  # type: ignore[no-untyped-def]
-    """Experts 0 and 1 of every layer change places (router rows unchanged)."""
-    import torch
-
-    with torch.no_grad():
-        for layer in model.model.language_model.layers:
-            for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
-                p[[0, 1]] = p[[1, 0]].clone()
-
-
 def test_ep2_and_tp2_ep2_loss_equals_the_reference(setup: dict, tmp_path: Path) -> None:
     from tests.support.trainer import ok, train
 
@@ -81,14 +61,14 @@ def test_ep2_and_tp2_ep2_loss_equals_the_reference(setup: dict, tmp_path: Path) 
         run = ok(
             train(
                 2,
-                _args(setup, tp, ep, "--train-iters", "1", "--lr", "0"),
+                moe_args(setup, tp, ep, "--train-iters", "1", "--lr", "0"),
                 tmp_path / f"tp{tp}ep{ep}",
                 tiny=False,
             )
         )
         runs[(tp, ep)] = run.train[0]
     ref = setup["ref"]
-    swapped = reference_loss(setup["hf"], setup["packed"], bins=2, edit=_swap_experts)
+    swapped = reference_loss(setup["hf"], setup["packed"], bins=2, edit=swap_experts)
     print(
         f"EP2 {runs[(1, 2)]['loss']!r}, TP2xEP2 {runs[(2, 2)]['loss']!r}, reference {ref['loss']!r}, swapped experts {swapped['loss']!r}"
     )
@@ -106,7 +86,7 @@ def test_ep2_checkpoint_resumed_at_ep1_continues_equal(setup: dict, tmp_path: Pa
     full = ok(
         train(
             2,
-            _args(setup, 1, 2, *more, "--save", str(ckpt), "--save-interval", "1", data="packed_small"),
+            moe_args(setup, 1, 2, *more, "--save", str(ckpt), "--save-interval", "1", data="packed_small"),
             tmp_path / "full",
             tiny=False,
         )
@@ -116,7 +96,7 @@ def test_ep2_checkpoint_resumed_at_ep1_continues_equal(setup: dict, tmp_path: Pa
     again = ok(
         train(
             1,
-            _args(setup, 1, 1, *more, "--load", str(view), data="packed_small"),
+            moe_args(setup, 1, 1, *more, "--load", str(view), data="packed_small"),
             tmp_path / "resumed",
             tiny=False,
         )
@@ -133,6 +113,4 @@ def test_convert_round_trip_is_bit_exact_and_the_export_loads_in_the_reference(
     setup: dict, tmp_path: Path
 ) -> None:
     """HF -> megatron-core at TP2 (the experts cut over 2 ranks) -> HF: each expert's own tensors, bit for bit."""
-    from tests.test_qwen3_vl_trainer import check_convert_round_trip
-
     check_convert_round_trip(setup, tmp_path, 2, 1, lambda hf, packed: reference_loss(hf, packed, bins=2))

@@ -13,13 +13,18 @@ import itertools
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER, SHARED_DIR
+from tests.support import onevision
+from tests.support.hf_parity import torchrun, train_args
+from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER, SHARED_DIR, need_shared
+
+pytestmark = [pytest.mark.family, pytest.mark.shared]
 
 REFERENCE_DIR = SHARED_DIR / "reference"
 VIDEO_DEMO = SHARED_DIR / "data" / "mllm_video_demo"
@@ -36,10 +41,12 @@ IMAGE_CONFIG = {
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A OneVision-2 model folder as far as the packer and the processor read it."""
-    if not (
-        QWEN3_TOKENIZER.is_file() and (REFERENCE_DIR / "llava_onevision2").is_dir() and VIDEO_DEMO.is_dir()
-    ):
-        pytest.skip("needs ../shared (the OneVision-2 reference, mllm_video_demo and the Qwen3 tokenizer)")
+    need_shared(
+        QWEN3_TOKENIZER,
+        REFERENCE_DIR / "llava_onevision2",
+        VIDEO_DEMO,
+        what="the OneVision-2 reference, mllm_video_demo and the Qwen3 tokenizer",
+    )
     out = tmp_path_factory.mktemp("ov2_folder")
     (out / "config.json").write_text(json.dumps({"model_type": "llava_onevision2"}))
     (out / "preprocessor_config.json").write_text(json.dumps(IMAGE_CONFIG))
@@ -317,10 +324,13 @@ def _reference_video_loss(
     import torch
 
     from mmpack.dataloader import Topology, build_loader
-    from tests.test_llava_onevision2_trainer import _reference_classes
 
     config = json.loads((hf_dir / "config.json").read_text())
-    model = _reference_classes(config["model_type"])[1].from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = (
+        onevision.reference_classes(config["model_type"])[1]
+        .from_pretrained(hf_dir, dtype=torch.float32)
+        .eval()
+    )
     if edit is not None:
         edit(model)
     manifest = json.loads((packed / "manifest.json").read_text())
@@ -346,9 +356,8 @@ def _add_bin_losses(
     import torch.nn.functional as F
 
     from mmpack.offline_packing.inputs.video_probe import probe_video
-    from tests.test_llava_onevision2_trainer import _reference_modules
 
-    _, _, video = _reference_modules()
+    _, _, video = onevision.reference_modules()
     pad = manifest["tokenizer"]["special_ids"]["image_pad"]
     merge = config["vision_config"]["spatial_merge_size"]
     grids, real, cu = batch.image_grid_thw.tolist(), int(batch.num_real_tokens), batch.cu_seqlens.tolist()
@@ -384,18 +393,18 @@ def _add_bin_losses(
     return count
 
 
-def _video_setup(root: Path, model_type: str, length: int, **spec_fields: int) -> dict[str, Any]:
-    """A tiny random ``model_type`` (reference classes) under ``root`` and the three demo videos packed with
-    its folder into bins of ``length`` tokens."""
+def _video_setup(root: Path, length: int, model: Callable[[], Path]) -> dict[str, Any]:
+    """The three demo videos under ``root`` packed into bins of ``length`` tokens with the tiny model folder
+    ``model()`` gives (the session's)."""
     from mmpack.offline_packing.cli import main as mmpack
-    from tests.test_llava_onevision2_trainer import tiny_hf_model
 
-    if not (
-        QWEN3_TOKENIZER.is_file() and (REFERENCE_DIR / "llava_onevision2").is_dir() and VIDEO_DEMO.is_dir()
-    ):
-        pytest.skip("needs ../shared (the OneVision-2 reference, mllm_video_demo and the Qwen3 tokenizer)")
-    ids = {t["content"]: t["id"] for t in json.loads(QWEN3_TOKENIZER.read_text())["added_tokens"]}
-    hf_dir = tiny_hf_model(root / "hf", ids, model_type, **spec_fields)
+    need_shared(
+        QWEN3_TOKENIZER,
+        REFERENCE_DIR / "llava_onevision2",
+        VIDEO_DEMO,
+        what="the OneVision-2 reference, mllm_video_demo and the Qwen3 tokenizer",
+    )
+    hf_dir = model()
     records = _video_records(root)
     packed = root / "packed"
     assert mmpack(["pack", "-i", str(records), "-o", str(packed), "-L", str(length), "--model", str(hf_dir),
@@ -406,13 +415,16 @@ def _video_setup(root: Path, model_type: str, length: int, **spec_fields: int) -
 
 
 @pytest.fixture(scope="module")
-def dense_videos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def dense_videos(
+    onevision2_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     """The dense model; the three videos in one bin; the reference's loss and controls."""
-    found = _video_setup(tmp_path_factory.mktemp("ov2-video"), "llava_onevision2", 2048)
+    found = _video_setup(tmp_path_factory.mktemp("ov2-video"), 2048, onevision2_model)
     assert found["bins"] == 1
     return found | {"ref": _reference_video_loss(found["hf"], found["packed"], found["root"])}
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_video_loss_equals_the_reference(dense_videos: dict[str, Any], tp: int, tmp_path: Path) -> None:
@@ -421,12 +433,9 @@ def test_video_loss_equals_the_reference(dense_videos: dict[str, Any], tp: int, 
     an image, its patches at t = the frame's index in the video); zeroed frames and frames in reverse order
     (their pixels meet other frame positions) move the reference's, zeroed patch positions and zeroed vision
     features ours, by over 1e-4."""
-    from tests.test_trainer_hf_parity import _torchrun, _train_args
-
     hf_dir, packed, ref = dense_videos["hf"], dense_videos["packed"], dense_videos["ref"]
-    worker = Path(__file__).resolve().parent / "test_llava_onevision2_trainer.py"
-    args = [*_train_args(hf_dir, packed, tp, 1), *(["--sequence-parallel"] if tp > 1 else [])]
-    _torchrun(tp, [str(worker), str(tmp_path), *args], tmp_path)
+    args = [*train_args(hf_dir, packed, tp, 1), *(["--sequence-parallel"] if tp > 1 else [])]
+    torchrun(tp, ["-m", "tests.support.onevision", str(tmp_path), *args], tmp_path)
     ours = json.loads((tmp_path / "losses.json").read_text())
     print(f"video TP{tp}: loss {ours['loss']!r}, reference {ref['loss']!r}, relative gap "
           f"{abs(ours['loss'] - ref['loss']) / ref['loss']:.2e}; controls {ours}, reference {ref}")  # fmt: skip
@@ -438,22 +447,24 @@ def test_video_loss_equals_the_reference(dense_videos: dict[str, Any], tp: int, 
         assert gap > 1e-4, f"control {name}: the loss moves by only {gap:.2e} (relative)"
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
-def test_moe_video_loss_at_ep2_equals_the_reference(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_moe_video_loss_at_ep2_equals_the_reference(
+    onevision2_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """The MoE variant (4 experts, 2 per token, load-balancing coefficient 0), the three videos in two bins:
     one iteration of both bins at lr 0, EP2 (TP1, DP2, expert TP 1) on two ranks, logs the reference's loss
     over the same samples to 1e-5; controls: zeroed frames, frames in reverse order and two experts of every
     layer swapped move the reference's by over 1e-4."""
     from tests.support.trainer import ok, train
-    from tests.test_llava_onevision2_moe_trainer import _args, _swap_experts
 
     root = tmp_path_factory.mktemp("ov2-moe-video")
-    moe = _video_setup(root, "llava_onevision2_moe", 1152, num_experts=4, moe_router_topk=2, ffn_hidden_size=48,
-                       moe_aux_loss_coeff=0)  # fmt: skip
+    moe = _video_setup(root, 1152, lambda: onevision2_model("llava_onevision2_moe", **onevision.MOE_FIELDS))
     assert moe["bins"] == 2  # one global batch of two: both bins in the step
     ref = _reference_video_loss(moe["hf"], moe["packed"], root, bins=2)
-    swapped = _reference_video_loss(moe["hf"], moe["packed"], root, bins=2, edit=_swap_experts)["loss"]
-    args = _args(moe, 1, 2, "--train-iters", "1", "--lr", "0")
+    swap = onevision.swap_experts  # control: experts 0 and 1 of every layer change places
+    swapped = _reference_video_loss(moe["hf"], moe["packed"], root, bins=2, edit=swap)["loss"]
+    args = onevision.moe_args(moe, 1, 2, "--train-iters", "1", "--lr", "0")
     [step] = ok(train(2, args, root / "ep2", tiny=False)).train
     print(f"MoE video EP2: loss {step['loss']!r}, reference {ref['loss']!r}, relative gap "
           f"{abs(step['loss'] - ref['loss']) / ref['loss']:.2e}; reference {ref}, swapped experts {swapped!r}")  # fmt: skip

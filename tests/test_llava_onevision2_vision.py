@@ -14,6 +14,7 @@ The trainer's videos reach the tower one frame per grid row (t = 1), so only a d
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +22,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.shared import QWEN3_TOKENIZER, SHARED_DIR
+from tests.support import onevision
+from tests.support.shared import REFERENCE_DIR, need_shared
 
-REFERENCE_DIR = SHARED_DIR / "reference"
+pytestmark = [pytest.mark.family, pytest.mark.shared]
+
 GRIDS = [[1, 4, 6], [9, 4, 4], [4, 2, 2], [5, 6, 4], [8, 2, 6], [13, 4, 2], [2, 2, 2], [3, 6, 6]]
 
 
 def _reference_vision_class() -> Any:
-    if not (REFERENCE_DIR / "llava_onevision2").is_dir():
-        pytest.skip("needs ../shared/reference/llava_onevision2")
-    from tests.test_llava_onevision2_trainer import _reference_modules
-
-    return _reference_modules()[1].LlavaOnevision2VisionPretrainedModel
+    need_shared(REFERENCE_DIR / "llava_onevision2", what="the OneVision-2 reference")
+    return onevision.reference_modules()[1].LlavaOnevision2VisionPretrainedModel
 
 
 def _reference_lengths(grids: list[list[int]], frames: int) -> list[int]:
@@ -83,14 +83,11 @@ def _our_features(hf_dir: Path, pixels: torch.Tensor, grid: torch.Tensor, positi
 
 
 @pytest.fixture(scope="module", params=[(14, 2), (16, 3)], ids=["patch14_merge2", "patch16_merge3"])
-def hf_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.test_llava_onevision2_trainer import tiny_hf_model
-
-    if not (QWEN3_TOKENIZER.is_file() and (REFERENCE_DIR / "llava_onevision2").is_dir()):
-        pytest.skip("needs ../shared (the Qwen3 tokenizer, reference/llava_onevision2)")
-    ids = {t["content"]: t["id"] for t in json.loads(QWEN3_TOKENIZER.read_text())["added_tokens"]}
+def hf_folder(request: pytest.FixtureRequest, onevision2_model: Callable[..., Path]) -> Path:
+    """The session's tiny OneVision-2 of that patch and merge size (those of the trainer test's two
+    datasets: patch 16 / merge 3 reads images up to 100352 pixels, which the tower test does not use)."""
     patch, merge = request.param
-    return tiny_hf_model(tmp_path_factory.mktemp("ov2-tower") / "hf", ids, patch_size=patch, merge_size=merge)
+    return onevision2_model(patch_size=patch, merge_size=merge, max_pixels=50176 if patch == 14 else 100352)
 
 
 def _gap(ours: torch.Tensor, theirs: torch.Tensor) -> float:
@@ -101,9 +98,8 @@ def _gap(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 @pytest.mark.slow
 def test_tower_attends_within_frame_windows_as_the_reference(hf_folder: Path) -> None:
     from mmpack.packing.patch_positions import block_patch_positions
-    from tests.test_llava_onevision2_trainer import _reference_classes, _reference_modules
 
-    _, _, video = _reference_modules()
+    _, _, video = onevision.reference_modules()
     v = json.loads((hf_folder / "config.json").read_text())["vision_config"]
     patch, merge = v["patch_size"], v["spatial_merge_size"]
     assert v["frame_windows_size"] == 4
@@ -118,7 +114,11 @@ def test_tower_attends_within_frame_windows_as_the_reference(hf_folder: Path) ->
     pixels = torch.randn(
         int(grid.prod(-1).sum()), 3 * patch * patch, generator=torch.Generator().manual_seed(0)
     )
-    model = _reference_classes("llava_onevision2")[1].from_pretrained(hf_folder, dtype=torch.float32).eval()
+    model = (
+        onevision.reference_classes("llava_onevision2")[1]
+        .from_pretrained(hf_folder, dtype=torch.float32)
+        .eval()
+    )
     visual = model.model.visual
     cases = {"windows of 4": (4, positions), "windows of 0": (0, positions), "windows of 2": (2, positions),
              "zeroed positions": (4, positions * 0)}  # fmt: skip

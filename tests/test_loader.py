@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +13,11 @@ import torch
 from PIL import Image
 
 from mmpack.dataloader import PackedLoader, Topology, bin_order, build_loader, load_manifest
-from mmpack.dataloader.readers import open_shard_reader
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset
 from mmpack.packing.batch import contract_problems
 from mmpack.packing.image_tokens import ImageTokenRule, image_to_patches
 from mmpack.packing.layout import build_packed_sequence
-from tests.test_loader_storage import assert_same
+from tests.support.loader_data import all_records, assert_same, global_batches, take
 
 IGNORE = -100
 
@@ -34,22 +32,6 @@ def loader(path: Path | str, topo: Topology, **kw: Any) -> PackedLoader:
     kw.setdefault("global_batch_size", 4)
     kw.setdefault("num_workers", 0)
     return build_loader(str(path), topology=topo, **kw)
-
-
-def take(it: Iterator[Any], n: int) -> list[Any]:
-    return list(itertools.islice(it, n))
-
-
-def all_records(path: Path, fmt: str = "arrow") -> dict[int, dict[str, Any]]:
-    """Every bin of the dataset read straight from the shards, by global bin id."""
-    m = load_manifest(str(path), shard_format=fmt)
-    out = {}
-    for s in m.shards:
-        r = open_shard_reader(str(path / s.path), s.format, label=s.path)
-        for i in range(s.bins):
-            out[s.first_bin + i] = r.read(i)
-        r.close()
-    return out
 
 
 def reference_mask(cu: np.ndarray, total: int) -> np.ndarray:
@@ -166,21 +148,6 @@ def test_grid_of_ranks_covers_each_epoch(dataset: Path) -> None:
         flat = list(itertools.chain(*ids))
         assert len(set(flat)) == len(flat)
         assert set(flat) == set(bin_order(m, 0, 0)[: steps * global_batch].tolist())
-
-
-def global_batches(loaders: list[PackedLoader], steps: int) -> list[list[int]]:
-    """Runs DP ranks in lockstep; returns each step's global batch (bin ids in rank order)."""
-    its = [iter(ld) for ld in loaders]
-    out = []
-    for _ in range(steps):
-        batch: list[int] = []
-        for ld, it in zip(loaders, its):
-            for b in take(it, ld.micro_batches_per_step):
-                batch += b.bin_ids.tolist()
-        out.append(batch)
-    for ld in loaders:
-        ld.close()
-    return out
 
 
 def dp_loaders(dataset: Path, dp: int, micro: int, **kw: Any) -> list[PackedLoader]:

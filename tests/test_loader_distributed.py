@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 
 from mmpack.dataloader import bin_order, load_manifest
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset
-from tests.support.processes import fresh_process_context, join_or_kill
+from tests.support import ranks
+
+pytestmark = [pytest.mark.ranks]
 
 TP, PP, DP = 2, 2, 2
 GLOBAL_BATCH, MICRO = 4, 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rank_main(rank: int, world: int, port: int, dataset: str, out_dir: str) -> None:
@@ -61,15 +56,15 @@ def rank_main(rank: int, world: int, port: int, dataset: str, out_dir: str) -> N
 def test_megatron_ranks_split_the_epoch(tmp_path: Path) -> None:
     dataset = build_packed_dataset(tmp_path / "data", fmt="arrow")
     world = TP * PP * DP
-    ctx = fresh_process_context("megatron.core.parallel_state", "mmpack.dataloader")
-    port = free_port()
+    ctx = ranks.context()  # the fork server of the whole pytest run (torch, megatron-core, the loader loaded)
+    port = ranks.free_port()
     procs = [
         ctx.Process(target=rank_main, args=(r, world, port, str(dataset), str(tmp_path)))
         for r in range(world)
     ]
     for p in procs:
         p.start()
-    join_or_kill(procs, timeout_s=240)
+    ranks.join_or_kill(procs, timeout_s=240)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     m = load_manifest(str(dataset))

@@ -19,7 +19,7 @@ from mmpack.dataloader.storage import StorageConfig
 from mmpack.dataloader.transport import MAX_SLOTS, SlotReader
 from mmpack.dataloader.worker import LocalReadAhead, Producer, ProducerSpec, worker_loop
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset
-from tests.test_loader_storage import assert_same
+from tests.support.loader_data import assert_same
 
 
 def batches(loader: Any) -> list[dict[str, Any]]:

@@ -62,6 +62,7 @@ def own_stream(path: str, seed: int, count: int, **options: Any) -> list[int]:
     return StreamOrder(load_manifest(path, **options), seed).positions(0, count).tolist()
 
 
+@pytest.mark.slow
 def test_three_sources_shares_order_and_purity(local: list[str], s3: tuple[S3Endpoint, str]) -> None:
     endpoint, url = s3
     sources = (

@@ -22,7 +22,7 @@ from mmpack.dataloader.storage import ShardStore, StorageConfig, flock
 from mmpack.dataloader.storage import store as storage_mod
 from mmpack.dataloader.worker import Producer, ProducerSpec
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset
-from tests.test_loader_storage import assert_same
+from tests.support.loader_data import assert_same
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from mmpack.dataloader import ShardError, Topology, build_loader, load_manifest
 from mmpack.dataloader.storage import ShardStore, StorageConfig
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset
+from tests.support.loader_data import assert_same
 from tests.support.storage_servers import (
     FaultPlan,
     FaultProxy,
@@ -59,19 +59,6 @@ def stream(path: str, n: int = N_MICRO, **kw: Any) -> tuple[list[dict[str, Any]]
     batches = list(itertools.islice(iter(ld), n))
     ld.close()
     return batches, ld.metrics()
-
-
-def assert_same(a: list[Any], b: list[Any]) -> None:
-    """Two streams of micro-batches are equal, field by field."""
-    assert len(a) == len(b) > 0
-    for one, other in zip(a, b):
-        x, y = dict(one.items()), dict(other.items())
-        assert x.keys() == y.keys()
-        for key in x:
-            if isinstance(x[key], torch.Tensor):
-                assert torch.equal(x[key], y[key]), key
-            else:
-                assert x[key] == y[key], key
 
 
 @pytest.fixture(scope="module")

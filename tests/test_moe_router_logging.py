@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer_hf_parity import _torchrun
+from tests.support.hf_parity import torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.ranks, pytest.mark.family, pytest.mark.slow]
 
 NUM_EXPERTS, TOP_K = 4, 2
 ARGS = [
@@ -78,7 +78,7 @@ def _switch_loss(hidden, weight):  # type: ignore[no-untyped-def]
 def test_per_layer_load_balancing_loss_is_the_routers(tmp_path: Path) -> None:
     import torch
 
-    proc = _torchrun(2, [str(Path(__file__)), str(tmp_path), *ARGS], tmp_path)
+    proc = torchrun(2, [str(Path(__file__)), str(tmp_path), *ARGS], tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     metrics = ranks[0]["metrics"]
     logged = metrics["moe_load_balancing_loss_layers"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from mmpack.offline_packing.demo.synthetic import train_tiny_bpe
+from tests.support.shared import skip_or_fail
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("packing", "offline_packing", "dataloader", "trainer")
@@ -58,10 +59,11 @@ def test_no_module_imports_a_part_as_top_level() -> None:
 def _installed_mmpack() -> Path:
     spec = importlib.util.find_spec("mmpack")
     if spec is None or spec.origin is None:
-        pytest.skip("mmpack is not installed in this environment (pip install -e .)")
+        skip_or_fail("mmpack is not installed in this environment (pip install -e .)")
     return Path(spec.origin).resolve().parent
 
 
+@pytest.mark.slow
 def test_user_modules_named_like_the_parts_coexist_with_mmpack(tmp_path: Path) -> None:
     """In a folder holding its own ``trainer.py``, ``dataloader/`` and ``packing.py``, the installed mmpack
     runs (trainer entry point, console script, a small pack) and the folder's modules import as the user's."""

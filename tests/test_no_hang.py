@@ -11,16 +11,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
+from tests.support import ranks
 from tests.support.faults import STALL_WRITER_ENV
 from tests.support.ranks import free_port
-from tests.support.trainer import REPO, TINY, make_packed_dataset
+from tests.support.trainer import REPO, TINY
 
 DEADLINE_S = 60  # from the kill to the job's exit
 TRAIN = [
@@ -31,7 +34,7 @@ TRAIN = [
 
 @dataclass
 class Launch:
-    """A job started in the background, its output in files."""
+    """A job started in the background (real torchrun, the converter), its output in files."""
 
     proc: subprocess.Popen
     folder: Path
@@ -74,23 +77,72 @@ def start(args: list[str], folder: Path, env: dict[str, str] | None = None) -> L
     return Launch(proc, folder)
 
 
-def start_training(data: Path, folder: Path, env: dict[str, str] | None = None) -> Launch:
-    """TP2 x DP2 (4 ranks) under torchrun, 2 loader workers per reading rank, a checkpoint at the end."""
-    return start(
-        [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-            "--master_port", str(free_port()), "-m", "tests.support.faults", "trainer", *TINY, *TRAIN,
-            "--data-path", str(data), "--num-workers", "2", "--save", str(folder / "ckpt"),
-            "--metrics-file", str(folder / "metrics.jsonl"),
-        ],
-        folder,
-        env,
-    )  # fmt: skip
+def training_argv(data: Path, folder: Path) -> list[str]:
+    """TP2 x DP2 (4 ranks), 2 loader workers per reading rank, a checkpoint at the end."""
+    return [
+        "-m", "tests.support.faults", "trainer", *TINY, *TRAIN, "--data-path", str(data), "--num-workers", "2",
+        "--save", str(folder / "ckpt"), "--metrics-file", str(folder / "metrics.jsonl"),
+    ]  # fmt: skip
 
 
-def iterations_done(launch: Launch) -> int:
-    metrics = launch.folder / "metrics.jsonl"
+def start_training(data: Path, folder: Path) -> Launch:
+    """The training run under real torchrun, in the background."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port"]
+    return start([*torchrun, str(free_port()), *training_argv(data, folder)], folder)
+
+
+def iterations_done(folder: Path) -> int:
+    metrics = folder / "metrics.jsonl"
     return metrics.read_text().count('"loss"') if metrics.exists() else 0
+
+
+@dataclass
+class Killed:
+    """A training run on warm ranks (``tests.support.ranks``) in which one process was killed."""
+
+    launch: ranks.Launch
+    pid: int  # the process killed
+    took_s: float  # from the kill to the end of the group
+
+    def text(self) -> str:
+        return self.launch.stdout + self.launch.stderr
+
+
+def train_and_kill(
+    data: Path, folder: Path, victim: Callable[[list[BaseProcess]], int], env: dict[str, str] | None = None
+) -> Killed:
+    """The training run on 4 warm ranks; ``victim(ranks)`` waits for the moment and returns the pid to kill.
+    After the kill the group has ``DEADLINE_S`` to end; what still runs then is killed."""
+    killed: list[tuple[int, float]] = []
+
+    def kill_victim(procs: list[BaseProcess]) -> float:
+        pid = victim(procs)
+        kill(pid)
+        killed.append((pid, time.monotonic()))
+        return DEADLINE_S
+
+    launch = ranks.launch(
+        4, training_argv(data, folder), folder / "ranks", env=env, while_running=kill_victim
+    )
+    pid, at = killed[0]
+    return Killed(launch, pid, time.monotonic() - at)
+
+
+def wait_for(ready: Any, what: str, procs: list[BaseProcess], folder: Path, timeout_s: float = 240) -> Any:
+    """Polls ``ready()`` until it returns something true, which it returns; fails when a rank ends first."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        found = ready()
+        if found:
+            return found
+        if any(p.exitcode is not None for p in procs):
+            raise AssertionError(f"a rank ended before {what}:\n{ranks_text(folder)[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"no {what} within {timeout_s} s:\n{ranks_text(folder)[-3000:]}")
+
+
+def ranks_text(folder: Path) -> str:
+    return "".join(path.read_text(errors="replace") for path in sorted((folder / "ranks").glob("rank*.*")))
 
 
 def rank_process(launch: Launch, rank: int) -> psutil.Process:
@@ -132,64 +184,75 @@ def kill_stalled_writers(folder: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_packed_dataset(tmp_path_factory.mktemp("nohang") / "data", n_samples=40, seed=5)
+def data(packed_dataset: Callable[..., Path]) -> Path:
+    return packed_dataset(n_samples=40, seed=5)
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_control_training_run_finishes(data: Path, tmp_path: Path) -> None:
-    run = start_training(data, tmp_path)
-    code, _ = run.finish(timeout_s=420)
-    assert code == 0, run.text()[-3000:]
-    assert iterations_done(run) == 3
+    run = ranks.launch(4, training_argv(data, tmp_path), tmp_path / "ranks", timeout_s=420)
+    assert run.returncode == 0 and not run.timed_out, run.report()
+    assert iterations_done(tmp_path) == 3
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_killed_training_rank_ends_the_job(data: Path, tmp_path: Path) -> None:
+    """Under real torchrun, not warm ranks: what is tested is torchrun's own report of the killed worker (its
+    local rank, pid and ``exitcode: -9``) and torchrun's ending of the job (the warm ranks' launcher has its
+    own report and its own stopping of the group, tested in tests/test_rank_launcher.py)."""
     run = start_training(data, tmp_path)
-    run.wait_until(lambda: iterations_done(run) >= 1, "iteration 1")
+    run.wait_until(lambda: iterations_done(tmp_path) >= 1, "iteration 1")
     victim = rank_process(run, 2)
+    orphans = victim.children()  # its loader workers: they outlive a rank killed by SIGKILL
     kill(victim.pid)
-    code, took_s = run.finish()
+    try:
+        code, took_s = run.finish()
+    finally:
+        for orphan in orphans:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                orphan.kill()
     text = run.text()
     assert code != 0 and took_s < DEADLINE_S
     assert f"local_rank: 2 (pid: {victim.pid})" in text and "exitcode: -9" in text  # torchrun names it
     assert "faults.py" not in text  # no rank's traceback: a rank that saw it go says so in one line
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_killed_loader_worker_ends_the_job(data: Path, tmp_path: Path) -> None:
-    run = start_training(data, tmp_path)
-    run.wait_until(lambda: iterations_done(run) >= 1, "iteration 1")
-    reader = rank_process(run, 2)  # TP rank 0 of DP rank 1: it reads, its TP peer gets the batches
-    workers = [p for p in reader.children() if p.cmdline() == reader.cmdline()]  # forked: same command
-    assert len(workers) == 2, [p.cmdline() for p in reader.children()]
-    kill(workers[1].pid)
-    code, took_s = run.finish()
-    assert code != 0 and took_s < DEADLINE_S
+    def second_worker_of_rank_2(procs: list[BaseProcess]) -> int:
+        wait_for(lambda: iterations_done(tmp_path) >= 1, "iteration 1", procs, tmp_path)
+        # TP rank 0 of DP rank 1: it reads, its TP peer gets the batches
+        reader = psutil.Process(procs[2].pid)
+        workers = [p for p in reader.children() if p.cmdline() == reader.cmdline()]  # forked: same command
+        assert len(workers) == 2, [p.cmdline() for p in reader.children()]
+        return workers[1].pid
+
+    run = train_and_kill(data, tmp_path, second_worker_of_rank_2)
+    assert run.launch.returncode != 0 and run.took_s < DEADLINE_S, run.launch.report()
     lines = [line for line in run.text().splitlines() if line.startswith("pretrain_vlm: error: rank 2:")]
-    assert len(lines) == 1, run.text()[-3000:]
-    assert (
-        "loader worker mmpack-loader-" in lines[0]
-        and f"(pid {workers[1].pid}) was killed by SIGKILL" in lines[0]
-    )
+    assert len(lines) == 1, run.launch.report()
+    assert "loader worker mmpack-loader-" in lines[0] and f"(pid {run.pid}) was killed by SIGKILL" in lines[0]
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_killed_checkpoint_writer_ends_the_job(data: Path, tmp_path: Path) -> None:
-    run = start_training(data, tmp_path, env={STALL_WRITER_ENV: f"{tmp_path}:1"})
+    def writer_of_rank_1(procs: list[BaseProcess]) -> int:
+        stalled = lambda: stalled_writer(tmp_path, settle_s=2.0)  # noqa: E731
+        return int(wait_for(stalled, "a checkpoint writer of rank 1", procs, tmp_path))
+
     try:
-        writer = run.wait_until(
-            lambda: stalled_writer(tmp_path, settle_s=2.0), "a checkpoint writer of rank 1"
-        )
-        kill(writer)
-        code, took_s = run.finish()
+        run = train_and_kill(data, tmp_path, writer_of_rank_1, env={STALL_WRITER_ENV: f"{tmp_path}:1"})
     finally:
         kill_stalled_writers(tmp_path)
-    assert code != 0 and took_s < DEADLINE_S
+    writer = run.pid
+    assert run.launch.returncode != 0 and run.took_s < DEADLINE_S, run.launch.report()
     lines = [line for line in run.text().splitlines() if line.startswith("pretrain_vlm: error: rank 1:")]
-    assert len(lines) == 1, run.text()[-3000:]
+    assert len(lines) == 1, run.launch.report()
     assert (
         f"checkpoint writer process {writer} of rank 1 (writing {tmp_path}/ckpt/iter_0000003.tmp/" in lines[0]
     )
@@ -197,12 +260,13 @@ def test_killed_checkpoint_writer_ends_the_job(data: Path, tmp_path: Path) -> No
     assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()  # never recorded
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_killed_converter_rank_ends_the_job_and_the_same_run_finishes(data: Path, tmp_path: Path) -> None:
     """hf-to-mcore at TP2: rank 1 killed while its checkpoint writer is held; the control converts."""
-    from tests.test_trainer_convert import _hf_model_for
+    from tests.support.qwen2_5_vl import hf_model_for
 
-    hf = _hf_model_for(data, tmp_path / "hf", tied=False)
+    hf = hf_model_for(data, tmp_path / "hf", tied=False)
 
     def convert(out: str, env: dict[str, str] | None = None) -> Launch:
         cmd = [
@@ -266,11 +330,10 @@ def _timeout_rank(rank: int, port: int, results: Any) -> None:
     results.put((time.monotonic() - start, "no error"))
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_collective_times_out_with_a_message_naming_the_flag() -> None:
-    from tests.support.processes import fresh_process_context
-
-    ctx = fresh_process_context("megatron.core.parallel_state", "mmpack.trainer.training")
+    ctx = ranks.context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_timeout_rank, args=(rank, port, results)) for rank in (0, 1)]

@@ -14,7 +14,7 @@ from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from tests.support.bad_corpus import ROOT_CANNOT_TEST, UNREACHABLE, make_bad_corpus
 from tests.support.fixtures_data import train_tiny_bpe
-from tests.test_offline_hostile_inputs import deadline
+from tests.support.timeouts import deadline
 
 
 @pytest.mark.slow

@@ -7,13 +7,11 @@ import contextlib
 import gzip
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import tarfile
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,24 +23,9 @@ from mmpack.packing.fileio import NotRegularFileError
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
 from tests.support.fixtures_data import write_image
 from tests.support.storage_servers import http_server
+from tests.support.timeouts import deadline
 
 TURNS = [{"from": "human", "value": "<image>What is it?"}, {"from": "gpt", "value": "A picture."}]
-
-
-@contextlib.contextmanager
-def deadline(seconds: int) -> Iterator[None]:
-    """Fails the test instead of hanging it: SIGALRM interrupts even a blocking open() of a FIFO."""
-
-    def expired(signum: int, frame: object) -> None:
-        raise TimeoutError(f"still running after {seconds} s: the job hangs")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _records(path: Path, records: list[dict | str]) -> Path:

@@ -16,6 +16,7 @@ from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from tests.support.fixtures_data import make_synthetic_dataset, read_wds_bins, train_tiny_bpe
+from tests.support.shared import need_import
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def _cfg(raw, output: str, **kw) -> PackJobConfig:
 
 @pytest.mark.slow
 def test_energon_lists_and_reads_packed_bins(raw, tmp_path: Path) -> None:
-    pytest.importorskip("megatron.energon")
+    need_import("megatron.energon", extra="energon")
     from megatron.energon import WorkerConfig, get_loader, get_train_dataset
     from megatron.energon.epathlib import EPath
     from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
@@ -86,8 +87,7 @@ def test_energon_lists_and_reads_packed_bins(raw, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_s3_output_on_moto(raw, tmp_path: Path) -> None:
-    pytest.importorskip("moto")
-    from tests.support.storage_servers import moto_s3
+    from tests.support.storage_servers import moto_s3  # moto: a test dependency
 
     with moto_s3() as s3:
         fs = s3.filesystem()

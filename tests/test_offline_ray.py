@@ -17,8 +17,9 @@ from tests.support.fixtures_data import (
     small_job_config,
     train_tiny_bpe,
 )
+from tests.support.shared import need_import
 
-ray = pytest.importorskip("ray")
+ray = need_import("ray", extra="ray")
 pytestmark = pytest.mark.slow  # a 2-node cluster takes ~10 s to start; the jobs themselves are small
 
 

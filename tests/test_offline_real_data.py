@@ -45,10 +45,9 @@ def _render(messages: list[dict], n_tokens: list[int]) -> str:
 
 @pytest.fixture(scope="module")
 def packed_demo(tmp_path_factory: pytest.TempPathFactory):
-    from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER
+    from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER, need_shared
 
-    if not (MLLM_DEMO_JSON.is_file() and QWEN3_TOKENIZER.is_file()):
-        pytest.skip("shared mllm_demo data or Qwen3 tokenizer absent")
+    need_shared(MLLM_DEMO_JSON, QWEN3_TOKENIZER, what="mllm_demo, the Qwen3 tokenizer")
     out = tmp_path_factory.mktemp("demo") / "out"
     cfg = job_config(
         inputs=(str(MLLM_DEMO_JSON),),

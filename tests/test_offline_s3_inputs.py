@@ -121,6 +121,7 @@ def _same_dataset(a: dict[str, bytes], b: dict[str, bytes], src_a: str, src_b: s
             assert a[name] == b[name], name
 
 
+@pytest.mark.slow
 def test_s3_inputs_equal_local_copy(raw, s3, local_run, tmp_path: Path) -> None:
     root, tok = raw
     endpoint, url = s3

@@ -57,6 +57,7 @@ def _caches(url: str) -> list[Path]:
     return sorted(p for p in d.glob("*") if p.is_dir()) if d.is_dir() else []
 
 
+@pytest.mark.slow
 def test_work_folder_on_s3(raw, s3, tmp_path: Path) -> None:
     local = tmp_path / "local"
     run_pack(_cfg(raw, local, workers=2))

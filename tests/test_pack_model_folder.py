@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
 
 from mmpack.dataloader import Topology, build_loader, load_manifest
 from mmpack.offline_packing.cli import main as mmpack
@@ -22,9 +23,7 @@ from mmpack.packing.image_tokens import CLIP_MEAN, ImageTokenRule
 from mmpack.packing.tokenizer import load_tokenizer
 from mmpack.trainer.dataset_check import DatasetModelMismatch, check_dataset_matches_model
 from tests.support.fixtures_data import train_tiny_bpe
-from tests.test_loader import all_records
-
-pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+from tests.support.loader_data import all_records
 
 
 def model_folder(folder: Path, tokenizer_file: Path | None, **processor: object) -> Path:

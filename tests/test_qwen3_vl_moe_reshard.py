@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.trainer import checkpoint_view, make_packed_dataset, ok, train
-from tests.test_trainer_checkpoint_reshard import check_continues
+from tests.support.trainer import check_continues, checkpoint_view, make_packed_dataset, ok, train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.ranks, pytest.mark.family, pytest.mark.slow]
 
 MOE = [
     "--model-type", "qwen3_vl_moe", "--num-experts", "4", "--moe-router-topk", "2",
@@ -29,12 +28,8 @@ def layout(ep: int, pp: int) -> list[str]:
     ("saved", "resumed"), [((2, 2), (1, 1)), ((1, 1), (2, 2))], ids=["ep2pp2-to-ep1pp1", "ep1pp1-to-ep2pp2"]
 )
 def test_moe_checkpoint_reshards_over_ep(
-    saved: tuple[int, int], resumed: tuple[int, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    saved: tuple[int, int], resumed: tuple[int, int], tmp_path: Path
 ) -> None:
-    import tests.test_trainer_checkpoint_reshard as reshard
-
-    monkeypatch.setattr(reshard, "SAVE_AT", 1)
-    monkeypatch.setattr(reshard, "TOTAL", 2)
     data = make_packed_dataset(tmp_path / "data", n_samples=24, seed=4)
     ckpt = tmp_path / "ckpt"
     args = ["--data-path", str(data), *MOE]
@@ -51,4 +46,4 @@ def test_moe_checkpoint_reshards_over_ep(
     again = ok(train(ranks[resumed], [*args, *layout(*resumed), "--load", str(view)], tmp_path / "resumed"))
     assert f"resumed from {view} at iteration 1" in again.stdout
     print(f"full {[m['loss'] for m in full.train]}, resumed {[m['loss'] for m in again.train]}")
-    check_continues(again, full)
+    check_continues(again, full, save_at=1, total=2)

@@ -3,7 +3,7 @@
 One packed dataset for all tests: the real mllm_demo records (8 images) and a real video packed into two
 bins by ``mmpack pack --model DIR``, DIR a tiny random Qwen3-VL-MoE (4 experts, 2 per token, tied
 embeddings, DeepStack, RoPE base 100) written by transformers. One step of both bins (global batch 2) at
-lr 0; transformers' loss is each sample alone (tests/test_qwen3_vl_trainer.py), without its router
+lr 0; transformers' loss is each sample alone (tests/support/qwen3_vl.py), without its router
 auxiliary loss (``output_router_logits`` off); the trainer's load-balancing coefficient is 0 here
 (config.json's ``router_aux_loss_coef``), so that the gradients are the language loss's alone.
 
@@ -23,10 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER
-from tests.test_qwen3_vl_trainer import VIDEO_DEMO, _torchrun, records_file
+from tests.support import qwen3_vl
+from tests.support.hf_parity import check_convert_round_trip, records_file, torchrun
+from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER, VIDEO_DEMO, need_shared
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.ranks, pytest.mark.family, pytest.mark.shared, pytest.mark.slow]
 
 EXPERT = "language_model.decoder.layers.1.mlp.experts.local_experts.{}.linear_fc1.weight"
 GRAD_PARAMS = (
@@ -86,36 +87,22 @@ def _loss(losses: list) -> float:
 # -- the test side ----------------------------------------------------------------------------------------
 
 
-def _samples(packed: Path) -> list[dict]:
-    """Each sample of the two bins as the loader gives them, with their image and video inputs."""
-    from tests.test_trainer_video_parity import _samples as loader_samples
-
-    return loader_samples(packed, [(True, False)] * 6 + [(False, True)], bins=2)
-
-
 def _reference(hf_dir: Path, packed: Path) -> dict:
-    import torch
-    from transformers import AutoModelForImageTextToText
-
-    from tests.test_trainer_hf_parity import loss_and_grads
-    from tests.test_trainer_video_parity import model_inputs_of
-
-    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32)
-    model.train()
-    return loss_and_grads(model, model_inputs_of(_samples(packed), seconds=False))
+    """transformers' loss and gradients over the samples of both bins, each alone."""
+    return qwen3_vl.reference(hf_dir, packed, bins=2)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from mmpack.offline_packing.cli import main as mmpack
-    from tests.test_qwen3_vl_trainer import tiny_hf_model
 
-    if not (QWEN3_TOKENIZER.is_file() and MLLM_DEMO_JSON.is_file() and VIDEO_DEMO.is_dir()):
-        pytest.skip("needs ../shared (Qwen3 tokenizer, mllm_demo and mllm_video_demo)")
+    need_shared(
+        QWEN3_TOKENIZER, MLLM_DEMO_JSON, VIDEO_DEMO, what="Qwen3 tokenizer, mllm_demo and mllm_video_demo"
+    )
     root = tmp_path_factory.mktemp("qwen3-vl-moe")
     ids = {t["content"]: t["id"] for t in json.loads(QWEN3_TOKENIZER.read_text())["added_tokens"]}
-    hf_dir = tiny_hf_model(root / "hf", ids, "qwen3_vl_moe", num_experts=4, moe_router_topk=2, ffn_hidden_size=48,
-                           moe_aux_loss_coeff=0)  # fmt: skip
+    hf_dir = qwen3_vl.tiny_hf_model(root / "hf", ids, "qwen3_vl_moe", num_experts=4, moe_router_topk=2,
+                                    ffn_hidden_size=48, moe_aux_loss_coeff=0)  # fmt: skip
     packed = root / "packed"
     args = ["pack", "-i", str(records_file(root)), "-o", str(packed), "-L", "640", "--model", str(hf_dir)]
     assert mmpack([*args, "--no-progress"]) == 0
@@ -141,7 +128,7 @@ def test_ep2_loss_gradients_and_wrong_expert_order(setup: dict, tmp_path: Path) 
     from mmpack.trainer.models import family
     from mmpack.trainer.models.hf_weights import merge_tp_shards
 
-    _torchrun(2, [str(Path(__file__).resolve()), str(tmp_path), *_train_args(setup, 1, 2)], tmp_path)
+    torchrun(2, [str(Path(__file__).resolve()), str(tmp_path), *_train_args(setup, 1, 2)], tmp_path)
     losses = json.loads((tmp_path / "losses.json").read_text())
     ref = setup["ref"]
     print(f"EP2: loss {losses['loss']!r}, transformers {ref['loss']!r}, controls {losses}")
@@ -169,7 +156,7 @@ def test_logged_loss_is_transformers(setup: dict, tmp_path: Path, tp: int, ep: i
     """TP2 x EP2 on two ranks (DP1; the experts spread, not cut): transformers' loss."""
     metrics = tmp_path / "metrics.jsonl"
     args = [*_train_args(setup, tp, ep), "--metrics-file", str(metrics)]
-    _torchrun(max(tp, ep), ["-m", "mmpack.trainer.pretrain_vlm", *args], tmp_path)
+    torchrun(max(tp, ep), ["-m", "mmpack.trainer.pretrain_vlm", *args], tmp_path)
     step = json.loads(metrics.read_text().splitlines()[0])
     ref = setup["ref"]
     print(f"TP{tp} x EP{ep}: logged lm loss {step['loss']!r}, transformers {ref['loss']!r}")
@@ -180,8 +167,6 @@ def test_logged_loss_is_transformers(setup: dict, tmp_path: Path, tp: int, ep: i
 def test_convert_round_trip_is_bit_exact_and_the_export_gives_the_same_loss(
     setup: dict, tmp_path: Path
 ) -> None:
-    from tests.test_qwen3_vl_trainer import check_convert_round_trip
-
     check_convert_round_trip(setup, tmp_path, 2, 1, _reference)  # TP2: the experts are cut over 2 ranks
 
 

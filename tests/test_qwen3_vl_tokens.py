@@ -17,15 +17,12 @@ from mmpack.packing.image_tokens import ImageSizeError, ImageTokenRule
 from mmpack.packing.video_tokens import VideoMeta, VideoRuleError, VideoTokenRule
 from mmpack.packing.video_tokens_qwen3 import placeholder_ids, rule_fields
 from tests.support import qwen3_vl_reference as ref
-from tests.support.shared import QWEN3_TOKENIZER, SHARED_DIR
+from tests.support.qwen3_vl import SMALL_VIDEO_CONFIG  # the small video rule the parity tests pack with
+from tests.support.shared import QWEN3_TOKENIZER, SHARED_DIR, need_shared
+
+pytestmark = [pytest.mark.family]
 
 VIDEO_DEMO = SHARED_DIR / "data" / "mllm_video_demo"
-# the small video rule the parity tests pack with (few frames and tokens), besides the real one
-SMALL_VIDEO_CONFIG = {
-    **ref.VIDEO_CONFIG,
-    "max_frames": 8,
-    "size": {"shortest_edge": 4096, "longest_edge": 8 * 50176},
-}
 
 
 def _sizes() -> list[tuple[int, int]]:
@@ -76,11 +73,11 @@ def test_image_grids_equal_the_processor_on_decoded_pixels() -> None:
 
 def _demo_videos() -> list:
     records = VIDEO_DEMO / "mllm_video_demo.json"
-    if not (records.is_file() and QWEN3_TOKENIZER.is_file()):
-        pytest.skip("needs ../shared (mllm_video_demo and the Qwen3 tokenizer)")
+    need_shared(records, QWEN3_TOKENIZER, what="mllm_video_demo and the Qwen3 tokenizer")
     return [VIDEO_DEMO / rel for rec in json.loads(records.read_text()) for rel in rec["videos"]]
 
 
+@pytest.mark.shared
 @pytest.mark.parametrize("config", [ref.VIDEO_CONFIG, SMALL_VIDEO_CONFIG], ids=["qwen3_vl", "small"])
 def test_video_tokens_equal_the_processor_on_the_real_videos(config: dict) -> None:
     """Frames, grid and the whole token sequence of a video sample (timestamps included) are the processor's."""

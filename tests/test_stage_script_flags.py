@@ -4,7 +4,8 @@
 - every flag the four scripts pass parses (no argparse "unrecognized arguments");
 - qwen3_4b/alignment.sh's flag set, paths and sizes replaced (TP2 x PP1 on two ranks, the script's PP=1
   layout), trains a tiny Qwen3-VL for two iterations on a real packed dataset and checks the tokenizer;
-- the guide's command (world 8: TP2 x PP2 x DP2, --distributed-backend nccl) trains on 8 CPU ranks;
+- the guide's command (world 8: TP2 x PP2 x DP2, --distributed-backend nccl) parses into that layout, and its
+  flags (TP lowered to 1: world 4, the same --data-parallel-size 2) train on 4 CPU ranks;
 - --split gives disjoint, complete, deterministic train/valid bins; the loader reads only its part;
 - at lr 0, --custom-pipeline-layers 0,4 at PP2 (with per-stage full recompute) gives the even split's losses, and
   the eval of --split's valid part runs in both;
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from mmpack.trainer.models.protocol import TinyModelSpec
-from tests.support.trainer import REPO, make_packed_dataset, ok, train
+from tests.support.trainer import REPO, ok, train
 
 # every distinct flag of qwen3_4b/alignment.sh, qwen3_30b_a3b/instruct_780k.sh, quick_start_4b/quick_start.sh
 # and quick_start_video_2b/instruct_video.sh (a value where the flag takes one)
@@ -62,8 +64,8 @@ SIZES = [
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_packed_dataset(tmp_path_factory.mktemp("stage"), n_samples=48, seed=3)
+def packed(packed_dataset: Callable[..., Path]) -> Path:
+    return packed_dataset(n_samples=48, seed=3)
 
 
 def test_every_script_flag_parses() -> None:
@@ -100,6 +102,7 @@ def _alignment_argv(data: Path, out: Path) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.ranks
 def test_alignment_flag_set_trains(packed: Path, tmp_path: Path) -> None:
     run = ok(train(2, [*SIZES, *_alignment_argv(packed, tmp_path)], tmp_path, tiny=False))
     assert [m["iteration"] for m in run.train] == [1, 2]
@@ -121,19 +124,23 @@ def test_alignment_flag_set_trains(packed: Path, tmp_path: Path) -> None:
         check_stage_flags(StageFlags(hf_tokenizer_path=str(other)), manifest, data_path="d")
 
 
-def test_guide_command_runs_at_world_8(tmp_path: Path) -> None:
+@pytest.mark.ranks
+def test_guide_command_parses_at_world_8_and_trains_at_world_4(tmp_path: Path) -> None:
     """torchrun --nproc_per_node 8 ... --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
-    --data-parallel-size 2 --distributed-backend nccl, with a tiny model on synthetic batches: 8 CPU ranks train
-    two iterations (gloo, one warning line); a --data-parallel-size the launch does not give is refused."""
+    --data-parallel-size 2 --distributed-backend nccl, with a tiny model on synthetic batches: it parses into
+    TP2 x PP2 x DP2 at world 8; the same flags with TP lowered to 1 (world 4, still --data-parallel-size 2: the
+    suite's one 8-rank run is tests/test_trainer_parallel.py's) train two iterations on 4 CPU ranks (gloo, one
+    warning line); a --data-parallel-size the launch does not give is refused."""
     from mmpack.trainer.arguments import parse_args
     from mmpack.trainer.config import build_megatron_configs
     from mmpack.trainer.models import family
 
     argv = ["--mock-data", "--seq-length", "256", *SIZES, "--tensor-model-parallel-size", "2",
             "--pipeline-model-parallel-size", "2", "--data-parallel-size", "2", "--distributed-backend", "nccl"]  # fmt: skip
-    run = ok(train(8, [*argv, "--num-workers", "0", "--train-iters", "2", "--global-batch-size", "4"], tmp_path, tiny=False))  # fmt: skip
+    run = ok(train(4, [*argv, "--tensor-model-parallel-size", "1", "--num-workers", "0", "--train-iters", "2",
+                       "--global-batch-size", "4"], tmp_path, tiny=False))  # fmt: skip
     assert [m["iteration"] for m in run.train] == [1, 2]
-    assert "world 8 = TP 2 x PP 2 x DP 2" in run.stdout
+    assert "world 4 = TP 1 x PP 2 x DP 2" in run.stdout
     warnings = [line for line in run.stderr.splitlines() if "--distributed-backend nccl" in line]
     assert warnings == [
         "pretrain_vlm: warning: --distributed-backend nccl: no CUDA here, running gloo on CPU"
@@ -142,6 +149,7 @@ def test_guide_command_runs_at_world_8(tmp_path: Path) -> None:
     assert cfg.parallel.data_parallel_size(8) == 2
     with pytest.raises(ValueError, match=r"--data-parallel-size 2 does not match the launch: world size 16"):
         cfg.parallel.data_parallel_size(16)
+    assert parse_args([*argv, "--tensor-model-parallel-size", "1"]).parallel.data_parallel_size(4) == 2
     fam = family("qwen3_vl")
     arch = fam.arch_from_hf_config(fam.tiny_hf_config(_tiny_spec()))
     lang = build_megatron_configs(cfg, arch).language
@@ -190,6 +198,7 @@ def test_stage_flags_map_onto_megatron_core() -> None:
     assert four.parallel.stage_layer_counts(26) == [8, 7, 6, 5]
 
 
+@pytest.mark.slow
 def test_refused_flags_give_one_line() -> None:
     from mmpack.trainer.arguments import parse_args
     from mmpack.trainer.stage_flags import StageFlagRefused
@@ -253,6 +262,7 @@ def test_split_bins_disjoint_complete_deterministic(packed: Path) -> None:
     assert not set(train_bins) & set(valid_bins)
 
 
+@pytest.mark.ranks
 def test_uneven_pipeline_equals_even_at_lr0_and_split_eval_runs(packed: Path, tmp_path: Path) -> None:
     common = [*SIZES, "--data-path", str(packed), "--pipeline-model-parallel-size", "2", "--lr", "0",
               "--min-lr", "0", "--train-iters", "2", "--global-batch-size", "2", "--split", "8,2,0",

@@ -900,6 +900,7 @@ def test_file_url_and_shard_rows_limit(tmp_path: Path, capsys: pytest.CaptureFix
     assert "... 1 more" in out
 
 
+@pytest.mark.slow
 def test_text_length_file_is_streamed_with_bounded_memory(tmp_path: Path) -> None:
     import tracemalloc
 

@@ -4,20 +4,21 @@ weights only; ``--async-save`` writes complete checkpoints in the background."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.support.trainer import Run, checkpoint_view, make_packed_dataset, ok, train
+from tests.support.trainer import TINY, Run, checkpoint_view, ok, train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.ranks, pytest.mark.slow]
 
 COMMON = ["--micro-batch-size", "1", "--global-batch-size", "2", "--seed", "4", "--lr", "2e-3"]
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_packed_dataset(tmp_path_factory.mktemp("ckdata") / "data", n_samples=40, seed=6)
+def data(packed_dataset: Callable[..., Path]) -> Path:
+    return packed_dataset(n_samples=40, seed=6)
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +44,33 @@ def test_empty_folder_starts_at_iteration_zero_then_resumes(same_folder: tuple[P
 def test_another_model_is_one_clear_error(
     same_folder: tuple[Path, Run, Run], data: Path, tmp_path: Path
 ) -> None:
+    """What the trainer checks on --load (``checkpoint.check_model_config``: the saved model's config against
+    the one this run builds from its flags), without a launch: a checkpoint of another model (here another
+    --hidden-size) is one message naming both. That such a refusal reaches the user as one line, without a
+    traceback, is the launch in tests/test_trainer_checkpoint_faults.py (the same path: a ValueError of the
+    Trainer); the dataset's is tests/test_trainer_dataset_refusal.py."""
+    from mmpack.trainer.arguments import parse_args
+    from mmpack.trainer.build import model_hf_config
+    from mmpack.trainer.checkpoint import CheckpointMismatchError, check_model_config, load_common
+    from mmpack.trainer.data import dataset_info
+
     ckpt, _, _ = same_folder
     view = checkpoint_view(ckpt, 2, tmp_path)  # without hf_config.json: the size flags build the model
-    run = train(1, ["--data-path", str(data), *COMMON, "--load", str(view), "--hidden-size", "32"], tmp_path)
-    assert run.returncode != 0
-    errors = [line for line in run.stderr.splitlines() if line.startswith("pretrain_vlm: error:")]
-    assert len(errors) == 1, run.stderr[-3000:]
-    assert "holds another model than this run builds" in errors[0]
-    assert "saved qwen2_5_vl (vocab_size=" in errors[0] and "hidden_size=64" in errors[0]
-    assert "this run qwen2_5_vl (" in errors[0] and "hidden_size=32" in errors[0]
-    assert "trainer/checkpoint.py" not in run.stderr  # no traceback of the trainer's, just the line
+    saved = load_common(view, 2)["model_config"]
+    where = view / "iter_0000002"
+
+    def built(*flags: str) -> dict:
+        cfg = parse_args([*TINY, "--data-path", str(data), *COMMON, "--load", str(view), *flags])
+        return model_hf_config(cfg, dataset_info(cfg.data.first_path, cfg.train.seq_length))
+
+    check_model_config(saved, built(), where)  # control: the flags of the run that saved it build its model
+    with pytest.raises(CheckpointMismatchError) as refused:
+        check_model_config(saved, built("--hidden-size", "32"), where)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert f"checkpoint {where} holds another model than this run builds" in message
+    assert "saved qwen2_5_vl (vocab_size=" in message and "hidden_size=64" in message
+    assert "this run qwen2_5_vl (" in message and "hidden_size=32" in message
 
 
 def test_finetune_loads_weights_only(same_folder: tuple[Path, Run, Run], data: Path, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from mmpack.trainer.checkpoint_commit import (
     resolve_iteration,
     verify_checkpoint,
 )
-from tests.support.trainer import Run, make_packed_dataset, ok, train
+from tests.support.trainer import Run, ok, train
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +30,12 @@ COMMON = ["--micro-batch-size", "1", "--global-batch-size", "2", "--seed", "4", 
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Run]:
+def saved(
+    tmp_path_factory: pytest.TempPathFactory, packed_dataset: Callable[..., Path]
+) -> tuple[Path, Path, Run]:
     """(dataset, checkpoint folder, run): saved at 1, 2, 3; --exit-interval 3 ends the 10-iteration run."""
     root = tmp_path_factory.mktemp("faults")
-    data = make_packed_dataset(root / "data", n_samples=40, seed=6)
+    data = packed_dataset(n_samples=40, seed=6)
     ckpt = root / "ckpt"
     args = ["--data-path", str(data), *COMMON, "--train-iters", "10", "--save", str(ckpt), "--save-interval",
             "1", "--exit-interval", "3"]  # fmt: skip
@@ -46,6 +48,7 @@ def _copy(ckpt: Path, tmp_path: Path) -> Path:
     return dest
 
 
+@pytest.mark.ranks
 def test_exit_interval_run_commits_every_iteration(saved: tuple[Path, Path, Run]) -> None:
     _, ckpt, run = saved
     assert [m["iteration"] for m in run.train] == [1, 2, 3]
@@ -87,6 +90,7 @@ DAMAGES: dict[str, tuple[Callable[[Path], Path], Callable[[Path], None], str]] =
 }
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("damage", sorted(DAMAGES))
 def test_damaged_file_is_named_with_the_previous_good_iteration(
     saved: tuple[Path, Path, Run], tmp_path: Path, damage: str
@@ -117,6 +121,7 @@ def _half_written(ckpt: Path, iteration: int) -> Path:
     return half
 
 
+@pytest.mark.ranks
 def test_tracker_at_a_half_written_iteration_falls_back(
     saved: tuple[Path, Path, Run], tmp_path: Path
 ) -> None:
@@ -135,6 +140,7 @@ def test_tracker_at_a_half_written_iteration_falls_back(
     assert resolve_iteration(ckpt) == (3, None)  # control: a complete iteration is taken as it is
 
 
+@pytest.mark.ranks
 def test_trainer_falls_back_then_refuses_zeroed_bytes_in_one_line(
     saved: tuple[Path, Path, Run], tmp_path: Path
 ) -> None:
@@ -154,6 +160,7 @@ def test_trainer_falls_back_then_refuses_zeroed_bytes_in_one_line(
     assert "trainer/checkpoint" not in run.stderr  # no traceback of the trainer's (torchrun prints its own)
 
 
+@pytest.mark.ranks
 def test_convert_refuses_a_training_runs_folder(
     saved: tuple[Path, Path, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -172,6 +179,7 @@ def test_convert_refuses_a_training_runs_folder(
     assert not (ckpt / "iter_0000000").exists() and not (ckpt / "iter_0000000.tmp").exists()
 
 
+@pytest.mark.ranks
 def test_export_replaces_an_earlier_sharded_export(saved: tuple[Path, Path, Run], tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -193,6 +201,7 @@ def test_export_replaces_an_earlier_sharded_export(saved: tuple[Path, Path, Run]
     assert "model.embed_tokens.weight" in load_file(str(out / "model.safetensors"))
 
 
+@pytest.mark.ranks
 def test_export_into_a_foreign_folder_is_refused(
     saved: tuple[Path, Path, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

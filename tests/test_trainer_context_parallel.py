@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.family]
+
 SWAPPED = "swapped"
 
 
@@ -85,21 +87,9 @@ def _worker(out_dir: str, argv: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def packed_bin(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from mmpack.offline_packing.cli import main as mmpack
-    from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER
-    from tests.test_trainer_hf_parity import _tiny_hf_model
-    from tests.test_trainer_video_parity import VIDEO_DEMO, VIDEO_FLAGS, _inputs
-
-    if not (QWEN3_TOKENIZER.is_file() and MLLM_DEMO_JSON.is_file() and VIDEO_DEMO.is_dir()):
-        pytest.skip("needs ../shared (Qwen3 tokenizer, mllm_demo and mllm_video_demo)")
-    root = tmp_path_factory.mktemp("cp")
-    ids = {t["content"]: t["id"] for t in json.loads(QWEN3_TOKENIZER.read_text())["added_tokens"]}
-    special = {k: ids[f"<|{k}|>"] for k in ("image_pad", "vision_start", "vision_end")}
-    hf_dir = _tiny_hf_model(root / "hf", special)
-    packed = root / "packed"
-    args = ["pack", "-i", str(_inputs(root)), "-o", str(packed), "-L", "1024", "-t", str(QWEN3_TOKENIZER)]
-    assert mmpack([*args, "--max-pixels", "50176", *VIDEO_FLAGS, "--no-progress"]) == 0
+def packed_bin(qwen2_5_vl_video_bin: tuple[Path, Path]) -> tuple[Path, Path]:
+    """The session's tiny Qwen2.5-VL and its bin of a real image sample and a real video sample."""
+    hf_dir, packed = qwen2_5_vl_video_bin
     counts = json.loads((packed / "manifest.json").read_text())["counts"]
     assert counts["bins"] == 1 and counts["videos"] == 1 and counts["image_tokens"] > 0
     return hf_dir, packed
@@ -108,11 +98,11 @@ def packed_bin(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def _run(hf_dir: Path, packed: Path, out: Path, tp: int, cp: int, pp: int = 1) -> list[dict]:
     import torch
 
-    from tests.test_trainer_hf_parity import _torchrun, _train_args
+    from tests.support.hf_parity import torchrun, train_args
 
     out.mkdir()
-    argv = [*_train_args(hf_dir, packed, tp, pp), "--context-parallel-size", str(cp)]
-    _torchrun(tp * cp * pp, [__file__, str(out), *argv], out)
+    argv = [*train_args(hf_dir, packed, tp, pp), "--context-parallel-size", str(cp)]
+    torchrun(tp * cp * pp, [__file__, str(out), *argv], out)
     return [
         {**json.loads((out / f"result{r}.json").read_text()), "grads": torch.load(out / f"grads{r}.pt")}
         for r in range(tp * cp * pp)
@@ -125,6 +115,8 @@ def _max_rel_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a) / scale
 
 
+@pytest.mark.shared
+@pytest.mark.ranks
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_cp2_equals_cp1_with_split_image_and_video(
@@ -152,6 +144,8 @@ def test_cp2_equals_cp1_with_split_image_and_video(
     assert gap > 1e-3
 
 
+@pytest.mark.shared
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_cp2_pp2_equals_cp1_pp2(packed_bin: tuple[Path, Path], tmp_path: Path) -> None:
     """CP with pipeline parallelism: each micro-batch's local length is its own (every sample padded to a
@@ -172,30 +166,14 @@ def test_cp2_pp2_equals_cp1_pp2(packed_bin: tuple[Path, Path], tmp_path: Path) -
     assert gap > 1e-3
 
 
+@pytest.mark.shared
+@pytest.mark.ranks
 @pytest.mark.slow
-def test_qwen3_vl_cp2_equals_cp1(tmp_path: Path) -> None:
+def test_qwen3_vl_cp2_equals_cp1(qwen3_vl_packed: dict[str, Path], tmp_path: Path) -> None:
     """Qwen3-VL (DeepStack: vision features added to the first language layers' hidden states at the media
-    pads, which under CP are each rank's own pads) on the mllm_demo records and a real video in one bin."""
-    from mmpack.offline_packing.cli import main as mmpack
-    from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER
-    from tests.test_qwen3_vl_trainer import VIDEO_DEMO, records_file, tiny_hf_model
-
-    if not (QWEN3_TOKENIZER.is_file() and MLLM_DEMO_JSON.is_file() and VIDEO_DEMO.is_dir()):
-        pytest.skip("needs ../shared (Qwen3 tokenizer, mllm_demo and mllm_video_demo)")
-    ids = {t["content"]: t["id"] for t in json.loads(QWEN3_TOKENIZER.read_text())["added_tokens"]}
-    hf_dir, packed = tiny_hf_model(tmp_path / "hf", ids), tmp_path / "packed"
-    args = [
-        "pack",
-        "-i",
-        str(records_file(tmp_path)),
-        "-o",
-        str(packed),
-        "-L",
-        "2048",
-        "--model",
-        str(hf_dir),
-    ]
-    assert mmpack([*args, "--no-progress"]) == 0
+    pads, which under CP are each rank's own pads) on the mllm_demo records and a real video in one bin (the
+    session's tiny Qwen3-VL and its packed demo records)."""
+    hf_dir, packed = qwen3_vl_packed["hf"], qwen3_vl_packed["packed"]
     ref = _run(hf_dir, packed, tmp_path / "cp1", 1, 1)
     cp2 = _run(hf_dir, packed, tmp_path / "cp2", 1, 2)
     for rank, mine in enumerate(cp2):

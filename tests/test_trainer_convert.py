@@ -4,34 +4,14 @@ output layer on another stage) and untied; the export loads in transformers."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.support.qwen2_5_vl import hf_model_for
+
 pytestmark = pytest.mark.slow
-
-
-def _hf_model_for(packed: Path, out: Path, *, tied: bool) -> Path:
-    import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    from mmpack.trainer.models.qwen2_5_vl import tiny_hf_config
-
-    tok = json.loads((packed / "manifest.json").read_text())["tokenizer"]
-    ids = tok["special_ids"]
-    config = tiny_hf_config(
-        vocab_size=-(-tok["vocab_size"] // 128) * 128, image_token_id=ids["image_pad"],
-        vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
-        num_layers=2, tie_word_embeddings=tied,
-    )  # fmt: skip
-    torch.manual_seed(1)
-    model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**config))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name and "ln_q" not in name:
-                param.normal_(0.0, 0.08)
-    model.save_pretrained(out)
-    return out
 
 
 def _tensors(folder: Path) -> dict:
@@ -46,38 +26,41 @@ def _assert_bit_exact(a: dict, b: dict) -> None:
         assert a[name].dtype == b[name].dtype and a[name].equal(b[name]), name
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize(("tp", "pp", "tied"), [(2, 2, True), (2, 1, False)])
 def test_round_trip_bit_exact_and_export_loads(tmp_path: Path, tp: int, pp: int, tied: bool) -> None:
     """HF -> megatron-core rank files -> HF gives the same bytes; the export loads in transformers and gives
     the original model's loss on the packed samples (whose equality with the trainer's logged loss is
     tests/test_trainer_hf_parity.py)."""
     from mmpack.trainer.convert import hf_to_mcore, mcore_to_hf
+    from tests.support.qwen2_5_vl import reference
     from tests.support.trainer import make_packed_dataset
-    from tests.test_trainer_hf_parity import _reference
 
     packed = make_packed_dataset(tmp_path / "data", n_samples=5, seed=7, seq_len=1024)
     assert json.loads((packed / "manifest.json").read_text())["counts"]["bins"] == 1
-    hf_dir = _hf_model_for(packed, tmp_path / "hf", tied=tied)
+    hf_dir = hf_model_for(packed, tmp_path / "hf", tied=tied)
     ckpt = tmp_path / "mcore"
     assert (hf_to_mcore(str(hf_dir), str(ckpt), tp=tp, pp=pp) / "metadata.json").is_file()
     mcore_to_hf(str(ckpt), str(tmp_path / "back"))
     _assert_bit_exact(_tensors(hf_dir), _tensors(tmp_path / "back"))
 
     max_pixels = json.loads((packed / "manifest.json").read_text())["image_rule"]["max_pixels"]
-    original = _reference(hf_dir, packed, max_pixels=max_pixels)
-    exported = _reference(tmp_path / "back", packed, max_pixels=max_pixels)
+    original = reference(hf_dir, packed, max_pixels=max_pixels)
+    exported = reference(tmp_path / "back", packed, max_pixels=max_pixels)
     assert exported["loss"] == original["loss"]
 
 
-def test_converted_checkpoint_trains_like_hf_model_and_trained_one_exports(tmp_path: Path) -> None:
+@pytest.mark.ranks
+def test_converted_checkpoint_trains_like_hf_model_and_trained_one_exports(
+    tmp_path: Path, packed_dataset: Callable[..., Path]
+) -> None:
     """Converted at TP2 x PP2, loaded at TP2 x PP1 (dist_checkpointing reshards): the same logged loss as
     `--hf-model`; the trainer's own checkpoint (optimizer and all, lr 0) exports to the original weights."""
     from mmpack.trainer.convert import hf_to_mcore, mcore_to_hf
-    from tests.support.trainer import make_packed_dataset
-    from tests.test_trainer_hf_parity import _torchrun
+    from tests.support.hf_parity import torchrun
 
-    packed = make_packed_dataset(tmp_path / "data", n_samples=40, seed=8, seq_len=256)
-    hf_dir = _hf_model_for(packed, tmp_path / "hf", tied=False)
+    packed = packed_dataset(n_samples=40, seed=8, seq_len=256)
+    hf_dir = hf_model_for(packed, tmp_path / "hf", tied=False)
     hf_to_mcore(str(hf_dir), str(tmp_path / "mcore"), tp=2, pp=2)
     common = [
         "--data-path", str(packed), "--tensor-model-parallel-size", "2", "--micro-batch-size", "1",
@@ -89,7 +72,7 @@ def test_converted_checkpoint_trains_like_hf_model_and_trained_one_exports(tmp_p
         "converted": ["--load", str(tmp_path / "mcore"), "--finetune"],
     }.items():
         metrics = tmp_path / f"{name}.jsonl"
-        _torchrun(
+        torchrun(
             2,
             ["-m", "mmpack.trainer.pretrain_vlm", *common, *extra, "--metrics-file", str(metrics)],
             tmp_path,

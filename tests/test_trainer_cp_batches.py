@@ -6,13 +6,14 @@ CP 2 run's checkpoint resumes at CP 1 and continues it (same bins, same token ch
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.support.trainer import checkpoint_view, make_packed_dataset, ok, train
+from tests.support.trainer import checkpoint_view, ok, train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.ranks, pytest.mark.slow]
 
 SAVE_AT, TOTAL = 2, 4
 COMMON = [
@@ -30,8 +31,10 @@ def _same_steps(mine: list[dict], ref: list[dict]) -> None:
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
 
 
-def test_micro_batch_sizes_and_cp2_agree_and_cp2_resumes_at_cp1(tmp_path: Path) -> None:
-    data = make_packed_dataset(tmp_path / "data", n_samples=60, seed=4)
+def test_micro_batch_sizes_and_cp2_agree_and_cp2_resumes_at_cp1(
+    tmp_path: Path, packed_dataset: Callable[..., Path]
+) -> None:
+    data = packed_dataset(n_samples=60, seed=4)
     assert json.loads((data / "manifest.json").read_text())["counts"]["image_tokens"] > 0
     ckpt = tmp_path / "ckpt"
     base = ["--data-path", str(data), *COMMON]

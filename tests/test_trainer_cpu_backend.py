@@ -38,6 +38,7 @@ def test_inactive_when_cuda_present() -> None:
     assert out.strip() == "inactive"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     __import__("torch").cuda.is_available(), reason="the CPU backend only activates without CUDA"
 )
@@ -61,6 +62,7 @@ def test_active_without_cuda_maps_cuda_to_cpu() -> None:
     assert out.strip() == "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     __import__("torch").cuda.is_available(), reason="the CPU backend only activates without CUDA"
 )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.ranks, pytest.mark.shared, pytest.mark.slow]
 
 
 def _preprocessor_config(manifest: dict, **override: object) -> dict:
@@ -21,12 +21,12 @@ def _preprocessor_config(manifest: dict, **override: object) -> dict:
 
 
 def test_trainer_refuses_dataset_packed_for_another_model(tmp_path: Path, qwen3_tokenizer_path: Path) -> None:
+    from tests.support.qwen2_5_vl import hf_model_for
     from tests.support.trainer import make_packed_dataset, train
-    from tests.test_trainer_convert import _hf_model_for
 
     packed = make_packed_dataset(tmp_path / "data", n_samples=12, seed=3, seq_len=256)
     manifest = json.loads((packed / "manifest.json").read_text())
-    hf_dir = _hf_model_for(packed, tmp_path / "hf", tied=True)
+    hf_dir = hf_model_for(packed, tmp_path / "hf", tied=True)
     args = [
         "--hf-model", str(hf_dir), "--data-path", str(packed), "--train-iters", "1", "--lr", "0",
         "--num-workers", "0",

@@ -1,23 +1,22 @@
 """One decode per DP rank: with TP2 each image of a micro-batch is decoded once per DP rank (on TP rank 0 of
 the first stage); the TP peers receive the same pixels, later pipeline stages receive the batch without them.
 
-The check runs in four gloo processes (this file is also their entry point); decodes are counted by wrapping
-the loader's image decoder in each process."""
+The check runs on four gloo ranks (``tests.support.ranks``; this file is also their entry point); decodes are
+counted by wrapping the loader's image decoder in each rank."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.support.ranks import free_port
-from tests.support.trainer import REPO, TINY, make_packed_dataset
+from tests.support.ranks import checked, launch
+from tests.support.trainer import TINY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.ranks, pytest.mark.slow]
 
 
 def _worker(data: str, out: Path, tp: int, pp: int) -> None:
@@ -69,16 +68,13 @@ def _worker(data: str, out: Path, tp: int, pp: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_packed_dataset(tmp_path_factory.mktemp("decode") / "data", n_samples=60, seed=8)
+def data(packed_dataset: Callable[..., Path]) -> Path:
+    return packed_dataset(n_samples=60, seed=8)
 
 
 def _launch(data: Path, out: Path, tp: int, pp: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-           str(free_port()), str(Path(__file__).resolve()), str(data), str(out), str(tp), str(pp)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    argv = [str(Path(__file__).resolve()), str(data), str(out), str(tp), str(pp)]
+    checked(launch(4, argv, out / "ranks", timeout_s=400))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 

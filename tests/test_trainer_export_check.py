@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.ranks, pytest.mark.family, pytest.mark.slow]
 
 
 def test_checkpoint_logits_equal_transformers(tmp_path: Path) -> None:
@@ -16,11 +16,11 @@ def test_checkpoint_logits_equal_transformers(tmp_path: Path) -> None:
 
     from mmpack.trainer.convert import hf_to_mcore
     from mmpack.trainer.export_check import first_image_sample, hf_logits, mcore_logits
+    from tests.support.qwen2_5_vl import hf_model_for
     from tests.support.trainer import make_packed_dataset
-    from tests.test_trainer_convert import _hf_model_for
 
     packed = make_packed_dataset(tmp_path / "data", n_samples=12, seed=5, seq_len=256)
-    hf_dir = _hf_model_for(packed, tmp_path / "hf", tied=False)
+    hf_dir = hf_model_for(packed, tmp_path / "hf", tied=False)
     hf_to_mcore(str(hf_dir), str(tmp_path / "mcore"), tp=2, pp=1)
     sample = first_image_sample(str(packed))
     assert sample.image_grid_thw is not None and sample.pixel_values is not None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -52,17 +53,17 @@ def _hf_part(name: str) -> str:
     return "language_model"
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
-def test_frozen_weights_stay_bit_identical(tmp_path: Path) -> None:
+def test_frozen_weights_stay_bit_identical(tmp_path: Path, packed_dataset: Callable[..., Path]) -> None:
     from safetensors.torch import load_file
 
     from mmpack.trainer.convert import mcore_to_hf
-    from tests.support.trainer import make_packed_dataset
-    from tests.test_trainer_convert import _hf_model_for
-    from tests.test_trainer_hf_parity import _torchrun
+    from tests.support.hf_parity import torchrun
+    from tests.support.qwen2_5_vl import hf_model_for
 
-    packed = make_packed_dataset(tmp_path / "data", n_samples=40, seed=8, seq_len=256)
-    hf_dir = _hf_model_for(packed, tmp_path / "hf", tied=False)
+    packed = packed_dataset(n_samples=40, seed=8, seq_len=256)
+    hf_dir = hf_model_for(packed, tmp_path / "hf", tied=False)
     before = load_file(str(hf_dir / "model.safetensors"))
     common = [
         "-m", "mmpack.trainer.pretrain_vlm", "--hf-model", str(hf_dir), "--data-path", str(packed),
@@ -78,7 +79,7 @@ def test_frozen_weights_stay_bit_identical(tmp_path: Path) -> None:
     }  # fmt: skip
     for name, (nproc, flags, trains) in runs.items():
         ckpt = tmp_path / f"ckpt_{name}"
-        proc = _torchrun(nproc, [*common, *flags, "--save", str(ckpt)], tmp_path)
+        proc = torchrun(nproc, [*common, *flags, "--save", str(ckpt)], tmp_path)
         line = next(x for x in proc.stdout.splitlines() if x.startswith("trainable parameters:"))
         counts = [int(n.replace(",", "")) for n in re.findall(r"[\d,]{2,}", line)[:2]]
         expected = sum(t.numel() for k, t in before.items() if _hf_part(k) in trains)
@@ -93,6 +94,7 @@ def test_frozen_weights_stay_bit_identical(tmp_path: Path) -> None:
         print(f"{name}: {line}; {len(changed)} tensors changed, {len(frozen)} frozen bit-identical")
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_nothing_to_train_is_one_error(tmp_path: Path) -> None:
     from tests.support.trainer import train
@@ -107,6 +109,7 @@ def test_nothing_to_train_is_one_error(tmp_path: Path) -> None:
     assert json.dumps(run.metrics) == "[]"
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_distributed_optimizer_with_an_idle_stage_is_refused_without_te(tmp_path: Path) -> None:
     """megatron-core's distributed optimizer asserts when checkpointing an empty shard on its torch-Adam path

@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.trainer import train
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = [pytest.mark.ranks, pytest.mark.gpu, pytest.mark.slow]
 
 
 def test_single_gpu_bf16_training(tmp_path: Path) -> None:

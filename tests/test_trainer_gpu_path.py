@@ -76,6 +76,7 @@ def test_te_fused_norm_weights_are_norms() -> None:
     )
 
 
+@pytest.mark.ranks
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_bf16_with_fp32_residual_under_transformer_engine(tmp_path: Path) -> None:

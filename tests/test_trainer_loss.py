@@ -2,22 +2,19 @@
 different numbers of target tokens, on two DP ranks, the step's gradients are those of (sum of all target
 token losses of the global batch) / (their number), not of the mean of per-micro-batch means.
 
-The check runs in two gloo processes (this file is also their entry point)."""
+The check runs on two gloo ranks (``tests.support.ranks``; this file is also their entry point)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.ranks import free_port
-from tests.support.trainer import REPO
+from tests.support import ranks
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.ranks, pytest.mark.slow]
 
 RTOL = 1e-5
 
@@ -85,11 +82,9 @@ def _worker(out: Path) -> None:
 
 
 def test_per_token_loss_weighs_every_target_token_the_same(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(Path(__file__).resolve()), str(tmp_path)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks.checked(
+        ranks.launch(2, [str(Path(__file__).resolve()), str(tmp_path)], tmp_path / "ranks", timeout_s=300)
+    )
     for rank in (0, 1):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert min(r["counts"]) == 1 and max(r["counts"]) >= 20, r  # very different micro-batches

@@ -1,34 +1,38 @@
-"""The trainer on a mixture: `--data-path 0.7 A 0.3 B` at TP2 x PP2 x DP2 on CPU logs each source's loss and
-tokens (log line, metrics file, TensorBoard)."""
+"""The trainer on a mixture: `--data-path 0.7 A 0.3 B` at PP2 x DP2 on CPU (the sources' sums reduced over
+the DP ranks and brought from the last stage to the logger) logs each source's loss and tokens (log line,
+metrics file, TensorBoard)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from mmpack.trainer.arguments import parse_args
-from tests.support.trainer import make_packed_dataset, ok, train
+from tests.support.trainer import ok, train
 
 pytestmark = pytest.mark.slow
 
 
-def test_weighted_data_path_at_tp2_pp2_dp2_logs_per_source_loss(tmp_path: Path) -> None:
+@pytest.mark.ranks
+def test_weighted_data_path_at_pp2_dp2_logs_per_source_loss(
+    tmp_path: Path, packed_dataset: Callable[..., Path]
+) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    a = make_packed_dataset(tmp_path / "a", n_samples=60, seed=0)
-    b = make_packed_dataset(tmp_path / "b", n_samples=60, seed=1)
+    a = packed_dataset(n_samples=60, seed=0)
+    b = packed_dataset(n_samples=60, seed=1)
     tb = tmp_path / "tb"
     args = [
-        "--data-path", "0.7", str(a), "0.3", str(b),
-        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--data-path", "0.7", str(a), "0.3", str(b), "--pipeline-model-parallel-size", "2",
         "--micro-batch-size", "1", "--global-batch-size", "10", "--train-iters", "2", "--lr", "1e-3",
         "--tensorboard-dir", str(tb),
     ]  # fmt: skip
-    run = ok(train(8, args, tmp_path / "run"))
+    run = ok(train(4, args, tmp_path / "run"))
     names = tuple(str(p) for p in (a, b))  # both folders are named "packed": the sources go by their paths
-    assert "world 8 = TP 2 x PP 2 x DP 2" in run.stdout
+    assert "world 4 = TP 1 x PP 2 x DP 2" in run.stdout
     assert len(run.train) == 2
     for m in run.train:
         assert set(m["source_loss"]) == set(names) and all(

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from mmpack.packing.batch import MicroBatch
+from tests.support.qwen2_5_vl import tiny_arch
 from tests.support.trainer import make_packed_dataset, ok, train
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_tensorboard_events_hold_the_logged_metrics(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -41,14 +43,6 @@ def test_tensorboard_events_hold_the_logged_metrics(tmp_path: Path) -> None:
     assert all(e.value > 0 for e in events.Scalars("params-norm"))
 
 
-def _arch():  # type: ignore[no-untyped-def]
-    from mmpack.trainer.models.qwen2_5_vl.config import arch_from_hf_config, tiny_hf_config
-
-    return arch_from_hf_config(
-        tiny_hf_config(vocab_size=512, image_token_id=500, vision_start_token_id=501, vision_end_token_id=502)
-    )
-
-
 def _batch(lengths: list[int], grids: list[list[int]] | None = None, pad: int = 0) -> MicroBatch:
     """A micro-batch of samples of these lengths (and a padding segment), with images of these grids (what
     the FLOP count reads: tokens, segments, grids; no pixels)."""
@@ -70,7 +64,7 @@ def test_flops_are_the_family_formula_counted_per_sample() -> None:
     from mmpack.trainer.models.qwen2_5_vl import FAMILY
     from mmpack.trainer.observability import step_flops
 
-    arch = _arch()
+    arch = tiny_arch()
     model = FAMILY.flop_model(arch)
     packed = step_flops(model, [_batch([100, 300])], pad_id=0)
     assert packed == pytest.approx(step_flops(model, [_batch([100]), _batch([300])], pad_id=0))

@@ -1,6 +1,7 @@
 """No cross-contamination: the loss and gradients of one packed bin equal those of its samples run one by one.
 
-The model runs in gloo processes started by torchrun (this file is also the worker script).
+The model runs on gloo ranks (``tests.support.ranks``, as torchrun would start them; this file is also the
+worker script).
 Loss convention on both sides: sum over target tokens / number of target tokens.
 """
 
@@ -8,13 +9,16 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.ranks import checked, launch
+
+pytestmark = [pytest.mark.ranks]
 
 SEQ = 160
 
@@ -189,31 +193,15 @@ def _worker(out_path: str, tp: int, source: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("source", "tp"), [("synthetic", 1), ("synthetic", 2), ("loader", 2)])
-def test_packed_bin_equals_samples_one_by_one(tmp_path: Path, source: str, tp: int) -> None:
+def test_packed_bin_equals_samples_one_by_one(
+    tmp_path: Path, packed_dataset: Callable[..., Path], source: str, tp: int
+) -> None:
     """``loader``: a real bin (offline packer -> loader, real JPEG/PNG patches) cut into its samples."""
-    # imported here: this file is also the torchrun worker script, where the tests package is not importable
-    from tests.support.ranks import free_port
-    from tests.support.trainer import REPO, make_packed_dataset
-
     if source == "loader":
-        source = str(make_packed_dataset(tmp_path / "data", n_samples=60, seed=4))
+        source = str(packed_dataset(n_samples=60, seed=4))
     out = tmp_path / "result.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(tp),
-        "--master_port",
-        str(free_port()),
-        str(Path(__file__).resolve()),
-        str(out),
-        str(tp),
-        source,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    argv = [str(Path(__file__).resolve()), str(out), str(tp), source]
+    checked(launch(tp, argv, tmp_path / "ranks", timeout_s=300))
     r = json.loads(out.read_text())
     assert r["params_without_grad"] == [], "every parameter (vision encoder included) must get a gradient"
     assert r["packed_loss"] == pytest.approx(r["separate_loss"], rel=1e-6)

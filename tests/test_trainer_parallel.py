@@ -6,30 +6,29 @@ import json
 import math
 import random
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.support.trainer import Run, Signal, make_packed_dataset, ok, train
+from tests.support.trainer import Run, Signal, ok, train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.ranks, pytest.mark.slow]
 
 BATCH = ["--micro-batch-size", "1", "--global-batch-size", "8", "--seed", "5"]
-# TP2 x PP2 with sequence parallelism and the distributed optimizer, 20 iterations (run and its resume)
+# TP2 x PP2 with sequence parallelism and the distributed optimizer, 20 iterations (the 8-rank run, the resume)
 RUN_3D = [
     "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
     "--sequence-parallel", "--use-distributed-optimizer",
     "--train-iters", "20", "--lr", "3e-3", "--lr-warmup-iters", "2",
     *BATCH,
 ]  # fmt: skip
+PP1 = ["--pipeline-model-parallel-size", "1"]  # after RUN_3D: TP2 x PP1
 
 
 @pytest.fixture(scope="module")
-def datasets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("trainer-data")
-    train_set = make_packed_dataset(root / "train", n_samples=300, seed=0)
-    held_out = make_packed_dataset(root / "heldout", n_samples=60, seed=1)
-    return train_set, held_out
+def datasets(packed_dataset: Callable[..., Path]) -> tuple[Path, Path]:
+    return packed_dataset(n_samples=300, seed=0), packed_dataset(n_samples=60, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -128,51 +127,56 @@ def test_fp16_overflow_skips_step_and_lowers_scale(datasets: tuple[Path, Path], 
 
 
 @pytest.fixture(scope="module")
-def stopped_3d(
+def stopped(
     datasets: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Run, Path, Signal]:
-    """RUN_3D with --exit-signal-handler, sent SIGTERM at one random rank of the eight after a random step
-    (a scheduler's signal reaches the ranks at different moments; here the extreme case)."""
+    """RUN_3D at TP2 x PP1 x DP2 (4 ranks: the distributed optimizer sharded over two DP ranks, SP; the same
+    losses as the TP2 x PP2 x DP2 run, to ~1e-8) with --exit-signal-handler, sent SIGTERM at one random rank of
+    the four after a random step (a scheduler's signal reaches the ranks at different moments; here the extreme
+    case)."""
     train_set, _ = datasets
-    workdir = tmp_path_factory.mktemp("stopped-3d")
+    workdir = tmp_path_factory.mktemp("stopped")
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    send = Signal(signal.SIGTERM, rank=rng.randrange(8), after_iteration=rng.randint(2, 6))
+    send = Signal(signal.SIGTERM, rank=rng.randrange(4), after_iteration=rng.randint(2, 6))
     print(f"{send} (seed {seed})")
-    args = ["--data-path", str(train_set), *RUN_3D, "--save", str(workdir / "ckpt"), "--exit-signal-handler"]
-    return ok(train(8, args, workdir, send=send)), workdir / "ckpt", send
+    args = ["--data-path", str(train_set), *RUN_3D, *PP1, "--save", str(workdir / "ckpt")]
+    args.append("--exit-signal-handler")
+    return ok(train(4, args, workdir, send=send)), workdir / "ckpt", send
 
 
 def test_sigterm_at_a_random_step_saves_that_step_and_exits_zero(
-    run_3d: Run, stopped_3d: tuple[Run, Path, Signal]
+    run_3d: Run, stopped: tuple[Run, Path, Signal]
 ) -> None:
     """Every rank finishes the step it is in, the same checkpoint of it is committed, the run exits 0 (ok());
     up to there it is the uninterrupted run."""
-    stopped, ckpt, send = stopped_3d
-    step = stopped.train[-1]["iteration"]
+    run, ckpt, send = stopped
+    step = run.train[-1]["iteration"]
     assert send.after_iteration <= step < 20, (send, step)
-    assert [m["iteration"] for m in stopped.train] == list(range(1, step + 1))
-    assert f"exiting after iteration {step}: received SIGTERM; checkpoint of it in {ckpt}" in stopped.stdout
-    assert "Traceback" not in stopped.stderr
+    assert [m["iteration"] for m in run.train] == list(range(1, step + 1))
+    assert "world 4 = TP 2 x PP 1 x DP 2" in run.stdout
+    assert f"exiting after iteration {step}: received SIGTERM; checkpoint of it in {ckpt}" in run.stdout
+    assert "Traceback" not in run.stderr
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(step)
     assert sorted(p.name for p in ckpt.glob("iter_*")) == [f"iter_{step:07d}"]  # no other save, no .tmp
     files = json.loads((ckpt / f"iter_{step:07d}" / "checksums.json").read_text())["files"]
-    assert {n.split("_")[2] for n in files if n.endswith(".distcp")} == {str(r) for r in range(8)}
-    for mine, ref in zip(stopped.train, run_3d.train[:step], strict=True):
+    assert {n.split("_")[2] for n in files if n.endswith(".distcp")} == {str(r) for r in range(4)}
+    for mine, ref in zip(run.train, run_3d.train[:step], strict=True):
         assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-6)
 
 
-def test_3d_checkpoint_resumes_with_fewer_dp_ranks(
-    run_3d: Run, stopped_3d: tuple[Run, Path, Signal], datasets: tuple[Path, Path], tmp_path: Path
+def test_checkpoint_resumes_with_fewer_dp_ranks_and_another_pipeline(
+    run_3d: Run, stopped: tuple[Run, Path, Signal], datasets: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """The checkpoint the SIGTERM left (TP2xPP2xDP2, distributed optimizer, SP), resumed by TP2xPP2xDP1: the
+    """The checkpoint the SIGTERM left (TP2xPP1xDP2, distributed optimizer, SP), resumed by TP2xPP2xDP1: the
     uninterrupted run's next iterations up to 20 within 1e-4."""
     train_set, _ = datasets
-    stopped, ckpt, _ = stopped_3d
-    step = stopped.train[-1]["iteration"]
+    run, ckpt, _ = stopped
+    step = run.train[-1]["iteration"]
     resumed = ok(
         train(4, ["--load", str(ckpt), "--data-path", str(train_set), *RUN_3D], tmp_path / "resumed")
     )
+    assert "world 4 = TP 2 x PP 2 x DP 1" in resumed.stdout
     assert f"resumed from {ckpt} at iteration {step}" in resumed.stdout
     tail = run_3d.train[step:]
     assert [m["iteration"] for m in resumed.train] == list(range(step + 1, 21))

@@ -10,7 +10,7 @@ import torch
 
 from tests.support.trainer import Run, checkpoint_view, make_packed_dataset, ok, train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.ranks, pytest.mark.slow]
 
 COMMON = [
     "--micro-batch-size",

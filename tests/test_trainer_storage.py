@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.trainer import make_packed_dataset, train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.ranks, pytest.mark.slow]
 
 ARGS = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3", "--seed", "4"]
 

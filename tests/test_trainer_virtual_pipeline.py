@@ -4,11 +4,14 @@ rate is told apart), a checkpoint saved with VP2 resuming exactly with VP2 and r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 
 from mmpack.trainer.arguments import parse_args
 from mmpack.trainer.config import ParallelConfig
-from tests.support.trainer import Run, checkpoint_view, make_packed_dataset, ok, train
+from tests.support.trainer import Run, checkpoint_view, ok, train
 
 SAVE_AT, TOTAL = 2, 4
 COMMON = [
@@ -70,9 +73,9 @@ def test_micro_batches_per_step_must_fill_groups_of_pp() -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+def runs(tmp_path_factory: pytest.TempPathFactory, packed_dataset: Callable[..., Path]) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("vpp")
-    data = str(make_packed_dataset(root / "data", n_samples=60, seed=4))
+    data = str(packed_dataset(n_samples=60, seed=4))
     base = ["--data-path", data, *COMMON]
     out = {
         "vp2": ok(train(2, [*base, *VP2, "--save", str(root / "ckpt"), "--save-interval", str(SAVE_AT)], root / "vp2")),
@@ -96,6 +99,7 @@ def _assert_same_losses(run: Run, reference: list[dict], rel: float) -> None:
         )
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_pp2_vp2_trains_like_one_process(runs: dict[str, Run]) -> None:
     vp2, pp1 = runs["vp2"], runs["pp1"]
@@ -107,6 +111,7 @@ def test_pp2_vp2_trains_like_one_process(runs: dict[str, Run]) -> None:
         assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_control_another_learning_rate_is_told_apart(runs: dict[str, Run]) -> None:
     """The comparison above can fail: with 10% more learning rate (one process, same data and weights) the
@@ -118,6 +123,7 @@ def test_control_another_learning_rate_is_told_apart(runs: dict[str, Run]) -> No
         _assert_same_losses(other, vp2.train, rel=1e-4)
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_vp2_checkpoint_resumes_exactly_and_reshards_to_pp1(runs: dict[str, Run]) -> None:
     tail = [m for m in runs["vp2"].train if m["iteration"] > SAVE_AT]

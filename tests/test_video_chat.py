@@ -69,6 +69,7 @@ MIXED = Conversation(
 )
 
 
+@pytest.mark.shared
 def test_mixed_record_tokens_equal_the_expanded_text(qwen3_tokenizer_path: Path) -> None:
     from tokenizers import Tokenizer
 

@@ -19,7 +19,7 @@ from mmpack.dataloader.video import (
 from mmpack.offline_packing.inputs.video_probe import probe_video
 from mmpack.packing.image_tokens import CLIP_MEAN, CLIP_STD
 from mmpack.packing.video_tokens import VideoPlan, VideoTokenRule
-from tests.support.shared import SHARED_DIR
+from tests.support.shared import SHARED_DIR, need_shared
 from tests.support.video_fixtures import encode_video, reference_frames
 
 DEMO_VIDEOS = SHARED_DIR / "data" / "mllm_video_demo" / "mllm_demo_data"
@@ -37,9 +37,10 @@ def _check_against_reference(path: Path, plan: VideoPlan, counters: dict | None 
     return got
 
 
+@pytest.mark.slow
+@pytest.mark.shared
 def test_demo_videos_decode_exactly_the_recorded_frames() -> None:
-    if not DEMO_VIDEOS.is_dir():
-        pytest.skip(f"shared video demo not found at {DEMO_VIDEOS}")
+    need_shared(DEMO_VIDEOS, what="the video demo")
     for name in ("1.mp4", "2.avi", "3.mp4"):
         path = DEMO_VIDEOS / name
         plan = _plan(path)
@@ -203,6 +204,7 @@ print(status_kib("VmHWM") - before)
 """
 
 
+@pytest.mark.slow
 def test_decode_memory_is_bounded(tmp_path: Path) -> None:
     """Frames are resized as they are decoded: peak memory follows the planned frames, not the video's length."""
     import subprocess

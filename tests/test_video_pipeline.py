@@ -20,7 +20,7 @@ from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.image_tokens import ImageTokenRule
 from mmpack.packing.video_tokens import VideoPlan, VideoTokenRule
 from tests.support.reference import qwen_vl_video_plan
-from tests.support.shared import QWEN3_TOKENIZER, SHARED_DIR
+from tests.support.shared import QWEN3_TOKENIZER, SHARED_DIR, need_import, need_shared
 from tests.support.video_fixtures import encode_video, reference_frames
 
 DEMO_DIR = SHARED_DIR / "data" / "mllm_video_demo"
@@ -56,8 +56,9 @@ def _reference_patches(path: Path, plan: VideoPlan) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def demo_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not (DEMO_DIR / "mllm_video_demo.json").is_file() or not QWEN3_TOKENIZER.is_file():
-        pytest.skip(f"shared video demo or Qwen3 tokenizer not found under {SHARED_DIR}")
+    need_shared(
+        DEMO_DIR / "mllm_video_demo.json", QWEN3_TOKENIZER, what="the video demo, the Qwen3 tokenizer"
+    )
     out = tmp_path_factory.mktemp("video_demo") / "out"
     cfg = job_config(
         inputs=(str(DEMO_DIR / "mllm_video_demo.json"),),
@@ -71,6 +72,7 @@ def demo_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.shared
 def test_demo_records_pack_with_the_rule_token_counts(demo_dataset: Path) -> None:
     manifest = read_manifest(str(demo_dataset))
     counts = manifest["counts"]
@@ -107,6 +109,7 @@ def test_demo_records_pack_with_the_rule_token_counts(demo_dataset: Path) -> Non
     assert seen == 3
 
 
+@pytest.mark.shared
 def test_loader_decodes_exactly_the_recorded_frames(demo_dataset: Path) -> None:
     cfg = _collate_config(demo_dataset)
     files = {p.read_bytes(): p for p in (DEMO_DIR / "mllm_demo_data").iterdir()}
@@ -197,6 +200,7 @@ def _generated_inputs(root: Path) -> tuple[Path, dict[str, str | None]]:
     return path, expected | {"mixed": None, "escape": "video_path_escape"}
 
 
+@pytest.mark.shared
 def test_generated_videos_through_the_job(tmp_path: Path, qwen3_tokenizer_path: Path) -> None:
     data, expected = _generated_inputs(tmp_path)
     out = tmp_path / "out"
@@ -246,6 +250,7 @@ def test_generated_videos_through_the_job(tmp_path: Path, qwen3_tokenizer_path: 
     assert wide.resized_hw[0] * wide.resized_hw[1] <= rule.max_pixels < 1280 * 720
 
 
+@pytest.mark.shared
 def test_video_flags_reach_the_rule_and_the_manifest(tmp_path: Path, qwen3_tokenizer_path: Path) -> None:
     from mmpack.offline_packing.flags import parse_job_args
 
@@ -299,6 +304,7 @@ def test_video_flags_reach_the_rule_and_the_manifest(tmp_path: Path, qwen3_token
         )
 
 
+@pytest.mark.shared
 @pytest.mark.parametrize("fmt", ["arrow", "wds"])
 def test_stats_report_videos_frames_and_video_tokens(
     demo_dataset: Path, fmt: str, capsys: pytest.CaptureFixture[str]
@@ -319,6 +325,8 @@ def test_stats_report_videos_frames_and_video_tokens(
     assert "video frames" in table and "5,745" in table
 
 
+@pytest.mark.slow
+@pytest.mark.shared
 def test_loader_workers_yield_the_video_inputs(demo_dataset: Path) -> None:
     """Through worker processes (decode there): the same tensors as collating in this process."""
     import torch
@@ -355,6 +363,7 @@ def test_demo_data_includes_generated_videos(tmp_path: Path) -> None:
     assert sum(len(r["videos"]) for r in records) == 6
 
 
+@pytest.mark.shared
 def test_videos_under_a_url_input(tmp_path: Path, qwen3_tokenizer_path: Path) -> None:
     """Records and videos behind an fsspec URL: probed by ranged reads, stored byte for byte."""
     import fsspec
@@ -380,6 +389,7 @@ def test_videos_under_a_url_input(tmp_path: Path, qwen3_tokenizer_path: Path) ->
     assert summary.video_tokens == VideoTokenRule().plan(probe_video(video).meta).num_tokens
 
 
+@pytest.mark.shared
 def test_compute_balance_counts_video_patches(demo_dataset: Path) -> None:
     """Bin features for balance="compute" hold each video as t images of h x w patches, in both formats."""
     from mmpack.dataloader.balance import load_bin_features
@@ -395,7 +405,7 @@ def test_compute_balance_counts_video_patches(demo_dataset: Path) -> None:
 
 
 def test_energon_reads_the_video_fields(tmp_path: Path) -> None:
-    pytest.importorskip("megatron.energon")
+    need_import("megatron.energon", extra="energon")
     from megatron.energon import WorkerConfig, get_loader, get_train_dataset
 
     from mmpack.offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe

@@ -9,7 +9,7 @@ import pytest
 from mmpack.offline_packing.errors import VideoProbeError
 from mmpack.offline_packing.inputs.video_probe import VideoProbeConfig, probe_video
 from mmpack.packing.video_tokens import VideoRuleError, VideoTokenRule
-from tests.support.shared import SHARED_DIR
+from tests.support.shared import SHARED_DIR, need_shared
 from tests.support.video_fixtures import encode_video
 
 DEMO_VIDEOS = SHARED_DIR / "data" / "mllm_video_demo" / "mllm_demo_data"
@@ -21,9 +21,9 @@ def _reject_reason(path: Path | str | bytes, config: VideoProbeConfig | None = N
     return info.value.reason
 
 
+@pytest.mark.shared
 def test_demo_videos_metadata_without_reading_the_frames() -> None:
-    if not DEMO_VIDEOS.is_dir():
-        pytest.skip(f"shared video demo not found at {DEMO_VIDEOS}")
+    need_shared(DEMO_VIDEOS, what="the video demo")
     expected = {  # SOURCE.md of the demo (read there with PyAV too)
         "1.mp4": (243, 25.0, 640, 360),
         "2.avi": (270, 29.92, 320, 240),

@@ -18,7 +18,7 @@ from mmpack.packing.video_tokens import (
     sample_frame_indices,
 )
 from tests.support.reference import qwen_vl_video_plan
-from tests.support.shared import SHARED_DIR
+from tests.support.shared import SHARED_DIR, need_shared
 
 DEMO_DIR = SHARED_DIR / "data" / "mllm_video_demo"
 
@@ -31,12 +31,12 @@ def _assert_plan_matches(plan: VideoPlan, ref: dict) -> None:
     assert plan.second_per_grid_t == pytest.approx(ref["second_per_grid_t"], rel=1e-12)
 
 
+@pytest.mark.shared
 def test_demo_videos_tokens_equal_reference_rule() -> None:
     from mmpack.offline_packing.inputs.video_probe import probe_video
 
     records = DEMO_DIR / "mllm_video_demo.json"
-    if not records.is_file():
-        pytest.skip(f"shared video demo not found at {records}")
+    need_shared(records, what="the video demo")
     rule = VideoTokenRule()
     seen = {}
     for rec in json.loads(records.read_text()):
@@ -187,6 +187,7 @@ def test_temporal_positions_equal_transformers() -> None:
     assert truncated_differently > 0
 
 
+@pytest.mark.shared
 def test_demo_records_video_pads_with_the_qwen3_tokenizer(qwen3_tokenizer_path) -> None:
     """Each demo video's <video> tag expanded to its planned <|video_pad|> run stays one token per pad."""
     from tokenizers import Tokenizer
@@ -194,8 +195,7 @@ def test_demo_records_video_pads_with_the_qwen3_tokenizer(qwen3_tokenizer_path) 
     from mmpack.offline_packing.inputs.video_probe import probe_video
 
     records = DEMO_DIR / "mllm_video_demo.json"
-    if not records.is_file():
-        pytest.skip(f"shared video demo not found at {records}")
+    need_shared(records, what="the video demo")
     tokenizer = Tokenizer.from_file(str(qwen3_tokenizer_path))
     video_pad = tokenizer.token_to_id("<|video_pad|>")
     assert video_pad is not None and tokenizer.token_to_id("<|image_pad|>") != video_pad

@@ -1,5 +1,6 @@
 """Reads the package's modules with `ast` and finds what `tests/test_architecture.py` forbids: import cycles,
-module-level mutable state, and modules using another module's private names. No import of the package."""
+module-level mutable state, and modules using another module's private names; and in the tests, a test module
+imported by another (helpers live in tests/support/). No import of the package."""
 
 from __future__ import annotations
 
@@ -245,4 +246,37 @@ def foreign_private_uses(modules: dict[str, Module]) -> list[str]:
                 and not node.attr.startswith("__")
             ):
                 found.append(f"{m.path.name}:{node.lineno}: uses {node.value.id}.{node.attr}")
+    return sorted(set(found))
+
+
+def imports_of_test_modules(tests_dir: Path) -> list[str]:
+    """`path:line: imports NAME` for each import of a test module (`tests_dir/test_*.py`, e.g. `tests.test_x`)
+    by another module under `tests_dir` (test modules, support modules, conftest): `import tests.test_x`,
+    `from tests.test_x import ...`, `from tests import test_x` and relative forms, wherever the statement is
+    (module level, inside functions, under `if __name__ == "__main__":`)."""
+    package = tests_dir.name
+    test_modules = {f"{package}.{p.stem}" for p in tests_dir.glob("test_*.py")}
+    found = []
+    for path in sorted(tests_dir.rglob("*.py")):
+        parts = path.relative_to(tests_dir.parent).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        mod = Module(
+            ".".join(parts[:-1] if is_package else parts),
+            path,
+            ast.parse(path.read_text(), str(path)),
+            is_package,
+        )
+        for node in ast.walk(mod.tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(mod, node)
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            for target in targets:
+                for name in test_modules:
+                    if (target == name or target.startswith(name + ".")) and name != mod.name:
+                        where = path.relative_to(tests_dir.parent)
+                        found.append(f"{where}:{node.lineno}: imports {name}")
     return sorted(set(found))

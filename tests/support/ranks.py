@@ -11,7 +11,8 @@ name ``__main__``, ``SCRIPT ARGS`` as ``runpy.run_path``. Exit handlers run as a
 The group shares one deadline: what still runs after it is killed, and the report names every rank's exit code
 and its last lines. As torchrun does, once one rank fails the others are stopped (SIGTERM after a short grace,
 SIGKILL after that). The few tests that test torchrun's own behaviour (its report of a killed worker, SIGTERM
-to its agent) keep real ``torchrun``.
+to its agent) keep real ``torchrun``. Tests that run a function of theirs on each rank (not an entry point)
+start ``context().Process(target=...)`` themselves and wait with ``join_or_kill``.
 """
 
 from __future__ import annotations
@@ -183,11 +184,13 @@ def launch(
     cwd: Path = REPO,
     env: dict[str, str] | None = None,
     timeout_s: float = 420,
-    while_running: Callable[[list[BaseProcess]], None] | None = None,
+    while_running: Callable[[list[BaseProcess]], float | None] | None = None,
 ) -> Launch:
     """Runs ``ARGV`` on ``nproc`` ranks (as ``torchrun --standalone --nproc_per_node nproc ARGV``) with one
     deadline for the group; each rank's output goes to ``folder/rank{N}.{out,err}``. ``while_running`` is
-    called once with the rank processes after they started (to signal one, say), within the deadline."""
+    called once with the rank processes after they started (to signal one, say), within the deadline; when it
+    returns a number of seconds, the group's deadline becomes that long from then (if sooner): after a kill,
+    the time the rest of the group has to end."""
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
     base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
@@ -220,7 +223,9 @@ def launch(
     deadline = start + timeout_s
     try:
         if while_running is not None:
-            while_running(procs)
+            seconds = while_running(procs)
+            if seconds is not None:
+                deadline = min(deadline, time.monotonic() + seconds)
         failed_first, timed_out = _wait(procs, deadline)
     finally:
         for p in procs:
@@ -271,3 +276,15 @@ def checked(run: Launch) -> Launch:
     """``run``, after checking that every rank exited 0 (the report of every rank if not)."""
     assert run.returncode == 0 and not run.timed_out, run.report()
     return run
+
+
+def join_or_kill(procs: Sequence[BaseProcess], timeout_s: float) -> None:
+    """Waits for every process (of ``context()``) within one shared deadline; kills those still running after
+    it (their exit codes then read negative, so the caller's assertion names them)."""
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join()

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from mmpack.offline_packing.demo.synthetic import build_packed_dataset
 from tests.support import ranks
 
@@ -143,3 +145,16 @@ def checkpoint_view(ckpt: Path, iteration: int, tmp: Path) -> Path:
     (view / f"iter_{iteration:07d}").symlink_to(ckpt / f"iter_{iteration:07d}")
     (view / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return view
+
+
+def check_continues(resumed: Run, full: Run, *, save_at: int, total: int) -> None:
+    """``resumed`` (a run resumed from the checkpoint of iteration ``save_at``) continues ``full`` (the
+    uninterrupted run of ``total`` iterations): the same iterations, bins and token checksums, learning rates
+    to 1e-9 and losses to 1e-4 (relative)."""
+    tail = [m for m in full.train if m["iteration"] > save_at]
+    assert [m["iteration"] for m in resumed.train] == list(range(save_at + 1, total + 1))
+    assert [m["bins_consumed"] for m in resumed.train] == [m["bins_consumed"] for m in tail]
+    assert [m["data_digest"] for m in resumed.train] == [m["data_digest"] for m in tail]
+    for mine, ref in zip(resumed.train, tail, strict=True):
+        assert mine["lr"] == pytest.approx(ref["lr"], rel=1e-9)
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4), (mine, ref)
