@@ -6,9 +6,9 @@ A test starts ranks when its body, a function it calls, a fixture it takes, or a
 (in its module, a tests/support/ module, conftest.py or another test module) does one of:
 
 - calls ``tests.support.trainer.train``, ``tests.support.ranks.launch``, a fork-server process group's context
-  (``tests.support.ranks.context``, ``tests.support.processes.fresh_process_context``) or the checkpoint
+  (``tests.support.ranks.context``) or the checkpoint
   converter (``mmpack.trainer.convert.hf_to_mcore`` / ``mcore_to_hf``, which spawn their gloo ranks),
-- calls a helper named ``_torchrun``,
+- calls a helper named ``torchrun`` or ``_torchrun`` (``tests.support.hf_parity.torchrun``, a test's own),
 - names ``"torchrun"``, ``"torch.distributed.run"`` or ``"forkserver"`` (a torchrun command line, a fork-server
   context of its own).
 
@@ -45,10 +45,9 @@ RANKS = Rule(
     calls={
         "tests.support.trainer": frozenset({"train"}),
         "tests.support.ranks": frozenset({"launch", "context"}),
-        "tests.support.processes": frozenset({"fresh_process_context"}),
         "mmpack.trainer.convert": frozenset({"hf_to_mcore", "mcore_to_hf"}),  # spawn their gloo ranks
     },
-    helpers=frozenset({"_torchrun"}),
+    helpers=frozenset({"torchrun", "_torchrun"}),
     strings=frozenset(
         {"torchrun", "torch.distributed.run", "forkserver"}
     ),  # torchrun's command, a fork server
