@@ -22,6 +22,7 @@ from mmpack.trainer.checkpoint_commit import (
     resolve_iteration,
     verify_checkpoint,
 )
+from tests.support.ranks import warm_start_method
 from tests.support.trainer import Run, ok, train
 
 pytestmark = pytest.mark.slow
@@ -193,7 +194,7 @@ def test_export_replaces_an_earlier_sharded_export(saved: tuple[Path, Path, Run]
     index = {"metadata": {}, "weight_map": {"a": shards[0], "b": shards[1]}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     (out / "README.md").write_text("mine")
-    mcore_to_hf(str(saved[1]), str(out))
+    mcore_to_hf(str(saved[1]), str(out), start_method=warm_start_method())
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [MARKER_NAME, "README.md", "config.json", "model.safetensors"]
     )

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.qwen2_5_vl import hf_model_for
+from tests.support.ranks import warm_start_method
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +41,10 @@ def test_round_trip_bit_exact_and_export_loads(tmp_path: Path, tp: int, pp: int,
     assert json.loads((packed / "manifest.json").read_text())["counts"]["bins"] == 1
     hf_dir = hf_model_for(packed, tmp_path / "hf", tied=tied)
     ckpt = tmp_path / "mcore"
-    assert (hf_to_mcore(str(hf_dir), str(ckpt), tp=tp, pp=pp) / "metadata.json").is_file()
-    mcore_to_hf(str(ckpt), str(tmp_path / "back"))
+    assert (
+        hf_to_mcore(str(hf_dir), str(ckpt), tp=tp, pp=pp, start_method=warm_start_method()) / "metadata.json"
+    ).is_file()
+    mcore_to_hf(str(ckpt), str(tmp_path / "back"), start_method=warm_start_method())
     _assert_bit_exact(_tensors(hf_dir), _tensors(tmp_path / "back"))
 
     max_pixels = json.loads((packed / "manifest.json").read_text())["image_rule"]["max_pixels"]
@@ -61,7 +64,7 @@ def test_converted_checkpoint_trains_like_hf_model_and_trained_one_exports(
 
     packed = packed_dataset(n_samples=40, seed=8, seq_len=256)
     hf_dir = hf_model_for(packed, tmp_path / "hf", tied=False)
-    hf_to_mcore(str(hf_dir), str(tmp_path / "mcore"), tp=2, pp=2)
+    hf_to_mcore(str(hf_dir), str(tmp_path / "mcore"), tp=2, pp=2, start_method=warm_start_method())
     common = [
         "--data-path", str(packed), "--tensor-model-parallel-size", "2", "--micro-batch-size", "1",
         "--global-batch-size", "2", "--train-iters", "1", "--lr", "0", "--num-workers", "0",
@@ -79,7 +82,7 @@ def test_converted_checkpoint_trains_like_hf_model_and_trained_one_exports(
         )
         losses[name] = json.loads(metrics.read_text().splitlines()[0])["loss"]
     assert losses["converted"] == losses["hf"]
-    mcore_to_hf(str(tmp_path / "trained"), str(tmp_path / "export"))
+    mcore_to_hf(str(tmp_path / "trained"), str(tmp_path / "export"), start_method=warm_start_method())
     _assert_bit_exact(_tensors(hf_dir), _tensors(tmp_path / "export"))
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.ranks import warm_start_method
+
 pytestmark = [pytest.mark.ranks, pytest.mark.family, pytest.mark.slow]
 
 
@@ -21,7 +23,7 @@ def test_checkpoint_logits_equal_transformers(tmp_path: Path) -> None:
 
     packed = make_packed_dataset(tmp_path / "data", n_samples=12, seed=5, seq_len=256)
     hf_dir = hf_model_for(packed, tmp_path / "hf", tied=False)
-    hf_to_mcore(str(hf_dir), str(tmp_path / "mcore"), tp=2, pp=1)
+    hf_to_mcore(str(hf_dir), str(tmp_path / "mcore"), tp=2, pp=1, start_method=warm_start_method())
     sample = first_image_sample(str(packed))
     assert sample.image_grid_thw is not None and sample.pixel_values is not None
     assert int((sample.tokens == sample.image_pad_id).sum()) == int(sample.image_grid_thw.prod(-1).sum()) // 4

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from mmpack.trainer.freeze import MODULES, modules_of, param_trains, parse_modules, trainable_set
+from tests.support.ranks import warm_start_method
 
 
 def test_module_names_and_flags() -> None:
@@ -84,7 +85,7 @@ def test_frozen_weights_stay_bit_identical(tmp_path: Path, packed_dataset: Calla
         counts = [int(n.replace(",", "")) for n in re.findall(r"[\d,]{2,}", line)[:2]]
         expected = sum(t.numel() for k, t in before.items() if _hf_part(k) in trains)
         assert counts == [expected, sum(t.numel() for t in before.values())], (name, line)
-        mcore_to_hf(str(ckpt), str(tmp_path / f"hf_{name}"))
+        mcore_to_hf(str(ckpt), str(tmp_path / f"hf_{name}"), start_method=warm_start_method())
         after = load_file(str(tmp_path / f"hf_{name}" / "model.safetensors"))
         changed = {k for k in before if not after[k].equal(before[k])}
         frozen = {k for k in before if _hf_part(k) not in trains}

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tests.support.ranks import warm_start_method
 from tests.support.shared import MLLM_DEMO_JSON, VIDEO_DEMO
 
 if TYPE_CHECKING:
@@ -178,8 +179,8 @@ def check_convert_round_trip(
 
     from mmpack.trainer.convert import hf_to_mcore, mcore_to_hf
 
-    hf_to_mcore(str(setup["hf"]), str(tmp_path / "mcore"), tp, pp)
-    mcore_to_hf(str(tmp_path / "mcore"), str(tmp_path / "export"))
+    hf_to_mcore(str(setup["hf"]), str(tmp_path / "mcore"), tp, pp, start_method=warm_start_method())
+    mcore_to_hf(str(tmp_path / "mcore"), str(tmp_path / "export"), start_method=warm_start_method())
     original, exported = (load_file(str(d / "model.safetensors")) for d in (setup["hf"], tmp_path / "export"))
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():

@@ -288,3 +288,10 @@ def join_or_kill(procs: Sequence[BaseProcess], timeout_s: float) -> None:
         if p.exitcode is None:
             p.kill()
             p.join()
+
+
+def warm_start_method() -> str:
+    """The start method for code that starts its own rank processes (``mmpack.trainer.convert``'s
+    ``start_method``): this run's warm fork server instead of a fresh interpreter per rank ("spawn")."""
+    context()
+    return "forkserver"
