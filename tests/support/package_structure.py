@@ -50,16 +50,20 @@ def _resolve(mod: Module, node: ast.ImportFrom) -> str:
     return ".".join([*base, *([node.module] if node.module else [])])
 
 
+def _import_targets(mod: Module, node: ast.AST) -> list[str]:
+    """The dotted names an import statement names (``from a import b``: ``a`` and ``a.b``); none for other
+    nodes."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom):
+        base = _resolve(mod, node)
+        return [base, *(f"{base}.{alias.name}" for alias in node.names)]
+    return []
+
+
 def _imports(mod: Module, node: ast.AST, names: dict[str, Module]) -> Iterator[str]:
     """The package modules an import statement loads."""
-    if isinstance(node, ast.Import):
-        targets = [alias.name for alias in node.names]
-    elif isinstance(node, ast.ImportFrom):
-        base = _resolve(mod, node)
-        targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
-    else:
-        return
-    for target in targets:
+    for target in _import_targets(mod, node):
         parts = target.split(".")
         for i in range(len(parts), 0, -1):  # a.b.c loads a.b.c and its packages a.b and a
             name = ".".join(parts[:i])
@@ -267,14 +271,7 @@ def imports_of_test_modules(tests_dir: Path) -> list[str]:
             is_package,
         )
         for node in ast.walk(mod.tree):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = _resolve(mod, node)
-                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
-            else:
-                continue
-            for target in targets:
+            for target in _import_targets(mod, node):
                 for name in test_modules:
                     if (target == name or target.startswith(name + ".")) and name != mod.name:
                         where = path.relative_to(tests_dir.parent)
