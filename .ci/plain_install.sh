@@ -181,7 +181,7 @@ install_lines="$(readme_block "plain install:")"
 readme_lines "$install_lines"
 plain="$(pip freeze --exclude-editable)"
 raw="$work/raw"
-step "a small raw dataset and tokenizer" python -m mmpack.offline_packing.demo.synthetic "$raw" \
+step "a small raw dataset and tokenizer" python -m mmpack.demo.synthetic "$raw" \
   --samples 40 --max-size 96 --tokenizer
 user_path
 echo "== the wheel: built, installed into a venv of its own, used outside the repository"

@@ -15,6 +15,8 @@ PARTS = (
     "mmpack.dataloader",
     "mmpack.trainer",
     "mmpack.trainer.pretrain_vlm",
+    "mmpack.cli",  # the application layer above the four: the `mmpack` command and its demo
+    "mmpack.demo.cli",
 )
 # modules that need an extra (README's extras) and are only imported when it is installed
 NEEDS_EXTRA = {"mmpack.offline_packing.outputs.energon_sample": "energon"}

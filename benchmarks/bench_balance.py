@@ -231,7 +231,7 @@ def run_trainer(args: argparse.Namespace) -> dict:
     import subprocess
     import tempfile
 
-    from mmpack.offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
+    from mmpack.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
 
     repo = Path(__file__).resolve().parents[1]
     runs: dict[str, list[dict]] = {}

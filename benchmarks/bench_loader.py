@@ -60,7 +60,7 @@ from mmpack.dataloader import Topology, build_loader, load_manifest  # noqa: E40
 from mmpack.dataloader.collate import CollateConfig, collate_bins  # noqa: E402
 from mmpack.dataloader.readers import WdsShardReader, decode_wds_bin  # noqa: E402
 from mmpack.dataloader.storage import ShardStore, StorageConfig  # noqa: E402
-from mmpack.offline_packing.demo.synthetic import build_packed_dataset  # noqa: E402
+from mmpack.demo.synthetic import build_packed_dataset  # noqa: E402
 from mmpack.packing.batch import MicroBatch  # noqa: E402
 from tests.support.storage_servers import link_proxy_process, moto_s3, s3_storage_options  # noqa: E402
 

@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mmpack.offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe  # noqa: E402
+from mmpack.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe  # noqa: E402
 
 
 def _pack(raw, tokenizer: Path, out: Path, seq_len: int, max_per_bin: int | None) -> dict:

@@ -98,11 +98,13 @@ def equality_worker(dry_run: bool) -> None:
     """THD (TE) vs block mask (local attention) on the same weights; prints one JSON line."""
     import torch
 
+    from mmpack.trainer import cpu_backend
     from mmpack.trainer.arguments import parse_args
     from mmpack.trainer.build import build_model
     from mmpack.trainer.training import Trainer, shutdown
 
     flags = ["--mock-data", "--seq-length", "512", "--num-workers", "0", "--seed", "7", *MODEL_TINY]
+    cpu_backend.activate()  # the benchmark is the entry point: it sets up the CPU backend (no CUDA)
     trainer = Trainer(parse_args(flags + ([] if dry_run else ["--bf16"])))
     batches, _ = trainer.train_data.next_step()
     batch = batches[0]

@@ -22,7 +22,6 @@ from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS
 from mmpack.packing.image_tokens import ImageTokenRule, image_to_patches
 from mmpack.packing.layout import IGNORE_INDEX, block_mask, build_labels, build_position_ids, segment_ids
 from mmpack.packing.video_tokens import VideoPlan
-from mmpack.packing.video_tokens_ov2 import STYLE as FRAMES_AS_IMAGES_STYLE
 
 if TYPE_CHECKING:
     from mmpack.dataloader.manifest import Manifest
@@ -40,9 +39,12 @@ class CollateConfig:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # the manifest's image_rule.max_image_pixels
     video_pad_id: int = -1  # the manifest's <|video_pad|> id (-1: the tokenizer has none)
     position_rule: PositionRule | None = None  # the model family's positions (None: restart per sample)
-    # the videos' frames are images in `<|image_pad|>` blocks (the llava_onevision2 video rule): they go into
-    # `pixel_values` / `image_grid_thw` in token order, one [1, h, w] grid per frame
+    # the videos' frames are images in `<|image_pad|>` blocks (a video style with `frames_as_images`, e.g.
+    # llava_onevision2's): they go into `pixel_values` / `image_grid_thw` in token order, one [1, h, w] grid per frame
     frames_as_images: bool = False
+    # a mixture: each source's own config by source id (its image rule, pixel limit and video style decode its
+    # bins); the fields above are what every source shares (`mixture.check_sources`)
+    sources: tuple[CollateConfig, ...] = ()
 
     @classmethod
     def from_manifest(
@@ -63,7 +65,7 @@ class CollateConfig:
             video_pad_id=manifest.video_pad_id,
             position_rule=position_rule,
             frames_as_images=manifest.dataset.video_rule is not None
-            and manifest.dataset.video_rule.style == FRAMES_AS_IMAGES_STYLE,
+            and manifest.dataset.video_rule.kind.frames_as_images,
         )
 
 
@@ -114,15 +116,24 @@ def collate_bins(
     straight into `pixel_values`, sized from the grids before decoding, so a batch never holds its patches
     twice; `pixel_out(rows, width)` may provide that float32 array (a loader worker hands out shared memory,
     so the patches need no copy on their way to the consumer). `bin_ids`: the records' global bin indices,
-    `source_ids`: the index of each record's source in the loader's mixture (zeros for one dataset).
+    `source_ids`: the index of each record's source in the loader's mixture (zeros for one dataset), whose config
+    in `cfg.sources` decodes it.
     """
     if not records:
         raise ValueError("collate_bins needs at least one bin")
     b, length = len(records), cfg.seq_len
     width = cfg.rule.patch_dim
-    if cfg.frames_as_images:  # each video frame an image, in token order (`_frames_into_images`)
-        flat = [_frames_into_images(rec, cfg) for rec in records]
-        plain = replace(cfg, frames_as_images=False)
+    row_cfgs = _row_configs(cfg, source_ids, b)
+    if any(c.frames_as_images for c in row_cfgs):  # each video frame an image, in token order
+        flat = [
+            _frames_into_images(rec, c) if c.frames_as_images else _as_is(rec)
+            for rec, c in zip(records, row_cfgs)
+        ]
+        plain = replace(
+            cfg,
+            frames_as_images=False,
+            sources=tuple(replace(c, frames_as_images=False) for c in cfg.sources),
+        )
         batch = collate_bins([r for r, _ in flat], plain, pixel_out, bin_ids, source_ids)
         return _with_frame_times(batch, [t for _, ts in flat for t in ts])
     grids = [_checked_grids(rec) for rec in records]
@@ -149,7 +160,7 @@ def collate_bins(
         )
         segments.append(lens if total == length else np.append(lens, length - total))
         num_real += total
-        _check_image_pads(rec, ids, grids[row], cfg)
+        _check_image_pads(rec, ids, grids[row], row_cfgs[row])
         for i, (data, g) in enumerate(zip(rec["images"], grids[row])):
             where = f"bin {rec['key']} image {i}"
             if isinstance(data, np.ndarray):  # a video frame's patches (`_frames_into_images`)
@@ -157,14 +168,13 @@ def collate_bins(
                 row_at += len(data)
                 continue
             try:
-                patches = decode_image_patches(
-                    data, g, cfg.rule, max_pixels=cfg.max_image_pixels, where=where
-                )
+                rc = row_cfgs[row]  # the bin's own source's rule and pixel limit
+                patches = decode_image_patches(data, g, rc.rule, max_pixels=rc.max_image_pixels, where=where)
             except ImageTooLargeError as e:
                 raise ImageTooLargeError(str(e), row=row) from None
             pixels[row_at : row_at + len(patches)] = patches
             row_at += len(patches)
-        videos.append(decode_bin_videos(rec, ids, cfg))
+        videos.append(decode_bin_videos(rec, ids, row_cfgs[row]))
     if row_at != n_rows:  # the grids said how many; decode_image_patches makes that many per image
         raise ValueError(f"bins {[rec['key'] for rec in records]}: {row_at} patch rows, grids need {n_rows}")
     vision = collate_videos([v for row in videos for v in row])
@@ -192,6 +202,20 @@ def collate_bins(
         else None,
         patch_positions=None if cfg.position_rule is None else cfg.position_rule.patch_positions(image_grids),
     )
+
+
+def _row_configs(cfg: CollateConfig, source_ids: np.ndarray | None, rows: int) -> list[CollateConfig]:
+    """The config each row is decoded by: its source's in a mixture, else `cfg`."""
+    if not cfg.sources:
+        return [cfg] * rows
+    if source_ids is None or len(source_ids) != rows:
+        raise ValueError(f"a mixture's collate config needs the source of each of the {rows} bins")
+    return [cfg.sources[int(s)] for s in source_ids]
+
+
+def _as_is(rec: BinRecord) -> tuple[BinRecord, list[np.ndarray]]:
+    """`_frames_into_images` of a bin whose videos stay videos: the record, and t = 0 for its images' patches."""
+    return rec, [np.zeros(int(np.prod(g)), dtype=np.int64) for g in _checked_grids(rec)]
 
 
 def _with_frame_times(batch: MicroBatch[np.ndarray], ts: list[np.ndarray]) -> MicroBatch[np.ndarray]:

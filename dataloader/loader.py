@@ -15,7 +15,7 @@ from mmpack.dataloader.balance import BALANCE_MODES, ComputeBalance, compute_bal
 from mmpack.dataloader.blend import BlendedStream, BlendStage
 from mmpack.dataloader.collate import CollateConfig
 from mmpack.dataloader.manifest import Manifest, load_manifest
-from mmpack.dataloader.mixture import Mixture, MixtureLike, as_mixture, check_sources
+from mmpack.dataloader.mixture import Mixture, MixtureLike, as_mixture, check_sources, vision_source
 from mmpack.dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan, BinSplit, StreamOrder
 from mmpack.dataloader.pool import run_in_process, run_workers, take_batch
 from mmpack.dataloader.storage import ShardStore, StorageConfig
@@ -408,9 +408,16 @@ def build_loader(
         )
         check_sources(mixture.names, [s.manifest for s in sources])
     first = sources[0]
-    collate = CollateConfig.from_manifest(
-        first.manifest, build_attention_mask=build_attention_mask, position_rule=position_rule
+    collates = tuple(
+        CollateConfig.from_manifest(
+            s.manifest, build_attention_mask=build_attention_mask, position_rule=position_rule
+        )
+        for s in sources
     )
+    collate = collates[0]
+    if mixture is not None:  # each bin decoded by its own source's rule; the shared fields an image source's
+        shared = collates[vision_source([s.manifest for s in sources])]
+        collate = dataclasses.replace(shared, sources=collates)
     costs = None
     if balance == "compute":
         parts = [compute_balance(s.manifest, s.storage, cost_model).bin_costs for s in sources]

@@ -10,7 +10,8 @@ file (`--data-mixture mix.yaml`)::
 Either every source has a `weight` (shares of the blended stream, normalised to sum 1) or every source has a
 `repeat` (epochs of that source per epoch of the mixture: shares proportional to repeat x bins). The same
 dataset named twice (two paths to one folder, one URL written twice) is refused: it would replay its bins as
-if they were two sources.
+if they were two sources. The sources must agree in what one model needs (`check_sources`: length, token ids,
+tokenizer, vision geometry); each keeps its own pixel budget, by which the loader decodes its bins.
 """
 
 from __future__ import annotations
@@ -192,25 +193,27 @@ def as_mixture(data: MixtureLike) -> Mixture | None:
 
 
 def check_sources(names: Sequence[str], manifests: Sequence[Any]) -> None:
-    """One clear error for sources a blended batch cannot hold together: no bins, another bin length, image
-    rule, token ids or tokenizer than the first source (`manifests`: the loader's `Manifest` of each source)."""
+    """One clear error for sources a blended batch cannot hold together (`manifests`: the loader's `Manifest`
+    of each source): every source has bins and the first one's seq_len, token ids and tokenizer; the sources
+    holding images or videos share the vision tower's geometry (patch, merge, temporal patch) and pixel
+    normalisation, those holding videos the video rule's style. Each source keeps its own pixel budget (min and
+    max pixels, largest image, resampling, video sampling), by which the loader decodes its bins: the tower
+    takes any grid. A source without images or videos mixes with any image rule."""
     for name, m in zip(names, manifests):
         if m.num_bins == 0:
             raise ValueError(f"mixture source {name!r} has no bins; repack it or leave it out of the mixture")
+    everyone = range(len(manifests))
+    vision = [i for i in everyone if manifests[i].dataset.holds_vision]
+    videos = [i for i in everyone if manifests[i].dataset.holds_videos]
+    for group, rules in (
+        (everyone, _SHARED_BY_ALL),
+        (vision, _SHARED_BY_VISION),
+        (videos, _SHARED_BY_VIDEOS),
+    ):
+        for what, value, advice in rules:
+            _check_agree([names[i] for i in group], [value(manifests[i]) for i in group], what, advice)
     first, m0 = names[0], manifests[0]
     for name, m in zip(names[1:], manifests[1:]):
-        for what, a, b in (
-            ("seq_len", m0.seq_len, m.seq_len),
-            ("image rule", m0.image_rule, m.image_rule),
-            ("max_image_pixels", m0.max_image_pixels, m.max_image_pixels),
-            ("token ids (pad, image_pad, video_pad)", (m0.pad_id, m0.image_pad_id, m0.video_pad_id),
-             (m.pad_id, m.image_pad_id, m.video_pad_id)),
-        ):  # fmt: skip
-            if a != b:
-                raise ValueError(
-                    f"mixture sources {first!r} and {name!r} differ in {what} ({a} vs {b}); a micro-batch "
-                    "holds bins of one layout: pack every source with the same settings"
-                )
         a, b = _tokenizer_sha(m0), _tokenizer_sha(m)
         if a and b and a != b:
             raise ValueError(
@@ -218,6 +221,59 @@ def check_sources(names: Sequence[str], manifests: Sequence[Any]) -> None:
                 f"{a[:12]} vs {b[:12]}, manifest.json); their token ids mean other words: repack them with one "
                 "`mmpack pack --tokenizer`"
             )
+
+
+def vision_source(manifests: Sequence[Any], *, videos: bool = False) -> int:
+    """Index of the first source holding images or videos (`videos`: videos), whose image rule's geometry
+    (the same in every such source, `check_sources`) is the mixture's; 0 where no source holds any."""
+    holds = [m.dataset.holds_videos if videos else m.dataset.holds_vision for m in manifests]
+    return holds.index(True) if True in holds else 0
+
+
+def _check_agree(names: Sequence[str], values: Sequence[Any], what: str, advice: str) -> None:
+    for name, value in zip(names[1:], values[1:]):
+        if value != values[0]:
+            raise ValueError(
+                f"mixture sources {names[0]!r} and {name!r} differ in {what} ({values[0]} vs {value}); {advice}"
+            )
+
+
+_GEOMETRY = ("patch_size", "merge_size", "temporal_patch_size")
+_NORMALISATION = ("image_mean", "image_std", "rescale_factor")
+# (what, its value in a source's loader Manifest, what to do where two sources differ) of each group
+_SHARED_BY_ALL = (
+    (
+        "seq_len",
+        lambda m: m.seq_len,
+        "a micro-batch holds bins of one length: repack one with the other's -L",
+    ),
+    (
+        "token ids (pad, image_pad, video_pad)",
+        lambda m: (m.pad_id, m.image_pad_id, m.video_pad_id),
+        "their token ids mean other tokens: repack them with one tokenizer (`mmpack pack -t` or --model)",
+    ),
+)
+_SHARED_BY_VISION = (
+    (
+        "vision geometry (" + ", ".join(_GEOMETRY) + ")",
+        lambda m: tuple(getattr(m.image_rule, f) for f in _GEOMETRY),
+        "one vision tower cuts every image into one patch geometry: repack one with the model folder of the "
+        "other (`mmpack pack --model DIR`; pixel budgets such as --max-pixels may differ)",
+    ),
+    (
+        "pixel normalisation (" + ", ".join(_NORMALISATION) + ")",
+        lambda m: tuple(getattr(m.image_rule, f) for f in _NORMALISATION),
+        "one vision tower takes its pixels normalised one way: repack one with the model folder of the other "
+        "(`mmpack pack --model DIR`)",
+    ),
+)
+_SHARED_BY_VIDEOS = (
+    (
+        "video rule style",
+        lambda m: m.dataset.video_rule.style if m.dataset.video_rule else "",
+        "one model lays out video tokens one way: repack one with the model folder (`mmpack pack --model DIR`)",
+    ),
+)
 
 
 def _tokenizer_sha(manifest: Any) -> str | None:

@@ -120,13 +120,15 @@ def _packet_timestamps(container: Any, stream: Any, label: str) -> tuple[list[in
 def frame_timestamps(frame_pts: list[int], plan: VideoPlan, time_base: float, label: str) -> list[int]:
     """Presentation timestamp of each planned frame, given the sorted timestamps of all frames.
 
-    Exact frame counts: frame k is the k-th frame in presentation order. Estimated counts
+    In the plan's order (its video style's, not necessarily increasing). Exact frame counts: frame k is the k-th
+    frame in presentation order. Estimated counts
     (`frame_count_exact` False): frame k is the frame shown at k / video_fps after the first frame.
     """
     if plan.frame_count_exact:
-        if plan.frame_indices[-1] >= len(frame_pts):
+        last = max(plan.frame_indices)  # in the style's order, which need not be increasing
+        if last >= len(frame_pts):
             raise VideoDecodeError(
-                f"video {label} has {len(frame_pts)} frames, the plan asks for frame {plan.frame_indices[-1]}: "
+                f"video {label} has {len(frame_pts)} frames, the plan asks for frame {last}: "
                 "the file changed since the dataset was packed"
             )
         return [frame_pts[i] for i in plan.frame_indices]

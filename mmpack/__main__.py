@@ -1,5 +1,5 @@
 """`python -m mmpack`: the `mmpack` command."""
 
-from mmpack.offline_packing.cli import main
+from mmpack.cli import main
 
 raise SystemExit(main())

@@ -150,5 +150,5 @@ if [ "$format" != arrow ]; then
 fi
 
 start=$(date +%s)
-"$PYTHON" -m mmpack.offline_packing.cli pack "${args[@]}" "${passthrough[@]}"
+"$PYTHON" -m mmpack.offline_packing "${args[@]}" "${passthrough[@]}"
 echo "auto_pipe.sh: done in $(( $(date +%s) - start )) s" >&2

@@ -97,7 +97,7 @@ class BinpackConfig:
     """Stage 3 (binpack): the packing problem's caps, the algorithm, the bin order and the cut into shards."""
 
     max_samples_per_bin: int | None = None  # -M
-    algorithm: str = "auto"  # an `mmpack.packing.pack_lengths` algorithm
+    algorithm: str = "auto"  # an `mmpack.packing.binpack.pack_lengths` algorithm
     seed: int = 0  # seed of the order of bins in the shards
     max_bins_per_shard: int = 1024
     max_shard_bytes: int = 256 * 2**20  # estimated size cap per shard

@@ -17,6 +17,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from mmpack.offline_packing.inputs.remote import RemoteFiles
+
 if TYPE_CHECKING:
     from mmpack.offline_packing.inputs.remote import RemoteFiles
     from mmpack.offline_packing.workdir import WorkDir
@@ -88,8 +90,6 @@ class JobContext:
     @property
     def remote(self) -> RemoteFiles:
         """Remote inputs and folders (s3://, http(s)://) read with the job's storage options."""
-        from mmpack.offline_packing.inputs.remote import RemoteFiles
-
         return self.caches.get("remote", None, lambda: RemoteFiles(self.storage_options, self.caches))
 
     @property

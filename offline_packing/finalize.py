@@ -11,13 +11,18 @@ from importlib import metadata
 
 import numpy as np
 
+from mmpack.offline_packing.binpack import load_plan
 from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.context import JobContext
+from mmpack.offline_packing.lengths import load_lengths
+from mmpack.offline_packing.outputs.energon_meta import write_energon_metadata
 from mmpack.offline_packing.storage import OutputStore
 from mmpack.offline_packing.workdir import WorkDir, read_jsonl
 from mmpack.packing.fileio import json_bytes
 from mmpack.packing.format import MANIFEST_NAME, REJECTS_NAME, STATS_NAME
 from mmpack.packing.manifest import Manifest, ManifestCounts, ManifestImageRule, ShardEntry
+from mmpack.packing.stats import packing_stats
+from mmpack.packing.tokenizer import tokenizer_info
 
 
 def collect_rejects(wd: WorkDir) -> list[dict]:
@@ -57,11 +62,8 @@ def compute_counts(wd: WorkDir, rejects: list[dict]) -> ManifestCounts:
 def compute_stats(wd: WorkDir, cfg: PackJobConfig, counts: ManifestCounts) -> dict:
     """stats.json: what `mmpack stats --json` reports for the dataset (packing_stats, source, length
     distribution), computed from the job's own lengths and bins, plus the manifest counts."""
-    from mmpack.offline_packing.binpack import load_plan
-    from mmpack.offline_packing.lengths import load_lengths
     from mmpack.offline_packing.stats.compare import caps_bound_field
     from mmpack.offline_packing.stats.report import length_distribution
-    from mmpack.packing.stats import packing_stats
 
     lengths, nimg, _ = load_lengths(wd, len(wd.read_marker("scan")["chunks"]))
     bin_ids = load_plan(wd)["bin_ids"]
@@ -93,8 +95,6 @@ def fill_efficiency(stats: dict) -> float:
 def build_manifest(
     ctx: JobContext, cfg: PackJobConfig, counts: ManifestCounts, shards: list[dict]
 ) -> Manifest:
-    from mmpack.packing.tokenizer import tokenizer_info
-
     lengths = cfg.lengths
     return Manifest(
         seq_len=cfg.seq_len,
@@ -134,8 +134,6 @@ def finalize(ctx: JobContext, cfg: PackJobConfig, shards: list[dict]) -> Manifes
     store.write_bytes(REJECTS_NAME, rows.encode())
     store.write_bytes(STATS_NAME, json_bytes(compute_stats(wd, cfg, counts)))
     if cfg.write.energon:
-        from mmpack.offline_packing.outputs.energon_meta import write_energon_metadata
-
         if not store.is_local:
             raise ValueError("--energon needs a local output folder (energon prepare indexes local tars)")
         from mmpack.offline_packing.write import WriteRecord, energon_files

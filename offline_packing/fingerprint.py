@@ -19,6 +19,7 @@ from typing import Any
 
 from mmpack.offline_packing.config import StageConfig
 from mmpack.offline_packing.inputs.remote import RemoteFiles, is_url
+from mmpack.packing.fileio import open_regular
 
 FileIdentity = list  # [canonical path, size, mtime_ns or sha256]
 
@@ -51,7 +52,6 @@ def file_identity(remote: RemoteFiles, path: str, verify: str) -> FileIdentity:
 
 def _sha256_of_file(path: str) -> str:
     h = hashlib.sha256()
-    from mmpack.packing.fileio import open_regular
 
     with open_regular(path) as f:
         while block := f.read(1 << 20):

@@ -33,7 +33,7 @@ from mmpack.offline_packing.model_folder import (
 )
 from mmpack.offline_packing.options import job_config, option_default
 from mmpack.packing.tokenizer import BYTE_TOKENIZER
-from mmpack.packing.video_tokens import VIDEO_RULE_STYLES
+from mmpack.packing.video_rules import style_names
 
 
 def _size(text: str) -> int:
@@ -128,8 +128,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("patch_size", "vision patch side in pixels"),
         ("merge_size", "patches merged per side into one token"),
         ("temporal_patch_size", "frames per vision patch"),
-        ("min_pixels", "smart_resize lower bound on h*w"),
-        ("max_pixels", "smart_resize upper bound on h*w"),
+        ("min_pixels", "smart_resize lower bound on h*w (over --model's too)"),
+        ("max_pixels", "smart_resize upper bound on h*w (over --model's too)"),
     ):
         _add(g, f"--{name.replace('_', '-')}", type=int, help=f"{what} (default {option_default(name)})")
     _add(
@@ -163,7 +163,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         g,
         "--video-rule",
         dest="video_style",
-        choices=VIDEO_RULE_STYLES,
+        choices=style_names(),  # the registry's (mmpack.packing.video_rules)
         help="whose frame sampling, frame size and video tokens: qwen-vl-utils (Qwen2-VL / Qwen2.5-VL, default) "
         "or qwen3_vl (transformers' Qwen3-VL processor: timestamps before each temporal patch; the default "
         "with a Qwen3-VL --model DIR) or llava_onevision2 (LLaVA-OneVision-2's processor: 8/16/max frames by "
@@ -218,7 +218,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add(
         g,
         "--algorithm",
-        help=f"mmpack.packing.pack_lengths algorithm (default {option_default('algorithm')})",
+        help=f"mmpack.packing.binpack.pack_lengths algorithm (default {option_default('algorithm')})",
     )
     _add(
         g,

@@ -22,9 +22,20 @@ import numpy as np
 from mmpack.offline_packing.config import LengthsStage
 from mmpack.offline_packing.context import JobContext
 from mmpack.offline_packing.engines import run_parallel
-from mmpack.offline_packing.errors import PackError, SampleReject, reject_row
+from mmpack.offline_packing.errors import PackError, SampleReject, VideoProbeError, reject_row
+from mmpack.offline_packing.inputs import video_timeline
 from mmpack.offline_packing.inputs.remote import RemoteFiles
 from mmpack.offline_packing.workdir import WorkDir, jsonl_line, read_done_marker, read_jsonl
+from mmpack.packing.chat import (
+    Conversation,
+    encode_texts,
+    finish_tokenized,
+    prepare_conversation,
+    truncate_sample,
+)
+from mmpack.packing.image_tokens import ImageSizeError
+from mmpack.packing.jinja_chat import VIDEO_TAG, ChatTemplateError
+from mmpack.packing.video_tokens import VideoMeta, VideoRuleError
 
 STAGE = "lengths"
 ENCODE_BATCH = 256  # samples whose rendered texts are encoded in one tokenizer call
@@ -42,10 +53,6 @@ class LengthsTask:
 def plan_videos(sample: dict, vrule: Any, remote: RemoteFiles | None = None) -> list[Any]:
     """The `VideoPlan` of each video of a scanned sample; SampleReject where the rule refuses one (or, given
     `remote` to read them with, where its planned frames do not decode: `--video-check decode`)."""
-    from mmpack.offline_packing.errors import VideoProbeError
-    from mmpack.offline_packing.inputs import video_timeline
-    from mmpack.packing.video_tokens import VideoMeta, VideoRuleError
-
     plans = []
     for path, info in zip(sample.get("videos", ()), sample.get("video_info", ())):
         try:
@@ -73,12 +80,6 @@ def prepare_scanned(
     """Image grids, video plans and the rendered conversation of one scanned sample (SampleReject where a rule
     refuses an image or video, or the chat template renders it in a way the loss mask cannot be read from).
     `remote`: what `--video-check decode` reads videos with (`plan_videos`)."""
-    from mmpack.packing import video_tokens_ov2
-    from mmpack.packing.chat import Conversation, prepare_conversation
-    from mmpack.packing.image_tokens import ImageSizeError
-    from mmpack.packing.jinja_chat import ChatTemplateError
-    from mmpack.packing.video_tokens_qwen3 import placeholder_ids
-
     rule, options = cfg.lengths.image_rule, cfg.lengths
     grids = []
     for w, h in sample["wh"]:
@@ -98,15 +99,15 @@ def prepare_scanned(
         sample_id=sample["id"],
         videos=tuple(sample.get("videos", ())),
     )
-    # the one pad of a video becomes its timestamps and frames where its rule writes them (Qwen3-VL); a
-    # tokenizer without a video pad is refused by prepare_conversation
-    timestamped = bool(plans) and bool(plans[0].timestamps_s) and "video_pad" in tokenizer.special_ids
-    expansions = [placeholder_ids(tokenizer, p) for p in plans] if timestamped else []
-    whole = timestamped and options.video_rule.style == video_tokens_ov2.STYLE  # each frame an image
-    if whole:
-        if grids:  # its processor gives such a sample other ids and pixels than its text says
-            raise SampleReject("video_with_images", f"{len(grids)} images and {len(plans)} videos")
-        expansions = [video_tokens_ov2.block_ids(tokenizer, p) for p in plans]
+    # a video's one pad (or whole block) becomes what its rule's style writes (Qwen3-VL's timestamps and
+    # frames, ...), else its pads repeated; a tokenizer without a video pad is refused by prepare_conversation
+    style = options.video_rule.kind
+    expanded = bool(plans) and "video_pad" in tokenizer.special_ids
+    expansions = [style.token_ids(tokenizer, p) for p in plans] if expanded else []
+    expansions = expansions if any(e is not None for e in expansions) else []
+    whole = bool(expansions) and style.whole_block
+    if expanded and grids and not style.with_images:  # its processor gives other ids and pixels than the text
+        raise SampleReject("video_with_images", f"{len(grids)} images and {len(plans)} videos")
     try:
         prep = prepare_conversation(
             conv, tokenizer, counts, options.chat_template, [p.num_tokens for p in plans], expansions, whole
@@ -118,20 +119,18 @@ def prepare_scanned(
             raise PackError(f"{sample['src']}:{sample['line']}: {exc}") from None
         raise
     if whole:
-        _check_video_starts(prep, plans, tokenizer)
+        _check_video_starts(prep, plans, tokenizer, style)
     return ScannedPrep(sample, grids, plans, prep)
 
 
-def _check_video_starts(prep: Any, plans: list[Any], tokenizer: Any) -> None:
-    """SampleReject where a video's first timestamp, encoded alone (`video_tokens_ov2.block_ids`), is not how
-    the processor's text encodes it after the text before the video (the two would merge)."""
-    from mmpack.packing import video_tokens_ov2
-    from mmpack.packing.jinja_chat import VIDEO_TAG
-
+def _check_video_starts(prep: Any, plans: list[Any], tokenizer: Any, style: Any) -> None:
+    """SampleReject where the text a video's whole block starts with (`VideoStyle.leading_text`, OV-2's first
+    timestamp), encoded alone, is not how the processor's text encodes it after the text before the video (the
+    two would merge)."""
     starts = [a for tag, a, _ in prep.rendered.media_char_spans if tag == VIDEO_TAG]
     for a, plan in zip(starts, plans):
-        before, head = prep.text[:a], video_tokens_ov2.timestamp_text(plan.timestamps_s[0])
-        if tokenizer.encode(before + head) != tokenizer.encode(before) + tokenizer.encode(head):
+        before, head = prep.text[:a], style.leading_text(plan)
+        if head and tokenizer.encode(before + head) != tokenizer.encode(before) + tokenizer.encode(head):
             raise SampleReject(
                 "video_timestamp_merge",
                 f"the text {before[-12:]!r} right before a <video> merges with its first timestamp {head!r} in "
@@ -142,8 +141,6 @@ def _check_video_starts(prep: Any, plans: list[Any], tokenizer: Any) -> None:
 def finish_scanned(pending: ScannedPrep, cfg: LengthsStage, tok: Any) -> tuple[Any, dict]:
     """A prepared sample's tokens (`TokenizedSample` of its text) under the over-length policy, and its
     metadata row."""
-    from mmpack.packing.chat import truncate_sample
-
     sample, grids, plans = pending.sample, pending.grids, pending.plans
     full_len = len(tok)
     if full_len > cfg.seq_len:
@@ -189,8 +186,6 @@ def tokenize_scanned(
     sample: dict, cfg: LengthsStage, tokenizer: Any, remote: RemoteFiles | None = None
 ) -> tuple[Any, dict]:
     """Token ids + loss mask of one scanned sample under the over-length policy, and its metadata row."""
-    from mmpack.packing.chat import encode_texts, finish_tokenized
-
     pending = prepare_scanned(sample, cfg, tokenizer, remote)
     [tok] = finish_tokenized([pending.prep], tokenizer, encode_texts(tokenizer, [pending.prep.text]))
     return finish_scanned(pending, cfg, tok)
@@ -202,8 +197,6 @@ def tokenize_chunk_samples(
     """(sample, (tok, meta) or its SampleReject) per scanned sample, in order, as `tokenize_scanned` gives them,
     with the texts of each `ENCODE_BATCH` samples encoded in one tokenizer call. Other errors are raised at
     the sample that causes them, after the samples before it."""
-    from mmpack.packing.chat import encode_texts, finish_tokenized
-
     it = iter(samples)
     while True:
         batch: list[dict] = []

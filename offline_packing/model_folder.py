@@ -4,11 +4,11 @@ model folder.
 A model folder (as `save_pretrained` writes it) holds `tokenizer.json`, `preprocessor_config.json` and its chat
 template; the preprocessor config settles patch, merge and temporal patch sizes, min/max pixels, mean/std,
 rescale factor and resampling, read as transformers 5 reads it (`ImageTokenRule.from_preprocessor_config`).
-`-t DIR` where DIR holds a `preprocessor_config.json` is the same as `--model DIR`. Without a model folder, the
-image flags and their defaults give the rule. A Qwen3-VL folder's `video_preprocessor_config.json` gives the
-video rule (`resolve_video_rule`), and so does a LLaVA-OneVision-2 folder (`config.json` model_type
-`llava_onevision2[_moe]`: its processor's rule, `mmpack.packing.video_tokens_ov2`); otherwise the --video-* flags
-do. The chat template
+`-t DIR` where DIR holds a `preprocessor_config.json` is the same as `--model DIR`; `--min-pixels` / `--max-pixels`
+set the dataset's own pixel budget over the folder's. Without a model folder, the image flags and their defaults
+give the rule. The video rule (`resolve_video_rule`) is that of the style in `mmpack.packing.video_rules` that
+claims the folder (a Qwen3-VL `video_preprocessor_config.json`, a LLaVA-OneVision-2 `config.json` model_type:
+each style says which); otherwise the --video-* flags give it. The chat template
 (`mmpack.packing.jinja_chat`) is that of `--model DIR`, else of `-t DIR` (a folder); `--chat-template FILE`
 names another, `--chat-template builtin` (and a tokenizer file or a folder without one) gives mmpack's built-in
 Qwen rendering.
@@ -16,33 +16,25 @@ Qwen rendering.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 from typing import Any
 
 from mmpack.offline_packing.config import SHARED_PATCH_FIELDS
-from mmpack.packing import video_tokens_ov2
-from mmpack.packing.image_tokens import (
-    PREPROCESSOR_CONFIG,
-    ImageTokenRule,
-    load_model_image_rule,
-    read_processor_config,
-)
+from mmpack.packing.image_tokens import PREPROCESSOR_CONFIG, ImageTokenRule, load_model_image_rule
 from mmpack.packing.jinja_chat import ChatTemplateError, read_folder_template
 from mmpack.packing.tokenizer import TOKENIZER_FILE
+from mmpack.packing.video_rules import DEFAULT_STYLE, style_of_folder, video_style
+from mmpack.packing.video_style import FolderClaim, VideoStyle
 from mmpack.packing.video_tokens import VideoTokenRule
-from mmpack.packing.video_tokens_qwen3 import (
-    PROCESSOR_DEFAULTS,
-    PROCESSOR_TYPE,
-    VIDEO_PREPROCESSOR_CONFIG,
-    rule_fields,
-)
 
 BUILTIN_TEMPLATE = "builtin"
 
-# Image-rule fields that also have a flag (--patch-size, ...): a flag that contradicts the model folder is an
-# error, since the trainer refuses a dataset whose rule differs from its model's.
+# Image-rule fields that also have a flag (--patch-size, ...). A geometry flag that contradicts the model folder
+# is an error, since the trainer refuses a dataset cut into other patches than its model's; the pixel budget
+# flags set the dataset's own budget over the folder's (the vision tower takes any grid).
 RULE_FLAG_FIELDS = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels")
+PIXEL_BUDGET_FIELDS = ("min_pixels", "max_pixels")
 
 
 def model_folder_of(model: str | None, tokenizer: str | None) -> str | None:
@@ -60,10 +52,10 @@ def resolve_image_rule(
     """(tokenizer path, image rule of the job) from `--model`, `-t` and the image flags.
 
     `flags` maps those of RULE_FLAG_FIELDS given on the command line to their values; without a model folder
-    they and the rule's defaults are the rule.
+    they and the rule's defaults are the rule, with one the folder's rule under the pixel budget flags given.
 
     Raises:
-        ValueError: the model folder is missing a file, or a flag contradicts its preprocessor config.
+        ValueError: the model folder is missing a file, or a geometry flag contradicts its preprocessor config.
     """
     folder = model_folder_of(model, tokenizer)
     if folder is None:
@@ -77,13 +69,22 @@ def resolve_image_rule(
             "(--min-pixels, --max-pixels, ...) instead"
         )
     for name, value in flags.items():
-        if value != getattr(model_rule, name):
+        if name not in PIXEL_BUDGET_FIELDS and value != getattr(model_rule, name):
             flag = "--" + name.replace("_", "-")
             raise ValueError(
                 f"{flag} {value} disagrees with {os.path.join(folder, PREPROCESSOR_CONFIG)} ({name} "
-                f"{getattr(model_rule, name)}): the trainer refuses a dataset whose image rule differs from its "
+                f"{getattr(model_rule, name)}): the trainer refuses a dataset cut into other patches than its "
                 f"model's; drop {flag} or change the model folder's {PREPROCESSOR_CONFIG}"
             )
+    budget = {name: flags.get(name, getattr(model_rule, name)) for name in PIXEL_BUDGET_FIELDS}
+    try:
+        model_rule = dataclasses.replace(
+            model_rule, min_pixels=budget["min_pixels"], max_pixels=budget["max_pixels"]
+        )
+    except ValueError as e:
+        raise ValueError(
+            f"--min-pixels / --max-pixels over {os.path.join(folder, PREPROCESSOR_CONFIG)}: {e}"
+        ) from None
     if tokenizer is None:
         if not os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
             raise ValueError(f"--model {folder}: no {TOKENIZER_FILE} in it; pass -t TOKENIZER")
@@ -103,94 +104,65 @@ VIDEO_FLAG_FIELDS = {
 }
 
 
-def _video_flag(option: str) -> str:
-    return "--video-rule" if option == "video_style" else "--" + option.replace("_", "-")
-
-
-def _model_video_fields(folder: str | None) -> tuple[str, dict[str, Any]] | None:
-    """(file, VideoTokenRule fields) of the folder's Qwen3-VL video preprocessor config; None without one."""
-    found = read_processor_config(folder, VIDEO_PREPROCESSOR_CONFIG) if folder else None
-    if found is None or found[1].get("video_processor_type") != PROCESSOR_TYPE:
-        return None  # other processors' videos follow qwen-vl-utils (the flags), as before
-    path, config = found
-    return path, rule_fields(config, source=path)
-
-
-# the model types whose processor writes LLaVA-OneVision-2's video blocks
-OV2_MODEL_TYPES = ("llava_onevision2", "llava_onevision2_moe")
-# the --video-* options that rule takes (its video processor's constructor arguments); the others are refused
-OV2_VIDEO_OPTIONS = ("video_max_frames", "video_min_pixels", "video_max_pixels", "video_style")
-
-
-def _is_ov2_folder(folder: str | None) -> bool:
-    path = os.path.join(folder, "config.json") if folder else ""
-    if not os.path.isfile(path):
-        return False
-    with open(path, encoding="utf-8") as f:
-        return json.load(f).get("model_type") in OV2_MODEL_TYPES
-
-
-def _ov2_video_rule(
-    given: dict[str, Any], patch: dict[str, Any], image_rule: ImageTokenRule, where: str
-) -> VideoTokenRule:
-    """The LLaVA-OneVision-2 processor's video rule, its defaults under the --video-* options it takes."""
-    refused = sorted(o for o, f in VIDEO_FLAG_FIELDS.items() if f in given and o not in OV2_VIDEO_OPTIONS)
-    if refused:
-        raise ValueError(
-            f"{_video_flag(refused[0])}: {where} samples 8, 16 or --video-max-frames frames by duration "
-            "(LLaVA-OneVision-2's processor); drop it"
-        )
-    if given.get("style", video_tokens_ov2.STYLE) != video_tokens_ov2.STYLE:
-        raise ValueError(
-            f"--video-rule {given['style']} disagrees with {where} ({video_tokens_ov2.STYLE}); drop --video-rule"
-        )
-    fields = {
-        "max_frames": video_tokens_ov2.MAX_FRAMES, "min_pixels": video_tokens_ov2.MIN_PIXELS,
-        "max_pixels": video_tokens_ov2.MAX_PIXELS, **given, "style": video_tokens_ov2.STYLE,
-        "image_min_pixels": image_rule.min_pixels, "image_max_pixels": image_rule.max_pixels,
-    }  # fmt: skip
-    fields["min_frames"] = min(fields["max_frames"], 4)  # unused by this rule; kept valid for any max_frames
-    return VideoTokenRule(**fields, **patch)
+def _video_flag(field: str) -> str:
+    return "--video-rule" if field == "style" else "--video-" + field.replace("_", "-")
 
 
 def resolve_video_rule(
     model: str | None, tokenizer: str | None, flags: dict[str, Any], image_rule: ImageTokenRule
 ) -> VideoTokenRule:
-    """The video rule of the job from `--model DIR`'s Qwen3-VL video preprocessor config, else the --video-*
-    flags (`flags`: those of VIDEO_FLAG_FIELDS given) over the defaults of the chosen `--video-rule`; its patch,
-    merge and temporal patch sizes are `image_rule`'s (one vision tower).
+    """The video rule of the job: that of the style which claims the model folder (`mmpack.packing.video_rules`:
+    a Qwen3-VL `video_preprocessor_config.json`, a LLaVA-OneVision-2 `config.json`), else of the `--video-rule`
+    style (default qwen-vl-utils); its fields the folder's, or the style's defaults under the --video-* flags
+    (`flags`: those of VIDEO_FLAG_FIELDS given); its patch, merge and temporal patch sizes `image_rule`'s (one
+    vision tower).
 
     Raises:
-        ValueError: a flag contradicts the model folder, or its video patch sizes are not its image rule's.
+        ValueError: a flag contradicts the model folder or is one the style does not take, or the folder's
+            video patch sizes are not its image rule's.
     """
     given = {VIDEO_FLAG_FIELDS[name]: value for name, value in flags.items()}
     patch = {name: getattr(image_rule, name) for name in SHARED_PATCH_FIELDS}
     folder = model_folder_of(model, tokenizer)
-    if _is_ov2_folder(folder):
-        return _ov2_video_rule(given, patch, image_rule, f"--model {folder}")
-    if given.get("style") == video_tokens_ov2.STYLE:
-        return _ov2_video_rule(given, patch, image_rule, "--video-rule llava_onevision2")
-    found = _model_video_fields(folder)
-    if found is None:
-        base: dict[str, Any] = {}
-        if given.get("style") == "qwen3_vl":  # the processor's defaults, not qwen-vl-utils'
-            base = {f: PROCESSOR_DEFAULTS[f] for f in VIDEO_FLAG_FIELDS.values() if f in PROCESSOR_DEFAULTS}
-        return VideoTokenRule(**base, **given, **patch)
-    path, fields = found
+    claimed = style_of_folder(folder) if folder is not None and os.path.isdir(folder) else None
+    style, claim = claimed if claimed else (video_style(given.get("style", DEFAULT_STYLE)), None)
+    where = claim.source if claim else f"--video-rule {style.name}"
+    if given.get("style", style.name) != style.name:
+        raise ValueError(
+            f"--video-rule {given['style']} disagrees with {where} ({style.name}): the videos would get other "
+            "tokens than the model's processor gives; drop --video-rule"
+        )
+    options = {k: v for k, v in given.items() if k != "style"}
+    if claim is not None and claim.fixed:
+        return _rule_of_folder(style, claim, options, patch, image_rule)
+    refused = sorted(f for f in options if style.options is not None and f not in style.options)
+    if refused:
+        note = style.options_note or "does not take it"
+        raise ValueError(f"{_video_flag(refused[0])}: {where} {note}; drop it")
+    fields = style.rule_fields({**(claim.fields if claim else {}), **options}, image_rule)
+    return VideoTokenRule(**fields, **patch, style=style.name)
+
+
+def _rule_of_folder(
+    style: VideoStyle, claim: FolderClaim, options: dict[str, Any], patch: dict[str, Any], image: ImageTokenRule,
+) -> VideoTokenRule:  # fmt: skip
+    """The rule a model folder fixes whole: its patch sizes must be the image rule's, and every --video-*
+    option given must agree with it."""
+    fields = dict(claim.fields)
     for name, value in patch.items():
-        if fields[name] != value:
+        if fields.pop(name, value) != value:
             raise ValueError(
-                f"{path}: {name} {fields[name]} differs from the image rule's {value}: mmpack cuts videos "
-                "into the image rule's patches"
+                f"{claim.source}: {name} {claim.fields[name]} differs from the image rule's {value}: mmpack cuts "
+                "videos into the image rule's patches"
             )
-    rule = VideoTokenRule(**{f: fields[f] for f in VIDEO_FLAG_FIELDS.values() if f in fields}, **patch)
-    for option, value in flags.items():
-        wanted = getattr(rule, VIDEO_FLAG_FIELDS[option])
+    rule = VideoTokenRule(**style.rule_fields(fields, image), **patch, style=style.name)
+    for name, value in options.items():
+        wanted = getattr(rule, name)
         if value != wanted:
-            flag = _video_flag(option)
+            flag = _video_flag(name)
             raise ValueError(
-                f"{flag} {value} disagrees with {path} ({wanted}): the videos would get other tokens than "
-                f"the model's processor gives; drop {flag} or change the model folder's {VIDEO_PREPROCESSOR_CONFIG}"
+                f"{flag} {value} disagrees with {claim.source} ({wanted}): the videos would get other tokens "
+                f"than the model's processor gives; drop {flag} or change {claim.source}"
             )
     return rule
 

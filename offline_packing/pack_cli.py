@@ -19,3 +19,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"mmpack pack: error: {exc}", file=sys.stderr)
         return 2
     return run_pack_reporting(cfg, "mmpack pack")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`mmpack pack ARGS` without the `mmpack` dispatcher: `python -m mmpack.offline_packing ARGS`."""
+    parser = argparse.ArgumentParser(
+        prog="mmpack pack", description="pack raw multimodal samples into a sharded packed dataset"
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

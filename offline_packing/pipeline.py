@@ -21,12 +21,15 @@ from pathlib import Path
 from mmpack.offline_packing.binpack import run_binpack
 from mmpack.offline_packing.config import STAGES, PackJobConfig
 from mmpack.offline_packing.context import JobContext
+from mmpack.offline_packing.engines.ray import connect
 from mmpack.offline_packing.errors import PackError, describe_failure
 from mmpack.offline_packing.finalize import fill_efficiency, finalize
 from mmpack.offline_packing.fingerprint import identities, stage_fingerprint
+from mmpack.offline_packing.flags import parse_job_args
 from mmpack.offline_packing.inputs.sources import expand_inputs
 from mmpack.offline_packing.job_folders import JobFolders, claim_job_folders, remove_work_files
 from mmpack.offline_packing.lengths import run_lengths
+from mmpack.offline_packing.outputs.energon_meta import require_energon
 from mmpack.offline_packing.scan import run_scan, scan_output_fingerprint
 from mmpack.offline_packing.storage import OutputStore
 from mmpack.offline_packing.summary import PackSummary
@@ -133,13 +136,9 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tokenizer_files(cfg.tokenizer)  # a missing tokenizer fails before the first stage, not after it
     if cfg.write.energon:
-        from mmpack.offline_packing.outputs.energon_meta import require_energon
-
         require_energon()
     control = cfg.control
     if control.engine == "ray":
-        from mmpack.offline_packing.engines.ray import connect
-
         connect(control.ray_address)
     # inputs (s3://...) are read with the output's storage options
     ctx = JobContext(
@@ -223,8 +222,6 @@ def run_pack_reporting(cfg: PackJobConfig, command: str = "mmpack pack") -> int:
 
 def stage_main(stage: str, argv: list[str] | None = None) -> int:
     """`python -m offline_packing.<stage> <mmpack pack flags>`: run that stage only."""
-    from mmpack.offline_packing.flags import parse_job_args
-
     n = STAGES.index(stage) + 1
     prog = f"python -m offline_packing.{stage}"
     cfg = parse_job_args(argv, prog=prog, description=f"stage {n} ({stage}) of `mmpack pack`", only_stage=n)

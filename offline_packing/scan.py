@@ -25,9 +25,13 @@ from mmpack.offline_packing.inputs.chunks import Chunk, plan_chunks, read_chunk
 from mmpack.offline_packing.inputs.json_records import RawRecord, lone_surrogate
 from mmpack.offline_packing.inputs.remote import InputReadError, RemoteFiles, is_url
 from mmpack.offline_packing.inputs.sources import input_folder, resolve_image_path
+from mmpack.offline_packing.inputs.video_probe import VideoProbeConfig, probe_video
+from mmpack.offline_packing.tar_source import TarSample, is_member_ref, read_image_bytes, resolve_member
 from mmpack.offline_packing.workdir import WorkDir, read_done_marker, read_json
+from mmpack.packing.chat import normalize_record
 from mmpack.packing.errors import MmpackError
 from mmpack.packing.fileio import NotRegularFileError, open_regular
+from mmpack.packing.image_tokens import decode_or_raise, read_image_size
 
 STAGE = "scan"
 
@@ -52,9 +56,6 @@ class ImageCheck:
 
 def _read_image(remote: RemoteFiles, path: str, check: ImageCheck) -> tuple[int, int, str, int]:
     """(width, height, format, size_bytes) of an image file; SampleReject if missing, unreadable or too large."""
-    from mmpack.offline_packing.tar_source import is_member_ref, read_image_bytes
-    from mmpack.packing.image_tokens import read_image_size
-
     full_decode = check.full_decode
     if is_url(path):
         return _read_remote_image(remote, path, check)
@@ -84,8 +85,6 @@ def _read_image(remote: RemoteFiles, path: str, check: ImageCheck) -> tuple[int,
 def _read_remote_image(remote: RemoteFiles, url: str, check: ImageCheck) -> tuple[int, int, str, int]:
     """`_read_image` of an image URL: ranged reads of the blocks the header check touches, not the image
     (the whole image only with `--image-check decode`). Network errors past the retries end the job."""
-    from mmpack.packing.image_tokens import read_image_size
-
     try:
         f = remote.open_ranged(url)
         header = cast(IO[bytes], f)  # a seekable binary file (io.RawIOBase)
@@ -108,8 +107,6 @@ def _decode_fully(data: bytes, name: str) -> None:
 
     from PIL import Image
 
-    from mmpack.packing.image_tokens import decode_or_raise
-
     with Image.open(io.BytesIO(data)) as im:
         decode_or_raise(im, name)
 
@@ -117,9 +114,6 @@ def _decode_fully(data: bytes, name: str) -> None:
 def _read_video(remote: RemoteFiles, path: str, check: ImageCheck) -> dict:
     """Container metadata of a video file, URL or tar member (no frame decoded); SampleReject with the probe's
     reason (missing, unreadable, empty, not a video, corrupt or truncated, too long, frames too large)."""
-    from mmpack.offline_packing.inputs.video_probe import VideoProbeConfig, probe_video
-    from mmpack.offline_packing.tar_source import is_member_ref, read_image_bytes
-
     config = VideoProbeConfig(max_duration_s=check.max_video_seconds, max_frame_pixels=check.max_image_pixels)
     try:
         if is_member_ref(path):
@@ -159,8 +153,6 @@ def video_format(name: str) -> str:
 
 def _locate_image(image: str, rec: RawRecord, source: str, image_root: str, kind: str = "image") -> str:
     """A file path under the image root, or a member reference for records read from a tar."""
-    from mmpack.offline_packing.tar_source import TarSample, resolve_member
-
     if isinstance(rec.tar_sample, TarSample):
         try:
             return resolve_member(image, source, rec.tar_sample)
@@ -185,8 +177,6 @@ def scan_record(
 
     The identity of every image file it reads is added to `read_files` (for the stage fingerprint).
     """
-    from mmpack.packing.chat import normalize_record
-
     if rec.error is not None:
         raise SampleReject(rec.error_reason, rec.error)
     if not isinstance(rec.obj, dict):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mmpack.offline_packing.binpack import load_plan
 from mmpack.offline_packing.config import WriteConfig, WriteStage
 from mmpack.offline_packing.context import JobContext
 from mmpack.offline_packing.engines import run_parallel
@@ -179,8 +180,6 @@ def run_write_shards(
     ctx: JobContext, cfg: WriteStage, fingerprint: str, *, workers: int, progress: bool
 ) -> list[dict]:
     """All shards of the plan, in parallel over shards; returns manifest shard entries (format-major)."""
-    from mmpack.offline_packing.binpack import load_plan
-
     wd, options = ctx.work, cfg.write
     plan = load_plan(wd)
     firsts = plan["shard_first_bin"].tolist()

@@ -152,6 +152,11 @@ class ManifestCounts:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         return {k: v for k, v in out.items() if v is not None}
 
+    @property
+    def holds_vision(self) -> bool:
+        """Whether the packed bins hold images or videos."""
+        return self.image_tokens > 0 or bool(self.videos)
+
 
 _RULE_SIZES = ("patch_size", "merge_size", "min_pixels", "max_pixels")
 
@@ -339,6 +344,16 @@ class Manifest:
     @property
     def image_rule_or_default(self) -> ManifestImageRule:
         return self.image_rule or ManifestImageRule()
+
+    @property
+    def holds_videos(self) -> bool:
+        """Whether its bins hold videos (a manifest before version 3 holds none)."""
+        return bool(self.counts and self.counts.videos)
+
+    @property
+    def holds_vision(self) -> bool:
+        """Whether its bins hold images or videos, so that its image rule matters (without counts: assumed)."""
+        return self.counts is None or self.counts.holds_vision
 
 
 def _video_rule(value: object, where: str) -> VideoTokenRule:

@@ -1,79 +1,49 @@
-"""Video-token rule (qwen-vl-utils 0.0.14 `vision_process.py`): frames sampled, frame size, grid and tokens.
+"""Video-token rule: the frames sampled from a video, their size, grid and tokens, planned from container metadata.
 
 The offline packer plans each video from its container metadata (`VideoMeta`, read by
 `mmpack.offline_packing.inputs.video_probe`) with `VideoTokenRule.plan`; the loader decodes exactly the frames of that
-plan (`mmpack.dataloader.video`). No frame is decoded to count tokens. The rule, as qwen-vl-utils applies it with
-the `fps` sampling mode and the Qwen2.5-VL patch size 14::
+plan (`mmpack.dataloader.video`). No frame is decoded to count tokens. A rule is its numbers (the fields of
+`VideoTokenRule`) and its `style`, the name of a `mmpack.packing.video_style.VideoStyle` in the registry
+(`mmpack.packing.video_rules`) that decides frame count, frame indices, frame size and timestamps; every plan
+then has
 
-    nframes  = total / video_fps * fps, clamped to [ceil2(min_frames), floor2(min(max_frames, total))],
-               then to at most total, then floored to a multiple of frame_factor (2); at least 2 or reject
-    indices  = round(linspace(0, total - 1, nframes))          (torch float32 linspace, round half to even)
-    max_px   = max(min(max_pixels, total_pixels / nframes * frame_factor), int(min_pixels * 1.05))
-    h', w'   = smart_resize(h, w, factor=28, min_pixels, max_px)       (multiples of 28)
-    grid     = (nframes / temporal_patch_size, h' / 14, w' / 14)   tokens = t * (h' / 28) * (w' / 28)
+    grid     = (ceil(nframes / temporal_patch_size), h' / patch, w' / patch)   tokens = t * h * w / merge^2
     sample_fps = nframes / total * video_fps;  second_per_grid_t = temporal_patch_size / sample_fps
 
-Defaults are qwen-vl-utils' constants for patch 14: min_pixels 128*28*28, max_pixels 768*28*28,
-total_pixels MODEL_SEQ_LEN*28*28*0.9 with MODEL_SEQ_LEN 128000 (qwen-vl-utils reads that environment
-variable; here it is the `total_pixels` field, never the environment). Where `total` comes from
-duration x frame rate (containers without a frame count), frame k is the frame shown at time k / video_fps
-(see `VideoMeta.frame_count_exact`).
+The styles (one module each):
 
-`style="qwen3_vl"` is the rule of transformers' Qwen3-VL processor instead (`mmpack.packing.video_tokens_qwen3`):
-its own frame sampling and `smart_resize`, `min_pixels` / `max_pixels` being its `size.shortest_edge` /
-`size.longest_edge` (pixels of all sampled frames together; `total_pixels` unused), and a timestamp before each
-temporal patch (`VideoPlan.timestamps_s`).
+- `"qwen-vl-utils"` (default, `mmpack.packing.video_tokens_qwen2`): qwen-vl-utils 0.0.14 with the `fps` sampling
+  mode. Defaults are its constants for patch 14: min_pixels 128*28*28, max_pixels 768*28*28, total_pixels
+  MODEL_SEQ_LEN*28*28*0.9 with MODEL_SEQ_LEN 128000 (qwen-vl-utils reads that environment variable; here it is
+  the `total_pixels` field, never the environment).
+- `"qwen3_vl"` (`mmpack.packing.video_tokens_qwen3`): transformers' Qwen3-VL processor, a timestamp before each
+  temporal patch (`VideoPlan.timestamps_s`).
+- `"llava_onevision2"` (`mmpack.packing.video_tokens_ov2`): LLaVA-OneVision-2's processor, `image_min_pixels` /
+  `image_max_pixels` (the image rule's) for the image processor every frame goes through, a timestamp before
+  each frame, and `<|image_pad|>` tokens (each frame is an image to the model).
 
-`style="llava_onevision2"` is the rule of LLaVA-OneVision-2's processor (`mmpack.packing.video_tokens_ov2`):
-8, 16 or `max_frames` frames by duration, `min_pixels` / `max_pixels` its video processor's resize bounds, then
-`image_min_pixels` / `image_max_pixels` (the image rule's) for the image processor every frame goes through, a
-timestamp before each frame, and `<|image_pad|>` tokens (each frame is an image to the model).
+Where `total` comes from duration x frame rate (containers without a frame count), frame k is the frame shown at
+time k / video_fps (see `VideoMeta.frame_count_exact`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from mmpack.packing import video_tokens_ov2 as ov2
-from mmpack.packing import video_tokens_qwen3 as qwen3
-from mmpack.packing.errors import MmpackError
-from mmpack.packing.image_tokens import smart_resize
+from mmpack.packing.video_rules import DEFAULT_STYLE, video_style
+from mmpack.packing.video_style import VideoMeta, VideoRuleError, VideoStyle, sample_frame_indices
 
-VIDEO_RULE_STYLES = ("qwen-vl-utils", "qwen3_vl", ov2.STYLE)
-
-
-class VideoRuleError(MmpackError, ValueError):
-    """A video the rule refuses; `reason` is "video_too_short", "video_aspect_ratio" or "video_too_small"."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message, reason=reason)
-
-
-@dataclass(kw_only=True, frozen=True)
-class VideoMeta:
-    """What the container says about a video stream (no frame decoded).
-
-    `frame_count_exact` is False where the container has no frame count and `total_frames` is
-    round(duration_s * fps): then frame k means the frame shown at time k / fps from the stream start.
-    """
-
-    total_frames: int
-    fps: float
-    width: int
-    height: int
-    duration_s: float
-    frame_count_exact: bool = True
-
-    def __post_init__(self) -> None:
-        if self.total_frames < 0 or not self.fps > 0 or self.width < 1 or self.height < 1:
-            raise ValueError(
-                f"invalid video metadata: {self.total_frames} frames at {self.fps} fps, "
-                f"{self.width}x{self.height} (w x h)"
-            )
+__all__ = [
+    "VideoMeta",
+    "VideoPlan",
+    "VideoRuleError",
+    "VideoTokenRule",
+    "sample_frame_indices",
+    "video_temporal_positions",
+]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -120,7 +90,8 @@ class VideoPlan:
 
 @dataclass(kw_only=True, frozen=True)
 class VideoTokenRule:
-    """Frame sampling and sizing of videos (qwen-vl-utils 0.0.14; see the module docstring)."""
+    """Frame sampling and sizing of videos: the numbers, and the `style` that applies them (see the module
+    docstring; defaults are qwen-vl-utils 0.0.14's)."""
 
     fps: float = 2.0
     min_frames: int = 4
@@ -133,13 +104,12 @@ class VideoTokenRule:
     merge_size: int = 2
     temporal_patch_size: int = 2
     max_aspect_ratio: float = 200
-    style: str = "qwen-vl-utils"  # whose rule: VIDEO_RULE_STYLES
-    image_min_pixels: int = 0  # llava_onevision2 only: the image rule's bounds, which every frame then takes
+    style: str = DEFAULT_STYLE  # whose rule: a name in `mmpack.packing.video_rules.VIDEO_RULES`
+    image_min_pixels: int = 0  # styles with `image_bounds` only: the image rule's bounds, every frame's too
     image_max_pixels: int = 0
 
     def __post_init__(self) -> None:
-        if self.style not in VIDEO_RULE_STYLES:
-            raise ValueError(f"video rule style must be one of {VIDEO_RULE_STYLES}, got {self.style!r}")
+        kind = video_style(self.style)
         if not self.fps > 0:
             raise ValueError(f"video fps must be > 0, got {self.fps} (--video-fps)")
         if not 1 <= self.min_frames <= self.max_frames:
@@ -163,13 +133,17 @@ class VideoTokenRule:
                 f"frame_factor {self.frame_factor} must be a multiple of temporal_patch_size "
                 f"{self.temporal_patch_size}: frames are grouped in temporal patches"
             )
-        if self.style == ov2.STYLE and (
-            self.temporal_patch_size != 1 or min(self.image_min_pixels, self.image_max_pixels) < 1
-        ):
+        kind.check(self)
+        if kind.frames_as_images and self.temporal_patch_size != 1:  # a frame is one image: one grid step
             raise ValueError(
-                f"the {ov2.STYLE} video rule needs temporal_patch_size 1 and the image rule's pixel bounds, got "
-                f"{self.temporal_patch_size}, {self.image_min_pixels}, {self.image_max_pixels}"
+                f"the {self.style} video rule hands frames to the tower as images: it needs temporal_patch_size "
+                f"1, got {self.temporal_patch_size}"
             )
+
+    @property
+    def kind(self) -> VideoStyle:
+        """The style object of `style` (the registry's)."""
+        return video_style(self.style)
 
     @property
     def factor(self) -> int:
@@ -177,91 +151,30 @@ class VideoTokenRule:
         return self.patch_size * self.merge_size
 
     def num_frames(self, total_frames: int, video_fps: float) -> int:
-        """Frames sampled from a video of `total_frames` at `video_fps` (qwen-vl-utils `smart_nframes`)."""
-        if self.style == ov2.STYLE:
-            return ov2.num_frames(total_frames, video_fps, max_frames=self.max_frames)
-        if self.style == "qwen3_vl":
-            n = qwen3.num_frames(
-                total_frames, video_fps, fps=self.fps, min_frames=self.min_frames, max_frames=self.max_frames
-            )
-            if n < self.temporal_patch_size:
-                raise VideoRuleError(
-                    "video_too_short", f"a video of {total_frames} frames gives {n} sampled frames; at "
-                    f"least {self.temporal_patch_size} are needed",
-                )  # fmt: skip
-            return n
-        ff = self.frame_factor
-        min_frames = math.ceil(self.min_frames / ff) * ff
-        max_frames = math.floor(min(self.max_frames, total_frames) / ff) * ff
-        wanted = total_frames / video_fps * self.fps
-        nframes = min(max(wanted, min_frames), max_frames, total_frames)
-        nframes = math.floor(nframes / ff) * ff
-        if not ff <= nframes <= total_frames:
-            raise VideoRuleError(
-                "video_too_short",
-                f"a video of {total_frames} frames gives {nframes} sampled frames; at least {ff} are needed",
-            )
-        return int(nframes)
+        """Frames sampled from a video of `total_frames` at `video_fps`."""
+        return int(self.kind.num_frames(self, total_frames, video_fps))
 
     def frame_max_pixels(self, nframes: int) -> float:
-        """Per-frame pixel cap for `nframes` sampled frames (the total-pixel budget shared by the frames)."""
-        shared = self.total_pixels / nframes * self.frame_factor
-        return max(min(self.max_pixels, shared), int(self.min_pixels * 1.05))
+        """qwen-vl-utils' per-frame pixel cap for `nframes` sampled frames (the total-pixel budget they share)."""
+        from mmpack.packing.video_tokens_qwen2 import frame_max_pixels
+
+        return frame_max_pixels(self, nframes)
 
     def resized_hw(self, height: int, width: int, nframes: int) -> tuple[int, int]:
-        """(h', w') every sampled frame is resized to (qwen-vl-utils `smart_resize` for videos)."""
-        factor = self.factor
-        if self.style == ov2.STYLE:
-            return self._ov2_resized_hw(height, width)
-        if self.style == "qwen3_vl":
-            try:
-                return qwen3.resized_hw(
-                    nframes, height, width, factor=factor, temporal_factor=self.temporal_patch_size,
-                    min_pixels=self.min_pixels, max_pixels=self.max_pixels,
-                )  # fmt: skip
-            except ValueError as exc:
-                raise VideoRuleError(
-                    "video_aspect_ratio", f"video of {width}x{height} (w x h): {exc}"
-                ) from None
-        aspect = max(height, width) / min(height, width)
-        if aspect > self.max_aspect_ratio:
-            raise VideoRuleError(
-                "video_aspect_ratio",
-                f"video of {width}x{height} (w x h) has aspect ratio {aspect:.1f}, "
-                f"above the limit of {self.max_aspect_ratio}",
-            )
-        max_pixels = self.frame_max_pixels(nframes)
-        h_bar, w_bar = smart_resize(
-            height, width, factor=factor, min_pixels=self.min_pixels, max_pixels=max_pixels, video=True
-        )
-        if h_bar < factor or w_bar < factor:  # qwen-vl-utils would resize to an empty frame here
-            raise VideoRuleError(
-                "video_too_small",
-                f"video of {width}x{height} (w x h) is too elongated for {max_pixels:.0f} pixels per frame: "
-                f"a side would shrink below {factor} pixels",
-            )
-        return h_bar, w_bar
-
-    def _ov2_resized_hw(self, height: int, width: int) -> tuple[int, int]:
-        try:
-            return ov2.resized_hw(
-                height, width, patch_size=self.patch_size, merge_size=self.merge_size,
-                min_pixels=self.min_pixels, max_pixels=self.max_pixels, image_min_pixels=self.image_min_pixels,
-                image_max_pixels=self.image_max_pixels,
-            )  # fmt: skip
-        except ValueError as exc:
-            raise VideoRuleError("video_too_small", f"video of {width}x{height} (w x h): {exc}") from None
+        """(h', w') every sampled frame is resized to."""
+        h_bar, w_bar = self.kind.resized_hw(self, height, width, nframes)
+        return int(h_bar), int(w_bar)
 
     def plan(self, meta: VideoMeta) -> VideoPlan:
         """Frames, size, grid and tokens of a video from its container metadata."""
+        kind = self.kind
         nframes = self.num_frames(meta.total_frames, meta.fps)
         h_bar, w_bar = self.resized_hw(meta.height, meta.width, nframes)
+        indices = [int(i) for i in kind.frame_indices(self, meta.total_frames, nframes)]
+        self._check_style_plan(meta, nframes, indices, (h_bar, w_bar))
         tp = self.temporal_patch_size
         grid = (-(-nframes // tp), h_bar // self.patch_size, w_bar // self.patch_size)
         sample_fps = nframes / max(meta.total_frames, 1e-6) * meta.fps
-        qwen3_vl = self.style == "qwen3_vl"
-        sample = qwen3.frame_indices if qwen3_vl else sample_frame_indices
-        indices = [int(i) for i in sample(meta.total_frames, nframes)]
         return VideoPlan(
             frame_indices=tuple(indices),
             resized_hw=(h_bar, w_bar),
@@ -271,16 +184,24 @@ class VideoTokenRule:
             second_per_grid_t=tp / sample_fps,
             frame_count_exact=meta.frame_count_exact,
             video_fps=meta.fps,
-            timestamps_s=self._timestamps(indices, meta.fps),
+            timestamps_s=tuple(float(t) for t in kind.timestamps(self, indices, meta.fps)),
         )
 
-    def _timestamps(self, indices: list[int], video_fps: float) -> tuple[float, ...]:
-        """Seconds written before each temporal patch, where the rule writes them."""
-        if self.style == ov2.STYLE:
-            return tuple(ov2.frame_seconds(i, video_fps) for i in indices)
-        if self.style == "qwen3_vl":
-            return qwen3.timestamps(indices, video_fps, self.temporal_patch_size)
-        return ()
+    def _check_style_plan(
+        self, meta: VideoMeta, nframes: int, indices: list[int], size_hw: tuple[int, int]
+    ) -> None:
+        """ValueError where the style's plan breaks what the loader and the tower rely on: one index per frame,
+        each a frame of the video, and a frame size of whole merged patches."""
+        h, w = size_hw
+        if len(indices) != nframes or not all(0 <= i < max(meta.total_frames, 1) for i in indices):
+            raise ValueError(
+                f"video rule {self.style}: {len(indices)} frame indices for {nframes} frames of a "
+                f"{meta.total_frames}-frame video: {indices[:8]}..."
+            )
+        if min(h, w) < self.factor or h % self.factor or w % self.factor:
+            raise ValueError(
+                f"video rule {self.style}: frame size {w}x{h} (w x h) is not whole {self.factor}-pixel blocks"
+            )
 
     def tokens_of_grid(self, grid_thw: tuple[int, int, int]) -> int:
         """LLM tokens (<|video_pad|> count) of a vision grid (t, h, w) in patches."""
@@ -288,12 +209,12 @@ class VideoTokenRule:
         return int(t * gh * gw) // (self.merge_size**2)
 
     def to_dict(self) -> dict[str, Any]:
-        """The manifest's "video_rule" entry; `style` only where it is not qwen-vl-utils (the rule of the
-        manifests written before there was a choice)."""
+        """The manifest's "video_rule" entry; `style` only where it is not the default (the rule of the
+        manifests written before there was a choice), the image bounds only where the style holds them."""
         d = asdict(self)
-        if self.style != ov2.STYLE:  # only that rule has image bounds
+        if not self.kind.image_bounds:
             del d["image_min_pixels"], d["image_max_pixels"]
-        if self.style == VIDEO_RULE_STYLES[0]:
+        if self.style == DEFAULT_STYLE:
             del d["style"]
         return d
 
@@ -301,24 +222,6 @@ class VideoTokenRule:
     def from_dict(cls, d: dict[str, Any]) -> VideoTokenRule:
         """The rule of a manifest's "video_rule" entry (unknown keys are an error, missing ones default)."""
         return cls(**d)
-
-
-def sample_frame_indices(total_frames: int, nframes: int) -> np.ndarray:
-    """round(torch.linspace(0, total_frames - 1, nframes)) as int64, bit for bit without torch.
-
-    torch computes linspace in float32 with one rounding per value (a fused multiply-add):
-    start + step * i for the first half, end - step * (n - 1 - i) for the second, step = (end - start) / (n - 1)
-    in float32. A float64 linspace rounds differently for about one video length in eight.
-    """
-    if nframes < 1 or total_frames < 1:
-        raise ValueError(f"need nframes >= 1 and total_frames >= 1, got {nframes}, {total_frames}")
-    if nframes == 1:
-        return np.zeros(1, np.int64)
-    end = np.float32(total_frames - 1)
-    step = float(end / np.float32(nframes - 1))
-    i = np.arange(nframes, dtype=np.float64)
-    values = np.where(i < nframes // 2, step * i, float(end) - step * (nframes - 1 - i)).astype(np.float32)
-    return np.round(values).astype(np.int64)  # numpy rounds half to even, as torch.round does
 
 
 def video_temporal_positions(grid_t: int, second_per_grid_t: float, tokens_per_second: float) -> np.ndarray:

@@ -1,6 +1,7 @@
 """The LLaVA-OneVision-2 video rule (its `LlavaOnevision2VideoProcessor` and `Llava_Onevision2Processor`, as
 `Llava_Onevision2Processor.from_pretrained` builds them): frames sampled, frame size, and one block of tokens
-per frame; `VideoTokenRule(style="llava_onevision2")` applies it.
+per frame; `VideoTokenRule(style="llava_onevision2")` applies it (`VIDEO_STYLE`), and a model folder whose
+`config.json` model_type is one of `MODEL_TYPES` selects it.
 
     duration = total / video_fps
     nframes  = 8 below 10 s, 16 below 30 s, else max_frames; at most total (then every frame)
@@ -18,13 +19,17 @@ separator): the model sees each frame as an image with t = 1.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from mmpack.packing.image_tokens import ImageTokenRule, smart_resize
+from mmpack.packing.image_tokens import ImageTokenRule, read_processor_config, smart_resize
+from mmpack.packing.video_style import FolderClaim, VideoRuleError, VideoStyle, sample_frame_indices
 
 STYLE = "llava_onevision2"
+# the config.json model types whose processor writes these video blocks (such a folder selects this rule)
+MODEL_TYPES = ("llava_onevision2", "llava_onevision2_moe")
 # `LlavaOnevision2VideoProcessor`'s defaults, which `from_pretrained` keeps (transformers 5's image processor
 # has no `min_pixels` / `max_pixels` attributes for it to take)
 MAX_FRAMES = 384
@@ -82,3 +87,65 @@ def block_ids(tokenizer: Any, plan: Any) -> np.ndarray:
     frame = [ids["vision_start"], *[ids["image_pad"]] * per_frame, ids["vision_end"]]
     out = [tokenizer.encode(timestamp_text(t)) + frame for t in plan.timestamps_s]
     return np.asarray([i for part in out for i in part], dtype=np.uint32)
+
+
+class OneVision2Style(VideoStyle):
+    """LLaVA-OneVision-2's processor (see the module docstring): each frame an image to the model."""
+
+    name = STYLE
+    frames_as_images = True
+    image_bounds = True
+    whole_block = True
+    with_images = False  # its processor gives such a sample other ids and pixels than its text says
+    # its video processor's constructor arguments; the other --video-* flags are refused
+    options = ("max_frames", "min_pixels", "max_pixels")
+    options_note = "samples 8, 16 or --video-max-frames frames by duration (LLaVA-OneVision-2's processor)"
+
+    def check(self, rule: Any) -> None:
+        if rule.temporal_patch_size != 1 or min(rule.image_min_pixels, rule.image_max_pixels) < 1:
+            raise ValueError(
+                f"the {STYLE} video rule needs temporal_patch_size 1 and the image rule's pixel bounds, got "
+                f"{rule.temporal_patch_size}, {rule.image_min_pixels}, {rule.image_max_pixels}"
+            )
+
+    def num_frames(self, rule: Any, total_frames: int, video_fps: float) -> int:
+        return num_frames(total_frames, video_fps, max_frames=rule.max_frames)
+
+    def frame_indices(self, rule: Any, total_frames: int, nframes: int) -> Sequence[int]:
+        return sample_frame_indices(total_frames, nframes).tolist()
+
+    def resized_hw(self, rule: Any, height: int, width: int, nframes: int) -> tuple[int, int]:
+        try:
+            return resized_hw(
+                height, width, patch_size=rule.patch_size, merge_size=rule.merge_size,
+                min_pixels=rule.min_pixels, max_pixels=rule.max_pixels, image_min_pixels=rule.image_min_pixels,
+                image_max_pixels=rule.image_max_pixels,
+            )  # fmt: skip
+        except ValueError as exc:
+            raise VideoRuleError("video_too_small", f"video of {width}x{height} (w x h): {exc}") from None
+
+    def timestamps(self, rule: Any, indices: Sequence[int], video_fps: float) -> tuple[float, ...]:
+        return tuple(frame_seconds(i, video_fps) for i in indices)
+
+    def token_ids(self, tokenizer: Any, plan: Any) -> np.ndarray | None:
+        return block_ids(tokenizer, plan)
+
+    def leading_text(self, plan: Any) -> str:
+        return timestamp_text(plan.timestamps_s[0])
+
+    def rule_fields(self, given: Mapping[str, Any], image_rule: ImageTokenRule) -> dict[str, Any]:
+        fields = {
+            "max_frames": MAX_FRAMES, "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, **given,
+            "image_min_pixels": image_rule.min_pixels, "image_max_pixels": image_rule.max_pixels,
+        }  # fmt: skip
+        fields["min_frames"] = min(fields["max_frames"], 4)  # unused here; kept valid for any max_frames
+        return fields
+
+    def claim(self, folder: str) -> FolderClaim | None:
+        found = read_processor_config(folder, "config.json")
+        if found is None or found[1].get("model_type") not in MODEL_TYPES:
+            return None
+        return FolderClaim(f"--model {folder}")
+
+
+VIDEO_STYLE = OneVision2Style()

@@ -1,5 +1,6 @@
 """The Qwen3-VL video rule (transformers 5's `Qwen3VLVideoProcessor` and `Qwen3VLProcessor`): frames sampled,
-frame size, and the timestamps written before each temporal patch; `VideoTokenRule(style="qwen3_vl")` applies it.
+frame size, and the timestamps written before each temporal patch; `VideoTokenRule(style="qwen3_vl")` applies it
+(`VIDEO_STYLE`), and a model folder whose `video_preprocessor_config.json` names `Qwen3VLVideoProcessor` selects it.
 
     nframes = int(total / video_fps * fps), clamped to [min_frames, max_frames], then to at most total
     indices = round(numpy linspace(0, total - 1, nframes))          (float64, round half to even)
@@ -11,16 +12,22 @@ frame size, and the timestamps written before each temporal patch; `VideoTokenRu
 
 The processor writes each temporal patch as ``<{t:.1f} seconds><|vision_start|>`` + h' w' / (patch merge)^2
 ``<|video_pad|>`` + ``<|vision_end|>``, t the mean of the timestamps (index / video_fps) of its first and last
-frame, in place of the chat template's one ``<|video_pad|>``.
+frame, in place of the chat template's one ``<|video_pad|>``. `min_pixels` / `max_pixels` are its
+`size.shortest_edge` / `size.longest_edge` (pixels of all sampled frames together; `total_pixels` unused).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mmpack.packing.image_tokens import smart_resize
+from mmpack.packing.image_tokens import read_processor_config, smart_resize
+from mmpack.packing.video_style import FolderClaim, VideoRuleError, VideoStyle
+
+if TYPE_CHECKING:
+    from mmpack.packing.image_tokens import ImageTokenRule
 
 VIDEO_PREPROCESSOR_CONFIG = "video_preprocessor_config.json"
 PROCESSOR_TYPE = "Qwen3VLVideoProcessor"
@@ -130,3 +137,58 @@ def placeholder_ids(tokenizer: Any, plan: Any) -> np.ndarray | None:
     frame = [ids["vision_start"], *[ids["video_pad"]] * per_patch, ids["vision_end"]]
     out = [tokenizer.encode(timestamp_text(t)) + frame for t in plan.timestamps_s]
     return np.asarray([i for part in out for i in part], dtype=np.uint32)
+
+
+# the VideoTokenRule fields the processor's defaults give when --video-rule qwen3_vl chooses it (patch sizes: the
+# image rule's)
+_DEFAULT_FIELDS = ("fps", "min_frames", "max_frames", "min_pixels", "max_pixels")
+
+
+class Qwen3VLStyle(VideoStyle):
+    """transformers' Qwen3-VL video processor (see the module docstring)."""
+
+    name = "qwen3_vl"
+
+    def num_frames(self, rule: Any, total_frames: int, video_fps: float) -> int:
+        n = num_frames(
+            total_frames, video_fps, fps=rule.fps, min_frames=rule.min_frames, max_frames=rule.max_frames
+        )
+        if n < rule.temporal_patch_size:
+            raise VideoRuleError(
+                "video_too_short",
+                f"a video of {total_frames} frames gives {n} sampled frames; at least {rule.temporal_patch_size} "
+                "are needed",
+            )
+        return n
+
+    def frame_indices(self, rule: Any, total_frames: int, nframes: int) -> Sequence[int]:
+        return frame_indices(total_frames, nframes).tolist()
+
+    def resized_hw(self, rule: Any, height: int, width: int, nframes: int) -> tuple[int, int]:
+        try:
+            return resized_hw(
+                nframes, height, width, factor=rule.factor, temporal_factor=rule.temporal_patch_size,
+                min_pixels=rule.min_pixels, max_pixels=rule.max_pixels,
+            )  # fmt: skip
+        except ValueError as exc:
+            raise VideoRuleError("video_aspect_ratio", f"video of {width}x{height} (w x h): {exc}") from None
+
+    def timestamps(self, rule: Any, indices: Sequence[int], video_fps: float) -> tuple[float, ...]:
+        return timestamps(list(indices), video_fps, rule.temporal_patch_size)
+
+    def token_ids(self, tokenizer: Any, plan: Any) -> np.ndarray | None:
+        return placeholder_ids(tokenizer, plan)
+
+    def rule_fields(self, given: Mapping[str, Any], image_rule: ImageTokenRule) -> dict[str, Any]:
+        return {**{f: PROCESSOR_DEFAULTS[f] for f in _DEFAULT_FIELDS}, **given}
+
+    def claim(self, folder: str) -> FolderClaim | None:
+        found = read_processor_config(folder, VIDEO_PREPROCESSOR_CONFIG)
+        if found is None or found[1].get("video_processor_type") != PROCESSOR_TYPE:
+            return None  # other processors' videos follow qwen-vl-utils (the flags)
+        path, config = found
+        fields = {k: v for k, v in rule_fields(config, source=path).items() if k != "style"}
+        return FolderClaim(path, fields, fixed=True)
+
+
+VIDEO_STYLE = Qwen3VLStyle()

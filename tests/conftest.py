@@ -7,11 +7,15 @@ import json
 import os
 from collections.abc import Callable, Generator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.support import run_summary
 from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER, VIDEO_DEMO, need_shared
+
+if TYPE_CHECKING:
+    from tests.support.mixed_sources import MixedRuleSources
 
 # Keep numba/torch from oversubscribing the 2-core CI machine when tests start subprocesses.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -37,6 +41,15 @@ def packed_dataset(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pa
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def mixed_rule_sources(tmp_path_factory: pytest.TempPathFactory) -> MixedRuleSources:
+    """A text source packed with `-t` alone and one image set packed twice with `--model` under two
+    `--max-pixels` (``support.mixed_sources``), built once per run: they mix, each bin by its own rule."""
+    from tests.support.mixed_sources import make_mixed_rule_sources
+
+    return make_mixed_rule_sources(tmp_path_factory.mktemp("mixed-rules"))
 
 
 @pytest.fixture
@@ -88,7 +101,7 @@ def qwen3_vl_packed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     """A tiny random Qwen3-VL (``support.qwen3_vl.tiny_hf_model``) and the six mllm_demo records with the
     first mllm_video_demo record packed into one bin of 2048 tokens by ``mmpack pack --model`` that folder:
     ``{"root", "hf", "packed"}``."""
-    from mmpack.offline_packing.cli import main as mmpack
+    from mmpack.cli import main as mmpack
     from tests.support.hf_parity import records_file
     from tests.support.qwen3_vl import tiny_hf_model
 

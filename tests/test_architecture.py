@@ -1,7 +1,9 @@
 """Structure of the package, read from its source (ast): no import cycle among modules (module-level imports,
-as Python runs them), no module-level mutable state, no module reaching into another module's privates; and of
-the tests: no test module imported by another (helpers live in tests/support/). Each check has a control: a
-synthetic package or tests folder that breaks the rule is caught."""
+as Python runs them), no module-level mutable state, no module reaching into another module's privates, the
+layers importing only downwards (every import, deferred ones and modules named by strings, `-m` and scripts
+too; console scripts in the application layer), the CPU backend set up only by entry points; and of the tests:
+no test module imported by another (helpers live in tests/support/). Each check has a control: a synthetic
+package or tests folder that breaks the rule is caught."""
 
 from __future__ import annotations
 
@@ -12,19 +14,31 @@ import pytest
 from tests.support.package_structure import (
     PACKAGE_DIRS,
     Module,
+    app_modules,
+    cpu_backend_setups,
+    entry_point_problems,
     find_import_cycles,
     foreign_private_uses,
     imports_of_test_modules,
+    layer_violations,
     module_level_state,
     package_modules,
+    package_references,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+# The entry points that set up the CPU backend (it changes torch for the whole process): the trainer's main, the
+# start of each converter rank (a process of its own), `mmpack demo`'s in-process logits check.
+CPU_BACKEND_ENTRY_POINTS = [
+    "mmpack.demo.cli:_export_and_compare",
+    "mmpack.trainer.convert:_init_rank",
+    "mmpack.trainer.pretrain_vlm:main",
+]
 
 
 @pytest.fixture(scope="module")
 def modules() -> dict[str, Module]:
-    return package_modules(ROOT, PACKAGE_DIRS)
+    return package_modules(ROOT, PACKAGE_DIRS) | app_modules(ROOT)
 
 
 def test_no_import_cycle(modules: dict[str, Module]) -> None:
@@ -32,6 +46,28 @@ def test_no_import_cycle(modules: dict[str, Module]) -> None:
     assert find_import_cycles(modules) == []
     # not even through the imports made inside functions (deferred to dodge a cycle)
     assert find_import_cycles(modules, deferred=True) == []
+
+
+def test_layers_import_only_downwards(modules: dict[str, Module]) -> None:
+    """packing imports no other part and no torch; the loader neither the trainer nor the offline job; the
+    offline job and the trainer not each other; only the application layer (`mmpack.cli`, `mmpack.demo`)
+    imports all four; and no string or script names a module that is not there."""
+    assert {"mmpack.cli", "mmpack.demo.cli", "mmpack.__main__"} <= set(modules)
+    refs = package_references(ROOT, modules)
+    hows = {r.how for r in refs}
+    # the walk sees each kind of reference: deferred imports, modules named by strings, `-m` in scripts
+    assert {"imports", "imports (deferred)", "names (by name)", "names (-m)", "runs (-m)"} <= hows, hows
+    assert layer_violations(modules, refs) == []
+
+
+def test_console_scripts_live_in_the_application_layer(modules: dict[str, Module]) -> None:
+    assert entry_point_problems(ROOT / "pyproject.toml", modules) == []
+
+
+def test_cpu_backend_is_set_up_only_by_entry_points(modules: dict[str, Module]) -> None:
+    """Not by library code and not at import: `trainer.training` and `trainer.export_check` ask
+    `cpu_backend.require_backend` instead."""
+    assert cpu_backend_setups(modules) == CPU_BACKEND_ENTRY_POINTS
 
 
 def test_no_module_level_mutable_state(modules: dict[str, Module]) -> None:
@@ -127,3 +163,111 @@ def test_control_test_module_imports_are_caught(tmp_path: Path) -> None:
     for rel in ("test_a.py", "test_c.py", "test_d.py", "test_e.py", "support/helpers.py"):
         (tmp_path / "tests" / rel).unlink()
     assert imports_of_test_modules(tmp_path / "tests") == []
+
+
+def _planted(root: Path, files: dict[str, str]) -> dict[str, Module]:
+    """A package tree of the real layers under `root` (the parts' folders and mmpack/), read like the real one."""
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for top in (*PACKAGE_DIRS, "mmpack"):
+        (root / top).mkdir(exist_ok=True)
+        (root / top / "__init__.py").touch()
+    return package_modules(root, PACKAGE_DIRS) | app_modules(root)
+
+
+CLEAN_TREE = {
+    "packing/rules.py": "import numpy as np\nfrom typing import TYPE_CHECKING\n"
+    "if TYPE_CHECKING:\n    import torch\n",
+    "dataloader/load.py": "from mmpack.packing import rules\nimport torch\n",
+    "offline_packing/job.py": "from mmpack.packing.rules import np\n"
+    "def decode():\n    from mmpack.dataloader.load import torch\n",
+    "offline_packing/run.sh": "# python -m mmpack.cli in a comment is no command\npython -m mmpack.offline_packing.job\n",
+    "trainer/train.py": "import importlib\nfrom mmpack.dataloader import load\n"
+    "def family(x):\n    return importlib.import_module(f'mmpack.trainer.{x}')\n",
+    "mmpack/cli.py": "import importlib\nTABLE = {'pack': 'mmpack.offline_packing.job', 'train': 'mmpack.trainer.train'}\n"
+    "def main():\n    return importlib.import_module(TABLE['pack'])\n",
+    "mmpack/demo/__init__.py": "",
+    "mmpack/demo/cli.py": '"""Runs `python -m mmpack.cli`, and names mmpack.trainer.train in a docstring."""\n'
+    "from mmpack.cli import main\nCMD = ['-m', 'mmpack.trainer.train']\n",
+}
+
+
+def test_control_layer_violations_are_caught(tmp_path: Path) -> None:
+    """Each kind of upward or forbidden reference, planted in a tree of the real layers, is caught; the clean
+    tree (a TYPE_CHECKING torch in packing, scripts and docstrings that only mention modules) passes."""
+    clean = _planted(tmp_path / "clean", CLEAN_TREE)
+    assert layer_violations(clean, package_references(tmp_path / "clean", clean)) == []
+    planted = {
+        "packing/rules.py": "import torch\n",  # packing imports no torch
+        "packing/pure.py": "def f():\n    import importlib\n    return importlib.import_module('torch.nn')\n",
+        "packing/up.py": "def f():\n    from mmpack.dataloader import load\n",  # a deferred upward import
+        "dataloader/load.py": "from mmpack.offline_packing.job import x\n",
+        "offline_packing/job.py": "def f():\n    import mmpack.trainer.train\n",
+        "offline_packing/run.sh": 'exec python -m mmpack.cli pack "$@"\n',  # a script runs the app layer
+        "offline_packing/gone.sh": "python -m mmpack.offline_packing.moved\n",  # a stale module name
+        "trainer/train.py": "import subprocess, sys\n"
+        "def pack():\n    subprocess.run([sys.executable, '-m', 'mmpack.offline_packing.job'])\n"
+        "def family(x):\n    import importlib\n    return importlib.import_module(f'mmpack.offline_packing.{x}')\n",
+        "trainer/usage.py": "USAGE = 'then: python -m mmpack.demo.cli'\n",
+        "mmpack/__init__.py": "from mmpack.packing import rules\n",  # the root imports nothing
+    }
+    bad = _planted(tmp_path / "bad", CLEAN_TREE | planted)
+    found = layer_violations(bad, package_references(tmp_path / "bad", bad))
+    expected = [
+        "dataloader/load.py:1: mmpack.dataloader.load (dataloader) imports mmpack.offline_packing.job",
+        "mmpack/__init__.py:1: mmpack (root) imports mmpack.packing",
+        "offline_packing/gone.sh:1: offline_packing/gone.sh runs (-m) mmpack.offline_packing.moved, which is no",
+        "offline_packing/job.py:2: mmpack.offline_packing.job (offline_packing) imports (deferred) mmpack.trainer",
+        "offline_packing/run.sh:1: offline_packing/run.sh (offline_packing) runs (-m) mmpack.cli (app)",
+        "packing/pure.py:3: mmpack.packing.pure (packing) names (import_module()) torch.nn: packing imports no",
+        "packing/rules.py:1: mmpack.packing.rules (packing) imports torch: packing imports no torch",
+        "packing/up.py:2: mmpack.packing.up (packing) imports (deferred) mmpack.dataloader",
+        "trainer/train.py:3: mmpack.trainer.train (trainer) names (by name) mmpack.offline_packing.job",
+        "trainer/train.py:6: mmpack.trainer.train (trainer) names (by name (f-string)) mmpack.offline_packing",
+        "trainer/usage.py:1: mmpack.trainer.usage (trainer) names (-m) mmpack.demo.cli (app)",
+    ]
+    for line in expected:
+        assert sum(f.startswith(line) for f in found) >= 1, (line, found)
+    assert len({f.split(":")[0] + ":" + f.split(":")[1] for f in found}) == len(expected), found
+
+
+def test_control_console_script_outside_the_application_layer(tmp_path: Path) -> None:
+    mods = _planted(tmp_path, CLEAN_TREE | {"offline_packing/cli.py": "def main():\n    pass\n"})
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project.scripts]\nmmpack = "mmpack.cli:main"\n')
+    assert entry_point_problems(pyproject, mods) == []
+    pyproject.write_text(
+        '[project.scripts]\nmmpack = "mmpack.offline_packing.cli:main"\nold = "mmpack.offline_packing.demo:main"\n'
+        '[project.entry-points.x]\nrun = "mmpack.cli:run"\n'
+    )
+    assert entry_point_problems(pyproject, mods) == [
+        "pyproject.toml: mmpack = mmpack.offline_packing.cli:main: in offline_packing, not the application layer",
+        "pyproject.toml: old = mmpack.offline_packing.demo:main: no function 'main' in a module "
+        "mmpack.offline_packing.demo",
+        "pyproject.toml: x:run = mmpack.cli:run: no function 'run' in a module mmpack.cli",
+    ]
+
+
+def test_control_cpu_backend_set_up_by_library_code_is_caught(tmp_path: Path) -> None:
+    mods = _planted(
+        tmp_path,
+        {
+            "trainer/cpu_backend.py": "def activate():\n    return True\n",
+            "trainer/pretrain_vlm.py": "def main():\n    from mmpack.trainer import cpu_backend\n"
+            "    cpu_backend.activate()\n",
+            "trainer/training.py": "from mmpack.trainer import cpu_backend\ncpu_backend.activate()\n"
+            "class Trainer:\n    def __init__(self):\n        cpu_backend.activate()\n",
+            "trainer/export.py": "from mmpack.trainer.cpu_backend import activate as setup\n"
+            "def group():\n    setup()\n",
+            "trainer/asks.py": "from mmpack.trainer.cpu_backend import require_backend\n"
+            "def group():\n    require_backend('group')\n",
+        },
+    )
+    assert cpu_backend_setups(mods) == [
+        "mmpack.trainer.export:group",
+        "mmpack.trainer.pretrain_vlm:main",
+        "mmpack.trainer.training:<module>",
+        "mmpack.trainer.training:Trainer.__init__",
+    ]

@@ -18,7 +18,7 @@ from mmpack.dataloader import balance as balance_module
 from mmpack.dataloader.balance import ComputeBalance, balanced_groups, balanced_layout, load_bin_features
 from mmpack.dataloader.order import BatchPlan, StreamOrder, micro_batch_bins
 from mmpack.dataloader.storage import StorageConfig
-from mmpack.offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.demo.synthetic import build_packed_dataset
 from mmpack.packing.cost import COST_FEATURES, DEFAULT_COST_MODEL, CostModel, bin_cost_features
 from tests.support.loader_data import all_records, global_batches
 from tests.support.storage_servers import http_server

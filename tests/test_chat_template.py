@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmpack.offline_packing.cli import main as mmpack
+from mmpack.cli import main as mmpack
 from mmpack.offline_packing.model_folder import resolve_chat_template
 from mmpack.packing.chat import ChatTemplate, Conversation, normalize_record, tokenize_conversation
 from mmpack.packing.jinja_chat import ChatTemplateError, JinjaChat

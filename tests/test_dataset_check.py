@@ -84,8 +84,6 @@ def test_matching_dataset_passes_and_says_what_it_checked(tmp_path: Path, bpe: P
 @pytest.mark.parametrize(
     ("rule", "field", "dataset_value", "model_value"),
     [
-        (ImageTokenRule(), "max_pixels", "12845056", "50176"),  # transformers 5 default vs the folder
-        (ImageTokenRule(max_pixels=50176, min_pixels=6272), "min_pixels", "6272", "3136"),
         (
             ImageTokenRule(max_pixels=50176, image_mean=(0.5, 0.5, 0.5)),
             "image_mean",
@@ -109,6 +107,32 @@ def test_image_rule_disagreement_names_both_values(
         and "/data/packed" in message
         and "mmpack pack --model" in message
     )
+
+
+def test_pixel_budget_is_the_dataset_own_and_a_text_dataset_has_no_image_rule(
+    tmp_path: Path, bpe: Path
+) -> None:
+    """Another min/max pixels than the processor's is noted, not refused (the tower takes any grid); a dataset
+    holding no images or videos is not checked against the vision config or the processor at all."""
+    model = write_model_folder(tmp_path / "model", bpe)
+    budget = ImageTokenRule(min_pixels=6272, max_pixels=12845056)
+    checked = "\n".join(check_dataset_matches_model(manifest_for(bpe, budget), model))
+    assert "image_rule.max_pixels: dataset 12845056 (manifest.json), model 50176" in checked
+    assert "image_rule.min_pixels: dataset 6272" in checked and "own pixel budget" in checked
+    text = manifest_for(bpe, ImageTokenRule(patch_size=16, image_mean=(0.5, 0.5, 0.5)))
+    with pytest.raises(DatasetModelMismatch, match=r"patch_size: dataset 16 .* model 14"):  # control
+        check_dataset_matches_model(text, model)
+    text["counts"] = {**COUNTS, "image_tokens": 0}
+    assert "image rule: none held, none checked" in check_dataset_matches_model(text, model)
+    text["counts"]["videos"] = 1  # a video is cut by the image rule's patches too
+    with pytest.raises(DatasetModelMismatch, match="patch_size"):
+        check_dataset_matches_model(text, model)
+
+
+COUNTS = {
+    "samples_read": 1, "samples_packed": 1, "samples_rejected": 0, "rejected_by_reason": {}, "bins": 1,
+    "tokens": 10,
+}  # fmt: skip
 
 
 def test_vision_config_checked_without_preprocessor(tmp_path: Path, bpe: Path) -> None:
@@ -148,8 +172,9 @@ def test_special_ids_checked_against_config_json(tmp_path: Path, bpe: Path) -> N
 def test_qwen3_tokenizer_folder(tmp_path: Path, qwen3_tokenizer_path: Path) -> None:
     model = write_model_folder(tmp_path / "model", qwen3_tokenizer_path)
     assert check_dataset_matches_model(manifest_for(qwen3_tokenizer_path, MODEL_RULE), model)
-    with pytest.raises(DatasetModelMismatch, match="max_pixels"):
-        check_dataset_matches_model(manifest_for(qwen3_tokenizer_path, ImageTokenRule()), model)
+    with pytest.raises(DatasetModelMismatch, match="image_mean"):
+        rule = ImageTokenRule(max_pixels=50176, image_mean=(0.5, 0.5, 0.5))
+        check_dataset_matches_model(manifest_for(qwen3_tokenizer_path, rule), model)
 
 
 def test_not_a_model_folder(tmp_path: Path, bpe: Path) -> None:

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.family, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from mmpack.offline_packing.cli import main as mmpack
+    from mmpack.cli import main as mmpack
 
     rice, ids = rice_and_ids()
     root = tmp_path_factory.mktemp("onevision1_5-moe")

@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.ranks, pytest.mark.family, pytest.mark.shared, pytest.
 def setup(onevision2_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The session's tiny OneVision-2 MoE; the six mllm_demo records packed into bins of 640 tokens (two)
     and of 256 (four or more); the reference's loss on the two bins of 640."""
-    from mmpack.offline_packing.cli import main as mmpack
+    from mmpack.cli import main as mmpack
 
     onevision.need_demo_records()
     hf_dir = onevision2_model("llava_onevision2_moe", **onevision.MOE_FIELDS)

@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.family, pytest.mark.shared, pytest.mark.slow]
 def _packed_setup(root: Path, hf_dir: Path) -> dict:
     """The six mllm_demo records under ``root`` packed into one bin with ``--model hf_dir`` and the
     reference's loss."""
-    from mmpack.offline_packing.cli import main as mmpack
+    from mmpack.cli import main as mmpack
 
     records, packed = records_file(root, with_video=False), root / "packed"
     args = ["pack", "-i", str(records), "-o", str(packed), "-L", "2048", "--model", str(hf_dir)]

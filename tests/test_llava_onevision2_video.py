@@ -174,9 +174,9 @@ def test_pack_writes_the_reference_tokens(
     """`mmpack pack --model DIR` on the real video records: each sample's ids in the bins are the reference
     processor's for its text; the manifest names the rule; a sample with images and a video, and text that
     merges with the first timestamp, are rejects."""
+    from mmpack.cli import main as mmpack
     from mmpack.dataloader import load_manifest
     from mmpack.dataloader.readers import open_shard_reader
-    from mmpack.offline_packing.cli import main as mmpack
     from mmpack.packing import video_tokens_ov2
     from mmpack.packing.tokenizer import load_tokenizer
     from mmpack.packing.video_tokens import VideoPlan
@@ -396,7 +396,7 @@ def _add_bin_losses(
 def _video_setup(root: Path, length: int, model: Callable[[], Path]) -> dict[str, Any]:
     """The three demo videos under ``root`` packed into bins of ``length`` tokens with the tiny model folder
     ``model()`` gives (the session's)."""
-    from mmpack.offline_packing.cli import main as mmpack
+    from mmpack.cli import main as mmpack
 
     need_shared(
         QWEN3_TOKENIZER,

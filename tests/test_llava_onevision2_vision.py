@@ -64,6 +64,7 @@ def _our_features(hf_dir: Path, pixels: torch.Tensor, grid: torch.Tensor, positi
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
+    from mmpack.trainer import cpu_backend
     from mmpack.trainer.config import RunConfig, build_megatron_configs
     from mmpack.trainer.export_check import one_rank_group
     from mmpack.trainer.models import family_of, read_hf_config
@@ -71,12 +72,13 @@ def _our_features(hf_dir: Path, pixels: torch.Tensor, grid: torch.Tensor, positi
     hf_config = read_hf_config(hf_dir)
     fam = family_of(hf_config)
     arch = fam.arch_from_hf_config(hf_config)
+    cpu_backend.activate()  # the test is the entry point: it sets up the CPU backend (no CUDA)
     with one_rank_group():
         ps.initialize_model_parallel(1, 1)
         tensor_parallel.model_parallel_cuda_manual_seed(0)
         stage = fam.build_stage(arch, build_megatron_configs(RunConfig(), arch).model, pre_process=True,
                                 post_process=True)  # fmt: skip
-        fam.load_stage_weights(stage, hf_dir, arch, tp_rank=0, tp_size=1)
+        fam.hf.load_stage_weights(stage, hf_dir, arch, tp_rank=0, tp_size=1)
         stage.eval()
         with torch.no_grad():
             return stage.vision(pixels, grid, positions)

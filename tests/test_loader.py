@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from mmpack.dataloader import PackedLoader, Topology, bin_order, build_loader, load_manifest
-from mmpack.offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.demo.synthetic import build_packed_dataset
 from mmpack.packing.batch import contract_problems
 from mmpack.packing.image_tokens import ImageTokenRule, image_to_patches
 from mmpack.packing.layout import build_packed_sequence

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mmpack.dataloader import bin_order, load_manifest
-from mmpack.offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.demo.synthetic import build_packed_dataset
 from tests.support import ranks
 
 pytestmark = [pytest.mark.ranks]

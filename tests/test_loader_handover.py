@@ -18,7 +18,7 @@ from mmpack.dataloader import worker as worker_mod
 from mmpack.dataloader.storage import StorageConfig
 from mmpack.dataloader.transport import MAX_SLOTS, SlotReader
 from mmpack.dataloader.worker import LocalReadAhead, Producer, ProducerSpec, worker_loop
-from mmpack.offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.demo.synthetic import build_packed_dataset
 from tests.support.loader_data import assert_same
 
 

@@ -17,7 +17,7 @@ import pytest
 from mmpack.dataloader import PackedLoader, StreamOrder, Topology, build_loader, load_manifest
 from mmpack.dataloader.blend import blend_positions
 from mmpack.dataloader.mixture import Mixture, MixtureSource, load_mixture_file, parse_inline
-from mmpack.offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.demo.synthetic import build_packed_dataset
 from mmpack.packing.batch import contract_problems
 from tests.support.storage_servers import S3Endpoint, moto_s3
 
@@ -256,7 +256,7 @@ def test_bad_specs_each_one_clear_error(local: list[str], tmp_path: Path) -> Non
 
 
 def test_stats_of_a_mixture(local: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    from mmpack.offline_packing.cli import main
+    from mmpack.cli import main
 
     one = [json.loads(_stats(main, capsys, p, "--json")) for p in local[:2]]
     report = json.loads(_stats(main, capsys, "--mixture", f"3 {local[0]} 1 {local[1]}", "--json"))

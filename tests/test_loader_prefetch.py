@@ -21,7 +21,7 @@ from mmpack.dataloader.manifest import Manifest
 from mmpack.dataloader.storage import ShardStore, StorageConfig, flock
 from mmpack.dataloader.storage import store as storage_mod
 from mmpack.dataloader.worker import Producer, ProducerSpec
-from mmpack.offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.demo.synthetic import build_packed_dataset
 from tests.support.loader_data import assert_same
 
 

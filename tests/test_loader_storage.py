@@ -18,7 +18,7 @@ import pytest
 
 from mmpack.dataloader import ShardError, Topology, build_loader, load_manifest
 from mmpack.dataloader.storage import ShardStore, StorageConfig
-from mmpack.offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.demo.synthetic import build_packed_dataset
 from tests.support.loader_data import assert_same
 from tests.support.storage_servers import (
     FaultPlan,

@@ -40,9 +40,11 @@ def _worker(out_dir: str, argv: list[str]) -> None:
     import torch.distributed as dist
     from megatron.core.transformer.moe.router import TopKRouter
 
+    from mmpack.trainer import cpu_backend
     from mmpack.trainer.arguments import parse_args
     from mmpack.trainer.training import Trainer, shutdown
 
+    cpu_backend.activate()  # the test is the entry point: it sets up the CPU backend (no CUDA)
     trainer = Trainer(parse_args(argv))
     routed: dict[int, list[torch.Tensor]] = {}
     weights: dict[int, torch.Tensor] = {}

@@ -15,12 +15,13 @@ IMAGE_PAD, VISION_START, VISION_END = 500, 501, 502
 def hf_model():
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
 
-    from mmpack.trainer.models.qwen2_5_vl import tiny_hf_config
+    from mmpack.trainer.models.protocol import TinyModelSpec
+    from mmpack.trainer.models.qwen2_5_vl import FAMILY
 
-    cfg = tiny_hf_config(
+    cfg = FAMILY.tiny_hf_config(TinyModelSpec(
         vocab_size=512, image_token_id=IMAGE_PAD, vision_start_token_id=VISION_START,
         vision_end_token_id=VISION_END, num_layers=1, vision_depth=1,
-    )  # fmt: skip
+    ))  # fmt: skip
     return Qwen2_5_VLModel(Qwen2_5_VLConfig(**cfg))
 
 

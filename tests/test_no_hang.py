@@ -310,12 +310,14 @@ def _timeout_rank(rank: int, port: int, results: Any) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from mmpack.trainer import cpu_backend
     from mmpack.trainer.config import ParallelConfig, RunConfig
     from mmpack.trainer.failures import describe_failure
     from mmpack.trainer.training import initialize_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     minutes = 0.05
+    cpu_backend.activate()  # the test is the entry point: it sets up the CPU backend (no CUDA)
     initialize_distributed(RunConfig(parallel=ParallelConfig(distributed_timeout_minutes=minutes)))
     if rank == 1:
         time.sleep(15)  # stuck: the other rank's collective must give up first

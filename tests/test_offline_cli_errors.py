@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mmpack.offline_packing.cli import main as mmpack_main
+from mmpack.cli import main as mmpack_main
 from mmpack.offline_packing.errors import PackError, SampleReject
 from mmpack.packing.chat import SampleError
 from mmpack.packing.errors import MmpackError

@@ -78,7 +78,7 @@ def test_sigkill_during_write_then_rerun_is_byte_identical(tmp_path: Path) -> No
         [
             sys.executable,
             "-m",
-            "mmpack.offline_packing.cli",
+            "mmpack.cli",
             "pack",
             *_flags(data, tok, out),
             "--max-bins-per-shard",

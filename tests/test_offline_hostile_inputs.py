@@ -217,7 +217,7 @@ def test_damaged_gzip_inputs_end_the_job_in_one_line_naming_the_file(tmp_path: P
 # VmHWM: the peak RSS of this process image (ru_maxrss would include the forked parent's, here pytest's)
 _CHILD = """
 import sys
-from mmpack.offline_packing.cli import main
+from mmpack.cli import main
 rc = main(sys.argv[1:])
 peak = next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print("PEAK_RSS_KB", peak, "RC", rc)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmpack.offline_packing.cli import main as mmpack_main
+from mmpack.cli import main as mmpack_main
 from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.errors import PackError
 from mmpack.offline_packing.options import job_config, with_options

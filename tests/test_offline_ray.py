@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mmpack.offline_packing.cli import main as mmpack_main
+from mmpack.cli import main as mmpack_main
 from mmpack.offline_packing.pipeline import run_pack
 from tests.support.fixtures_data import (
     dataset_files,

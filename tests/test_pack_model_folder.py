@@ -4,6 +4,7 @@ accepts the dataset for that folder and refuses one packed with another rule."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import shutil
@@ -14,12 +15,12 @@ import pytest
 from PIL import Image
 from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
 
+from mmpack.cli import main as mmpack
 from mmpack.dataloader import Topology, build_loader, load_manifest
-from mmpack.offline_packing.cli import main as mmpack
 from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.flags import config_from_args
 from mmpack.offline_packing.model_folder import resolve_image_rule
-from mmpack.packing.image_tokens import CLIP_MEAN, ImageTokenRule
+from mmpack.packing.image_tokens import CLIP_MEAN, ImageTokenRule, load_model_image_rule
 from mmpack.packing.tokenizer import load_tokenizer
 from mmpack.trainer.dataset_check import DatasetModelMismatch, check_dataset_matches_model
 from tests.support.fixtures_data import train_tiny_bpe
@@ -82,8 +83,13 @@ def test_flags_resolve_model_folder(tmp_path: Path) -> None:
 def test_flags_contradicting_the_model_folder_are_errors(tmp_path: Path) -> None:
     tok = train_tiny_bpe(tmp_path / "bpe")
     model = model_folder(tmp_path / "model", tok, max_pixels=50176)
-    with pytest.raises(ValueError, match=r"--max-pixels 1000000 disagrees with .*preprocessor_config\.json"):
-        parse(["--model", str(model), "--max-pixels", "1000000"])
+    # the pixel budget is the dataset's own (the vision tower takes any grid); a budget that is none is refused
+    budget = parse(["--model", str(model), "--max-pixels", "1000000"]).lengths.image_rule
+    assert budget == dataclasses.replace(load_model_image_rule(model), max_pixels=1000000)
+    with pytest.raises(
+        ValueError, match=r"--max-pixels over .*preprocessor_config\.json: need 0 < min_pixels"
+    ):
+        parse(["--model", str(model), "--max-pixels", "5"])
     with pytest.raises(ValueError, match="--patch-size 16 disagrees"):
         parse(["--model", str(model), "--patch-size", "16"])
     (model / "tokenizer.json").unlink()
@@ -134,12 +140,16 @@ def test_pack_with_model_folder_end_to_end(
         n_images += len(images)
     assert n_images == sum(len(r.get("images", [])) for r in json.loads(mllm_demo_json.read_text()))
 
-    # `-t DIR` records the same rule; a dataset packed with the default max_pixels is refused
+    # `-t DIR` records the same rule; a dataset packed with the default max_pixels is the model's with its own
+    # pixel budget (noted), one with another patch size is refused
     assert mmpack([*args[:4], str(tmp_path / "via_t"), *args[5:], "-t", str(model)]) == 0
     assert json.loads((tmp_path / "via_t" / "manifest.json").read_text())["image_rule"] == raw["image_rule"]
     other = tmp_path / "default_rule"
     assert mmpack([*args[:4], str(other), *args[5:], "-t", str(qwen3_tokenizer_path)]) == 0
-    with pytest.raises(
-        DatasetModelMismatch, match=r"image_rule\.max_pixels: dataset 12845056 .* model 50176"
-    ):
-        check_dataset_matches_model(load_manifest(str(other)), model, dataset=str(other))
+    checked = check_dataset_matches_model(load_manifest(str(other)), model, dataset=str(other))
+    assert any("image_rule.max_pixels: dataset 12845056" in c and "own pixel budget" in c for c in checked)
+    patch16 = tmp_path / "patch16"
+    flags = ["-t", str(qwen3_tokenizer_path), "--patch-size", "16"]
+    assert mmpack([*args[:4], str(patch16), *args[5:], *flags]) == 0
+    with pytest.raises(DatasetModelMismatch, match=r"image_rule\.patch_size: dataset 16 .* model 14"):
+        check_dataset_matches_model(load_manifest(str(patch16)), model, dataset=str(patch16))

@@ -43,9 +43,11 @@ def _worker(out_dir: str, argv: list[str]) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from mmpack.trainer import cpu_backend
     from mmpack.trainer.arguments import parse_args
     from mmpack.trainer.training import Trainer, shutdown
 
+    cpu_backend.activate()  # the test is the entry point: it sets up the CPU backend (no CUDA)
     trainer = Trainer(parse_args(argv))
     batches, _ = trainer.train_data.next_step()
     trainer.model.zero_grad_buffer()
@@ -94,7 +96,7 @@ def _reference(hf_dir: Path, packed: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from mmpack.offline_packing.cli import main as mmpack
+    from mmpack.cli import main as mmpack
 
     need_shared(
         QWEN3_TOKENIZER, MLLM_DEMO_JSON, VIDEO_DEMO, what="Qwen3 tokenizer, mllm_demo and mllm_video_demo"
@@ -137,7 +139,7 @@ def test_ep2_loss_gradients_and_wrong_expert_order(setup: dict, tmp_path: Path) 
     assert gap > 1e-3, f"wrong expert order moves the loss by only {gap:.2e} (relative)"
     fam = family("qwen3_vl_moe")
     arch = fam.arch_from_hf_config(json.loads((setup["hf"] / "config.json").read_text()))
-    rules = fam.stage_rules(arch, 0, 1)
+    rules = fam.hf.stage_rules(arch, 0, 1)
     shards = {ep: torch.load(tmp_path / f"grads_ep{ep}_dp{ep}.pt") for ep in range(2)}
     ours = {k: v for n in GRAD_PARAMS for k, v in merge_tp_shards(rules[n], [shards[0][n]]).items()}
     # global expert 3 is local expert 1 of EP rank 1; its [gate; up] rows are transformers' gate_up_proj[3]

@@ -44,10 +44,12 @@ def _worker(out_dir: str, argv: list[str]) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
+    from mmpack.trainer import cpu_backend
     from mmpack.trainer.arguments import parse_args
     from mmpack.trainer.models.vlm_stage import VisionFeatures
     from mmpack.trainer.training import Trainer, shutdown
 
+    cpu_backend.activate()  # the test is the entry point: it sets up the CPU backend (no CUDA)
     trainer = Trainer(parse_args(argv))
     batches, _ = trainer.train_data.next_step()
     trainer.model.zero_grad_buffer()
@@ -153,7 +155,7 @@ def test_tp2_pp2_loss_gradients_and_controls(setup: dict, tmp_path: Path) -> Non
         gap = abs(losses[control] - ref["loss"]) / ref["loss"]
         assert gap > 1e-3, f"control {control}: the loss moves by only {gap:.2e} (relative)"
     arch = arch_from_hf_config(json.loads((setup["hf"] / "config.json").read_text()))
-    rules = FAMILY.stage_rules(arch, 0, 2)
+    rules = FAMILY.hf.stage_rules(arch, 0, 2)
     shards = [torch.load(tmp_path / f"grads_tp{t}_pp0.pt") for t in range(2)]
     for name in GRAD_PARAMS:
         [(hf_name, grad)] = merge_tp_shards(rules[name], [s[name] for s in shards]).items()

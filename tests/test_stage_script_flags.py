@@ -1,5 +1,5 @@
 """The flags of LLaVA-OneVision-2's stage scripts (examples/llava_onevision2/*/*.sh) and of its training guide's
-8-GPU command: each one is accepted with its Megatron-LM meaning or refused in one line (README's table).
+8-GPU command: each one is accepted with its Megatron-LM meaning or refused in one line (docs/trainer-flags.md).
 
 - every flag the four scripts pass parses (no argparse "unrecognized arguments");
 - qwen3_4b/alignment.sh's flag set, paths and sizes replaced (TP2 x PP1 on two ranks, the script's PP=1
@@ -114,7 +114,7 @@ def test_alignment_flag_set_trains(packed: Path, tmp_path: Path) -> None:
     assert "with --trainable-modules adapter" in run.stdout + run.stderr
     # the tokenizer check can fail: a tokenizer other than the packing one is refused, naming the flag
     from mmpack.dataloader import load_manifest
-    from mmpack.offline_packing.demo.synthetic import train_tiny_bpe
+    from mmpack.demo.synthetic import train_tiny_bpe
     from mmpack.trainer.stage_flags import StageFlags, check_stage_flags
 
     manifest = load_manifest(str(packed)).raw

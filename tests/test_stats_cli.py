@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from mmpack.offline_packing.cli import main
+from mmpack.cli import main
 from mmpack.offline_packing.stats.inputs import StatsInputError, read_length_file
 from mmpack.packing.format import FORMAT_NAME, FORMAT_VERSION, bin_key, shard_name
 from tests.support import reference
@@ -834,7 +834,7 @@ def test_console_script_exit_code(tmp_path: Path) -> None:
     bad = tmp_path / "bad.txt"
     bad.write_text("12\nnot-a-number\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "offline_packing", "stats", str(bad), "--capacity", "64"],
+        [sys.executable, "-m", "mmpack", "stats", str(bad), "--capacity", "64"],
         capture_output=True,
         text=True,
         timeout=120,

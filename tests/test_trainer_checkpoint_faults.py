@@ -165,7 +165,7 @@ def test_trainer_falls_back_then_refuses_zeroed_bytes_in_one_line(
 def test_convert_refuses_a_training_runs_folder(
     saved: tuple[Path, Path, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from mmpack.offline_packing.cli import main as mmpack
+    from mmpack.cli import main as mmpack
 
     ckpt = _copy(saved[1], tmp_path)
     hf = tmp_path / "hf"  # refused before the HF folder is read
@@ -206,7 +206,7 @@ def test_export_replaces_an_earlier_sharded_export(saved: tuple[Path, Path, Run]
 def test_export_into_a_foreign_folder_is_refused(
     saved: tuple[Path, Path, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from mmpack.offline_packing.cli import main as mmpack
+    from mmpack.cli import main as mmpack
 
     out = tmp_path / "mine"
     out.mkdir()

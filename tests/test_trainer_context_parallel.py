@@ -43,9 +43,11 @@ def _worker(out_dir: str, argv: list[str]) -> None:
     from megatron.core import parallel_state as ps
 
     import mmpack.trainer.context_parallel as tcp
+    from mmpack.trainer import cpu_backend
     from mmpack.trainer.arguments import parse_args
     from mmpack.trainer.training import Trainer, shutdown
 
+    cpu_backend.activate()  # the test is the entry point: it sets up the CPU backend (no CUDA)
     trainer = Trainer(parse_args(argv))
     slots: list[tuple[int, int]] = []
     split = tcp.cp_micro_batch

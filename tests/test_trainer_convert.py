@@ -87,7 +87,7 @@ def test_converted_checkpoint_trains_like_hf_model_and_trained_one_exports(
 
 
 def test_bad_inputs_fail_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from mmpack.offline_packing.cli import main as mmpack
+    from mmpack.cli import main as mmpack
 
     assert mmpack(["convert", "hf-to-mcore", "--hf", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "has no config.json" in capsys.readouterr().err

@@ -28,7 +28,7 @@ def test_inactive_when_cuda_present() -> None:
         original = torch.cuda.current_device
         from mmpack.trainer import cpu_backend
         assert cpu_backend.activate() is False
-        assert not cpu_backend.is_active()
+        assert not cpu_backend.is_active() and cpu_backend.require_backend("x") is False
         assert torch.cuda.current_device is original
         from torch.overrides import _get_current_function_mode_stack
         assert not any(isinstance(m, cpu_backend.CudaToCpuMode) for m in _get_current_function_mode_stack())
@@ -47,7 +47,15 @@ def test_active_without_cuda_maps_cuda_to_cpu() -> None:
         """
         import torch
         from mmpack.trainer import cpu_backend
+        try:  # library code asks; before the entry point set the backend up, it says so
+            cpu_backend.require_backend("the trainer")
+        except RuntimeError as e:
+            assert str(e).startswith("the trainer: no CUDA here and the CPU backend is not set up"), e
+        else:
+            raise AssertionError("require_backend passed without CUDA or the CPU backend")
+        assert not cpu_backend.is_active()  # asking changed nothing
         assert cpu_backend.activate() is True and cpu_backend.activate() is True  # idempotent
+        assert cpu_backend.require_backend("the trainer") is True
         assert torch.empty(3, device="cuda").device.type == "cpu"
         assert torch.zeros(2, device=torch.cuda.current_device()).device.type == "cpu"
         assert torch.tensor([1.0], device="cuda:0").device.type == "cpu"

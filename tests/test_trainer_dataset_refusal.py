@@ -32,20 +32,17 @@ def test_trainer_refuses_dataset_packed_for_another_model(tmp_path: Path, qwen3_
         "--num-workers", "0",
     ]  # fmt: skip
 
-    wrong_pixels = manifest["image_rule"]["max_pixels"] // 2
+    # another normalisation (another pixel budget would be the dataset's own, test_dataset_check.py)
     (hf_dir / "preprocessor_config.json").write_text(
-        json.dumps(_preprocessor_config(manifest, max_pixels=wrong_pixels))
+        json.dumps(_preprocessor_config(manifest, image_mean=[0.5, 0.5, 0.5]))
     )
     shutil.copy(qwen3_tokenizer_path, hf_dir / "tokenizer.json")
     run = train(1, args, tmp_path / "refused", tiny=False)
     assert run.returncode != 0 and run.metrics == []
     err = run.stderr
     assert f"pretrain_vlm: error: {packed} was not packed for the model in {hf_dir}" in err
-    assert (
-        f"image_rule.max_pixels: dataset {manifest['image_rule']['max_pixels']} (manifest.json), model "
-        in err
-    )
-    assert f"{wrong_pixels} ({hf_dir / 'preprocessor_config.json'})" in err
+    assert "image_rule.image_mean: dataset [0.48" in err
+    assert f"model [0.5, 0.5, 0.5] ({hf_dir / 'preprocessor_config.json'})" in err
     assert "tokenizer.sha256: dataset " in err
     assert f"repack it with `mmpack pack --model {hf_dir} ...`" in err
     # one message, no traceback of the worker (torchrun adds its own report of the exit code)

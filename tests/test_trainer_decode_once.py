@@ -24,6 +24,7 @@ def _worker(data: str, out: Path, tp: int, pp: int) -> None:
     from megatron.core import parallel_state as ps
 
     import mmpack.dataloader.collate as collate
+    from mmpack.trainer import cpu_backend
     from mmpack.trainer.arguments import parse_args
     from mmpack.trainer.training import Trainer, shutdown
 
@@ -39,6 +40,7 @@ def _worker(data: str, out: Path, tp: int, pp: int) -> None:
         [*TINY, "--data-path", data, "--micro-batch-size", "1", "--global-batch-size", "4", "--seed", "2",
          "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     )  # fmt: skip
+    cpu_backend.activate()  # the test is the entry point: it sets up the CPU backend (no CUDA)
     t = Trainer(cfg)
     seen: list = []
     next_step = t.train_data.next_step

@@ -16,6 +16,7 @@ def test_checkpoint_logits_equal_transformers(tmp_path: Path) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
+    from mmpack.trainer import cpu_backend
     from mmpack.trainer.convert import hf_to_mcore
     from mmpack.trainer.export_check import first_image_sample, hf_logits, mcore_logits
     from tests.support.qwen2_5_vl import hf_model_for
@@ -28,6 +29,7 @@ def test_checkpoint_logits_equal_transformers(tmp_path: Path) -> None:
     assert sample.image_grid_thw is not None and sample.pixel_values is not None
     assert int((sample.tokens == sample.image_pad_id).sum()) == int(sample.image_grid_thw.prod(-1).sum()) // 4
 
+    cpu_backend.activate()  # the test is the entry point: it sets up the CPU backend (no CUDA)
     ours = mcore_logits(str(tmp_path / "mcore"), sample)
     theirs = hf_logits(str(hf_dir), sample)
     assert ours.shape == theirs.shape == (sample.tokens.numel(), ours.shape[1])

@@ -18,23 +18,38 @@ from tests.support.ranks import warm_start_method
 
 def test_module_names_and_flags() -> None:
     from mmpack.trainer.arguments import parse_args
+    from mmpack.trainer.models import family
 
-    assert modules_of("vision.merger.projector.encoder.linear_fc1.weight", tied=False) == {"adapter"}
-    assert modules_of("vision.layers.0.self_attention.linear_qkv.weight", tied=False) == {"vision_model"}
-    assert modules_of("vision.deepstack_mergers.1.norm.weight", tied=False) == {"adapter"}  # Qwen3-VL's
-    assert modules_of("vision.pos_embed.weight", tied=False) == {"vision_model"}
-    assert modules_of("language_model.output_layer.weight", tied=True) == {
+    qwen3_vl = dict(adapter_prefixes=family("qwen3_vl").adapter_prefixes)  # its DeepStack mergers too
+    qwen2_5_vl = dict(adapter_prefixes=family("qwen2_5_vl").adapter_prefixes)
+    assert modules_of("vision.merger.projector.encoder.linear_fc1.weight", tied=False, **qwen2_5_vl) == {
+        "adapter"
+    }
+    assert modules_of("vision.layers.0.self_attention.linear_qkv.weight", tied=False, **qwen3_vl) == {
+        "vision_model"
+    }
+    assert modules_of("vision.deepstack_mergers.1.norm.weight", tied=False, **qwen3_vl) == {"adapter"}
+    # control: the family decides, another family's prefixes make the same name part of the vision model
+    assert modules_of("vision.deepstack_mergers.1.norm.weight", tied=False, **qwen2_5_vl) == {"vision_model"}
+    assert modules_of("vision.pos_embed.weight", tied=False, **qwen3_vl) == {"vision_model"}
+    assert modules_of("language_model.output_layer.weight", tied=True, **qwen2_5_vl) == {
         "language_model", "embedding", "output_layer",
     }  # fmt: skip
-    assert modules_of("language_model.output_layer.weight", tied=False) == {"language_model", "output_layer"}
+    assert modules_of("language_model.output_layer.weight", tied=False, **qwen2_5_vl) == {
+        "language_model", "output_layer",
+    }  # fmt: skip
     allowed, frozen = trainable_set(("adapter", "language_model"), freeze_vision=False, freeze_llm=True)
     assert not param_trains("language_model.decoder.layers.0.mlp.linear_fc1.weight", tied=False,
-                            allowed=allowed, frozen=frozen)  # fmt: skip
-    assert param_trains("vision.merger.ln_q.weight", tied=False, allowed=allowed, frozen=frozen)
-    assert not param_trains("vision.patch_embed.weight", tied=False, allowed=allowed, frozen=frozen)
+                            allowed=allowed, frozen=frozen, **qwen2_5_vl)  # fmt: skip
+    assert param_trains("vision.merger.ln_q.weight", tied=False, allowed=allowed, frozen=frozen, **qwen2_5_vl)
+    assert not param_trains(
+        "vision.patch_embed.weight", tied=False, allowed=allowed, frozen=frozen, **qwen2_5_vl
+    )
     allowed, frozen = trainable_set(("embedding",), freeze_vision=False, freeze_llm=False)
-    assert param_trains("language_model.output_layer.weight", tied=True, allowed=allowed, frozen=frozen)
-    assert not param_trains("language_model.output_layer.weight", tied=False, allowed=allowed, frozen=frozen)
+    assert param_trains("language_model.output_layer.weight", tied=True, allowed=allowed, frozen=frozen,
+                        **qwen2_5_vl)  # fmt: skip
+    assert not param_trains("language_model.output_layer.weight", tied=False, allowed=allowed, frozen=frozen,
+                            **qwen2_5_vl)  # fmt: skip
 
     cfg = parse_args(["--mock-data", "--seq-length", "64", "--trainable-modules", "adapter, language_model"])
     assert cfg.model.trainable_modules == ("adapter", "language_model")

@@ -53,13 +53,17 @@ def test_thd_padding_adds_a_dummy_trailing_segment() -> None:
 
 def test_te_fused_norm_weights_are_norms() -> None:
     from mmpack.trainer.models.hf_weights import RandomHFWeights, local_param_name, read_shard
-    from mmpack.trainer.models.qwen2_5_vl.config import arch_from_hf_config, tiny_hf_config
-    from mmpack.trainer.models.qwen2_5_vl.hf_io import stage_rules
+    from mmpack.trainer.models.protocol import TinyModelSpec
+    from mmpack.trainer.models.qwen2_5_vl import FAMILY, arch_from_hf_config
 
     arch = arch_from_hf_config(
-        tiny_hf_config(vocab_size=256, image_token_id=250, vision_start_token_id=251, vision_end_token_id=252)
+        FAMILY.tiny_hf_config(
+            TinyModelSpec(
+                vocab_size=256, image_token_id=250, vision_start_token_id=251, vision_end_token_id=252
+            )
+        )
     )
-    rules = stage_rules(arch, 0, 1)
+    rules = FAMILY.hf.stage_rules(arch, 0, 1)
     te_names = {
         "language_model.decoder.layers.1.self_attention.linear_qkv.layer_norm_weight": "input_layernorm",
         "language_model.decoder.layers.1.mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm",

@@ -17,12 +17,16 @@ from mmpack.trainer.models.hf_weights import (
     open_hf_weights,
     read_shard,
 )
-from mmpack.trainer.models.qwen2_5_vl import arch_from_hf_config, stage_rules, tiny_hf_config
+from mmpack.trainer.models.protocol import TinyModelSpec
+from mmpack.trainer.models.qwen2_5_vl import FAMILY, arch_from_hf_config
+
+stage_rules = FAMILY.hf.stage_rules
 
 
 def _arch(**kw):
-    cfg = tiny_hf_config(vocab_size=256, image_token_id=250, vision_start_token_id=251, vision_end_token_id=252,
-                         num_layers=4, num_attention_heads=4, num_key_value_heads=2, **kw)  # fmt: skip
+    cfg = FAMILY.tiny_hf_config(TinyModelSpec(vocab_size=256, image_token_id=250, vision_start_token_id=251,
+                                              vision_end_token_id=252, num_layers=4, num_attention_heads=4,
+                                              num_key_value_heads=2, **kw))  # fmt: skip
     return arch_from_hf_config(cfg)
 
 

@@ -35,9 +35,11 @@ def _worker(out_dir: str, argv: list[str]) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from mmpack.trainer import cpu_backend
     from mmpack.trainer.arguments import parse_args
     from mmpack.trainer.training import Trainer, shutdown
 
+    cpu_backend.activate()  # the test is the entry point: it sets up the CPU backend (no CUDA)
     trainer = Trainer(parse_args(argv))
     batches, _ = trainer.train_data.next_step()
     trainer.model.zero_grad_buffer()
@@ -98,7 +100,7 @@ def test_gradients_match_and_zeroed_images_control(setup, tmp_path: Path) -> Non
     import torch
 
     from mmpack.trainer.models.hf_weights import merge_tp_shards
-    from mmpack.trainer.models.qwen2_5_vl import arch_from_hf_config, stage_rules
+    from mmpack.trainer.models.qwen2_5_vl import FAMILY, arch_from_hf_config
 
     _, hf_dir, packed, ref = setup
     torchrun(4, [str(Path(__file__).resolve()), str(tmp_path), *train_args(hf_dir, packed, 2, 2)], tmp_path)
@@ -111,7 +113,7 @@ def test_gradients_match_and_zeroed_images_control(setup, tmp_path: Path) -> Non
     assert gap > 1e-3, f"control: zeroed image features change the loss by only {gap:.2e} (relative)"
 
     arch = arch_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
-    rules = stage_rules(arch, 0, 2)
+    rules = FAMILY.hf.stage_rules(arch, 0, 2)
     shards = [torch.load(tmp_path / f"grads_tp{t}_pp0.pt") for t in range(2)]
     checked = 0
     for name in GRAD_PARAMS:

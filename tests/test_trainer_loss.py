@@ -24,6 +24,7 @@ def _worker(out: Path) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from mmpack.trainer import cpu_backend
     from mmpack.trainer.arguments import parse_args
     from mmpack.trainer.checkpoint import bare_module
     from mmpack.trainer.data import model_inputs
@@ -33,6 +34,7 @@ def _worker(out: Path) -> None:
         ["--mock-data", "--seq-length", "96", "--global-batch-size", "4", "--num-workers", "0",
          "--num-layers", "2", "--vision-num-layers", "1", "--seed", "3"]
     )  # fmt: skip
+    cpu_backend.activate()  # the test is the entry point: it sets up the CPU backend (no CUDA)
     t = Trainer(cfg)
     batches, _ = t.train_data.next_step()
     # micro-batch 0 keeps all its target tokens, micro-batch 1 only its first one (DP rank 1: the reverse)

@@ -12,16 +12,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mmpack.trainer.models.qwen2_5_vl import FAMILY, arch_from_hf_config, tiny_hf_config
-from mmpack.trainer.models.qwen2_5_vl.hf_check import hf_tensor_shapes
+from mmpack.trainer.models.protocol import TinyModelSpec
+from mmpack.trainer.models.qwen2_5_vl import FAMILY, arch_from_hf_config
 
 SPECIAL = dict(vocab_size=256, image_token_id=250, vision_start_token_id=251, vision_end_token_id=252)
+
+
+def tiny_hf_config(**fields: int | bool) -> dict:
+    return FAMILY.tiny_hf_config(TinyModelSpec(**SPECIAL | fields))  # type: ignore[arg-type]
 
 
 def _save_hf_model(out: Path, *, tied: bool) -> Path:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    config = tiny_hf_config(**SPECIAL, num_layers=2, tie_word_embeddings=tied)
+    config = tiny_hf_config(num_layers=2, tie_word_embeddings=tied)
     torch.manual_seed(0)
     Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**config)).save_pretrained(out)
     return out
@@ -41,7 +45,7 @@ def _copy(hf_dir: Path, dest: Path, *, config: dict | None = None, tensors: dict
 
 def _convert(hf: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> list[str]:
     """`mmpack convert hf-to-mcore`: it must fail (exit 2) with error lines, and write nothing."""
-    from mmpack.offline_packing.cli import main as mmpack
+    from mmpack.cli import main as mmpack
 
     assert mmpack(["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out)]) == 2
     assert not out.exists()
@@ -54,8 +58,8 @@ def test_expected_tensors_are_what_transformers_writes(tmp_path: Path, tied: boo
     folder = _save_hf_model(tmp_path / "m", tied=tied)
     written = {k: tuple(v.shape) for k, v in load_file(str(folder / "model.safetensors")).items()}
     arch = arch_from_hf_config(json.loads((folder / "config.json").read_text()))
-    assert hf_tensor_shapes(arch) == written
-    FAMILY.check_hf_weights(folder, arch)  # control: the untouched folder passes
+    assert FAMILY.hf.tensor_shapes(arch) == written
+    FAMILY.hf.check_hf_weights(folder, arch)  # control: the untouched folder passes
 
 
 def test_int8_weights_are_refused(hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -101,7 +105,7 @@ def test_size_flags_contradicting_a_checkpoint_are_refused(
     """The trainer's entry point, up to the refusal (it comes before any process group)."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (ckpt / "hf_config.json").write_text(json.dumps(tiny_hf_config(**SPECIAL, num_layers=4)))
+    (ckpt / "hf_config.json").write_text(json.dumps(tiny_hf_config(num_layers=4)))
     code, errors = _main(["--load", str(ckpt), "--num-layers", "8"], capsys)
     assert code == 2 and len(errors) == 1, errors
     assert errors[0] == (
@@ -149,14 +153,14 @@ def test_qwen3_vl_weights_are_checked_by_name(tmp_path: Path, tied: bool) -> Non
     folder = tmp_path / "qwen3"
     Qwen3VLForConditionalGeneration(Qwen3VLConfig(**config)).save_pretrained(folder)
     arch = QWEN3_VL.arch_from_hf_config(json.loads((folder / "config.json").read_text()))
-    QWEN3_VL.check_hf_weights(folder, arch)  # control: what transformers wrote passes
+    QWEN3_VL.hf.check_hf_weights(folder, arch)  # control: what transformers wrote passes
     tensors = load_file(str(folder / "model.safetensors"))
     layer = [k for k in tensors if ".layers.1." in k and "language_model" in k]
     assert layer
     without = _copy(folder, tmp_path / "fewer", tensors={k: v for k, v in tensors.items() if k not in layer})
     with pytest.raises(ValueError, match="missing"):
-        QWEN3_VL.check_hf_weights(without, arch)
+        QWEN3_VL.hf.check_hf_weights(without, arch)
     int8 = dict(tensors)
     int8[layer[0]] = int8[layer[0]].to(torch.int8)
     with pytest.raises(ValueError, match="is I8, not a float"):
-        QWEN3_VL.check_hf_weights(_copy(folder, tmp_path / "int8", tensors=int8), arch)
+        QWEN3_VL.hf.check_hf_weights(_copy(folder, tmp_path / "int8", tensors=int8), arch)

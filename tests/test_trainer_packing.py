@@ -114,6 +114,7 @@ def _loader_bin_and_samples(data_path: str, seq: int, image_pad_id: int, merge: 
 def _worker(out_path: str, tp: int, source: str) -> None:
     import torch
 
+    from mmpack.trainer import cpu_backend
     from mmpack.trainer.batches import block_causal_mask
     from mmpack.trainer.build import build_stage_model, model_hf_config
     from mmpack.trainer.config import (
@@ -137,6 +138,7 @@ def _worker(out_path: str, tp: int, source: str) -> None:
         parallel=ParallelConfig(tensor_model_parallel_size=tp),
         train=TrainConfig(seq_length=seq, seed=3),
     )
+    cpu_backend.activate()  # the test is the entry point: it sets up the CPU backend (no CUDA)
     initialize_distributed(cfg)
     arch = arch_from_hf_config(model_hf_config(cfg, info))
     mcfg = build_megatron_configs(cfg, arch)

@@ -1,4 +1,6 @@
-"""TP x PP x DP training on CPU gloo processes, on a packed dataset made by the real offline job."""
+"""TP x PP x DP training on CPU gloo processes, on packed datasets made by the real offline job: a mixture of a
+text corpus packed with `-t` alone and one image set packed with `--model DIR` under two `--max-pixels`
+(`support.mixed_sources`), each source's bins decoded by its own rule."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.mixed_sources import MixedRuleSources
 from tests.support.trainer import Run, Signal, ok, train
 
 pytestmark = [pytest.mark.ranks, pytest.mark.slow]
@@ -27,17 +30,19 @@ PP1 = ["--pipeline-model-parallel-size", "1"]  # after RUN_3D: TP2 x PP1
 
 
 @pytest.fixture(scope="module")
-def datasets(packed_dataset: Callable[..., Path]) -> tuple[Path, Path]:
-    return packed_dataset(n_samples=300, seed=0), packed_dataset(n_samples=60, seed=1)
+def datasets(
+    mixed_rule_sources: MixedRuleSources, packed_dataset: Callable[..., Path]
+) -> tuple[list[str], Path]:
+    """The training data (`--data-path W1 A W2 B W3 C` of the three sources) and a held-out dataset."""
+    return mixed_rule_sources.data_path_args(), packed_dataset(n_samples=60, seed=1)
 
 
 @pytest.fixture(scope="module")
-def run_3d(datasets: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Run:
+def run_3d(datasets: tuple[list[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Run:
     train_set, held_out = datasets
     workdir = tmp_path_factory.mktemp("run-3d")
     args = [
-        "--data-path",
-        str(train_set),
+        *train_set,
         "--eval-data-path",
         str(held_out),
         "--eval-interval",
@@ -61,12 +66,15 @@ def test_tp2_pp2_dp2_trains_and_loss_falls(run_3d: Run) -> None:
     assert all(0 < m["real_token_fraction"] <= 1 for m in run_3d.train)
     assert [e["iteration"] for e in run_3d.evals] == [10, 20]
     assert all(math.isfinite(e["eval_loss"]) for e in run_3d.evals)
+    # every source of the mixture trained, the two image sources at their own pixel budgets
+    tokens = {n: sum(m["source_tokens"][n] for m in run_3d.train) for n in ("text", "img-small", "img-large")}
+    assert set(run_3d.train[0]["source_loss"]) == set(tokens) and min(tokens.values()) > 0, tokens
 
 
-def test_layouts_agree_in_fp32(run_3d: Run, datasets: tuple[Path, Path], tmp_path: Path) -> None:
+def test_layouts_agree_in_fp32(run_3d: Run, datasets: tuple[list[str], Path], tmp_path: Path) -> None:
     """Same seed and data: TP2xPP2xDP2 (with SP and the distributed optimizer), TP2 and one process."""
     train_set, _ = datasets
-    args = ["--data-path", str(train_set), "--train-iters", "3", "--lr", "3e-3", "--lr-warmup-iters", "2"]
+    args = [*train_set, "--train-iters", "3", "--lr", "3e-3", "--lr-warmup-iters", "2"]
     tp2 = ok(train(2, [*args, "--tensor-model-parallel-size", "2", *BATCH], tmp_path / "tp2"))
     single = ok(train(1, [*args, *BATCH], tmp_path / "single"))
     reference = run_3d.train[:3]
@@ -78,7 +86,7 @@ def test_layouts_agree_in_fp32(run_3d: Run, datasets: tuple[Path, Path], tmp_pat
 
 
 def test_bf16_with_fp32_flags_is_finite_and_close_to_fp32(
-    run_3d: Run, datasets: tuple[Path, Path], tmp_path: Path
+    run_3d: Run, datasets: tuple[list[str], Path], tmp_path: Path
 ) -> None:
     train_set, _ = datasets
     flags = [
@@ -88,7 +96,7 @@ def test_bf16_with_fp32_flags_is_finite_and_close_to_fp32(
         "--accumulate-allreduce-grads-in-fp32",
         "--recompute-activations",
     ]
-    args = ["--data-path", str(train_set), "--train-iters", "3", "--lr", "3e-3", "--lr-warmup-iters", "2"]
+    args = [*train_set, "--train-iters", "3", "--lr", "3e-3", "--lr-warmup-iters", "2"]
     run = ok(train(2, [*args, "--tensor-model-parallel-size", "2", *flags, *BATCH], tmp_path / "bf16"))
     assert "| bf16 |" in run.stdout
     losses = run.losses()
@@ -96,11 +104,10 @@ def test_bf16_with_fp32_flags_is_finite_and_close_to_fp32(
     assert losses[0] == pytest.approx(run_3d.train[0]["loss"], rel=2e-2)
 
 
-def test_fp16_overflow_skips_step_and_lowers_scale(datasets: tuple[Path, Path], tmp_path: Path) -> None:
+def test_fp16_overflow_skips_step_and_lowers_scale(datasets: tuple[list[str], Path], tmp_path: Path) -> None:
     train_set, _ = datasets
     args = [
-        "--data-path",
-        str(train_set),
+        *train_set,
         "--fp16",
         "--tensor-model-parallel-size",
         "2",
@@ -128,7 +135,7 @@ def test_fp16_overflow_skips_step_and_lowers_scale(datasets: tuple[Path, Path], 
 
 @pytest.fixture(scope="module")
 def stopped(
-    datasets: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+    datasets: tuple[list[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Run, Path, Signal]:
     """RUN_3D at TP2 x PP1 x DP2 (4 ranks: the distributed optimizer sharded over two DP ranks, SP; the same
     losses as the TP2 x PP2 x DP2 run, to ~1e-8) with --exit-signal-handler, sent SIGTERM at one random rank of
@@ -140,7 +147,7 @@ def stopped(
     rng = random.Random(seed)
     send = Signal(signal.SIGTERM, rank=rng.randrange(4), after_iteration=rng.randint(2, 6))
     print(f"{send} (seed {seed})")
-    args = ["--data-path", str(train_set), *RUN_3D, *PP1, "--save", str(workdir / "ckpt")]
+    args = [*train_set, *RUN_3D, *PP1, "--save", str(workdir / "ckpt")]
     args.append("--exit-signal-handler")
     return ok(train(4, args, workdir, send=send)), workdir / "ckpt", send
 
@@ -166,16 +173,14 @@ def test_sigterm_at_a_random_step_saves_that_step_and_exits_zero(
 
 
 def test_checkpoint_resumes_with_fewer_dp_ranks_and_another_pipeline(
-    run_3d: Run, stopped: tuple[Run, Path, Signal], datasets: tuple[Path, Path], tmp_path: Path
+    run_3d: Run, stopped: tuple[Run, Path, Signal], datasets: tuple[list[str], Path], tmp_path: Path
 ) -> None:
     """The checkpoint the SIGTERM left (TP2xPP1xDP2, distributed optimizer, SP), resumed by TP2xPP2xDP1: the
     uninterrupted run's next iterations up to 20 within 1e-4."""
     train_set, _ = datasets
     run, ckpt, _ = stopped
     step = run.train[-1]["iteration"]
-    resumed = ok(
-        train(4, ["--load", str(ckpt), "--data-path", str(train_set), *RUN_3D], tmp_path / "resumed")
-    )
+    resumed = ok(train(4, ["--load", str(ckpt), *train_set, *RUN_3D], tmp_path / "resumed"))
     assert "world 4 = TP 2 x PP 2 x DP 1" in resumed.stdout
     assert f"resumed from {ckpt} at iteration {step}" in resumed.stdout
     tail = run_3d.train[step:]

@@ -60,10 +60,15 @@ def test_image_and_video_bin_loss_equals_transformers(
 def test_a_dataset_video_pad_other_than_the_model_is_refused() -> None:
     from mmpack.trainer.build import check_data_matches_model
     from mmpack.trainer.data import DataInfo
-    from mmpack.trainer.models.qwen2_5_vl import FAMILY, arch_from_hf_config, tiny_hf_config
+    from mmpack.trainer.models.protocol import TinyModelSpec
+    from mmpack.trainer.models.qwen2_5_vl import FAMILY, arch_from_hf_config
 
     arch = arch_from_hf_config(
-        tiny_hf_config(vocab_size=512, image_token_id=500, vision_start_token_id=501, vision_end_token_id=502)
+        FAMILY.tiny_hf_config(
+            TinyModelSpec(
+                vocab_size=512, image_token_id=500, vision_start_token_id=501, vision_end_token_id=502
+            )
+        )
     )
     info = dict(
         seq_length=64,

@@ -309,7 +309,7 @@ def test_video_flags_reach_the_rule_and_the_manifest(tmp_path: Path, qwen3_token
 def test_stats_report_videos_frames_and_video_tokens(
     demo_dataset: Path, fmt: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from mmpack.offline_packing.cli import main as mmpack
+    from mmpack.cli import main as mmpack
 
     assert mmpack(["stats", str(demo_dataset), "--json", "--format", fmt]) == 0
     dataset = json.loads(capsys.readouterr().out)["dataset"]
@@ -347,8 +347,8 @@ def test_loader_workers_yield_the_video_inputs(demo_dataset: Path) -> None:
 
 
 def test_demo_data_includes_generated_videos(tmp_path: Path) -> None:
-    from mmpack.offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
-    from mmpack.offline_packing.demo.videos import add_synthetic_videos
+    from mmpack.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
+    from mmpack.demo.videos import add_synthetic_videos
 
     raw = add_synthetic_videos(make_synthetic_dataset(tmp_path / "raw", n_samples=12, seed=1), 4, seed=1)
     assert len(raw.video_paths) == 4 and raw.counts_by_format["video"] == 5  # 4 clips + 1 mixed record
@@ -408,8 +408,8 @@ def test_energon_reads_the_video_fields(tmp_path: Path) -> None:
     need_import("megatron.energon", extra="energon")
     from megatron.energon import WorkerConfig, get_loader, get_train_dataset
 
-    from mmpack.offline_packing.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
-    from mmpack.offline_packing.demo.videos import add_synthetic_videos
+    from mmpack.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
+    from mmpack.demo.videos import add_synthetic_videos
 
     raw = add_synthetic_videos(make_synthetic_dataset(tmp_path / "raw", n_samples=6, seed=2), 3, seed=2)
     tokenizer = train_tiny_bpe(tmp_path / "tok", seed=2, video_pad=True)

@@ -6,20 +6,25 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.module import Float16Module
 
+from mmpack.dataloader import load_manifest
 from mmpack.trainer.checkpoint_commit import HF_CONFIG_NAME
 from mmpack.trainer.config import MegatronConfigs, ModelConfig, RunConfig
 from mmpack.trainer.data import DataInfo
+from mmpack.trainer.dataset_check import check_dataset_matches_model
 from mmpack.trainer.freeze import apply_freeze
 from mmpack.trainer.models import family, family_of, read_hf_config
 from mmpack.trainer.models.hf_weights import ExpertSlice
-from mmpack.trainer.models.protocol import ModelFamily, TinyModelSpec
+from mmpack.trainer.models.protocol import ModelArch, ModelFamily, TinyModelSpec
+
+if TYPE_CHECKING:
+    from mmpack.dataloader.mixture import Mixture
 
 
 def model_hf_config(cfg: RunConfig, info: DataInfo) -> dict[str, Any]:
@@ -74,7 +79,9 @@ def check_size_flags(m: ModelConfig, config: dict[str, Any], source: str) -> Non
         )
 
 
-def check_data_matches_model(fam: ModelFamily, arch: Any, info: DataInfo, where: str) -> None:
+def check_data_matches_model(
+    fam: ModelFamily[ModelArch], arch: ModelArch, info: DataInfo, where: str
+) -> None:
     """The dataset's tokenizer, image geometry and video rule must be the model's; ValueError saying which
     differs."""
     problems = []
@@ -102,18 +109,17 @@ def check_data_matches_model(fam: ModelFamily, arch: Any, info: DataInfo, where:
         raise ValueError(f"dataset and model {where} disagree: " + "; ".join(problems) + " (repack the data)")
 
 
-def check_dataset_for_hf_model(data_path: str, model_dir: str) -> None:
-    """The dataset's recorded tokenizer and image rule against the model folder's tokenizer.json,
-    preprocessor_config.json and config.json (mmpack.trainer.dataset_check); one DatasetModelMismatch (a
-    ValueError) listing every disagreement."""
-    from mmpack.dataloader import load_manifest
-    from mmpack.trainer.dataset_check import check_dataset_matches_model
-
-    check_dataset_matches_model(load_manifest(data_path), model_dir, dataset=data_path)
+def check_dataset_for_hf_model(data: str | Mixture, model_dir: str) -> None:
+    """The recorded tokenizer and image rule of the dataset (of each source of a mixture, by its own rule)
+    against the model folder's tokenizer.json, preprocessor_config.json and config.json
+    (mmpack.trainer.dataset_check); one DatasetModelMismatch (a ValueError) listing every disagreement."""
+    paths = [(data, None)] if isinstance(data, str) else [(s.path, s.storage_options) for s in data.sources]
+    for path, options in paths:
+        check_dataset_matches_model(load_manifest(path, storage_options=options), model_dir, dataset=path)
 
 
 def build_stage_model(
-    cfg: RunConfig, mcfg: MegatronConfigs, arch: Any, *, use_te: bool, vp_stage: int | None = None
+    cfg: RunConfig, mcfg: MegatronConfigs, arch: ModelArch, *, use_te: bool, vp_stage: int | None = None
 ) -> torch.nn.Module:
     """This pipeline stage's (unwrapped) model with its weights; under the interleaved pipeline the model
     chunk ``vp_stage`` of this stage (the vision tower only in chunk 0 of the first stage, the output layer
@@ -133,14 +139,14 @@ def build_stage_model(
         experts=experts,
     )  # fmt: skip
     if cfg.model.hf_model:
-        fam.load_stage_weights(model, cfg.model.hf_model, arch, **tp)
+        fam.hf.load_stage_weights(model, cfg.model.hf_model, arch, **tp)
     else:
-        fam.init_stage_random(model, arch, seed=cfg.train.seed, std=cfg.model.init_method_std, **tp)
+        fam.hf.init_stage_random(model, arch, seed=cfg.train.seed, std=cfg.model.init_method_std, **tp)
     return model
 
 
 def build_model(
-    cfg: RunConfig, mcfg: MegatronConfigs, arch: Any, *, use_te: bool
+    cfg: RunConfig, mcfg: MegatronConfigs, arch: ModelArch, *, use_te: bool
 ) -> list[DistributedDataParallel]:
     """This stage's model chunks (one, or one per virtual stage of the interleaved pipeline), each cast and
     wrapped in megatron DDP (as Megatron-LM does, only the first chunk's gradients are bucketed)."""
@@ -152,6 +158,7 @@ def build_model(
         apply_freeze(
             model,
             tied=arch.tie_word_embeddings,
+            adapter_prefixes=family_of(arch.source).adapter_prefixes,
             trainable_modules=m.trainable_modules,
             freeze_vision=m.freeze_vision,
             freeze_llm=m.freeze_llm,

@@ -3,8 +3,9 @@ are built from them (:func:`build_megatron_configs`)."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from megatron.core.distributed import DistributedDataParallelConfig
@@ -13,11 +14,59 @@ from megatron.core.transformer import TransformerConfig
 
 from mmpack.dataloader.mixture import Mixture
 from mmpack.trainer.exits import ExitConfig
+from mmpack.trainer.flags import flag, int_list, not_a_flag
 from mmpack.trainer.observability import ObservabilityConfig
 from mmpack.trainer.stage_flags import StageFlags
 
-MOE_DISPATCHERS = ("allgather", "alltoall", "flex")  # megatron-core's token dispatchers
-CP_COMM_TYPES = ("p2p", "a2a", "all_gather")  # Transformer Engine's context-parallel attention
+if TYPE_CHECKING:
+    from mmpack.trainer.models.protocol import ModelArch
+
+MoeDispatcher = Literal["allgather", "alltoall", "flex"]  # megatron-core's token dispatchers
+MOE_DISPATCHERS: tuple[str, ...] = get_args(MoeDispatcher)
+CpCommType = Literal["p2p", "a2a", "all_gather"]  # Transformer Engine's context-parallel attention
+CP_COMM_TYPES: tuple[str, ...] = get_args(CpCommType)
+
+
+def _family_names() -> list[str]:
+    from mmpack.trainer.models import FAMILIES
+
+    return sorted(FAMILIES)
+
+
+def _trainable_modules(words: list[str]) -> tuple[str, ...] | None:
+    """--trainable-modules: Megatron-LM's space-separated list, mmpack's comma list, or `all` (None)."""
+    from mmpack.trainer.freeze import parse_modules
+
+    return None if words == ["all"] else parse_modules(",".join(words))
+
+
+def _split_weights(text: str) -> tuple[float, float, float]:
+    """--split: Megatron-LM's `969,30,1` (also `/`-separated; missing parts are 0)."""
+    try:
+        values = [float(v) for v in text.replace("/", ",").split(",")]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3 or min(values) < 0 or sum(values) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"--split takes up to three weights >= 0 (e.g. 969,30,1), got {text!r}"
+        )
+    return tuple(values + [0.0] * (3 - len(values)))  # type: ignore[return-value]
+
+
+def _balance_cost(text: str) -> tuple[float, float, float, float]:
+    """--balance-cost `A,B,C,D`: four finite coefficients >= 0."""
+    from mmpack.packing.cost import CostModel
+
+    try:
+        values = tuple(float(v) for v in text.split(","))
+        if len(values) != 4:
+            raise ValueError(f"{len(values)} values")
+        CostModel.from_coefficients(values)  # the model's own checks: finite, >= 0, one of them > 0
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"--balance-cost takes four coefficients >= 0 as A,B,C,D, got {text!r} ({e})"
+        ) from None
+    return values  # type: ignore[return-value]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -26,34 +75,64 @@ class ModelConfig:
     model of the same architecture built from the size fields (the ids and vocabulary then come from the
     dataset)."""
 
-    hf_model: str | None = None
-    model_type: str = "qwen2_5_vl"
-    num_layers: int = 4
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    ffn_hidden_size: int | None = None
-    vision_num_layers: int = 2
-    vision_hidden_size: int = 32
-    vision_num_attention_heads: int = 2
-    # mixture of experts (Megatron-LM's flags): experts per MoE layer, experts per token, the load-balancing
-    # loss coefficient (None: the model's config.json, or a random model's defaults) and the token dispatcher
-    num_experts: int | None = None
-    moe_router_topk: int | None = None
-    moe_aux_loss_coeff: float | None = None
-    moe_token_dispatcher_type: str = "allgather"
-    make_vocab_size_divisible_by: int = 128
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    init_method_std: float = 0.02
+    hf_model: str | None = flag(
+        None,
+        help="HuggingFace model folder (save_pretrained: config.json + safetensors); each rank reads its TP/PP "
+        "slice. Without it a random model is built from the size flags",
+    )
+    model_type: str = flag(
+        "qwen2_5_vl",
+        help="random model: its family (HF model_type); with --hf-model its config.json says",
+        choices=_family_names,
+    )
+    # the sizes of a random model (--model-size picks a preset of them; a size flag given wins over it); with
+    # --hf-model or a checkpoint, a size given must equal the model's own
+    num_layers: int = flag(4, help="language model layers")
+    hidden_size: int = flag(64, help="language model hidden size")
+    num_attention_heads: int = flag(4, help="language model attention heads")
+    num_query_groups: int = flag(2, help="key/value heads (GQA)")
+    ffn_hidden_size: int | None = flag(None, help="MLP size (default: 4 x hidden size)")
+    vision_num_layers: int = flag(2, help="vision encoder layers")
+    vision_hidden_size: int = flag(32, help="vision encoder hidden size")
+    vision_num_attention_heads: int = flag(2, help="vision encoder attention heads")
+    # mixture of experts (Megatron-LM's flags): None takes the model's config.json, or a random model's defaults
+    num_experts: int | None = flag(
+        None, help="experts per MoE layer (random model; with --hf-model it must equal config.json's)"
+    )
+    moe_router_topk: int | None = flag(
+        None, help="experts per token (random model; with --hf-model it must equal num_experts_per_tok)"
+    )
+    moe_aux_loss_coeff: float | None = flag(
+        None,
+        help="load-balancing loss coefficient (random model; with --hf-model it must equal router_aux_loss_coef)",
+    )
+    moe_token_dispatcher_type: MoeDispatcher = flag(
+        "allgather",
+        help="how tokens reach their experts' ranks (megatron-core's dispatchers; on CPU only allgather)",
+    )
+    make_vocab_size_divisible_by: int = flag(128, help="random model: vocabulary padding multiple")
+    hidden_dropout: float = flag(0.0, help="dropout on hidden states")
+    attention_dropout: float = flag(0.0, help="dropout on attention probabilities")
+    init_method_std: float = flag(0.02, help="standard deviation of the weight init")
     # which parameters train (mmpack.trainer.freeze): modules named by --trainable-modules (None = all), minus the
     # vision encoder under --freeze-vision and the language model under --freeze-llm
-    freeze_vision: bool = False
-    freeze_llm: bool = False
-    trainable_modules: tuple[str, ...] | None = None
-    # (field, value, flag) of the sizes the command line set (a size flag or --model-size): a model that
-    # comes with its own config.json (--hf-model, a checkpoint's hf_config.json) must have these values
-    size_flags: tuple[tuple[str, float, str], ...] = ()
+    freeze_vision: bool = flag(
+        False, help="freeze the vision encoder (patch embedding and blocks; the adapter still trains)"
+    )
+    freeze_llm: bool = flag(False, help="freeze the language model (embeddings and output layer too)")
+    trainable_modules: tuple[str, ...] | None = flag(
+        None,
+        help="the modules that train (comma- or space-separated), the rest frozen: adapter (merger/projector), "
+        "vision_model, language_model, embedding, output_layer; all (the default): everything",
+        nargs="+",
+        convert=_trainable_modules,
+    )
+    size_flags: tuple[tuple[str, float, str], ...] = not_a_flag(
+        (),
+        why="(field, value, flag) of the sizes the command line set (a size flag or --model-size), from "
+        "arguments.parse_args: a model that comes with its own config.json (--hf-model, a checkpoint's "
+        "hf_config.json) must have these values",
+    )
 
     def __post_init__(self) -> None:
         from mmpack.trainer.freeze import parse_modules
@@ -98,36 +177,72 @@ class ModelConfig:
 class ParallelConfig:
     """TP x PP x CP x DP layout and the parallel options tied to it."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = flag(1, help="TP size")
+    pipeline_model_parallel_size: int = flag(1, help="PP size")
     # context parallelism: every packed sample split over CP ranks (mmpack.packing.context_parallel); on GPU
     # TE's THD attention exchanges K/V by cp_comm_type, on CPU the K/V are all-gathered
-    context_parallel_size: int = 1
-    cp_comm_type: str = "p2p"
+    context_parallel_size: int = flag(
+        1, help="CP size: every packed sample split over CP ranks in the load-balanced 2xCP chunk layout"
+    )
+    cp_comm_type: CpCommType = flag(
+        "p2p",
+        help="how Transformer Engine's THD attention exchanges K/V over CP on GPU (the CPU path all-gathers)",
+    )
     # experts of a mixture of experts: spread over EP ranks, each cut over ETP ranks (None: the TP size);
     # ETP x EP x PP divides the world as TP x PP does (megatron-core's expert grid)
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
+    expert_model_parallel_size: int = flag(1, help="EP size: ranks the experts are spread over")
+    expert_tensor_parallel_size: int | None = flag(
+        None, help="TP size of each expert (default: --tensor-model-parallel-size)"
+    )
+    sequence_parallel: bool = flag(False, help="shard activations along the sequence (needs TP > 1)")
+    use_distributed_optimizer: bool = flag(False, help="shard the optimizer state over DP")
     # megatron-core's uneven split: language layers on the first / last stage (the rest evenly in between),
     # e.g. fewer on the first stage, which also runs the vision tower
-    decoder_first_pipeline_num_layers: int | None = None
-    decoder_last_pipeline_num_layers: int | None = None
-    overlap_grad_reduce: bool = False  # DP gradient reduction by bucket during the backward pass
-    overlap_param_gather: bool = False  # distributed optimizer: parameter all-gather during the next forward
+    decoder_first_pipeline_num_layers: int | None = flag(
+        None, help="language layers on the first stage (it also runs the vision tower); the rest split evenly"
+    )
+    decoder_last_pipeline_num_layers: int | None = flag(None, help="language layers on the last stage")
+    overlap_grad_reduce: bool = flag(False, help="reduce gradients by bucket during the backward pass")
+    overlap_param_gather: bool = flag(
+        False, help="distributed optimizer: gather updated parameters by bucket during the next forward pass"
+    )
     # interleaved (virtual) pipeline: each stage holds several model chunks of consecutive layers, given as
     # chunks per stage or as language layers per chunk (see virtual_pipeline_size)
-    virtual_pipeline_model_parallel_size: int | None = None
-    num_layers_per_virtual_pipeline_stage: int | None = None
+    virtual_pipeline_model_parallel_size: int | None = flag(
+        None,
+        help="interleaved pipeline: model chunks per stage (instead of --num-layers-per-virtual-pipeline-stage; "
+        "works with --decoder-first/last-pipeline-num-layers when it divides every stage's layers)",
+    )
+    num_layers_per_virtual_pipeline_stage: int | None = flag(
+        None,
+        help="interleaved pipeline: language layers per model chunk; each stage holds several chunks (stage 0 "
+        "the 1st, PP+1st, ...), which shrinks the pipeline bubble. Micro-batches per step must be a multiple "
+        "of PP",
+    )
     # how long a collective may wait for the other ranks before it fails (Megatron-LM's flag and default)
-    distributed_timeout_minutes: float = 10.0
+    distributed_timeout_minutes: float = flag(
+        10.0,
+        help="a collective that waits longer than this for the other ranks fails with an error naming the flag "
+        "(gloo and NCCL), instead of hanging on a rank that is stuck or gone",
+    )
     # Megatron-LM's stage-script flags: the layer count of every stage (the fork's --custom-pipeline-layers,
     # megatron-core's pipeline_model_parallel_layout underneath), the process-group backend (None: NCCL on CUDA, gloo
     # without) and --data-parallel-size, which must equal world / (TP x PP)
-    custom_pipeline_layers: tuple[int, ...] | None = None
-    distributed_backend: str | None = None
-    expected_data_parallel_size: int | None = None
+    custom_pipeline_layers: tuple[int, ...] | None = flag(
+        None,
+        help="language layers of each pipeline stage, as megatron-core's pipeline_model_parallel_layout (the "
+        "first may be 0: it runs the vision tower); one count per stage, summing to the model's layers",
+        parse=int_list,
+        metavar="N0,N1,...",
+    )
+    distributed_backend: Literal["nccl", "gloo"] | None = flag(
+        None,
+        help="NCCL on CUDA (the default); without CUDA nccl falls back to gloo with a warning; gloo on CUDA is "
+        "refused",
+    )
+    expected_data_parallel_size: int | None = flag(
+        None, help="checked: must equal world size / (TP x PP x CP)", name="data-parallel-size"
+    )
 
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
@@ -308,27 +423,35 @@ class ParallelConfig:
         return world_size // mp
 
 
+_FUSION_NOTE = " (on by default on CUDA with Transformer Engine; never used on CPU)"
+
+
 @dataclass(kw_only=True, frozen=True)
 class PrecisionConfig:
     """Mixed precision: bf16/fp16 compute, fp32 islands, loss scaling."""
 
-    bf16: bool = False
-    fp16: bool = False
-    fp32_residual_connection: bool = False
-    attention_softmax_in_fp32: bool = False
-    accumulate_allreduce_grads_in_fp32: bool = False
-    loss_scale: float | None = None  # None = dynamic (fp16 only)
-    initial_loss_scale: float = 2.0**16
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    bf16: bool = flag(False, help="bf16 parameters and compute, fp32 master weights")
+    fp16: bool = flag(False, help="fp16 with dynamic loss scaling")
+    fp32_residual_connection: bool = flag(False, help="keep the residual stream in fp32")
+    attention_softmax_in_fp32: bool = flag(False, help="attention softmax in fp32")
+    accumulate_allreduce_grads_in_fp32: bool = flag(False, help="fp32 gradient buffers and all-reduce")
+    loss_scale: float | None = flag(None, help="static loss scale (default: dynamic, fp16 only)")
+    initial_loss_scale: float = flag(2.0**16, help="dynamic loss scale: its start")
+    min_loss_scale: float = flag(1.0, help="dynamic loss scale: its floor")
+    loss_scale_window: int = flag(1000, help="dynamic loss scale: steps without overflow before it grows")
+    hysteresis: int = flag(2, help="dynamic loss scale: overflows tolerated before it is lowered")
     # Fused kernels (Megatron-LM's defaults, on): used where they run, i.e. on CUDA with Transformer Engine;
     # on CPU the plain ops run (see `build_megatron_configs`). Rotary fusion stays off: fused THD rotary
     # restarts positions in every packed sample, which multimodal RoPE positions must not.
-    bias_swiglu_fusion: bool = True
-    bias_dropout_fusion: bool = True
-    masked_softmax_fusion: bool = True
-    gradient_accumulation_fusion: bool = True
+    bias_swiglu_fusion: bool = flag(True, help="turn off fused bias + SwiGLU" + _FUSION_NOTE)
+    bias_dropout_fusion: bool = flag(True, help="turn off fused bias + dropout + residual add" + _FUSION_NOTE)
+    masked_softmax_fusion: bool = flag(
+        True, help="turn off fused scale + mask + softmax (non-TE attention)" + _FUSION_NOTE
+    )
+    gradient_accumulation_fusion: bool = flag(
+        True,
+        help="turn off weight gradients accumulated into the fp32 main grads in the GEMM" + _FUSION_NOTE,
+    )
 
     def __post_init__(self) -> None:
         if self.bf16 and self.fp16:
@@ -341,24 +464,31 @@ class PrecisionConfig:
 
 # LR decay styles of megatron-core's OptimizerParamScheduler that need no further settings ("WSD" needs
 # wsd_decay_steps, which the trainer does not set).
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
+LR_DECAY_STYLES: tuple[str, ...] = get_args(LrDecayStyle)
 
 
 @dataclass(kw_only=True, frozen=True)
 class OptimConfig:
     """Adam, LR schedule (linear warmup, then decay) and gradient clipping."""
 
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_decay_style: str = "cosine"
-    lr_decay_iters: int | None = None
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_fraction: float | None = None  # Megatron-LM's: warmup = this fraction of the decay iterations
+    lr: float = flag(1e-3, help="peak learning rate")
+    min_lr: float = flag(0.0, help="final learning rate")
+    lr_warmup_iters: int = flag(0, help="linear warmup iterations")
+    lr_decay_style: LrDecayStyle = flag("cosine", help="decay after warmup")
+    lr_decay_iters: int | None = flag(
+        None, help="iteration at which the decay reaches --min-lr (default: --train-iters)"
+    )
+    weight_decay: float = flag(0.01, help="AdamW weight decay")
+    adam_beta1: float = flag(0.9, help="Adam beta1")
+    adam_beta2: float = flag(0.95, help="Adam beta2")
+    adam_eps: float = flag(1e-8, help="Adam epsilon")
+    clip_grad: float = flag(1.0, help="global gradient-norm clip (0 = off)")
+    lr_warmup_fraction: float | None = flag(
+        None,
+        help="linear warmup over this fraction of the decay iterations (Megatron-LM's; instead of "
+        "--lr-warmup-iters)",
+    )
 
     def __post_init__(self) -> None:
         if self.lr_warmup_fraction is not None:
@@ -376,23 +506,47 @@ class OptimConfig:
 class TrainConfig:
     """Batching, length of the run, logging and evaluation."""
 
-    seq_length: int = 0  # from the dataset manifest when 0
-    micro_batch_size: int = 1
-    global_batch_size: int = 0  # 0 = micro_batch_size x DP
-    train_iters: int = 10
-    seed: int = 1234
-    log_interval: int = 1
-    eval_interval: int = 0
-    eval_iters: int = 1
-    recompute_activations: bool = False
-    metrics_file: str | None = None
-    debug_overflow_iterations: tuple[int, ...] = ()
+    seq_length: int = flag(
+        0, help="tokens per sequence; 0 = the dataset's seq_len (any other value must equal it)"
+    )
+    micro_batch_size: int = flag(1, help="sequences per micro-batch")
+    global_batch_size: int = flag(
+        0, help="sequences per optimizer step; 0 = micro-batch size x DP (no accumulation)"
+    )
+    train_iters: int = flag(10, help="optimizer steps")
+    seed: int = flag(1234, help="model init, data order and RNG seed")
+    log_interval: int = flag(1, help="iterations between log lines")
+    eval_interval: int = flag(0, help="iterations between evals (0 = never)")
+    eval_iters: int = flag(1, help="global batches per eval")
+    recompute_activations: bool = flag(
+        False, help="selective recompute (core attention), as --recompute-granularity selective"
+    )
+    metrics_file: str | None = flag(None, help="also write each log line as JSON to this file")
+    debug_overflow_iterations: tuple[int, ...] = flag(
+        (), help="testing: make the loss infinite at these iterations (checks fp16 step skipping)", nargs="*"
+    )
     # Megatron-LM's activation recompute (TransformerConfig's fields of the same names); the fork's
     # --custom-pipeline-recompute-layers gives each pipeline stage its own recompute_num_layers
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
-    custom_pipeline_recompute_layers: tuple[int, ...] | None = None
+    recompute_granularity: Literal["full", "selective"] | None = flag(
+        None,
+        help="activation recompute: full layers (needs --recompute-method and --recompute-num-layers), or "
+        "selective (core attention, as --recompute-activations)",
+    )
+    recompute_method: Literal["uniform", "block"] | None = flag(
+        None,
+        help="full recompute: uniform (chunks of --recompute-num-layers layers) or block (the first "
+        "--recompute-num-layers layers of each stage)",
+    )
+    recompute_num_layers: int | None = flag(
+        None, help="layers per recompute chunk (uniform) or recomputed per stage (block)"
+    )
+    custom_pipeline_recompute_layers: tuple[int, ...] | None = flag(
+        None,
+        help="--recompute-num-layers of each pipeline stage, one count per stage (needs --recompute-granularity "
+        "full)",
+        parse=int_list,
+        metavar="R0,R1,...",
+    )
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.global_batch_size < 0 or self.train_iters < 0:
@@ -442,18 +596,37 @@ class TrainConfig:
 class DataConfig:
     """Where micro-batches come from."""
 
-    data_path: str | None = None
-    data_mixture: Mixture | None = None  # --data-path w1 A w2 B ... or --data-mixture FILE
-    eval_data_path: str | None = None
-    num_workers: int = 2
-    cache_dir: str | None = None
-    mock_data: bool = False  # synthetic packed batches, no dataset needed
-    balance: str = "none"  # "compute": bins of each global batch laid out over DP ranks by cost
+    data_path: str | None = not_a_flag(
+        None, why="--data-path: one dataset here, a weighted blend in data_mixture"
+    )
+    data_mixture: Mixture | None = not_a_flag(None, why="--data-path w1 A w2 B ... or --data-mixture FILE")
+    eval_data_path: str | None = flag(None, help="held-out packed dataset for --eval-interval")
+    num_workers: int = flag(2, help="loader worker processes")
+    cache_dir: str | None = flag(None, help="local cache for remote shards", name="data-cache-dir")
+    mock_data: bool = flag(False, help="synthetic packed batches, no dataset")
+    balance: Literal["none", "compute"] = flag(
+        "none",
+        help="compute: spread each global batch's bins over DP ranks by compute cost (mmpack.dataloader.balance); "
+        "when not given, --length-sort-pool-size > 0 turns it on",
+    )
     # the cost model's coefficients (mmpack.packing.cost.COST_FEATURES order); None: the trained model's FLOP counts
-    balance_cost: tuple[float, float, float, float] | None = None
+    balance_cost: tuple[float, float, float, float] | None = flag(
+        None,
+        help="coefficients of the bin cost A*tokens + B*sum(sample_len^2) + C*image_patches + "
+        "D*sum(image_patches^2) for --balance compute (e.g. from mmpack.packing.cost.CostModel.fit on measured "
+        "step times); default: the FLOP counts of the model being trained",
+        parse=_balance_cost,
+        metavar="A,B,C,D",
+    )
     # Megatron-LM's --split (train, valid, test weights): the bins of --data-path divided by
     # mmpack.dataloader.order.split_bins; the valid part is the eval data of --eval-interval
-    split: tuple[float, float, float] | None = None
+    split: tuple[float, float, float] | None = flag(
+        None,
+        help="divide --data-path's bins by these weights (e.g. 969,30,1; a seeded permutation cut as Megatron-LM "
+        "cuts documents); training reads only the train part, --eval-interval evaluates the valid part",
+        parse=_split_weights,
+        metavar="TRAIN,VALID,TEST",
+    )
 
     def __post_init__(self) -> None:
         if not self.data_path and not self.data_mixture and not self.mock_data:
@@ -487,13 +660,19 @@ class DataConfig:
 class CheckpointConfig:
     """Saving and loading."""
 
-    save: str | None = None
-    load: str | None = None
-    save_interval: int = 0
-    async_save: bool = False  # shards written by forked processes while training goes on
-    finetune: bool = False  # weights only: iteration, optimizer, scheduler and data start fresh
-    no_load_optim: bool = False  # keep a fresh optimizer (the rest is restored)
-    no_verify_checkpoint: bool = False  # skip checking the loaded iteration's files against their checksums
+    save: str | None = flag(None, help="checkpoint folder to write")
+    load: str | None = flag(
+        None, help="checkpoint folder to resume from (one without a checkpoint starts at iteration 0)"
+    )
+    save_interval: int = flag(0, help="iterations between saves (0 = at the end only)")
+    async_save: bool = flag(False, help="write checkpoint shards in the background (forked processes)")
+    finetune: bool = flag(
+        False, help="load weights only from --load: iteration, optimizer, scheduler and data start fresh"
+    )
+    no_load_optim: bool = flag(False, help="do not load the optimizer state (the rest is restored)")
+    no_verify_checkpoint: bool = flag(
+        False, help="load without checking the checkpoint's files against the checksums saved with them"
+    )
 
     def __post_init__(self) -> None:
         if self.async_save and not self.save:
@@ -542,7 +721,7 @@ class MegatronConfigs:
 
 
 def build_megatron_configs(
-    cfg: RunConfig, arch: Any, *, use_te: bool = False, pipeline_rank: int = 0
+    cfg: RunConfig, arch: ModelArch, *, use_te: bool = False, pipeline_rank: int = 0
 ) -> MegatronConfigs:
     """Translate our configs (and the model family's architecture) into megatron-core's; ``pipeline_rank``:
     this rank's stage (its own --custom-pipeline-recompute-layers count).
@@ -585,14 +764,14 @@ def build_megatron_configs(
     # in posting order and deliver gradients into activation buffers. Unbatched, megatron-core gives each
     # direction its own process group (Megatron-LM's defaults under VP: overlapped, not batched).
     interleaved = {"overlap_p2p_comm": True, "batch_p2p_comm": False} if vp else {}
-    if par.expert_model_parallel_size > 1 and getattr(arch, "moe", None) is None:
+    if par.expert_model_parallel_size > 1 and arch.moe is None:
         raise ValueError(
             f"--expert-model-parallel-size {par.expert_model_parallel_size} needs a mixture-of-experts model; "
             f"{arch.source.get('model_type')} has no experts"
         )
     variable_lengths = par.context_parallel_size > 1 and par.pipeline_model_parallel_size > 1
     dispatcher = m.moe_token_dispatcher_type
-    if variable_lengths and getattr(arch, "moe", None) is None:
+    if variable_lengths and arch.moe is None:
         dispatcher = "alltoall"  # no experts: megatron-core only refuses allgather with variable lengths
     elif variable_lengths and dispatcher == "allgather":
         raise ValueError(

@@ -27,9 +27,15 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from mmpack.packing.errors import MmpackError
+from mmpack.packing.ownership import claim_folder, open_owned
 from mmpack.packing.processes import ProcessDiedError, describe_exit
+from mmpack.trainer.models import family_of, read_hf_config
+
+if TYPE_CHECKING:
+    from mmpack.trainer.models.protocol import ModelArch, ModelFamily
 
 TIMEOUT_MINUTES = 10.0  # a converter rank waits this long in a collective for the others (as the trainer)
 
@@ -66,13 +72,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _build_stage(hf_config: dict[str, Any], tp: int, pp: int) -> tuple[Any, Any, Any]:
+def _build_stage(
+    hf_config: dict[str, Any], tp: int, pp: int
+) -> tuple[ModelFamily[ModelArch], ModelArch, Any]:
     """(family, arch, this rank's stage model) with megatron-core's parallel state at TP x PP."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     from mmpack.trainer.config import ParallelConfig, RunConfig, build_megatron_configs
-    from mmpack.trainer.models import family_of
 
     ps.initialize_model_parallel(tp, pp)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -92,13 +99,12 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
 
     from mmpack.trainer.checkpoint_commit import HF_CONFIG_NAME, commit, staging_dir
     from mmpack.trainer.checkpoint_watch import save_watched
-    from mmpack.trainer.models import read_hf_config
 
     _init_rank(rank, world, port)
     try:
         hf_config = read_hf_config(hf_dir)
         fam, arch, model = _build_stage(hf_config, tp, pp)
-        fam.load_stage_weights(
+        fam.hf.load_stage_weights(
             model, hf_dir, arch,
             tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
         )  # fmt: skip
@@ -120,7 +126,9 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
         dist.destroy_process_group()
 
 
-def load_tp1_model(ckpt: str, *, verify: bool = True) -> tuple[Any, Any, Any, dict[str, Any]]:
+def load_tp1_model(
+    ckpt: str, *, verify: bool = True
+) -> tuple[ModelFamily[ModelArch], ModelArch, Any, dict[str, Any]]:
     """(family, arch, whole model at TP1 x PP1, HF config dict) from the newest complete iteration of
     ``ckpt`` (its files verified unless ``verify`` is False), in a process whose one-rank process group is
     initialised (megatron-core's parallel state is set up here)."""
@@ -150,13 +158,11 @@ def _mcore_to_hf_rank(rank: int, port: int, ckpt: str, out: str, verify: bool) -
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from mmpack.packing.ownership import open_owned
-
     _init_rank(rank, 1, port)
     try:
         fam, arch, model, hf_config = load_tp1_model(ckpt, verify=verify)
         params = {name: p.detach() for name, p in model.named_parameters()}
-        tensors = fam.hf_state_dict(arch, {(0, 0): params}, 1, 1)
+        tensors = fam.hf.hf_state_dict(arch, {(0, 0): params}, 1, 1)
         root = Path(out)
         written = root / "model.safetensors.tmp"
         save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(written),
@@ -197,7 +203,8 @@ def _refuse_training_run(out: str) -> None:
 
 
 def _init_rank(rank: int, world: int, port: int) -> None:
-    """CPU backend and the gloo group of one converter rank; a collective waits at most TIMEOUT_MINUTES."""
+    """CPU backend and the gloo group of one converter rank; a collective waits at most TIMEOUT_MINUTES. The
+    first call of each rank process (the entry point there: a started rank inherits nothing of convert's run)."""
     import torch.distributed as dist
 
     from mmpack.trainer import cpu_backend
@@ -264,14 +271,13 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int, *, start_method: str = 
     """Writes the weights-only dist checkpoint at ``out``; returns its iteration folder. ``start_method``
     of the rank processes: "fork" only from a process that has started no threads (the command line)."""
     from mmpack.trainer.checkpoint_commit import claim_checkpoint_folder, iteration_dir
-    from mmpack.trainer.models import family_of, read_hf_config
 
     if tp < 1 or pp < 1:
         raise ValueError("--tp and --pp must be >= 1")
     _refuse_training_run(out)  # clear errors before any process starts
     config = read_hf_config(hf_dir)
     fam = family_of(config)
-    fam.check_hf_weights(hf_dir, fam.arch_from_hf_config(config))
+    fam.hf.check_hf_weights(hf_dir, fam.arch_from_hf_config(config))
     claim_checkpoint_folder(out, role="checkpoint folder (--out)")
     _spawn(_hf_to_mcore_rank, tp * pp, (tp * pp, _free_port(), hf_dir, out, tp, pp), start_method)
     return iteration_dir(out, 0)
@@ -280,7 +286,6 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int, *, start_method: str = 
 def mcore_to_hf(ckpt: str, out: str, *, verify: bool = True, start_method: str = "spawn") -> Path:
     """Writes ``out/config.json`` and ``out/model.safetensors`` (an earlier export there replaced, shards and
     index included); returns the weights file (``start_method``: as :func:`hf_to_mcore`'s)."""
-    from mmpack.packing.ownership import claim_folder
     from mmpack.trainer.checkpoint_commit import latest_iteration
 
     if latest_iteration(ckpt) is None:
@@ -296,13 +301,10 @@ def _preload() -> None:
     import megatron.core.dist_checkpointing  # noqa: F401
 
     import mmpack.trainer.checkpoint_watch
-    import mmpack.trainer.config
-    import mmpack.trainer.models  # noqa: F401
+    import mmpack.trainer.config  # noqa: F401
 
 
 def run(args: argparse.Namespace) -> int:
-    from mmpack.packing.errors import MmpackError
-
     _preload()
     method = "fork" if threading.active_count() == 1 else "spawn"  # fork a process of one thread only
     try:

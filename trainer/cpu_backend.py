@@ -11,6 +11,11 @@ exactly these, and only when CUDA is absent:
 - the model-parallel RNG tracker keeps CPU generator states instead of CUDA ones.
 
 On a CUDA machine :func:`activate` returns ``False`` and changes nothing.
+
+Only entry points call :func:`activate` (``pretrain_vlm``'s ``main``, each converter rank's start, ``mmpack demo``),
+never library code and never at import: it changes torch for the whole process. Library code that needs a
+backend asks :func:`require_backend`, which names the missing set-up instead of failing deep in megatron-core
+(``tests/test_architecture.py`` checks both).
 """
 
 from __future__ import annotations
@@ -95,6 +100,19 @@ def _install_cpu_rng_tracker() -> None:
 
     mp_random._get_cuda_rng_state = get_state  # type: ignore[assignment]
     mp_random._set_cuda_rng_state = set_state  # type: ignore[assignment]
+
+
+def require_backend(what: str) -> bool:
+    """Whether ``what`` runs on the CPU backend (True) or on CUDA (False); RuntimeError when CUDA is absent and
+    the process's entry point did not call :func:`activate`."""
+    if is_active():
+        return True
+    if torch.cuda.is_available():
+        return False
+    raise RuntimeError(
+        f"{what}: no CUDA here and the CPU backend is not set up; the entry point calls "
+        "mmpack.trainer.cpu_backend.activate() first (as pretrain_vlm's main does)"
+    )
 
 
 def activate() -> bool:

@@ -71,8 +71,10 @@ class StepBatches:
         self.loader.load_state_dict(state)
 
 
-def dataset_info(data_path: str | None, seq_length: int) -> DataInfo:
-    """Vocabulary, special ids and image geometry from the dataset manifest (or the mock defaults)."""
+def dataset_info(data_path: str | Mixture | None, seq_length: int) -> DataInfo:
+    """Vocabulary, special ids and image geometry from the dataset manifest (or the mock defaults); of a
+    mixture, from its sources' manifests once they are checked to mix (`mixture.check_sources`): the geometry
+    of a source holding images or videos, the video rule of one holding videos."""
     if not data_path:
         if seq_length <= 0:
             raise ValueError("--mock-data needs --seq-length")
@@ -87,15 +89,25 @@ def dataset_info(data_path: str | None, seq_length: int) -> DataInfo:
             merge_size=2,
         )
     from mmpack.dataloader import load_manifest
+    from mmpack.dataloader.mixture import check_sources, vision_source
 
-    manifest = load_manifest(data_path)  # resolves the S3 endpoint (AWS_ENDPOINT_URL) like the loader
+    # resolves the S3 endpoint (AWS_ENDPOINT_URL) like the loader
+    if isinstance(data_path, str):
+        names, manifests = [data_path], [load_manifest(data_path)]
+    else:
+        names = list(data_path.names)
+        manifests = [load_manifest(s.path, storage_options=s.storage_options) for s in data_path.sources]
+        check_sources(names, manifests)
+    at = vision_source(manifests)
+    manifest = manifests[at]
+    with_videos = manifests[vision_source(manifests, videos=True)].dataset
     if seq_length and seq_length != manifest.seq_len:
         raise ValueError(f"--seq-length {seq_length} differs from the dataset's seq_len {manifest.seq_len}")
     vocab = int(manifest.raw.get("tokenizer", {}).get("vocab_size", 0))
-    has_videos = bool(manifest.dataset.counts and manifest.dataset.counts.videos)
-    video_rule = manifest.dataset.video_rule
+    has_videos = with_videos.holds_videos
+    video_rule = with_videos.video_rule
     if vocab <= 0:
-        raise ValueError(f"manifest of {data_path} has no tokenizer vocab_size")
+        raise ValueError(f"manifest of {names[at]} has no tokenizer vocab_size")
     return DataInfo(
         seq_length=manifest.seq_len,
         vocab_size=vocab,

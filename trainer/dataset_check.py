@@ -5,7 +5,9 @@ The packer records in manifest.json the tokenizer (sha256, special ids, vocabula
 makes pixels with. A model folder (`--hf-model DIR`, as written by `save_pretrained`) fixes the same things in
 `config.json` (vision patch sizes, image/vision token ids, vocabulary size) and, where present, in
 `preprocessor_config.json` and `tokenizer.json`. Any disagreement means image tokens or pixels the model
-would not get from transformers' own processor, so training must not start.
+would not get from transformers' own processor, so training must not start. Two things are the dataset's own:
+its pixel budget (min/max pixels: the vision tower takes any grid, so a dataset may be packed with another
+`--max-pixels` than the processor's), and, for a dataset holding no images or videos, its whole image rule.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mmpack.packing.image_tokens import PREPROCESSOR_CONFIG, ImageTokenRule, load_model_image_rule
-from mmpack.packing.manifest import ManifestImageRule
+from mmpack.packing.manifest import ManifestCounts, ManifestImageRule
 from mmpack.packing.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 # ImageTokenRule fields a preprocessor_config.json settles (max_aspect_ratio is fixed at 200 in transformers).
@@ -33,6 +35,8 @@ _PREPROCESSOR_FIELDS = (
     "rescale_factor",
     "resample",
 )
+# the dataset's own pixel budget: a difference from the model's processor is noted, not refused
+_PIXEL_BUDGET_FIELDS = ("min_pixels", "max_pixels")
 # manifest tokenizer special id -> config.json key
 _SPECIAL_ID_KEYS = {
     "image_pad": "image_token_id",
@@ -70,9 +74,11 @@ def check_dataset_matches_model(
     rule = ManifestImageRule.from_dict(raw.get("image_rule") or {}, "manifest.json image_rule").token_rule()
     tokenizer = raw.get("tokenizer") or {}
     problems: list[str] = []
+    counts = raw.get("counts")
+    vision = counts is None or ManifestCounts.from_dict(counts, "manifest.json counts").holds_vision
     checked = [
-        *_check_vision_config(rule, config, folder, problems),
-        *_check_preprocessor(rule, folder, problems),
+        *(_check_vision_config(rule, config, folder, problems) if vision else []),
+        *(_check_preprocessor(rule, folder, problems) if vision else ["image rule: none held, none checked"]),
         *_check_token_ids(tokenizer, config, folder, problems),
         *_check_tokenizer_file(tokenizer, folder, problems),
     ]
@@ -141,13 +147,17 @@ def _check_preprocessor(rule: ImageTokenRule, folder: Path, problems: list[str])
     if model_rule is None:
         return []
     where = folder / PREPROCESSOR_CONFIG
+    notes = []
     for name in _PREPROCESSOR_FIELDS:
         ours, theirs = getattr(rule, name), getattr(model_rule, name)
-        if _differs(ours, theirs):
-            problems.append(
-                f"image_rule.{name}: dataset {_show(ours)} (manifest.json), model {_show(theirs)} ({where})"
-            )
-    return [f"image rule vs {where}"]
+        if not _differs(ours, theirs):
+            continue
+        line = f"image_rule.{name}: dataset {_show(ours)} (manifest.json), model {_show(theirs)} ({where})"
+        if name in _PIXEL_BUDGET_FIELDS:
+            notes.append(f"{line}: the dataset's own pixel budget")
+        else:
+            problems.append(line)
+    return [f"image rule vs {where}", *notes]
 
 
 def _show(value: Any) -> str:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mmpack.trainer.flags import flag
+
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -27,9 +29,14 @@ class ExitConfig:
     """When a run stops before ``--train-iters`` (each saves a checkpoint of its last step when ``--save``
     is given)."""
 
-    exit_signal_handler: bool = False  # SIGTERM / SIGUSR1: save at the next step boundary and exit 0
-    exit_duration_in_mins: float | None = None  # wall time since start, checked after every step
-    exit_interval: int | None = None  # exit at the first iteration that is a multiple of it
+    exit_signal_handler: bool = flag(
+        False,
+        help="on SIGTERM or SIGUSR1 finish the current step, save a checkpoint of it on every rank and exit 0",
+    )
+    exit_duration_in_mins: float | None = flag(
+        None, help="exit after this many minutes of wall time (checked after every step)"
+    )
+    exit_interval: int | None = flag(None, help="exit at the first multiple of N iterations")
 
     def __post_init__(self) -> None:
         if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mmpack.trainer.batches import block_causal_mask
+from mmpack.trainer.convert import load_tp1_model
+from mmpack.trainer.cpu_backend import require_backend
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -62,16 +66,15 @@ def first_image_sample(data_path: str) -> Sample:
 
 @contextlib.contextmanager
 def one_rank_group() -> Iterator[None]:
-    """This process as a one-rank gloo group on the CPU backend; on leaving, megatron-core's parallel state
-    (set up inside) and the group are torn down."""
+    """This process as a one-rank gloo group (on the CPU backend without CUDA, which the caller's entry point set
+    up: `cpu_backend.activate`); on leaving, megatron-core's parallel state (set up inside) and the group are
+    torn down."""
     import socket
 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from mmpack.trainer import cpu_backend
-
-    cpu_backend.activate()
+    require_backend("one_rank_group")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -86,9 +89,6 @@ def one_rank_group() -> Iterator[None]:
 def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
     """[L, V] logits of ``sample`` from the checkpoint's latest iteration at TP1 x PP1 (one gloo process: this
     one, see :func:`one_rank_group`)."""
-    from mmpack.trainer.batches import block_causal_mask
-    from mmpack.trainer.convert import load_tp1_model
-
     with one_rank_group():
         fam, arch, model, _ = load_tp1_model(ckpt)
         model.eval()
@@ -98,7 +98,7 @@ def mcore_logits(ckpt: str, sample: Sample) -> torch.Tensor:
         grid_thw = sample.image_grid_thw
         grids = grid_thw.numpy().astype("int64") if grid_thw is not None else np.zeros((0, 3), dtype=np.int64)
         rule = fam.position_rule(arch)
-        positions = torch.from_numpy(rule.positions(tokens[0].numpy(), [n], grids)).reshape(3, 1, n)
+        positions = torch.from_numpy(rule.positions(tokens[0].numpy(), np.array([n]), grids)).reshape(3, 1, n)
         patches = rule.patch_positions(grids)
         extra = {} if patches is None else {"patch_positions": torch.from_numpy(patches)}
         with torch.no_grad():

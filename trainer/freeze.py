@@ -1,7 +1,7 @@
 """Which parameters train (``--freeze-vision``, ``--freeze-llm``, ``--trainable-modules``).
 
-A stage model's parameters fall into modules by name: ``adapter`` (the patch merger / projector, and Qwen3-VL's
-DeepStack mergers),
+A stage model's parameters fall into modules by name: ``adapter`` (the parameters under the model family's
+``adapter_prefixes``: the patch merger / projector, and mergers like Qwen3-VL's DeepStack ones),
 ``vision_model`` (the rest of the vision tower), ``language_model`` (everything of the language model),
 ``embedding`` (its word embeddings) and ``output_layer`` (its output projection). With tied embeddings
 ``embedding`` and ``output_layer`` are the same weight (on the last pipeline stage a copy of it) and are named
@@ -34,10 +34,10 @@ def parse_modules(text: str | Iterable[str] | None) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names))
 
 
-def modules_of(name: str, *, tied: bool) -> set[str]:
+def modules_of(name: str, *, tied: bool, adapter_prefixes: tuple[str, ...]) -> set[str]:
     """The modules a stage-model parameter ``name`` belongs to (e.g. "vision.merger.ln_q.weight" ->
-    {"adapter"})."""
-    if name.startswith(("vision.merger.", "vision.deepstack_mergers.")):
+    {"adapter"} where the family's ``adapter_prefixes`` hold "vision.merger.")."""
+    if name.startswith(adapter_prefixes):
         return {"adapter"}
     if name.startswith("vision."):
         return {"vision_model"}
@@ -64,9 +64,11 @@ def trainable_set(
     return allowed, frozen
 
 
-def param_trains(name: str, *, tied: bool, allowed: set[str], frozen: set[str]) -> bool:
+def param_trains(
+    name: str, *, tied: bool, adapter_prefixes: tuple[str, ...], allowed: set[str], frozen: set[str]
+) -> bool:
     """A parameter trains when one of its modules is allowed and none of them is frozen."""
-    mods = modules_of(name, tied=tied)
+    mods = modules_of(name, tied=tied, adapter_prefixes=adapter_prefixes)
     return bool(mods & allowed) and not (mods & frozen)
 
 
@@ -74,14 +76,19 @@ def apply_freeze(
     model: torch.nn.Module,
     *,
     tied: bool,
+    adapter_prefixes: tuple[str, ...],
     trainable_modules: tuple[str, ...] | None,
     freeze_vision: bool,
     freeze_llm: bool,
 ) -> None:
-    """Sets ``requires_grad`` of every parameter of an unwrapped stage model from the flags."""
+    """Sets ``requires_grad`` of every parameter of an unwrapped stage model from the flags
+    (``adapter_prefixes``: the model family's)."""
     allowed, frozen = trainable_set(trainable_modules, freeze_vision=freeze_vision, freeze_llm=freeze_llm)
     for name, param in model.named_parameters():
-        param.requires_grad_(param_trains(name, tied=tied, allowed=allowed, frozen=frozen))
+        trains = param_trains(
+            name, tied=tied, adapter_prefixes=adapter_prefixes, allowed=allowed, frozen=frozen
+        )
+        param.requires_grad_(trains)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

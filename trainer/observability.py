@@ -30,6 +30,7 @@ from megatron.core import parallel_state as ps
 
 from mmpack.packing.batch import MicroBatch
 from mmpack.packing.cost import CostModel, add_video_features, bin_cost_features
+from mmpack.trainer.flags import flag
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 
@@ -38,14 +39,16 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, 
 class ObservabilityConfig:
     """Where metrics go and which optional ones are computed."""
 
-    tensorboard_dir: str | None = None
-    wandb_project: str | None = None
-    wandb_exp_name: str | None = None
-    wandb_save_dir: str | None = None
-    log_timers_to_tensorboard: bool = False
-    log_params_norm: bool = False
-    log_num_zeros_in_grad: bool = False
-    peak_tflops_per_gpu: float | None = None
+    tensorboard_dir: str | None = flag(None, help="write TensorBoard event files here (last rank)")
+    wandb_project: str | None = flag(None, help="log to Weights & Biases (offline mode; needs wandb)")
+    wandb_exp_name: str | None = flag(None, help="W&B run name")
+    wandb_save_dir: str | None = flag(None, help="W&B offline folder (default: --tensorboard-dir)")
+    log_timers_to_tensorboard: bool = flag(
+        False, help="megatron-core timers (max over ranks); needs --tensorboard-dir or --wandb-project"
+    )
+    log_params_norm: bool = flag(False, help="log the L2 norm of all parameters")
+    log_num_zeros_in_grad: bool = flag(False, help="log the zeros in the gradient")
+    peak_tflops_per_gpu: float | None = flag(None, help="for MFU (default: known GPUs' dense bf16 peak)")
 
     def __post_init__(self) -> None:
         if self.log_timers_to_tensorboard and not (self.tensorboard_dir or self.wandb_project):

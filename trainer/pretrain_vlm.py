@@ -15,6 +15,9 @@ import sys
 import warnings
 from collections.abc import Sequence
 
+from mmpack.packing.errors import MmpackError
+from mmpack.trainer.failures import describe_failure
+
 
 def _quiet_cpu_warnings() -> None:
     """Without CUDA, megatron-core's warnings about Apex/Transformer Engine/CUDA settings are expected noise."""
@@ -36,11 +39,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"pretrain_vlm: error: {e}", file=sys.stderr)
         return 2
-    from mmpack.packing.errors import MmpackError
+    from mmpack.trainer import cpu_backend
     from mmpack.trainer.exits import ExitSignals
-    from mmpack.trainer.failures import describe_failure
     from mmpack.trainer.training import Trainer, shutdown
 
+    cpu_backend.activate()  # without CUDA: gloo and CPU tensors; set up here, by the entry point
     # installed before the data workers and checkpoint writers fork: they inherit it and live on until
     # the trainer stops them at the step boundary
     signals = ExitSignals() if cfg.exit.exit_signal_handler else None

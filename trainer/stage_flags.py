@@ -11,9 +11,15 @@ import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-TOKENIZER_TYPES = ("HFTokenizer", "NullTokenizer")
+from mmpack.trainer.flags import flag
+
+if TYPE_CHECKING:
+    from mmpack.trainer.models.protocol import ModelArch
+
+TokenizerType = Literal["HFTokenizer", "NullTokenizer"]
+TOKENIZER_TYPES: tuple[str, ...] = get_args(TokenizerType)
 # chat templates of the stage scripts that write Qwen's ChatML turns (<|im_start|>role ... <|im_end|>)
 CHATML_TEMPLATES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen", "qwen2", "qwen3", "chatml")
 
@@ -22,43 +28,75 @@ class StageFlagRefused(ValueError):
     """A stage-script flag whose Megatron-LM meaning mmpack does not have (one line: the flag, what instead)."""
 
 
-def add_stage_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of this module (one group, so that other flag groups merge around it)."""
-    g = p.add_argument_group("Megatron-LM stage-script flags settled by the dataset or by mmpack's design")
-    g.add_argument("--model-name", default=None, help="a label (logged); the architecture is --hf-model's, the checkpoint's or the size flags'")  # fmt: skip
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None, help="HFTokenizer: checked against the dataset's manifest (the tokenizer is fixed when packing)")  # fmt: skip
-    g.add_argument("--hf-tokenizer-path", default=None, help="tokenizer folder or tokenizer.json: its sha256 must equal the manifest's")  # fmt: skip
-    g.add_argument("--chat-template", default=None, help="must be a ChatML template (qwen2-vl, ...): the dataset was tokenized with one when packing")  # fmt: skip
-    g.add_argument("--training-phase", choices=("pretrain", "sft"), default=None, help="sft: the loss mask packed with the dataset (assistant tokens); pretrain is refused")  # fmt: skip
-    g.add_argument("--enable-discard-sample", action="store_true", help="checked: the dataset must have been packed with --overlength drop or error")  # fmt: skip
-    g.add_argument("--length-sort-pool-size", type=int, default=0, help="> 0: turns on --balance compute unless --balance is given (bins are packed to even lengths offline)")  # fmt: skip
-    g.add_argument("--dataloader-type", choices=("single", "cyclic", "external"), default=None, help="external (mmpack's packed loader); single/cyclic refused")  # fmt: skip
-    g.add_argument("--dataloader-save", default=None, help="accepted: the loader's state is saved inside every checkpoint of --save")  # fmt: skip
-    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="adam (AdamW, --weight-decay); sgd refused")  # fmt: skip
-    g.add_argument("--norm-epsilon", type=float, default=None, help="checked: must equal the model's RMSNorm epsilon")  # fmt: skip
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="checked: must be >= the sequence length (RoPE has no table)")  # fmt: skip
-    g.add_argument("--ckpt-format", choices=("torch", "torch_dist", "zarr"), default="torch_dist", help="mmpack writes torch_dist (reshardable); torch gives a warning, zarr is refused")  # fmt: skip
+# the stage-script flags that set no field (the run is the same with or without them): accepted or refused by
+# refuse_unsupported, added by add_stage_flags
+HAND_WRITTEN_FLAGS = {
+    "--training-phase": "sft is what the packed loss mask already is; pretrain is refused",
+    "--dataloader-type": "external is mmpack's loader; single/cyclic are refused",
+    "--optimizer": "adam is megatron-core's Adam the trainer runs; sgd is refused",
+    "--ckpt-fully-parallel-load": "every rank reads only its own shards already",
+}
+
+
+def add_stage_flags(g: argparse._ArgumentGroup) -> None:
+    """The stage-script flags of :data:`HAND_WRITTEN_FLAGS` (the others are :class:`StageFlags`'s fields)."""
+    g.add_argument("--training-phase", choices=("pretrain", "sft"), default=None, help="sft: the loss mask packed with the dataset (assistant turns); pretrain is refused")  # fmt: skip
+    g.add_argument("--dataloader-type", choices=("single", "cyclic", "external"), default=None, help="external (mmpack's packed loader); single/cyclic are refused")  # fmt: skip
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default=None, help="adam (megatron-core's Adam with decoupled weight decay, the default); sgd is refused")  # fmt: skip
     g.add_argument("--ckpt-fully-parallel-load", action="store_true", help="accepted: every rank reads only its own shards already")  # fmt: skip
-    g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"), default="auto", help="CUDA: Transformer Engine's attention (flash/fused kernels); CPU: megatron-core's local attention")  # fmt: skip
-    g.add_argument("--moe-per-layer-logging", action="store_true", help="each MoE layer's load-balancing loss in the metrics and TensorBoard (the mean over layers is always logged)")  # fmt: skip
 
 
 @dataclass(kw_only=True, frozen=True)
 class StageFlags:
-    """The values of :func:`add_stage_flags`'s flags that the trainer checks against its dataset and model."""
+    """The stage-script flags that the trainer checks against its dataset and model, or notes."""
 
-    model_name: str | None = None
-    tokenizer_type: str | None = None
-    hf_tokenizer_path: str | None = None
-    chat_template: str | None = None
-    enable_discard_sample: bool = False
-    dataloader_save: str | None = None
-    norm_epsilon: float | None = None
-    max_position_embeddings: int | None = None
-    ckpt_format: str = "torch_dist"
-    attention_backend: str = "auto"
-    length_sort_pool_size: int = 0
-    moe_per_layer_logging: bool = False
+    model_name: str | None = flag(
+        None, help="a label (logged); the architecture is --hf-model's, the checkpoint's or the size flags'"
+    )
+    tokenizer_type: TokenizerType | None = flag(
+        None,
+        help="HFTokenizer: checked that the dataset was packed with a real tokenizer (not the byte-level demo "
+        "one); NullTokenizer is refused",
+    )
+    hf_tokenizer_path: str | None = flag(
+        None,
+        help="tokenizer folder or tokenizer.json: its sha256 must equal the one in the dataset's manifest (the "
+        "tokenizer is fixed when packing)",
+    )
+    chat_template: str | None = flag(
+        None,
+        help="must be a ChatML template (qwen2-vl, qwen2.5-vl, qwen3-vl, ...) and the dataset's tokenizer must "
+        "have <|im_start|>/<|im_end|>: the template is applied when packing",
+    )
+    enable_discard_sample: bool = flag(
+        False, help="checked: the dataset must have been packed with --overlength drop or error"
+    )
+    dataloader_save: str | None = flag(
+        None, help="accepted with a note: the loader's state is saved inside every checkpoint of --save"
+    )
+    norm_epsilon: float | None = flag(None, help="checked: must equal the model's RMSNorm epsilon")
+    max_position_embeddings: int | None = flag(
+        None, help="checked: must be >= the sequence length (rotary positions, no table)"
+    )
+    ckpt_format: Literal["torch", "torch_dist", "zarr"] = flag(
+        "torch_dist",
+        help="mmpack writes megatron-core's torch_dist (reshardable); torch gives a note, zarr is refused",
+    )
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = flag(
+        "auto",
+        help="CUDA: Transformer Engine's attention (flash/fused kernels); CPU: megatron-core's local attention "
+        "(flash/fused give a note)",
+    )
+    length_sort_pool_size: int = flag(
+        0,
+        help="> 0: no pool of samples is sorted (bins are packed to even lengths offline); turns on --balance "
+        "compute unless --balance is given",
+    )
+    moe_per_layer_logging: bool = flag(
+        False,
+        help="each MoE layer's load-balancing loss in the metrics file and TensorBoard (the mean over layers "
+        "is always logged)",
+    )
 
     def __post_init__(self) -> None:
         if self.chat_template is not None and self.chat_template not in CHATML_TEMPLATES:
@@ -88,7 +126,8 @@ class StageFlags:
 
 
 def refuse_unsupported(args: argparse.Namespace) -> None:
-    """Raise :class:`StageFlagRefused` for the first flag given with a meaning mmpack does not have."""
+    """Raise :class:`StageFlagRefused` for the first flag given with a meaning mmpack does not have (``args``:
+    the parsed flags; a config field's flag not given is absent)."""
     refusals = {
         "--training-phase pretrain": (
             args.training_phase == "pretrain",
@@ -102,22 +141,26 @@ def refuse_unsupported(args: argparse.Namespace) -> None:
         ),
         "--optimizer sgd": (args.optimizer == "sgd", "mmpack trains with megatron-core's Adam (AdamW) only"),
         "--tokenizer-type NullTokenizer": (
-            args.tokenizer_type == "NullTokenizer",
+            vars(args).get("tokenizer_type") == "NullTokenizer",
             "the tokens come from the packed dataset's tokenizer: give --tokenizer-type HFTokenizer or leave it out",
         ),
-        "--ckpt-format zarr": (args.ckpt_format == "zarr", "mmpack writes torch_dist checkpoints only"),
+        "--ckpt-format zarr": (
+            vars(args).get("ckpt_format") == "zarr",
+            "mmpack writes torch_dist checkpoints only",
+        ),
     }
-    for flag, (given, instead) in refusals.items():
+    for name, (given, instead) in refusals.items():
         if given:
-            raise StageFlagRefused(f"{flag} is not supported: {instead}")
+            raise StageFlagRefused(f"{name} is not supported: {instead}")
 
 
 def resolve_balance(args: argparse.Namespace) -> str:
     """``--balance`` as given, else ``compute`` when ``--length-sort-pool-size`` > 0 asks for even ranks
     (what the pool's length sort is for), else ``none``."""
-    if args.balance is not None:
-        return str(args.balance)
-    return "compute" if (args.length_sort_pool_size or 0) > 0 else "none"
+    given = vars(args)  # a config field's flag not given is absent
+    if given.get("balance") is not None:
+        return str(given["balance"])
+    return "compute" if (given.get("length_sort_pool_size") or 0) > 0 else "none"
 
 
 def check_stage_flags(flags: StageFlags, manifest: dict[str, Any], *, data_path: str) -> None:
@@ -159,11 +202,11 @@ def _check_tokenizer_file(path: str, tokenizer: dict[str, Any], data_path: str) 
         )
 
 
-def check_model_flags(flags: StageFlags, arch: Any, *, seq_length: int, source: str) -> None:
+def check_model_flags(flags: StageFlags, arch: ModelArch, *, seq_length: int, source: str) -> None:
     """``--norm-epsilon`` against the model's RMSNorm epsilon, ``--max-position-embeddings`` against the run's
     sequence length."""
-    eps = getattr(arch, "rms_norm_eps", None)
-    if flags.norm_epsilon is not None and eps is not None and not math.isclose(flags.norm_epsilon, eps):
+    eps = arch.rms_norm_eps
+    if flags.norm_epsilon is not None and not math.isclose(flags.norm_epsilon, eps):
         raise ValueError(
             f"--norm-epsilon {flags.norm_epsilon}: the model ({source}) has RMSNorm epsilon {eps}; leave the "
             "flag out or give the model's value"

@@ -25,9 +25,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from mmpack.dataloader import load_manifest
 from mmpack.packing.batch import MicroBatch
 from mmpack.packing.cost import CostModel
-from mmpack.trainer import cpu_backend
 from mmpack.trainer.build import (
     build_model,
     check_data_matches_model,
@@ -38,6 +38,7 @@ from mmpack.trainer.checkpoint import CheckpointWriter, load_checkpoint
 from mmpack.trainer.checkpoint_commit import HF_CONFIG_NAME, claim_checkpoint_folder
 from mmpack.trainer.config import RunConfig, build_megatron_configs
 from mmpack.trainer.context_parallel import CpRank, cp_micro_batch
+from mmpack.trainer.cpu_backend import require_backend
 from mmpack.trainer.data import (
     DataInfo,
     build_step_batches,
@@ -49,15 +50,16 @@ from mmpack.trainer.data import (
 from mmpack.trainer.exits import ExitPolicy, ExitSignals
 from mmpack.trainer.freeze import count_parameters
 from mmpack.trainer.models import family_of
-from mmpack.trainer.models.protocol import ModelFamily
+from mmpack.trainer.models.protocol import ModelArch, ModelFamily
 from mmpack.trainer.observability import Observer, RouterLosses, SourceMetrics, source_loss_parts
 from mmpack.trainer.shared_batches import SharedStepBatches, shared_step_batches
 from mmpack.trainer.stage_flags import check_model_flags, check_stage_flags
 
 
 def balance_cost_model(
-    family: ModelFamily, arch: Any, *, use_te: bool, given: tuple[float, ...] | None = None, cp_size: int = 1
-) -> CostModel:
+    family: ModelFamily[ModelArch], arch: ModelArch, *, use_te: bool, given: tuple[float, ...] | None = None,
+    cp_size: int = 1,
+) -> CostModel:  # fmt: skip
     """The bin cost `--balance compute` evens out over DP ranks: `given` coefficients (`--balance-cost`), else
     the FLOP count of the model being trained (its family's `flop_model`, the count MFU reports); under
     context parallelism the work of one CP rank (`CostModel.per_cp_rank`: 1/CP of the language model, the
@@ -84,8 +86,9 @@ def te_available() -> bool:
 
 def initialize_distributed(cfg: RunConfig, *, virtual_pipeline_size: int | None = None) -> bool:
     """Process group (gloo on CPU, NCCL on CUDA), megatron-core parallel state (with the model chunks per
-    stage of an interleaved pipeline) and seeds. Returns on_cpu."""
-    on_cpu = cpu_backend.activate()
+    stage of an interleaved pipeline) and seeds. Returns on_cpu. Without CUDA the entry point has set up the
+    CPU backend (`cpu_backend.activate`)."""
+    on_cpu = require_backend("initialize_distributed")
     par = cfg.parallel
     if not dist.is_initialized():
         if not on_cpu:
@@ -199,11 +202,11 @@ class Trainer:
         """``exit_signals``: the SIGTERM / SIGUSR1 recorder of ``--exit-signal-handler``, installed by the
         caller before anything forks."""
         self.exit_policy = ExitPolicy(cfg.exit, exit_signals, start_s=time.time())
-        info = dataset_info(cfg.data.first_path, cfg.train.seq_length)
+        info = dataset_info(cfg.data.train_data, cfg.train.seq_length)
         self.hf_config = model_hf_config(cfg, info)
         self.family = family_of(self.hf_config)
         self.arch = self.family.arch_from_hf_config(self.hf_config)
-        if not cfg.data.first_path:  # --mock-data: pixels as this model's patches take them
+        if not cfg.data.train_data:  # --mock-data: pixels as this model's patches take them
             info = dataclasses.replace(info, temporal_patch_size=self.arch.vision.temporal_patch_size)
         self.virtual_pipeline_size = cfg.parallel.virtual_pipeline_size(self.arch.num_layers)
         self.on_cpu = initialize_distributed(cfg, virtual_pipeline_size=self.virtual_pipeline_size)
@@ -214,8 +217,8 @@ class Trainer:
         check_data_matches_model(
             self.family, self.arch, info, cfg.model.hf_model or "(random, from the size flags)"
         )
-        if cfg.model.hf_model and cfg.data.first_path:  # tokenizer file and the whole image rule too
-            check_dataset_for_hf_model(cfg.data.first_path, cfg.model.hf_model)
+        if cfg.model.hf_model and cfg.data.train_data:  # tokenizer file and the image rule of every source
+            check_dataset_for_hf_model(cfg.data.train_data, cfg.model.hf_model)
         self._check_stage_flags(cfg, info)
         self.use_te = te_available()
         self.pad_id = info.pad_id
@@ -341,10 +344,12 @@ class Trainer:
         flags = cfg.stage
         source = cfg.model.hf_model or cfg.checkpoint.load or f"--model-type {cfg.model.model_type}"
         check_model_flags(flags, self.arch, seq_length=info.seq_length, source=source)
-        if cfg.data.first_path:
-            from mmpack.dataloader import load_manifest
 
-            check_stage_flags(flags, load_manifest(cfg.data.first_path).raw, data_path=cfg.data.first_path)
+        d = cfg.data  # one dataset, or every source of a mixture
+        paths = [(s.path, s.storage_options) for s in d.data_mixture.sources] if d.data_mixture else []
+        paths += [(d.data_path, None)] if d.data_path else []
+        for path, options in paths:
+            check_stage_flags(flags, load_manifest(path, storage_options=options).raw, data_path=path)
         if dist.get_rank() == 0:
             for note in flags.notes(on_cpu=self.on_cpu, balance=cfg.data.balance):
                 print(f"pretrain_vlm: note: {note}", file=sys.stderr, flush=True)

@@ -44,6 +44,7 @@ from mmpack.offline_packing.inputs.json_records import (
     too_large,
 )
 from mmpack.offline_packing.inputs.remote import is_url
+from mmpack.offline_packing.tar_source import index_tar, sample_record
 
 if TYPE_CHECKING:
     from mmpack.offline_packing.context import JobContext
@@ -199,8 +200,6 @@ def _read_parquet(path: str, data: bytes | None, max_record_bytes: int) -> list[
 
 
 def _read_tar(ctx: JobContext, path: str, max_record_bytes: int) -> list[RawRecord]:
-    from mmpack.offline_packing.tar_source import index_tar, sample_record
-
     records = []
     for i, sample in enumerate(index_tar(ctx, path)):
         size = sample.members.get("json", sample.members.get("txt", (0, 0)))[1]

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import IO, Any, TypeVar
 
 from mmpack.packing.errors import MmpackError
+from mmpack.packing.fileio import open_regular, resolve_storage_options
 from mmpack.packing.ownership import MARKER_NAME
 from mmpack.packing.retry import RetriesExhausted, RetryPolicy, retry_call
 
@@ -81,8 +82,6 @@ class RemoteFiles:
         project's one rule, `mmpack.packing.fileio.resolve_storage_options`); object stores only: an S3
         endpoint means nothing to an http(s):// input."""
         from fsspec.core import url_to_fs
-
-        from mmpack.packing.fileio import resolve_storage_options
 
         if url.startswith(("http://", "https://")):
             return url_to_fs(url)
@@ -155,8 +154,6 @@ class RemoteFiles:
         """A local file or a remote object opened for sequential or seeking binary reads (remote: 8 MiB
         ranged reads with retries, two blocks kept)."""
         if not is_url(path):
-            from mmpack.packing.fileio import open_regular
-
             return open_regular(local_path(path))
         raw = RangedFile(self, path, int(self.info(path)["size"]), STREAM_BLOCK_BYTES, max_blocks=2)
         return io.BufferedReader(raw, buffer_size=1 << 20)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from mmpack.offline_packing.inputs.remote import RemoteFiles, is_url, join_under, local_path, parent
 from mmpack.packing.fileio import NotRegularFileError, describe_mode
+from mmpack.packing.ownership import has_marker
 
 INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet", ".tar")
 
@@ -104,8 +105,6 @@ class _Excluded:
                 )
 
     def _has_marker(self, folder: str) -> bool:
-        from mmpack.packing.ownership import has_marker
-
         if folder not in self._marked:
             self._marked[folder] = has_marker(folder)
         return self._marked[folder]

@@ -22,14 +22,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from mmpack.offline_packing.errors import VideoProbeError
+from mmpack.offline_packing.inputs.remote import is_url
+from mmpack.offline_packing.tar_source import is_member_ref, read_image_bytes
 from mmpack.packing.video_tokens import VideoMeta
 
 
 def shown_frames(container: Any, stream: Any, meta: VideoMeta, name: str) -> VideoMeta:
     """`meta` with the frame count the decoder shows; VideoProbeError "video_timestamps" when frames cannot all
     have their own timestamp."""
-    from mmpack.offline_packing.errors import VideoProbeError
-
     tick_s = float(stream.time_base or 0)
     too_coarse = tick_s > 0 and (
         tick_s >= 1  # a timescale of 1: even when the frames got distinct seconds, their order is lost
@@ -69,9 +70,6 @@ def decode_check(remote: Any, path: str, plan: Any, name: str) -> None:
     keeping none of them (`remote`: the job's `RemoteFiles`); VideoProbeError "undecodable_video" naming
     `name` if that fails."""
     from mmpack.dataloader.video import VideoDecodeError, decode_planned_frames
-    from mmpack.offline_packing.errors import VideoProbeError
-    from mmpack.offline_packing.inputs.remote import is_url
-    from mmpack.offline_packing.tar_source import is_member_ref, read_image_bytes
 
     src: str | bytes = read_image_bytes(remote, path) if is_member_ref(path) or is_url(path) else path
     try:

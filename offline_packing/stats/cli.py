@@ -18,13 +18,17 @@ from typing import Any
 
 import numpy as np
 
+from mmpack.offline_packing.errors import describe_failure
+from mmpack.offline_packing.stats.dataset import is_dataset_path, read_dataset
 from mmpack.offline_packing.stats.inputs import (
     LENGTH_FILE_SUFFIXES,
     StatsInputError,
     StatsUsageError,
     read_length_file,
 )
+from mmpack.offline_packing.stats.mixture import mixture_report, print_mixture_report
 from mmpack.packing.fileio import resolve_storage_options
+from mmpack.packing.stats import packing_stats
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -89,8 +93,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Compute and print the stats; returns the exit code (1 on a failure, 2 on flags that do not fit)."""
-    from mmpack.offline_packing.errors import describe_failure
-
     lengths = bin_ids = np.zeros(0, dtype=np.int64)
     try:
         _validate(args)
@@ -114,7 +116,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        from mmpack.offline_packing.stats.mixture import print_mixture_report
         from mmpack.offline_packing.stats.report import print_report
 
         show = print_mixture_report if args.mixture else print_report
@@ -129,8 +130,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _mixture_report(args: argparse.Namespace) -> dict[str, Any]:
     """`--mixture SPEC`: every source's report and the blend's."""
-    from mmpack.offline_packing.stats.mixture import mixture_report
-
     if not args.mixture or args.path:
         raise StatsUsageError("give a PATH or --mixture SPEC (one of them)")
     if args.plot or args.compare:
@@ -189,8 +188,6 @@ def build_report(
     args: argparse.Namespace, storage_options: dict[str, Any]
 ) -> tuple[dict, np.ndarray, np.ndarray]:
     """The stats dict of PATH, with the per-sample lengths and bin ids it was computed from."""
-    from mmpack.offline_packing.stats.dataset import is_dataset_path
-
     if is_dataset_path(args.path, storage_options):
         return _dataset_report(args, storage_options)
     return _length_file_report(args, storage_options)
@@ -202,7 +199,6 @@ def _length_file_report(
     from mmpack.offline_packing.stats.compare import caps_bound_field
     from mmpack.offline_packing.stats.report import length_distribution
     from mmpack.packing.binpack import pack_lengths
-    from mmpack.packing.stats import packing_stats
 
     if args.capacity is None:
         raise StatsUsageError(f"{args.path}: a length file needs --capacity (tokens per bin) to be packed")
@@ -249,9 +245,7 @@ def _dataset_report(
     args: argparse.Namespace, storage_options: dict[str, Any]
 ) -> tuple[dict, np.ndarray, np.ndarray]:
     from mmpack.offline_packing.stats.compare import caps_bound_field
-    from mmpack.offline_packing.stats.dataset import read_dataset
     from mmpack.offline_packing.stats.report import dataset_fields, length_distribution
-    from mmpack.packing.stats import packing_stats
 
     data = read_dataset(args.path, storage_options, fmt=args.format, workers=args.workers)
     lengths, bin_ids, images = data.lengths, data.bin_ids, data.image_counts

@@ -3,7 +3,9 @@
 SPEC is a mixture file (YAML/JSON, `mmpack.dataloader.mixture.load_mixture_file`) or Megatron's inline form
 (`'0.7 /data/a 0.3 s3://b/c'`). Each source gets the report of a dataset (`mmpack stats PATH`); the blend
 is what the loader serves: a bin of source k with probability its share, so its fill, tokens and samples per
-bin are the share-weighted means of the sources' (`shares` as the loader computes them).
+bin are the share-weighted means of the sources' (`shares` as the loader computes them). Sources the loader
+would not mix (`mmpack.dataloader.mixture.check_sources`) are refused with its message; each source's report
+counts its images by its own image rule.
 """
 
 from __future__ import annotations
@@ -30,13 +32,18 @@ def mixture_report(
     storage_options: Callable[[str], dict[str, Any]],
 ) -> dict[str, Any]:
     """{"sources": [{name, path, share, report}], "blended": {...}} of the mixture `args.mixture`."""
+    from mmpack.dataloader.manifest import load_manifest
+    from mmpack.dataloader.mixture import check_sources
+
     mixture = read_mixture(args.mixture)
-    reports = []
+    reports, manifests = [], []
     for source in mixture.sources:
         one = copy.copy(args)
         one.path = source.path
         options = storage_options(source.path) | (source.storage_options or {})
         reports.append(dataset_report(one, options)[0])
+        manifests.append(load_manifest(source.path, storage_options=options))
+    check_sources(mixture.names, manifests)  # what the loader refuses, each source's own pixel rule kept
     bins = [r["num_bins"] for r in reports]
     shares = mixture.shares(bins)
     sources = [

@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
         from mmpack.trainer.pretrain_vlm import main as trainer_main
 
         return trainer_main(rest)
-    from mmpack.offline_packing.cli import main as mmpack_main
+    from mmpack.cli import main as mmpack_main
 
     return mmpack_main(rest)
 

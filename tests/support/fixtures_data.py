@@ -1,4 +1,4 @@
-"""Test fixtures over `mmpack.offline_packing.demo.synthetic`: bad-input datasets and plain readers of packed shards.
+"""Test fixtures over `mmpack.demo.synthetic`: bad-input datasets and plain readers of packed shards.
 
 Re-exports the synthetic generator (`make_synthetic_dataset`, `train_tiny_bpe`, `write_image`, ...) so tests
 and benchmarks import everything from here; `make_bad_dataset` writes one record per kind of bad input with
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mmpack.offline_packing.demo.synthetic import (
+from mmpack.demo.synthetic import (
     RECORD_FORMATS,
     SPECIAL_TOKENS,
     SyntheticData,

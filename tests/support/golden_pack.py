@@ -130,7 +130,7 @@ def golden_root() -> Iterator[Path]:
 
 def run_jobs(names: list[str] | None = None) -> dict[str, dict[str, str]]:
     """Job name -> output hashes of the jobs named (default: all that the data here allows)."""
-    from mmpack.offline_packing.cli import main as mmpack
+    from mmpack.cli import main as mmpack
 
     shared = shared_data()
     with golden_root() as root:

@@ -196,9 +196,11 @@ def worker(out_dir: str, argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
+    from mmpack.trainer import cpu_backend
     from mmpack.trainer.arguments import parse_args
     from mmpack.trainer.training import Trainer, shutdown
 
+    cpu_backend.activate()  # the test is the entry point: it sets up the CPU backend (no CUDA)
     trainer = Trainer(parse_args(argv))
     batches, _ = trainer.train_data.next_step()
     loss = step_loss(trainer._run_schedule(batches, forward_only=True))

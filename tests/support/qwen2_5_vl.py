@@ -31,9 +31,10 @@ def tiny_hf_model(path: Path, special: dict[str, int]) -> Path:
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from mmpack.trainer.models.qwen2_5_vl import tiny_hf_config
+    from mmpack.trainer.models.protocol import TinyModelSpec
+    from mmpack.trainer.models.qwen2_5_vl import FAMILY
 
-    config = tiny_hf_config(
+    spec = TinyModelSpec(
         vocab_size=VOCAB,
         image_token_id=special["image_pad"],
         vision_start_token_id=special["vision_start"],
@@ -46,6 +47,7 @@ def tiny_hf_model(path: Path, special: dict[str, int]) -> Path:
         vision_hidden_size=32,
         vision_num_heads=2,
     )
+    config = FAMILY.tiny_hf_config(spec)
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**config))
     with torch.no_grad():
@@ -64,15 +66,16 @@ def hf_model_for(packed: Path, out: Path, *, tied: bool) -> Path:
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from mmpack.trainer.models.qwen2_5_vl import tiny_hf_config
+    from mmpack.trainer.models.protocol import TinyModelSpec
+    from mmpack.trainer.models.qwen2_5_vl import FAMILY
 
     tok = json.loads((packed / "manifest.json").read_text())["tokenizer"]
     ids = tok["special_ids"]
-    config = tiny_hf_config(
+    config = FAMILY.tiny_hf_config(TinyModelSpec(
         vocab_size=-(-tok["vocab_size"] // 128) * 128, image_token_id=ids["image_pad"],
         vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
         num_layers=2, tie_word_embeddings=tied,
-    )  # fmt: skip
+    ))  # fmt: skip
     torch.manual_seed(1)
     model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**config))
     with torch.no_grad():
@@ -85,16 +88,18 @@ def hf_model_for(packed: Path, out: Path, *, tied: bool) -> Path:
 
 def tiny_arch():  # type: ignore[no-untyped-def]
     """The arch of the family's tiny config (vocabulary 512, special ids 500-502)."""
-    from mmpack.trainer.models.qwen2_5_vl.config import arch_from_hf_config, tiny_hf_config
+    from mmpack.trainer.models.protocol import TinyModelSpec
+    from mmpack.trainer.models.qwen2_5_vl import FAMILY
 
-    return arch_from_hf_config(
-        tiny_hf_config(vocab_size=512, image_token_id=500, vision_start_token_id=501, vision_end_token_id=502)
+    spec = TinyModelSpec(
+        vocab_size=512, image_token_id=500, vision_start_token_id=501, vision_end_token_id=502
     )
+    return FAMILY.arch_from_hf_config(FAMILY.tiny_hf_config(spec))
 
 
 def pack(records: Path, tokenizer: Path, out: Path, seq_len: int) -> Path:
     """``mmpack pack`` of the records with the tokenizer (images up to ``MAX_PIXELS``)."""
-    from mmpack.offline_packing.cli import main as mmpack
+    from mmpack.cli import main as mmpack
 
     args = ["pack", "-i", str(records), "-o", str(out), "-L", str(seq_len), "-t", str(tokenizer)]
     assert mmpack([*args, "--max-pixels", str(MAX_PIXELS), "--no-progress"]) == 0
@@ -120,7 +125,7 @@ def image_video_records(root: Path) -> Path:
 def pack_image_video_bin(root: Path) -> Path:
     """`image_video_records` packed into one bin of 1024 tokens with the Qwen3 tokenizer and a small video
     rule (``VIDEO_FLAGS``)."""
-    from mmpack.offline_packing.cli import main as mmpack
+    from mmpack.cli import main as mmpack
 
     packed = root / "packed"
     records = image_video_records(root)

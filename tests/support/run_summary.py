@@ -1,5 +1,5 @@
 """The closing lines of every pytest run (tests/conftest.py's ``pytest_terminal_summary``): how many tests were
-skipped and why, grouped by reason, and the suite's time by marker (the tiers README's testing section names)."""
+skipped and why, grouped by reason, and the suite's time by marker (the tiers docs/testing.md names)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mmpack.offline_packing.demo.synthetic import build_packed_dataset
+from mmpack.demo.synthetic import build_packed_dataset
 from tests.support import ranks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,17 +96,18 @@ def train(
     env: dict[str, str] | None = None,
     tiny: bool = True,
     send: Signal | None = None,
+    entry: tuple[str, ...] = ("-m", "mmpack.trainer.pretrain_vlm"),
 ) -> Run:
     """Runs ``mmpack.trainer.pretrain_vlm`` on ``nproc`` warm ranks (``tests.support.ranks``, as ``torchrun
     --nproc_per_node nproc -m mmpack.trainer.pretrain_vlm``) with a tiny model (the size flags of ``TINY``;
     ``tiny=False``: no size flags, for a model that brings its config.json); ``send``: a signal to one of its
-    ranks during the run."""
+    ranks during the run; ``entry``: what each rank runs in place of ``-m mmpack.trainer.pretrain_vlm`` (a
+    script path that sets something up, then calls its ``main``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics_file = workdir / "metrics.jsonl"
     metrics_file.unlink(missing_ok=True)
     argv = [
-        "-m",
-        "mmpack.trainer.pretrain_vlm",
+        *entry,
         *(TINY if tiny else ["--num-workers", "0"]),
         *args,
         "--metrics-file",

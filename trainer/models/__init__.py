@@ -1,8 +1,11 @@
-"""The registry of model families, keyed by the HuggingFace ``model_type`` of ``config.json``.
+"""The registry of model families, by name (a family's ``model_type``, the trainer's ``--model-type``).
 
-Each family is one subpackage whose ``FAMILY`` is a :class:`mmpack.trainer.models.protocol.ModelFamily`; a new
-family is one new subpackage plus one line in :data:`FAMILIES`. Generic trainer code reaches a family only
-through :func:`family` / :func:`family_of`; family modules are imported when first asked for.
+Each entry names where the family's :class:`mmpack.trainer.models.protocol.ModelFamily` is: a module's
+``FAMILY``, or ``"module:NAME"`` for another name of the module (a MoE variant beside its dense family). A new
+family is its own module plus one line in :data:`FAMILIES`. Generic trainer code reaches a family only through
+:func:`family` (by name) and :func:`family_of` (the family that claims a ``config.json``, asking every
+registered family, :meth:`~mmpack.trainer.models.protocol.ModelFamily.claims`); family modules are imported
+when first asked for, and only those registered.
 """
 
 from __future__ import annotations
@@ -13,41 +16,47 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mmpack.trainer.models.protocol import ModelFamily
+    from mmpack.trainer.models.protocol import ModelArch, ModelFamily
 
 FAMILIES: dict[str, str] = {
     "llavaonevision1_5": "mmpack.trainer.models.llava_onevision1_5",
-    "llavaonevision1_5_moe": "mmpack.trainer.models.llava_onevision1_5_moe",
+    "llavaonevision1_5_moe": "mmpack.trainer.models.llava_onevision1_5:MOE_FAMILY",
     "llava_onevision2": "mmpack.trainer.models.llava_onevision2",
-    "llava_onevision2_moe": "mmpack.trainer.models.llava_onevision2_moe",
+    "llava_onevision2_moe": "mmpack.trainer.models.llava_onevision2:MOE_FAMILY",
     "qwen2_5_vl": "mmpack.trainer.models.qwen2_5_vl",
     "qwen3_vl": "mmpack.trainer.models.qwen3_vl",
-    "qwen3_vl_moe": "mmpack.trainer.models.qwen3_vl_moe",
+    "qwen3_vl_moe": "mmpack.trainer.models.qwen3_vl:MOE_FAMILY",
 }
 
 
-def family(model_type: str) -> ModelFamily:
-    """The family of a ``model_type``; ValueError listing the known ones otherwise."""
+def family(name: str) -> ModelFamily[ModelArch]:
+    """The family registered as ``name``; ValueError listing the known ones otherwise."""
     from mmpack.trainer.models.protocol import ModelFamily
 
-    if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not supported (known: {', '.join(sorted(FAMILIES))})")
-    found = getattr(importlib.import_module(FAMILIES[model_type]), "FAMILY", None)
-    if not isinstance(found, ModelFamily) or found.model_type != model_type:
-        raise TypeError(f"{FAMILIES[model_type]}.FAMILY is not the ModelFamily of {model_type!r}")
+    if name not in FAMILIES:
+        raise ValueError(f"model_type {name!r} is not supported (known: {', '.join(sorted(FAMILIES))})")
+    module, _, attribute = FAMILIES[name].partition(":")
+    found = getattr(importlib.import_module(module), attribute or "FAMILY", None)
+    if not isinstance(found, ModelFamily) or found.model_type != name:
+        raise TypeError(f"{FAMILIES[name]} is not the ModelFamily named {name!r}")
     return found
 
 
-def family_of(hf_config: dict[str, Any]) -> ModelFamily:
-    """The family of a ``config.json`` dict: its ``model_type``'s, except for LLaVA-OneVision-1.5, whose MoE
-    checkpoints keep the dense ``model_type`` with a Qwen3-MoE ``text_config`` (``llavaonevision1_5_moe``)."""
-    model_type = str(hf_config.get("model_type"))
-    if model_type == "llavaonevision1_5":
-        from mmpack.trainer.models.llava_onevision1_5_moe.config import has_experts
-
-        if has_experts(hf_config):
-            model_type = "llavaonevision1_5_moe"
-    return family(model_type)
+def family_of(hf_config: dict[str, Any]) -> ModelFamily[ModelArch]:
+    """The one registered family that claims a ``config.json`` dict; ValueError naming its ``model_type`` and
+    the known ones when none does (or the claimants when several do: a registry in conflict)."""
+    claimants = [f for f in map(family, FAMILIES) if f.claims(hf_config)]
+    if len(claimants) == 1:
+        return claimants[0]
+    model_type = hf_config.get("model_type")
+    if claimants:
+        names = ", ".join(f.model_type for f in claimants)
+        raise ValueError(f"config.json of model_type {model_type!r} is claimed by several families: {names}")
+    known = sorted({t for f in map(family, FAMILIES) for t in f.hf_model_types})
+    raise ValueError(
+        f"config.json model_type {model_type!r} is not supported (known: {', '.join(known)}); give the "
+        "config.json of a supported model"
+    )
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:

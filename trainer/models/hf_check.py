@@ -7,9 +7,12 @@ built parameters when the weights are loaded (``hf_weights.load_stage_weights``)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mmpack.trainer.models.hf_weights import Rule
+
+if TYPE_CHECKING:
+    from mmpack.trainer.models.protocol import ModelArch
 
 # Float formats the weights are read from (and cast to the run's dtype).
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
@@ -17,7 +20,7 @@ FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 _IGNORED_SUFFIXES = (".inv_freq",)
 
 
-def expected_hf_names(part_rules: Callable[..., dict[str, Rule]], arch: Any) -> set[str]:
+def expected_hf_names(part_rules: Callable[..., dict[str, Rule]], arch: ModelArch) -> set[str]:
     """The HF tensor names the whole model (every stage at TP1 x PP1) is made of."""
     rules = part_rules(arch, first=True, last=True, layers=(0, arch.num_layers))
     return {name for rule in rules.values() for name in rule.hf}
@@ -28,7 +31,7 @@ def _some(names: list[str]) -> str:
 
 
 def check_weight_files(
-    reader: Any, expected: set[str], shapes: dict[str, tuple[int, ...]] | None, *, arch: Any
+    reader: Any, expected: set[str], shapes: dict[str, tuple[int, ...]] | None, *, arch: ModelArch
 ) -> None:
     """``reader`` (a ``SafetensorsReader``) holds exactly the tensors named in ``expected`` (with their
     ``shapes`` where given), all of float dtypes; ValueError in one line naming the first that is not."""

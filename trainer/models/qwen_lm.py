@@ -26,8 +26,8 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from mmpack.packing.cost import LanguageFlopShape
 from mmpack.trainer.models.common import build_block_spec
-from mmpack.trainer.models.hf_weights import Rule
-from mmpack.trainer.models.qwen_moe import MoEArch, moe_rules
+from mmpack.trainer.models.hf_weights import Rule, output_rules
+from mmpack.trainer.models.qwen_moe import MoEArch, moe_config_fields, moe_rules
 
 if TYPE_CHECKING:
     from mmpack.trainer.models.protocol import TinyModelSpec
@@ -51,6 +51,7 @@ class QwenLMArch:
     max_position_embeddings: int
     tie_word_embeddings: bool
     hidden_act: str
+    moe: MoEArch | None = None  # the experts of every layer's MLP (a family's MoE variant); None: dense MLPs
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -61,6 +62,27 @@ class QwenLMArch:
             )
         if self.hidden_act != "silu":
             raise ValueError("only hidden_act 'silu' (SwiGLU) is supported")
+
+
+@dataclass(kw_only=True, frozen=True)
+class VLArch(QwenLMArch):
+    """A vision-language model's architecture from its ``config.json``: the language model, the special ids,
+    the vision tower (each family's own arch: a subclass narrows ``vision``) and the file it was read from."""
+
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision: Any
+    source: dict[str, Any]  # the config.json it was read from, written back on export
+
+
+def special_ids(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`VLArch` special ids of a ``config.json`` dict (Qwen2-VL's tokenizer's where it has none)."""
+    return {
+        "image_token_id": int(cfg.get("image_token_id", 151655)),
+        "video_token_id": int(cfg.get("video_token_id", 151656)),
+        "vision_start_token_id": int(cfg.get("vision_start_token_id", 151652)),
+    }
 
 
 def lm_fields(
@@ -89,6 +111,14 @@ def lm_fields(
     )
 
 
+def expect_model_type(cfg: dict[str, Any], *expected: str) -> None:
+    """ValueError unless the ``config.json`` dict's ``model_type`` is one of ``expected``."""
+    if cfg.get("model_type") not in expected:
+        raise ValueError(
+            f"model_type is {cfg.get('model_type')!r}, expected {' or '.join(map(repr, expected))}"
+        )
+
+
 def refuse_value(cfg: dict[str, Any], where: str, key: str, allowed: tuple[Any, ...]) -> None:
     """ValueError naming ``where`` and ``key`` when ``cfg[key]`` (absent: ``allowed[0]``) is not in ``allowed``."""
     if cfg.get(key, allowed[0]) not in allowed:
@@ -105,13 +135,30 @@ def rope_1d(text: dict[str, Any], head_dim: int) -> tuple[float, tuple[int, int,
     return float(params.get("rope_theta", text.get("rope_theta", 1000000.0))), (head_dim // 2, 0, 0)
 
 
+def qwen3_text_fields(
+    cfg: dict[str, Any], *, model_type: str, text_model_types: tuple[str, ...], max_positions: int
+) -> dict[str, Any]:
+    """The :class:`VLArch` fields but ``vision`` of a ``config.json`` dict of ``model_type`` whose
+    ``text_config`` (of one of ``text_model_types``) is a Qwen3 dense model with 1-D RoPE (no QKV bias)."""
+    expect_model_type(cfg, model_type)
+    text = cfg.get("text_config") or {}
+    refuse_value(text, "text_config", "model_type", text_model_types)
+    refuse_value(text, "text_config", "attention_bias", (False,))
+    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"]))
+    lm = lm_fields(cfg, rope_1d(text, head_dim), max_positions=max_positions, own_head_dim=True)
+    return {**lm, **special_ids(cfg), "source": cfg}
+
+
 def language_flop_shape(arch: QwenLMArch) -> LanguageFlopShape:
-    """The dimensions of the language model that the FLOP count reads (dense MLPs)."""
+    """The dimensions of the language model that the FLOP count reads (with experts: each token runs its
+    top-k experts and the router)."""
+    moe = arch.moe
     return LanguageFlopShape(
         hidden_size=arch.hidden_size, num_layers=arch.num_layers,
         attention_size=arch.num_attention_heads * arch.head_dim,
-        kv_size=arch.num_key_value_heads * arch.head_dim, ffn_hidden_size=arch.intermediate_size,
-        vocab_size=arch.vocab_size,
+        kv_size=arch.num_key_value_heads * arch.head_dim,
+        ffn_hidden_size=moe.ffn_hidden_size if moe else arch.intermediate_size, vocab_size=arch.vocab_size,
+        experts_per_token=moe.top_k if moe else 0, num_experts=moe.num_experts if moe else 0,
     )  # fmt: skip
 
 
@@ -119,7 +166,11 @@ def language_config(
     arch: QwenLMArch, common: dict[str, Any], extra: dict[str, Any], *, qkv_bias: bool, qk_norm: bool
 ) -> TransformerConfig:
     """megatron-core config of the language model; ``common`` holds the run's parallel/precision fields,
-    ``extra`` the language model's own (sequence parallelism, pipeline split, recomputation)."""
+    ``extra`` the language model's own (sequence parallelism, pipeline split, recomputation; with experts
+    their dispatcher, ``moe_token_dispatcher_type``, allgather when not given)."""
+    if arch.moe is not None:
+        dispatcher = extra.get("moe_token_dispatcher_type", "allgather")
+        extra = {**extra, **moe_config_fields(arch.moe, dispatcher)}
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -195,11 +246,11 @@ def build_language_model(
 
 
 def decoder_rules(
-    arch: QwenLMArch, first: int, count: int, *, hf_layers: str, qkv_bias: bool, qk_norm: bool,
-    moe: MoEArch | None = None,
-) -> dict[str, Rule]:  # fmt: skip
-    """HF rules of ``count`` decoder layers from global layer ``first`` (HF names ``{hf_layers}{i}.``);
-    ``moe``: each layer's MLP is that mixture of experts."""
+    arch: QwenLMArch, first: int, count: int, *, hf_layers: str, qkv_bias: bool, qk_norm: bool
+) -> dict[str, Rule]:
+    """HF rules of ``count`` decoder layers from global layer ``first`` (HF names ``{hf_layers}{i}.``); with
+    ``arch.moe`` each layer's MLP is that mixture of experts."""
+    moe = arch.moe
     attn = dict(heads=arch.num_attention_heads, groups=arch.num_key_value_heads, head_dim=arch.head_dim)
     rules: dict[str, Rule] = {}
     for local in range(count):
@@ -228,11 +279,43 @@ def decoder_rules(
     return rules
 
 
+def language_rules(
+    arch: QwenLMArch, *, first: bool, last: bool, layers: tuple[int, int], prefix: str, qkv_bias: bool,
+    qk_norm: bool,
+) -> dict[str, Rule]:  # fmt: skip
+    """HF rules of the language model in a consecutive part of the model: its ``layers`` (first global layer,
+    count), with ``first`` the word embedding, with ``last`` the final norm and output layer; HF names
+    ``{prefix}layers.{i}.``, ``{prefix}embed_tokens``, ``{prefix}norm`` and ``lm_head``."""
+    rules = decoder_rules(arch, *layers, hf_layers=prefix + "layers.", qkv_bias=qkv_bias, qk_norm=qk_norm)
+    return rules | output_rules(
+        first=first, last=last, tied=arch.tie_word_embeddings, norm=prefix + "norm.weight",
+        embedding=prefix + "embed_tokens.weight",
+    )  # fmt: skip
+
+
 def tiny_vlm_config(
-    spec: TinyModelSpec, *, architecture: str, model_type: str, text_model_type: str, rope_theta: float
-) -> dict[str, Any]:
-    """The special ids and the Qwen3 ``text_config`` (default 1-D RoPE of base ``rope_theta``) of a small
-    random vision-language ``config.json``; the family adds its ``vision_config``."""
+    spec: TinyModelSpec, *, architecture: str, model_type: str, text_model_type: str,
+    rope_parameters: dict[str, Any], qwen3: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """The special ids and the ``text_config`` (``rope_parameters``; ``qwen3``: a Qwen3 model's ``head_dim``
+    and no attention bias, else Qwen2's keys) of a small random vision-language ``config.json``; the family
+    adds its ``vision_config``."""
+    text = {
+        "model_type": text_model_type,
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.ffn_hidden_size or 4 * spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rope_parameters": rope_parameters,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+    }
+    if qwen3:
+        text |= {"head_dim": spec.hidden_size // spec.num_attention_heads, "attention_bias": False}
     return {
         "architectures": [architecture],
         "model_type": model_type,
@@ -241,20 +324,5 @@ def tiny_vlm_config(
         "vision_start_token_id": spec.vision_start_token_id,
         "vision_end_token_id": spec.vision_end_token_id,
         "tie_word_embeddings": spec.tie_word_embeddings,
-        "text_config": {
-            "model_type": text_model_type,
-            "vocab_size": spec.vocab_size,
-            "hidden_size": spec.hidden_size,
-            "intermediate_size": spec.ffn_hidden_size or 4 * spec.hidden_size,
-            "num_hidden_layers": spec.num_layers,
-            "num_attention_heads": spec.num_attention_heads,
-            "num_key_value_heads": spec.num_key_value_heads,
-            "head_dim": spec.hidden_size // spec.num_attention_heads,
-            "hidden_act": "silu",
-            "rms_norm_eps": 1e-6,
-            "max_position_embeddings": spec.max_position_embeddings,
-            "attention_bias": False,
-            "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
-            "tie_word_embeddings": spec.tie_word_embeddings,
-        },
+        "text_config": text,
     }

@@ -18,15 +18,12 @@ megatron-core 0.16.1's ``alltoall`` one creates a CUDA stream, ``flex`` needs De
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from megatron.core.transformer.moe import moe_utils
 
-from mmpack.packing.cost import ModelFlopShape
 from mmpack.trainer.models.hf_weights import Rule
 
 # megatron-core 0.16.1's router gating reads `te_general_gemm`, which it defines only when Transformer
@@ -76,20 +73,10 @@ def moe_arch_from_text(text: dict[str, Any], *, norm_topk_prob: bool | None = No
     )
 
 
-def with_experts(arch_class: type, dense: Any, source: dict[str, Any], moe: MoEArch) -> Any:
-    """``arch_class`` (a dense family's arch class with a ``moe`` field) holding ``dense``'s fields, ``moe``
-    and ``source`` (the config.json it was read from)."""
-    fields = {f.name: getattr(dense, f.name) for f in dataclasses.fields(dense)}
-    return arch_class(**{**fields, "source": source}, moe=moe)
-
-
-def as_dense_text(cfg: dict[str, Any], dense_model_type: str) -> tuple[dict[str, Any], MoEArch]:
-    """A config with a Qwen3-MoE ``text_config`` behind a dense family's vision tower: (the config as that
-    family reads it, ``model_type`` ``dense_model_type`` and a ``qwen3`` text model, whose attention, norms and
-    sizes are the MoE model's; the experts, each with its own HF tensors as Qwen3-MoE checkpoints hold them)."""
+def text_has_experts(cfg: dict[str, Any]) -> bool:
+    """Whether the text model of a ``config.json`` dict is a mixture of experts (a Qwen3-MoE ``text_config``)."""
     text = cfg.get("text_config") or {}
-    moe = dataclasses.replace(moe_arch_from_text(text), per_expert_files=True)
-    return {**cfg, "model_type": dense_model_type, "text_config": {**text, "model_type": "qwen3"}}, moe
+    return text.get("model_type") == "qwen3_moe" or bool(text.get("num_experts"))
 
 
 def tiny_moe_text_fields(
@@ -105,30 +92,6 @@ def tiny_moe_text_fields(
         "mlp_only_layers": [],
         "router_aux_loss_coef": 0.001 if aux is None else float(aux),
     }
-
-
-def moe_language_extra(moe: MoEArch, language_extra: dict[str, Any]) -> dict[str, Any]:
-    """The language model's own megatron-core fields with the experts' (its dispatcher from them)."""
-    dispatcher = language_extra.get("moe_token_dispatcher_type", "allgather")
-    return {**language_extra, **moe_config_fields(moe, dispatcher)}
-
-
-def moe_size_flags(dense: dict[str, Any], moe: MoEArch) -> dict[str, Any]:
-    """A dense family's size flags (``ModelFamily.size_flags_of``) with the experts'."""
-    return dense | {
-        "num_experts": moe.num_experts,
-        "moe_router_topk": moe.top_k,
-        "moe_aux_loss_coeff": moe.aux_loss_coeff,
-    }
-
-
-def moe_flop_shape(dense: ModelFlopShape, moe: MoEArch) -> ModelFlopShape:
-    """A dense family's FLOP shape, each token running its top-k experts and the router."""
-    language = dataclasses.replace(
-        dense.language, ffn_hidden_size=moe.ffn_hidden_size, experts_per_token=moe.top_k,
-        num_experts=moe.num_experts,
-    )  # fmt: skip
-    return dataclasses.replace(dense, language=language)
 
 
 def moe_config_fields(moe: MoEArch, dispatcher: str) -> dict[str, Any]:
@@ -192,26 +155,3 @@ def mark_expert_parameters(model: torch.nn.Module) -> torch.nn.Module:
         if ".mlp.experts." in name:
             param.allreduce = False  # type: ignore[attr-defined]
     return model
-
-
-class ExpertLayers:
-    """Mixed into a dense family (before it): the same model with ``arch.moe``'s experts as every language
-    layer's MLP. The family names the dense HF rules that take ``moe`` (:attr:`dense_part_rules`); the stage's
-    experts are expert-parallel parameters under every EP size (:func:`mark_expert_parameters`); the size
-    flags and the FLOP shape gain the experts'."""
-
-    dense_part_rules: Callable[..., dict[str, Rule]]
-
-    def part_rules(self, arch: Any, *, first: bool, last: bool, layers: tuple[int, int]) -> dict[str, Rule]:
-        """The dense family's rules, each language layer's MLP its router and experts."""
-        return self.dense_part_rules(arch, first=first, last=last, layers=layers, moe=arch.moe)
-
-    def build_stage(self, arch: Any, configs: Any, **kwargs: Any) -> Any:
-        return mark_expert_parameters(super().build_stage(arch, configs, **kwargs))  # type: ignore[misc]
-
-    def size_flags_of(self, arch: Any) -> dict[str, Any]:
-        return moe_size_flags(super().size_flags_of(arch), arch.moe)  # type: ignore[misc]
-
-    def flop_shape(self, arch: Any) -> ModelFlopShape:
-        """The dense family's, each token running its top-k experts and the router."""
-        return moe_flop_shape(super().flop_shape(arch), arch.moe)  # type: ignore[misc]

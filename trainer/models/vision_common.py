@@ -34,6 +34,25 @@ from mmpack.trainer.models.common import LayerNorm, build_layer_spec
 from mmpack.trainer.models.segment_attention import SegmentAttention
 
 
+@dataclass(kw_only=True, frozen=True)
+class ViTArch:
+    """What every vision tower's arch holds (a family's adds its own fields, and may change the defaults)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int  # the language model's hidden size: the merger's output
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
 def patch_hw_positions(grid_thw: np.ndarray, merge_size: int) -> np.ndarray:
     """[P, 2] (row, column) of every patch in processor order."""
     return block_patch_positions(grid_thw, merge_size)[:, 1:]
@@ -101,10 +120,9 @@ class PatchMerger(MegatronModule):
         return self.projector(self.norm(hidden).reshape(-1, self.merged_size))
 
 
-def single_merger_flop_shape(v: Any) -> VisionFlopShape:
+def single_merger_flop_shape(v: ViTArch) -> VisionFlopShape:
     """The FLOP dimensions of a tower of full-attention layers with a plain (not gated) MLP and one merger, 2-D
-    patches (temporal patch 1): ``v`` has ``hidden_size``, ``depth``, ``intermediate_size``, ``in_channels``,
-    ``patch_size``, ``spatial_merge_size`` and ``out_hidden_size`` (the OneVision towers' arch)."""
+    patches (temporal patch 1): the OneVision towers'."""
     return VisionFlopShape(
         hidden_size=v.hidden_size, num_layers=v.depth, ffn_hidden_size=v.intermediate_size, gated_mlp=False,
         patch_pixels=v.in_channels * v.patch_size**2, merge_units=v.spatial_merge_size**2,

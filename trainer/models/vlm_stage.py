@@ -6,7 +6,7 @@ A tower returns its merged features, or :class:`VisionFeatures` with DeepStack f
 tensor per early language layer, added to the hidden states of the vision tokens after that layer (after
 layer 0 the first, ...), as transformers' ``Qwen3VLTextModel`` does. They are added by forward hooks on the
 language layers of the first stage, which must hold them all. :func:`build_stage` puts a family's tower and
-language model together.
+language model together (:class:`TowerFamily`: a family that builds its stages so).
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
+from mmpack.trainer.models.protocol import ArchT, ModelFamily
 from mmpack.trainer.models.qwen_lm import build_language_model, language_config
+from mmpack.trainer.models.qwen_moe import mark_expert_parameters
 from mmpack.trainer.models.vision_common import VLMegatronConfigs, tower_configs
 
 
@@ -217,28 +219,58 @@ def build_stage(
     deepstack_layers: int = 0,
 ) -> VisionLanguageStage:  # fmt: skip
     """One stage of a Qwen vision-language model: the Qwen language model
-    (:func:`mmpack.trainer.models.qwen_lm.build_language_model`) and, on the first stage, the ``tower``."""
+    (:func:`mmpack.trainer.models.qwen_lm.build_language_model`) and, on the first stage, the ``tower``; with
+    ``arch.moe`` its experts are expert-parallel parameters under every EP size
+    (:func:`mmpack.trainer.models.qwen_moe.mark_expert_parameters`)."""
     language_model = build_language_model(
         arch, language_config, pre_process=pre_process, post_process=post_process, use_te=use_te,
         vp_stage=vp_stage, interleaved_mrope=interleaved_mrope,
     )  # fmt: skip
-    return VisionLanguageStage(
+    stage = VisionLanguageStage(
         arch, language_model, tower() if pre_process else None, pre_process=pre_process,
         post_process=post_process, vp_stage=vp_stage, deepstack_layers=deepstack_layers,
     )  # fmt: skip
+    if arch.moe is not None:
+        mark_expert_parameters(stage)
+    return stage
+
+
+class TowerFamily(ModelFamily[ArchT]):
+    """A family whose stage is a :class:`VisionLanguageStage` (:func:`build_stage`): its vision ``tower`` (made
+    from the vision and merger configs and ``arch.vision``) before the Qwen language model."""
+
+    tower: Callable[[Any, Any, Any], torch.nn.Module]
+    interleaved_mrope: bool = False  # Qwen3-VL's MRoPE (else megatron-core's sections)
+
+    def deepstack_layers(self, arch: ArchT) -> int:
+        """Early language layers that take DeepStack features from the tower (Qwen3-VL's); 0: none."""
+        return 0
+
+    def build_stage(
+        self, arch: ArchT, configs: VLMegatronConfigs, *, pre_process: bool, post_process: bool,
+        use_te: bool = False, vp_stage: int | None = None,
+    ) -> torch.nn.Module:  # fmt: skip
+        return build_stage(
+            arch, configs.language, lambda: self.tower(configs.vision, configs.projector, arch.vision),
+            pre_process=pre_process, post_process=post_process, use_te=use_te, vp_stage=vp_stage,
+            interleaved_mrope=self.interleaved_mrope, deepstack_layers=self.deepstack_layers(arch),
+        )  # fmt: skip
 
 
 def qwen_vl_configs(
     arch: Any, common: dict[str, Any], language_extra: dict[str, Any], *, qk_norm: bool, vision_norm: str,
-    vision_activation: Callable[..., torch.Tensor], vision_gated: bool,
+    vision_activation: Callable[..., torch.Tensor], vision_gated: bool, vision_norm_eps: float = 1e-6,
+    vision_rotary_interleaved: bool = False,
 ) -> VLMegatronConfigs:  # fmt: skip
-    """megatron-core configs of a Qwen vision-language model: its language model (QKV bias without QK-norm,
-    Qwen2; none with it, Qwen3) and its vision tower (``arch.vision``) and merger."""
+    """megatron-core configs of a vision-language model with a Qwen language model (QKV bias without QK-norm,
+    Qwen2; none with it, Qwen3; its experts with ``arch.moe``) and its vision tower (``arch.vision``: depth,
+    sizes, merge size) and merger (see :func:`mmpack.trainer.models.vision_common.tower_configs`)."""
     language = language_config(arch, common, language_extra, qkv_bias=not qk_norm, qk_norm=qk_norm)
     v = arch.vision
     vision, projector = tower_configs(
         depth=v.depth, hidden_size=v.hidden_size, num_heads=v.num_heads, ffn_hidden_size=v.intermediate_size,
         merged_size=v.hidden_size * v.spatial_merge_size**2, out_size=v.out_hidden_size, common=common,
         normalization=vision_norm, activation=vision_activation, gated=vision_gated,
+        layernorm_epsilon=vision_norm_eps, rotary_interleaved=vision_rotary_interleaved,
     )  # fmt: skip
     return VLMegatronConfigs(language=language, vision=vision, projector=projector)

@@ -1,13 +1,13 @@
-"""The HF weight rules of LLaVA-OneVision-1.5 (its part of the state-dict adapter; reading, cutting and
-merging is :mod:`mmpack.trainer.models.hf_weights`). HF names are those of LLaVA-OneVision-1.5's checkpoints:
+"""The HF state-dict adapter of LLaVA-OneVision-1.5: its weight rules (reading, cutting and merging is
+:mod:`mmpack.trainer.models.hf_weights`). HF names are those of LLaVA-OneVision-1.5's checkpoints:
 ``visual.*`` (the RICE-ViT and its merger), ``model.*`` (the Qwen3 text model), ``lm_head``."""
 
 from __future__ import annotations
 
-from mmpack.trainer.models.hf_weights import Rule, mlp_rules, output_rules, vision_layer_rules
+from mmpack.trainer.models.hf_weights import Rule, mlp_rules, vision_layer_rules
 from mmpack.trainer.models.llava_onevision1_5.config import OneVision15Arch
-from mmpack.trainer.models.qwen_lm import decoder_rules
-from mmpack.trainer.models.qwen_moe import MoEArch
+from mmpack.trainer.models.protocol import HFAdapter
+from mmpack.trainer.models.qwen_lm import language_rules
 
 LANGUAGE = "model."
 VISUAL = "visual."
@@ -34,17 +34,13 @@ def _vision_rules(arch: OneVision15Arch) -> dict[str, Rule]:
     )
 
 
-def part_rules(
-    arch: OneVision15Arch, *, first: bool, last: bool, layers: tuple[int, int], moe: MoEArch | None = None
-) -> dict[str, Rule]:
-    """The rules of a consecutive part of the model: ``first`` (vision tower and embedding), the language
-    ``layers`` (first global layer, count), ``last`` (final norm and output layer); ``moe``: the language
-    layers' MLPs are that mixture of experts (the MoE variant)."""
-    rules = _vision_rules(arch) if first else {}
-    rules |= decoder_rules(
-        arch, *layers, hf_layers=LANGUAGE + "layers.", qkv_bias=False, qk_norm=True, moe=moe
-    )
-    return rules | output_rules(
-        first=first, last=last, tied=arch.tie_word_embeddings, norm=LANGUAGE + "norm.weight",
-        embedding=LANGUAGE + "embed_tokens.weight",
-    )  # fmt: skip
+class OneVision15Weights(HFAdapter[OneVision15Arch]):
+    """LLaVA-OneVision-1.5's HF state-dict adapter (see the module docstring); with ``arch.moe``, its MoE variant's."""
+
+    def part_rules(
+        self, arch: OneVision15Arch, *, first: bool, last: bool, layers: tuple[int, int]
+    ) -> dict[str, Rule]:
+        rules = _vision_rules(arch) if first else {}
+        return rules | language_rules(
+            arch, first=first, last=last, layers=layers, prefix=LANGUAGE, qkv_bias=False, qk_norm=True
+        )

@@ -1,7 +1,7 @@
 """The LLaVA-OneVision-2 architecture as read from its HuggingFace ``config.json`` (``model_type``
 ``llava_onevision2``: ``vision_config`` of the OneVision-Encoder, ``text_config`` of a Qwen3 model), and its
 megatron-core configs. :func:`tiny_hf_config` writes the same format for random models made without a
-checkpoint."""
+checkpoint; :data:`EXPERTS` is how the MoE variant's files hold its experts."""
 
 from __future__ import annotations
 
@@ -10,34 +10,21 @@ from typing import Any
 
 import torch.nn.functional as F
 
+from mmpack.trainer.models.moe_variant import ExpertsFormat
 from mmpack.trainer.models.protocol import TinyModelSpec
-from mmpack.trainer.models.qwen_lm import (
-    QwenLMArch,
-    language_config,
-    lm_fields,
-    refuse_value,
-    rope_1d,
-    tiny_vlm_config,
-)
-from mmpack.trainer.models.vision_common import VLMegatronConfigs, tower_configs
+from mmpack.trainer.models.qwen_lm import VLArch, qwen3_text_fields, refuse_value, tiny_vlm_config
+from mmpack.trainer.models.vision_common import ViTArch, VLMegatronConfigs
+from mmpack.trainer.models.vlm_stage import qwen_vl_configs
 
 MODEL_TYPE = "llava_onevision2"
 
 
 @dataclass(kw_only=True, frozen=True)
-class OneVisionEncoderArch:
+class OneVisionEncoderArch(ViTArch):
     """The OneVision-Encoder (``LlavaOnevision2VisionConfig``)."""
 
-    depth: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    out_hidden_size: int
-    patch_size: int = 14
-    spatial_merge_size: int = 2
     temporal_patch_size: int = 1
     frame_windows_size: int = 4
-    in_channels: int = 3
     rope_theta: float = 10000.0
     layer_norm_eps: float = 1e-6
 
@@ -53,10 +40,6 @@ class OneVisionEncoderArch:
             )
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
     def rotary_split(self) -> tuple[int, int, int]:
         """Frequencies of the frame, row and column positions (4:6:6 of half a head)."""
         unit = self.head_dim // 32
@@ -64,14 +47,10 @@ class OneVisionEncoderArch:
 
 
 @dataclass(kw_only=True, frozen=True)
-class OneVision2Arch(QwenLMArch):
+class OneVision2Arch(VLArch):
     """Everything about the model that comes from ``config.json`` (sizes, special ids, RoPE)."""
 
-    image_token_id: int
-    video_token_id: int
-    vision_start_token_id: int
     vision: OneVisionEncoderArch
-    source: dict[str, Any]  # the config.json it was read from, written back on export
 
 
 def _vision_arch(v: dict[str, Any]) -> OneVisionEncoderArch:
@@ -96,21 +75,8 @@ def _vision_arch(v: dict[str, Any]) -> OneVisionEncoderArch:
 
 def arch_from_hf_config(cfg: dict[str, Any]) -> OneVision2Arch:
     """The architecture of a ``LlavaOnevision2ForConditionalGeneration`` config dict (Qwen3 dense text)."""
-    if cfg.get("model_type") != MODEL_TYPE:
-        raise ValueError(f"model_type is {cfg.get('model_type')!r}, expected {MODEL_TYPE!r}")
-    text = cfg.get("text_config") or {}
-    refuse_value(text, "text_config", "model_type", ("qwen3",))
-    refuse_value(text, "text_config", "attention_bias", (False,))
-    heads = int(text["num_attention_heads"])
-    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
-    return OneVision2Arch(
-        **lm_fields(cfg, rope_1d(text, head_dim), max_positions=40960, own_head_dim=True),
-        image_token_id=int(cfg.get("image_token_id", 151655)),
-        video_token_id=int(cfg.get("video_token_id", 151656)),
-        vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
-        vision=_vision_arch(cfg.get("vision_config") or {}),
-        source=cfg,
-    )
+    fields = qwen3_text_fields(cfg, model_type=MODEL_TYPE, text_model_types=("qwen3",), max_positions=40960)
+    return OneVision2Arch(**fields, vision=_vision_arch(cfg.get("vision_config") or {}))
 
 
 def tiny_hf_config(spec: TinyModelSpec) -> dict[str, Any]:
@@ -118,7 +84,7 @@ def tiny_hf_config(spec: TinyModelSpec) -> dict[str, Any]:
     vision_hidden = max(spec.vision_hidden_size, 32 * spec.vision_num_heads)
     config = tiny_vlm_config(
         spec, architecture="LlavaOnevision2ForConditionalGeneration", model_type=MODEL_TYPE,
-        text_model_type="qwen3", rope_theta=1000000.0,
+        text_model_type="qwen3", rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     )  # fmt: skip
     return config | {
         "vision_config": {
@@ -147,12 +113,24 @@ def build_transformer_configs(
 ) -> VLMegatronConfigs:
     """megatron-core configs: the Qwen3 language model (QK-norm, no QKV bias), the encoder's layers
     (LayerNorm, exact GELU, interleaved rotary pairs) and its merger MLP."""
-    language = language_config(arch, common, language_extra, qkv_bias=False, qk_norm=True)
-    v = arch.vision
-    vision, projector = tower_configs(
-        depth=v.depth, hidden_size=v.hidden_size, num_heads=v.num_heads, ffn_hidden_size=v.intermediate_size,
-        merged_size=v.hidden_size * v.spatial_merge_size**2, out_size=v.out_hidden_size, common=common,
-        normalization="LayerNorm", activation=F.gelu, gated=False, layernorm_epsilon=v.layer_norm_eps,
-        rotary_interleaved=True,
+    return qwen_vl_configs(
+        arch, common, language_extra, qk_norm=True, vision_norm="LayerNorm", vision_activation=F.gelu,
+        vision_gated=False, vision_norm_eps=arch.vision.layer_norm_eps, vision_rotary_interleaved=True,
     )  # fmt: skip
-    return VLMegatronConfigs(language=language, vision=vision, projector=projector)
+
+
+# LLaVA-OneVision-2 MoE (``model_type`` ``llava_onevision2_moe``, a ``qwen3_moe`` text model): each expert's own
+# tensors, as its save_pretrained writes them (Qwen3-MoE's checkpoint layout); norm_topk_prob as the file says
+EXPERTS = ExpertsFormat(
+    model_type="llava_onevision2_moe",
+    hf_model_types=("llava_onevision2_moe",),
+    text_model_types=("qwen3_moe",),
+    dense_text_model_type="qwen3",
+    per_expert_files=True,
+    tiny_fields={
+        "architectures": ["LlavaOnevision2MoeForConditionalGeneration"],
+        "model_type": "llava_onevision2_moe",
+    },
+    tiny_text_fields={"model_type": "qwen3_moe", "norm_topk_prob": True},
+    aux_loss_at_top=True,
+)

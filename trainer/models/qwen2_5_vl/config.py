@@ -12,44 +12,29 @@ from typing import Any
 
 import torch.nn.functional as F
 
-from mmpack.trainer.models.qwen_lm import QwenLMArch, lm_fields
-from mmpack.trainer.models.vision_common import VLMegatronConfigs
+from mmpack.trainer.models.protocol import TinyModelSpec
+from mmpack.trainer.models.qwen_lm import VLArch, expect_model_type, lm_fields, special_ids, tiny_vlm_config
+from mmpack.trainer.models.vision_common import ViTArch, VLMegatronConfigs
 from mmpack.trainer.models.vlm_stage import qwen_vl_configs
 
 MODEL_TYPE = "qwen2_5_vl"
 
 
 @dataclass(kw_only=True, frozen=True)
-class VisionArch:
+class VisionArch(ViTArch):
     """The vision tower (transformers' ``Qwen2_5_VLVisionConfig``)."""
 
-    depth: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    out_hidden_size: int
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    in_channels: int = 3
     window_size: int = 112
     fullatt_block_indexes: tuple[int, ...] = ()
     rope_theta: float = 10000.0
     hidden_act: str = "silu"
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
 
 @dataclass(kw_only=True, frozen=True)
-class Qwen25VLArch(QwenLMArch):
+class Qwen25VLArch(VLArch):
     """Everything about the model that comes from ``config.json`` (sizes, special ids, RoPE)."""
 
-    image_token_id: int
-    vision_start_token_id: int
     vision: VisionArch
-    source: dict[str, Any]  # the config.json it was read from, written back on export
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -57,11 +42,6 @@ class Qwen25VLArch(QwenLMArch):
             raise ValueError("hidden_size must be divisible by num_attention_heads")
         if self.vision.hidden_act != "silu":
             raise ValueError("only hidden_act 'silu' (SwiGLU) is supported")
-
-    @property
-    def video_token_id(self) -> int:
-        """The ``<|video_pad|>`` id of config.json (151656, Qwen2.5-VL's, where it has none)."""
-        return int(self.source.get("video_token_id", 151656))
 
     @property
     def tokens_per_second(self) -> float:
@@ -81,8 +61,7 @@ def _rope(text: dict[str, Any]) -> tuple[float, tuple[int, int, int]]:
 
 def arch_from_hf_config(cfg: dict[str, Any]) -> Qwen25VLArch:
     """The architecture of a ``Qwen2_5_VLForConditionalGeneration`` config dict."""
-    if cfg.get("model_type") != MODEL_TYPE:
-        raise ValueError(f"model_type is {cfg.get('model_type')!r}, expected {MODEL_TYPE!r}")
+    expect_model_type(cfg, MODEL_TYPE)
     text = {**cfg, **(cfg.get("text_config") or {})}
     v = cfg.get("vision_config") or {}
     theta, section = _rope(text)
@@ -104,71 +83,36 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> Qwen25VLArch:
     )
     return Qwen25VLArch(
         **lm_fields(cfg, (theta, section), max_positions=32768, own_head_dim=False),
-        image_token_id=int(cfg.get("image_token_id", 151655)),
-        vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
+        **special_ids(cfg),
         vision=vision,
         source=cfg,
     )
 
 
-def tiny_hf_config(
-    *,
-    vocab_size: int,
-    image_token_id: int,
-    vision_start_token_id: int,
-    vision_end_token_id: int,
-    num_layers: int = 4,
-    hidden_size: int = 64,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    ffn_hidden_size: int | None = None,
-    vision_depth: int = 2,
-    vision_hidden_size: int = 32,
-    vision_num_heads: int = 2,
-    patch_size: int = 14,
-    merge_size: int = 2,
-    max_position_embeddings: int = 32768,
-    tie_word_embeddings: bool = False,
-) -> dict[str, Any]:
+def tiny_hf_config(spec: TinyModelSpec) -> dict[str, Any]:
     """A ``config.json`` dict (transformers 5 layout) of a small random Qwen2.5-VL."""
-    head_dim = hidden_size // num_attention_heads
+    head_dim = spec.hidden_size // spec.num_attention_heads
     half = head_dim // 2
     spatial = 3 * half // 8  # Qwen2.5-VL's [16, 24, 24] split of 64 rotary frequencies, scaled
     section = [half - 2 * spatial, spatial, spatial]
-    return {
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-        "model_type": MODEL_TYPE,
-        "image_token_id": image_token_id,
-        "video_token_id": image_token_id + 1,
-        "vision_start_token_id": vision_start_token_id,
-        "vision_end_token_id": vision_end_token_id,
-        "tie_word_embeddings": tie_word_embeddings,
-        "text_config": {
-            "model_type": "qwen2_5_vl_text",
-            "vocab_size": vocab_size,
-            "hidden_size": hidden_size,
-            "intermediate_size": ffn_hidden_size or 4 * hidden_size,
-            "num_hidden_layers": num_layers,
-            "num_attention_heads": num_attention_heads,
-            "num_key_value_heads": num_key_value_heads,
-            "hidden_act": "silu",
-            "rms_norm_eps": 1e-6,
-            "max_position_embeddings": max_position_embeddings,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": section},
-            "tie_word_embeddings": tie_word_embeddings,
-        },
+    config = tiny_vlm_config(
+        spec, architecture="Qwen2_5_VLForConditionalGeneration", model_type=MODEL_TYPE,
+        text_model_type="qwen2_5_vl_text", qwen3=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": section},
+    )  # fmt: skip
+    return config | {
         "vision_config": {
             "model_type": "qwen2_5_vl_vision",
-            "depth": vision_depth,
-            "hidden_size": vision_hidden_size,
-            "intermediate_size": 2 * vision_hidden_size,
-            "num_heads": vision_num_heads,
-            "out_hidden_size": hidden_size,
-            "patch_size": patch_size,
+            "depth": spec.vision_depth,
+            "hidden_size": spec.vision_hidden_size,
+            "intermediate_size": 2 * spec.vision_hidden_size,
+            "num_heads": spec.vision_num_heads,
+            "out_hidden_size": spec.hidden_size,
+            "patch_size": spec.patch_size,
             "temporal_patch_size": 2,
-            "spatial_merge_size": merge_size,
-            "window_size": patch_size * merge_size * 2,
-            "fullatt_block_indexes": [vision_depth - 1],
+            "spatial_merge_size": spec.merge_size,
+            "window_size": spec.patch_size * spec.merge_size * 2,
+            "fullatt_block_indexes": [spec.vision_depth - 1],
             "hidden_act": "silu",
             "in_channels": 3,
             "tokens_per_second": 2,
@@ -178,7 +122,7 @@ def tiny_hf_config(
 
 
 def build_transformer_configs(
-    arch: Any, common: dict[str, Any], language_extra: dict[str, Any]
+    arch: Qwen25VLArch, common: dict[str, Any], language_extra: dict[str, Any]
 ) -> VLMegatronConfigs:
     """megatron-core configs from the architecture; ``common`` holds the run's parallel/precision fields."""
     return qwen_vl_configs(

@@ -1,6 +1,7 @@
-"""Qwen3-VL dense (transformers' ``Qwen3VLForConditionalGeneration``) on megatron-core."""
+"""Qwen3-VL (transformers' ``Qwen3VLForConditionalGeneration``) and Qwen3-VL-MoE
+(``Qwen3VLMoeForConditionalGeneration``, with expert parallelism) on megatron-core."""
 
 from mmpack.trainer.models.qwen3_vl.config import MODEL_TYPE, Qwen3VLArch, arch_from_hf_config
-from mmpack.trainer.models.qwen3_vl.family import FAMILY, Qwen3VLFamily
+from mmpack.trainer.models.qwen3_vl.family import FAMILY, MOE_FAMILY, Qwen3VLFamily
 
-__all__ = ["FAMILY", "MODEL_TYPE", "Qwen3VLArch", "Qwen3VLFamily", "arch_from_hf_config"]
+__all__ = ["FAMILY", "MODEL_TYPE", "MOE_FAMILY", "Qwen3VLArch", "Qwen3VLFamily", "arch_from_hf_config"]

@@ -1,6 +1,7 @@
 """The Qwen3-VL architecture (transformers' ``Qwen3VLForConditionalGeneration``) as read from a HuggingFace
 ``config.json`` (``text_config`` / ``vision_config``, transformers 5 layout), and its megatron-core configs.
-:func:`tiny_hf_config` writes the same format for random models made without a checkpoint."""
+:func:`tiny_hf_config` writes the same format for random models made without a checkpoint; :data:`EXPERTS` is
+how Qwen3-VL-MoE's files hold its experts."""
 
 from __future__ import annotations
 
@@ -10,29 +11,22 @@ from typing import Any
 
 import torch.nn.functional as F
 
+from mmpack.trainer.models.moe_variant import ExpertsFormat
 from mmpack.trainer.models.protocol import TinyModelSpec
-from mmpack.trainer.models.qwen_lm import QwenLMArch, lm_fields
-from mmpack.trainer.models.vision_common import VLMegatronConfigs
+from mmpack.trainer.models.qwen_lm import VLArch, expect_model_type, lm_fields, special_ids, tiny_vlm_config
+from mmpack.trainer.models.vision_common import ViTArch, VLMegatronConfigs
 from mmpack.trainer.models.vlm_stage import qwen_vl_configs
 
 MODEL_TYPE = "qwen3_vl"
 
 
 @dataclass(kw_only=True, frozen=True)
-class Qwen3VisionArch:
+class Qwen3VisionArch(ViTArch):
     """The vision tower (transformers' ``Qwen3VLVisionConfig``)."""
 
-    depth: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    out_hidden_size: int
     num_position_embeddings: int
     deepstack_visual_indexes: tuple[int, ...]
     patch_size: int = 16
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    in_channels: int = 3
     rope_theta: float = 10000.0
     hidden_act: str = "gelu_pytorch_tanh"
 
@@ -48,24 +42,16 @@ class Qwen3VisionArch:
             raise ValueError("only vision hidden_act 'gelu_pytorch_tanh' is supported")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
     def grid_side(self) -> int:
         """Side of the square grid of learned position embeddings."""
         return int(self.num_position_embeddings**0.5)
 
 
 @dataclass(kw_only=True, frozen=True)
-class Qwen3VLArch(QwenLMArch):
+class Qwen3VLArch(VLArch):
     """Everything about the model that comes from ``config.json`` (sizes, special ids, RoPE)."""
 
-    image_token_id: int
-    video_token_id: int
-    vision_start_token_id: int
     vision: Qwen3VisionArch
-    source: dict[str, Any]  # the config.json it was read from, written back on export
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -109,16 +95,13 @@ def _vision_arch(v: dict[str, Any], out: int) -> Qwen3VisionArch:
 
 def arch_from_hf_config(cfg: dict[str, Any]) -> Qwen3VLArch:
     """The architecture of a ``Qwen3VLForConditionalGeneration`` config dict."""
-    if cfg.get("model_type") != MODEL_TYPE:
-        raise ValueError(f"model_type is {cfg.get('model_type')!r}, expected {MODEL_TYPE!r}")
+    expect_model_type(cfg, MODEL_TYPE)
     text = cfg.get("text_config") or {}
     if text.get("attention_bias"):
         raise ValueError("attention_bias true is not supported (Qwen3-VL has no QKV bias)")
     return Qwen3VLArch(
         **lm_fields(cfg, _rope(text), max_positions=128000, own_head_dim=True),
-        image_token_id=int(cfg.get("image_token_id", 151655)),
-        video_token_id=int(cfg.get("video_token_id", 151656)),
-        vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
+        **special_ids(cfg),
         vision=_vision_arch(cfg.get("vision_config") or {}, int(text["hidden_size"])),
         source=cfg,
     )
@@ -130,35 +113,17 @@ def tiny_hf_config(spec: TinyModelSpec) -> dict[str, Any]:
     head_dim = spec.hidden_size // spec.num_attention_heads
     half = head_dim // 2
     spatial = 5 * half // 16  # Qwen3-VL's [24, 20, 20] split of 64 rotary frequencies, scaled
-    return {
-        "architectures": ["Qwen3VLForConditionalGeneration"],
-        "model_type": MODEL_TYPE,
-        "image_token_id": spec.image_token_id,
-        "video_token_id": spec.image_token_id + 1,
-        "vision_start_token_id": spec.vision_start_token_id,
-        "vision_end_token_id": spec.vision_end_token_id,
-        "tie_word_embeddings": spec.tie_word_embeddings,
-        "text_config": {
-            "model_type": "qwen3_vl_text",
-            "vocab_size": spec.vocab_size,
-            "hidden_size": spec.hidden_size,
-            "intermediate_size": spec.ffn_hidden_size or 4 * spec.hidden_size,
-            "num_hidden_layers": spec.num_layers,
-            "num_attention_heads": spec.num_attention_heads,
-            "num_key_value_heads": spec.num_key_value_heads,
-            "head_dim": head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": 1e-6,
-            "max_position_embeddings": spec.max_position_embeddings,
-            "attention_bias": False,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 5000000.0,
-                "mrope_interleaved": True,
-                "mrope_section": [half - 2 * spatial, spatial, spatial],
-            },
-            "tie_word_embeddings": spec.tie_word_embeddings,
-        },
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 5000000.0,
+        "mrope_interleaved": True,
+        "mrope_section": [half - 2 * spatial, spatial, spatial],
+    }
+    config = tiny_vlm_config(
+        spec, architecture="Qwen3VLForConditionalGeneration", model_type=MODEL_TYPE,
+        text_model_type="qwen3_vl_text", rope_parameters=rope,
+    )  # fmt: skip
+    return config | {
         "vision_config": {
             "model_type": "qwen3_vl_vision",
             "depth": spec.vision_depth,
@@ -179,10 +144,22 @@ def tiny_hf_config(spec: TinyModelSpec) -> dict[str, Any]:
 
 
 def build_transformer_configs(
-    arch: Any, common: dict[str, Any], language_extra: dict[str, Any]
+    arch: Qwen3VLArch, common: dict[str, Any], language_extra: dict[str, Any]
 ) -> VLMegatronConfigs:
     """megatron-core configs from the architecture; ``common`` holds the run's parallel/precision fields."""
     return qwen_vl_configs(
         arch, common, language_extra, qk_norm=True, vision_norm="LayerNorm",
         vision_activation=partial(F.gelu, approximate="tanh"), vision_gated=False,
     )  # fmt: skip
+
+
+# Qwen3-VL-MoE (transformers' ``Qwen3VLMoeForConditionalGeneration``): experts in every language layer, stacked
+# in transformers 5's tensors; its router always renormalises the top-k probabilities
+EXPERTS = ExpertsFormat(
+    model_type="qwen3_vl_moe",
+    hf_model_types=("qwen3_vl_moe",),
+    norm_topk_prob=True,
+    tiny_fields={"architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe"},
+    tiny_text_fields={"model_type": "qwen3_vl_moe_text"},
+    tiny_vision_fields={"model_type": "qwen3_vl_moe_vision"},
+)

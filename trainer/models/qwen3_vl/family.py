@@ -1,41 +1,36 @@
-"""Qwen3-VL (dense) behind the :class:`mmpack.trainer.models.protocol.ModelFamily` contract."""
+"""Qwen3-VL behind the :class:`mmpack.trainer.models.protocol.ModelFamily` contract, and its mixture-of-experts
+variant Qwen3-VL-MoE (:func:`mmpack.trainer.models.moe_variant.with_experts`)."""
 
 from __future__ import annotations
 
-import torch
-
 from mmpack.packing.cost import ModelFlopShape, VisionFlopShape
 from mmpack.packing.mrope import MRopeRule
-from mmpack.trainer.models.protocol import ModelFamily
+from mmpack.trainer.models.moe_variant import with_experts
 from mmpack.trainer.models.qwen3_vl import config, hf_io
 from mmpack.trainer.models.qwen3_vl.vision import Qwen3VisionTower
 from mmpack.trainer.models.qwen_lm import language_flop_shape
-from mmpack.trainer.models.vision_common import VLMegatronConfigs
-from mmpack.trainer.models.vlm_stage import build_stage
+from mmpack.trainer.models.vlm_stage import TowerFamily
 
 
-class Qwen3VLFamily(ModelFamily):
-    """transformers' ``Qwen3VLForConditionalGeneration``."""
+class Qwen3VLFamily(TowerFamily[config.Qwen3VLArch]):
+    """transformers' ``Qwen3VLForConditionalGeneration``: its vision tower (DeepStack into the first language
+    layers, which the first stage must hold) and Qwen3 language model (QK-norm, no QKV bias, interleaved
+    MRoPE)."""
 
     model_type = config.MODEL_TYPE
+    hf_model_types = (config.MODEL_TYPE,)
     video_rule = "qwen3_vl"
+    hf = hf_io.Qwen3VLWeights()
+    adapter_prefixes = ("vision.merger.", "vision.deepstack_mergers.")
+    tower = Qwen3VisionTower
+    interleaved_mrope = True
 
     arch_from_hf_config = staticmethod(config.arch_from_hf_config)
     megatron_configs = staticmethod(config.build_transformer_configs)
-    part_rules = staticmethod(hf_io.part_rules)
     tiny_hf_config = staticmethod(config.tiny_hf_config)
 
-    def build_stage(
-        self, arch: config.Qwen3VLArch, configs: VLMegatronConfigs, *, pre_process: bool,
-        post_process: bool, use_te: bool = False, vp_stage: int | None = None,
-    ) -> torch.nn.Module:  # fmt: skip
-        """Its vision tower (DeepStack into the first language layers, which the first stage must hold) and
-        Qwen3 language model (QK-norm, no QKV bias, interleaved MRoPE)."""
-        return build_stage(
-            arch, configs.language, lambda: Qwen3VisionTower(configs.vision, configs.projector, arch.vision),
-            pre_process=pre_process, post_process=post_process, use_te=use_te, vp_stage=vp_stage,
-            interleaved_mrope=True, deepstack_layers=arch.deepstack_layers,
-        )  # fmt: skip
+    def deepstack_layers(self, arch: config.Qwen3VLArch) -> int:
+        return arch.deepstack_layers
 
     def position_rule(self, arch: config.Qwen3VLArch) -> MRopeRule:
         """Images as Qwen2.5-VL's; each temporal patch of a video is its own run of pads (timestamps between)."""
@@ -58,3 +53,4 @@ class Qwen3VLFamily(ModelFamily):
 
 
 FAMILY = Qwen3VLFamily()
+MOE_FAMILY = with_experts(FAMILY, config.EXPERTS)  # Qwen3-VL-MoE

@@ -1,13 +1,13 @@
-"""The HF weight rules of Qwen3-VL (its part of the state-dict adapter; reading, cutting and merging is
+"""The HF state-dict adapter of Qwen3-VL: its weight rules (reading, cutting and merging is
 :mod:`mmpack.trainer.models.hf_weights`). HF names are those transformers 5 writes with ``save_pretrained``
 (``model.language_model.*``, ``model.visual.*``, ``lm_head``), as Qwen's own checkpoints name them."""
 
 from __future__ import annotations
 
-from mmpack.trainer.models.hf_weights import Rule, mlp_rules, output_rules
+from mmpack.trainer.models.hf_weights import Rule, mlp_rules
+from mmpack.trainer.models.protocol import HFAdapter
 from mmpack.trainer.models.qwen3_vl.config import Qwen3VLArch
-from mmpack.trainer.models.qwen_lm import decoder_rules
-from mmpack.trainer.models.qwen_moe import MoEArch
+from mmpack.trainer.models.qwen_lm import language_rules
 
 LANGUAGE = "model.language_model."
 VISUAL = "model.visual."
@@ -49,17 +49,13 @@ def _vision_rules(arch: Qwen3VLArch) -> dict[str, Rule]:
     return rules
 
 
-def part_rules(
-    arch: Qwen3VLArch, *, first: bool, last: bool, layers: tuple[int, int], moe: MoEArch | None = None
-) -> dict[str, Rule]:
-    """The rules of a consecutive part of the model: ``first`` (vision tower and embedding), the language
-    ``layers`` (first global layer, count), ``last`` (final norm and output layer); ``moe``: the language
-    layers' MLPs are that mixture of experts (Qwen3-VL-MoE)."""
-    rules = _vision_rules(arch) if first else {}
-    rules |= decoder_rules(
-        arch, *layers, hf_layers=LANGUAGE + "layers.", qkv_bias=False, qk_norm=True, moe=moe
-    )
-    return rules | output_rules(
-        first=first, last=last, tied=arch.tie_word_embeddings, norm=LANGUAGE + "norm.weight",
-        embedding=LANGUAGE + "embed_tokens.weight",
-    )  # fmt: skip
+class Qwen3VLWeights(HFAdapter[Qwen3VLArch]):
+    """Qwen3-VL's HF state-dict adapter (see the module docstring); with ``arch.moe``, Qwen3-VL-MoE's."""
+
+    def part_rules(
+        self, arch: Qwen3VLArch, *, first: bool, last: bool, layers: tuple[int, int]
+    ) -> dict[str, Rule]:
+        rules = _vision_rules(arch) if first else {}
+        return rules | language_rules(
+            arch, first=first, last=last, layers=layers, prefix=LANGUAGE, qkv_bias=False, qk_norm=True
+        )

@@ -1,7 +1,9 @@
 """The `mmpack` console script: dispatches to one module per subcommand.
 
-Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int` (the exit code).
-Modules are imported lazily so that `mmpack stats` does not pay for importing the packer.
+The application layer, above the four parts: it may import any of them, and none of them imports it. Each
+subcommand module exposes `add_arguments(parser)` and `run(args) -> int` (the exit code). Only the chosen
+subcommand's module is imported (by its name in `SUBCOMMANDS`), so that `mmpack stats` does not pay for
+importing the packer or `mmpack pack` for torch.
 """
 
 from __future__ import annotations
@@ -14,10 +16,7 @@ from types import ModuleType
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "pack": ("mmpack.offline_packing.pack_cli", "pack raw multimodal samples into a sharded packed dataset"),
     "stats": ("mmpack.offline_packing.stats.cli", "packing efficiency of a packed dataset or a length file"),
-    "demo": (
-        "mmpack.offline_packing.demo.cli",
-        "build a small dataset, pack it, print stats, train a tiny model",
-    ),
+    "demo": ("mmpack.demo.cli", "build a small dataset, pack it, print stats, train a tiny model"),
     "convert": (
         "mmpack.trainer.convert",
         "convert model checkpoints: HuggingFace <-> megatron-core (TP x PP)",

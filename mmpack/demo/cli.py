@@ -22,8 +22,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mmpack.cli import main as mmpack_main
+
 if TYPE_CHECKING:
-    from mmpack.offline_packing.demo.synthetic import SyntheticData
+    from mmpack.demo.synthetic import SyntheticData
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,8 +59,8 @@ def _banner(text: str) -> None:
 
 
 def _make_raw_data(out: Path, samples: int, seed: int, videos: int = 0) -> tuple[SyntheticData, Path]:
-    from mmpack.offline_packing.demo.synthetic import make_synthetic_dataset, train_tiny_bpe
-    from mmpack.offline_packing.demo.videos import add_synthetic_videos
+    from mmpack.demo.synthetic import make_synthetic_dataset, train_tiny_bpe
+    from mmpack.demo.videos import add_synthetic_videos
 
     raw = make_synthetic_dataset(out / "raw", n_samples=samples, seed=seed, size_range=(56, 448))
     raw = add_synthetic_videos(raw, videos, seed=seed)
@@ -72,7 +74,7 @@ def _make_raw_data(out: Path, samples: int, seed: int, videos: int = 0) -> tuple
 
 
 def _pack(args: argparse.Namespace, raw: SyntheticData, tokenizer: Path, packed: Path) -> None:
-    from mmpack.offline_packing.demo.synthetic import pack_synthetic
+    from mmpack.demo.synthetic import pack_synthetic
 
     summary = pack_synthetic(
         raw,
@@ -112,8 +114,6 @@ def _export_and_compare(ckpt: Path, packed: Path, hf_out: Path) -> int:
     """`mmpack convert mcore-to-hf`, then the export's logits in transformers vs the checkpoint's at TP1."""
     import warnings
 
-    from mmpack.offline_packing.cli import main as mmpack_main
-
     os.environ["PYTHONWARNINGS"] = "ignore"  # megatron-core's CPU notices in the converter's process
     warnings.simplefilter("ignore")
     print(f"$ mmpack convert mcore-to-hf --ckpt {ckpt} --out {hf_out}", flush=True)
@@ -129,8 +129,10 @@ def _export_and_compare(ckpt: Path, packed: Path, hf_out: Path) -> int:
         return 0
     from transformers.utils import logging as hf_logging
 
+    from mmpack.trainer import cpu_backend
     from mmpack.trainer.export_check import first_image_sample, hf_logits, mcore_logits
 
+    cpu_backend.activate()  # this command is the entry point of the megatron-core model it loads in-process
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
@@ -150,8 +152,6 @@ def _export_and_compare(ckpt: Path, packed: Path, hf_out: Path) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit code."""
-    from mmpack.offline_packing.cli import main as mmpack_main
-
     if args.global_batch_size % args.dp:
         print(
             f"mmpack demo: --global-batch-size {args.global_batch_size} must be a multiple of --dp {args.dp}",

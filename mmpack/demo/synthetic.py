@@ -5,7 +5,7 @@ LLaVA, ShareGPT, caption and text-only records; `train_tiny_bpe` trains a small 
 Qwen chat/vision special tokens (deterministic, well under a second).
 
 Everything is a pure function of its arguments (seeded), so two calls give identical bytes.
-Command line: `python -m mmpack.offline_packing.demo.synthetic OUT_DIR --samples 1000 [--tokenizer]`.
+Command line: `python -m mmpack.demo.synthetic OUT_DIR --samples 1000 [--tokenizer]`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from PIL import Image
 if TYPE_CHECKING:
     from mmpack.offline_packing.summary import PackSummary
 
+from mmpack.offline_packing.options import job_config
 from mmpack.packing.tokenizer import SPECIAL_TOKENS as CHAT_SPECIAL_TOKENS
 from mmpack.packing.tokenizer import VIDEO_PAD
 
@@ -79,9 +80,7 @@ class SyntheticData:
     image_paths: tuple[Path, ...]
     records: tuple[dict, ...] = field(repr=False)
     counts_by_format: dict[str, int] = field(default_factory=dict)
-    video_paths: tuple[
-        Path, ...
-    ] = ()  # clips added by `mmpack.offline_packing.demo.videos.add_synthetic_videos`
+    video_paths: tuple[Path, ...] = ()  # clips added by `mmpack.demo.videos.add_synthetic_videos`
 
     @property
     def n_images(self) -> int:
@@ -283,7 +282,6 @@ def pack_synthetic(
     """Packs `data` with `tokenizer` into `output` by the real offline job; `options` are packing options
     (`mmpack.offline_packing.options`). Progress bars are off unless `progress=True` is given.
     """
-    from mmpack.offline_packing.options import job_config
     from mmpack.offline_packing.pipeline import run_pack
 
     cfg = job_config(

@@ -1,5 +1,5 @@
 """Tiny synthetic videos for the demo: a few short clips (PyAV, H.264 in mp4 or MPEG-4 in avi) and records that
-ask about them, appended to a synthetic dataset (`mmpack.offline_packing.demo.synthetic`).
+ask about them, appended to a synthetic dataset (`mmpack.demo.synthetic`).
 
 The clips are small (64..160 pixels a side, 9..40 frames) so that packing, decoding and training stay quick;
 frame counts are odd or even and one record mixes an image with two videos. Deterministic in `seed`.
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from mmpack.offline_packing.demo.synthetic import SyntheticData, random_words
+from mmpack.demo.synthetic import SyntheticData, random_words
 
 _QUESTIONS = ("What happens in this clip?", "Describe the motion.", "Which way does the bar move?")
 
