@@ -61,7 +61,7 @@ def test_another_model_is_one_clear_error(
 
     def built(*flags: str) -> dict:
         cfg = parse_args([*TINY, "--data-path", str(data), *COMMON, "--load", str(view), *flags])
-        return model_hf_config(cfg, dataset_info(cfg.data.first_path, cfg.train.seq_length))
+        return model_hf_config(cfg, dataset_info(cfg.data.train_data, cfg.train.seq_length))
 
     check_model_config(saved, built(), where)  # control: the flags of the run that saved it build its model
     with pytest.raises(CheckpointMismatchError) as refused:

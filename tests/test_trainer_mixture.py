@@ -58,7 +58,8 @@ def test_data_flags(tmp_path: Path) -> None:
     mix = tmp_path / "mix.yaml"
     mix.write_text("sources:\n  - {path: /d/a, weight: 3, name: ocr}\n  - {path: s3://b/c, weight: 1}\n")
     cfg = parse_args(["--data-mixture", str(mix), "--seq-length", "256"])
-    assert cfg.data.source_names == ("ocr", "c") and cfg.data.first_path == "/d/a"
+    assert cfg.data.data_mixture is not None and cfg.data.data_mixture.sources[0].path == "/d/a"
+    assert cfg.data.source_names == ("ocr", "c")
     cfg = parse_args(["--data-path", "0.7", "/d/a", "0.3", "/d/b"])
     assert cfg.data.data_path is None and [s.weight for s in cfg.data.data_mixture.sources] == [0.7, 0.3]
     assert parse_args(["--data-path", "/d/a"]).data.data_path == "/d/a"

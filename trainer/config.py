@@ -646,11 +646,6 @@ class DataConfig:
         return self.data_mixture or self.data_path
 
     @property
-    def first_path(self) -> str | None:
-        """The dataset whose manifest sets vocabulary and image rule (a mixture's sources all agree)."""
-        return self.data_mixture.sources[0].path if self.data_mixture else self.data_path
-
-    @property
     def source_names(self) -> tuple[str, ...]:
         """The names of the training sources, in `source_ids` order (empty for one dataset)."""
         return self.data_mixture.names if self.data_mixture else ()

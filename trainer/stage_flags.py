@@ -3,7 +3,7 @@ template and overlength policy when packing; the loader and checkpoint formats b
 checked against what the run really does, accepted with a one-line note, or refused in one line naming the flag
 and what mmpack does instead. The flags with a trainer meaning of their own (``--split``, the recompute and
 custom-pipeline flags, ``--lr-warmup-fraction``, ``--distributed-backend``, ``--data-parallel-size``) live in the
-configs they change (``trainer/config.py``); README's "Flags of Megatron-LM stage scripts" lists all of them."""
+configs they change (``trainer/config.py``); docs/trainer-flags.md, generated from the fields, lists all of them."""
 
 from __future__ import annotations
 
