@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mmpack.dataloader.bounded_files import short_repr
 from mmpack.dataloader.order import StreamOrder
 
 BLEND_CHUNK = 1024  # virtual time of one chunk: about this many positions
@@ -56,10 +57,21 @@ def blend_chunk(weights: np.ndarray, seed: int, chunk: int) -> BlendChunk:
 
 
 def normalised_weights(weights: Sequence[float]) -> np.ndarray:
-    w = np.asarray(weights, dtype=np.float64)
+    """`weights` scaled to sum 1; a ValueError where one is not a finite number > 0, or is so much smaller than
+    another that its share is 0 (its items would never come: the blend would look for them for ever)."""
+    try:
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"blend weights must be positive numbers, got {short_repr(weights)}") from None
     if w.ndim != 1 or not len(w) or not (np.isfinite(w).all() and (w > 0).all()):
-        raise ValueError(f"blend weights must be positive numbers, got {list(weights)}")
-    return w / w.sum()
+        raise ValueError(f"blend weights must be positive finite numbers, got {short_repr(weights)}")
+    w = w / w.max()  # the largest is 1: the sum cannot overflow (1e308 + 1e308)
+    w = w / w.sum()
+    if not (w > 0).all():
+        raise ValueError(
+            f"blend weights span too wide a range to share one stream, got {short_repr(weights)}"
+        )
+    return w
 
 
 def blend_positions(

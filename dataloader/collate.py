@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
+from mmpack.dataloader.codec_video import load_codec_video
 from mmpack.dataloader.readers import BinRecord
 from mmpack.dataloader.video import VideoPixels, collate_videos, load_video
-from mmpack.packing.batch import MicroBatch, PositionRule
+from mmpack.packing.batch import DroppedSample, MicroBatch, PositionRule
+from mmpack.packing.errors import MmpackError
 from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS
 from mmpack.packing.image_tokens import ImageTokenRule, image_to_patches
 from mmpack.packing.layout import IGNORE_INDEX, block_mask, build_labels, build_position_ids, segment_ids
+from mmpack.packing.patch_positions import block_patch_positions
 from mmpack.packing.video_tokens import VideoPlan
 
 if TYPE_CHECKING:
@@ -45,6 +48,9 @@ class CollateConfig:
     # a mixture: each source's own config by source id (its image rule, pixel limit and video style decode its
     # bins); the fields above are what every source shares (`mixture.check_sources`)
     sources: tuple[CollateConfig, ...] = ()
+    # a sample whose media cannot be decoded stops the loader (`BadSampleError`) instead of being dropped from
+    # its bin (labels masked, media blank); read from the config `collate_bins` is given, not a source's
+    strict_data: bool = False
 
     @classmethod
     def from_manifest(
@@ -76,6 +82,37 @@ class ImageTooLargeError(ValueError):
     def __init__(self, message: str, row: int = -1):
         super().__init__(message)
         self.row = row
+
+
+class BadSampleError(MmpackError, ValueError):
+    """A sample whose media cannot be decoded, under `CollateConfig.strict_data`; one line naming the sample,
+    its bin and the medium."""
+
+    default_reason = "bad_sample"
+
+
+@dataclass(frozen=True)
+class MediaFailure:
+    """One medium of a bin that could not be decoded: `kind` "image" or "video", its index among the bin's
+    images or videos, how it is named and why it failed (one line)."""
+
+    kind: str
+    index: int
+    media: str
+    error: str
+
+
+@dataclass(frozen=True)
+class BlankMedium:
+    """A video frame whose video could not be decoded, put among a bin's images (`_frames_into_images`): its
+    patches are blank and its sample is dropped."""
+
+    failure: MediaFailure
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (its type where it has none)."""
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def decode_image_patches(
@@ -150,6 +187,7 @@ def collate_bins(
     labels = np.full((b, length), IGNORE_INDEX, dtype=np.int64)
     segments: list[np.ndarray] = []  # per row: its segment lengths, padding included
     videos: list[list[VideoPixels]] = []
+    dropped: list[DroppedSample] = []
     num_real = 0
     for row, rec in enumerate(records):
         ids, mask, lens = _checked_row(rec, length)
@@ -161,20 +199,36 @@ def collate_bins(
         segments.append(lens if total == length else np.append(lens, length - total))
         num_real += total
         _check_image_pads(rec, ids, grids[row], row_cfgs[row])
+        failures: list[MediaFailure] = []
         for i, (data, g) in enumerate(zip(rec["images"], grids[row])):
             where = f"bin {rec['key']} image {i}"
             if isinstance(data, np.ndarray):  # a video frame's patches (`_frames_into_images`)
                 pixels[row_at : row_at + len(data)] = data
                 row_at += len(data)
                 continue
+            n = int(np.prod(g))
+            if isinstance(data, BlankMedium):  # a frame of a video that could not be decoded
+                failures.append(replace(data.failure, kind="image", index=i))
+                pixels[row_at : row_at + n] = 0.0
+                row_at += n
+                continue
             try:
                 rc = row_cfgs[row]  # the bin's own source's rule and pixel limit
                 patches = decode_image_patches(data, g, rc.rule, max_pixels=rc.max_image_pixels, where=where)
             except ImageTooLargeError as e:
                 raise ImageTooLargeError(str(e), row=row) from None
+            except MemoryError:
+                raise
+            except Exception as e:  # a damaged file: the sample is dropped below (or stops a strict loader)
+                failures.append(MediaFailure("image", i, f"image {i} of bin {rec['key']}", one_line(e)))
+                patches = np.zeros((n, width), dtype=np.float32)
             pixels[row_at : row_at + len(patches)] = patches
             row_at += len(patches)
-        videos.append(decode_bin_videos(rec, ids, row_cfgs[row]))
+        videos.append(decode_bin_videos(rec, ids, row_cfgs[row], failures=failures))
+        if failures:  # each sample with a medium that failed: no loss, its media blank
+            dropped += drop_samples(
+                rec, row, ids, lens, failures, row_cfgs[row], labels[row], cfg.strict_data
+            )
     if row_at != n_rows:  # the grids said how many; decode_image_patches makes that many per image
         raise ValueError(f"bins {[rec['key'] for rec in records]}: {row_at} patch rows, grids need {n_rows}")
     vision = collate_videos([v for row in videos for v in row])
@@ -201,6 +255,7 @@ def collate_bins(
         if cfg.build_attention_mask
         else None,
         patch_positions=None if cfg.position_rule is None else cfg.position_rule.patch_positions(image_grids),
+        dropped=tuple(dropped),
     )
 
 
@@ -213,6 +268,55 @@ def _row_configs(cfg: CollateConfig, source_ids: np.ndarray | None, rows: int) -
     return [cfg.sources[int(s)] for s in source_ids]
 
 
+def drop_samples(
+    rec: BinRecord,
+    row: int,
+    ids: np.ndarray,
+    lens: np.ndarray,
+    failures: list[MediaFailure],
+    cfg: CollateConfig,
+    labels: np.ndarray,
+    strict: bool,
+) -> list[DroppedSample]:
+    """Drops from one bin each sample holding a medium that failed (its media are blank already): its labels in
+    `labels` (the bin's row) are masked, so it adds no loss and no gradient, and the bin keeps its layout.
+    `strict`: BadSampleError naming the first such sample instead."""
+    ends = np.cumsum(lens)
+    out: dict[int, DroppedSample] = {}
+    for f in failures:
+        for k in _owners(rec, ids, ends, f, cfg):
+            sid = str(rec["sample_ids"][k]) if k < len(rec["sample_ids"]) else f"#{k}"
+            if strict:
+                raise BadSampleError(
+                    f"sample {sid!r} (bin {rec['key']}): {f.media} cannot be decoded: {f.error} "
+                    "(--strict-data stops here; without it the sample is dropped and training goes on)"
+                )
+            if k not in out:
+                labels[int(ends[k] - lens[k]) : int(ends[k])] = IGNORE_INDEX
+                out[k] = DroppedSample(
+                    sample_id=sid, bin_key=str(rec["key"]), row=row, media=f.media, error=f.error
+                )
+    return list(out.values())
+
+
+def _owners(
+    rec: BinRecord, ids: np.ndarray, ends: np.ndarray, f: MediaFailure, cfg: CollateConfig
+) -> list[int]:
+    """The sample holding a failed medium: the one whose segment holds its first pad (the media's pads come in
+    order, each medium its token count of them); every sample of the bin where that cannot be told."""
+    if f.kind == "image":
+        pad_id = cfg.image_pad_id
+        counts = [cfg.rule.tokens_of_grid((int(g[0]), int(g[1]), int(g[2]))) for g in _checked_grids(rec)]
+    else:
+        pad_id = cfg.video_pad_id
+        counts = [int(p["num_tokens"]) for p in rec.get("video_plans", ())]
+    pads = np.flatnonzero(ids == pad_id) if pad_id >= 0 else np.zeros(0, dtype=np.int64)
+    first = sum(counts[: f.index])
+    if first >= len(pads):
+        return list(range(len(ends)))
+    return [int(np.searchsorted(ends, pads[first], side="right"))]
+
+
 def _as_is(rec: BinRecord) -> tuple[BinRecord, list[np.ndarray]]:
     """`_frames_into_images` of a bin whose videos stay videos: the record, and t = 0 for its images' patches."""
     return rec, [np.zeros(int(np.prod(g)), dtype=np.int64) for g in _checked_grids(rec)]
@@ -220,10 +324,19 @@ def _as_is(rec: BinRecord) -> tuple[BinRecord, list[np.ndarray]]:
 
 def _with_frame_times(batch: MicroBatch[np.ndarray], ts: list[np.ndarray]) -> MicroBatch[np.ndarray]:
     """The batch with each frame's patch positions at t = its index in its video (`ts`: per image or frame,
-    what to add to its patches' t)."""
+    what to add to its patches' t, or [P, 3] to their (t, row, column): a codec video's)."""
     if batch.patch_positions is not None and ts:
-        batch.patch_positions[:, 0] += np.concatenate(ts)
+        batch.patch_positions[:] += np.concatenate([_as_offsets(t) for t in ts])
     return batch
+
+
+def _as_offsets(t: np.ndarray) -> np.ndarray:
+    """[P, 3] offsets of (t, row, column) from per-patch t offsets [P] or offsets [P, 3]."""
+    if t.ndim == 2:
+        return t
+    out = np.zeros((len(t), 3), dtype=np.int64)
+    out[:, 0] = t
+    return out
 
 
 def _frames_into_images(rec: BinRecord, cfg: CollateConfig) -> tuple[BinRecord, list[np.ndarray]]:
@@ -234,10 +347,10 @@ def _frames_into_images(rec: BinRecord, cfg: CollateConfig) -> tuple[BinRecord, 
     frames are its runs of pads (one run per frame); else the next images are, one run each."""
     ids, _, lens = _checked_row(rec, cfg.seq_len)
     stored = list(rec.get("video_plans", ()))
-    decoded = decode_bin_videos(rec, ids, cfg, check_pads=False)
-    videos = [
-        (VideoPlan.from_dict(e), e.get("sample_id"), px.pixel_values_videos) for e, px in zip(stored, decoded)
-    ]
+    fails: list[MediaFailure] = []
+    decoded = decode_bin_videos(rec, ids, cfg, check_pads=False, failures=fails)
+    failed = {f.index: BlankMedium(f) for f in fails}  # a video that failed: each frame a blank medium
+    videos = [(VideoPlan.from_dict(e), e.get("sample_id"), px) for e, px in zip(stored, decoded)]
     images = list(zip(rec["images"], _checked_grids(rec)))
     media: list[Any] = []
     grids: list[tuple[int, ...]] = []
@@ -249,13 +362,20 @@ def _frames_into_images(rec: BinRecord, cfg: CollateConfig) -> tuple[BinRecord, 
         n_videos, frames = 0, list[int]()
         while len(frames) < len(runs) and v + n_videos < len(videos) and videos[v + n_videos][1] == sid:
             plan = videos[v + n_videos][0]
-            frames += [plan.num_tokens // plan.grid_thw[0]] * plan.grid_thw[0]
+            frames += list(plan.run_tokens) or [plan.num_tokens // plan.grid_thw[0]] * plan.grid_thw[0]
             n_videos += 1
         if n_videos and frames == runs:
-            for plan, _, patches in videos[v : v + n_videos]:
+            for vi, (plan, _, px) in enumerate(videos[v : v + n_videos], start=v):
+                patches = px.pixel_values_videos
+                if px.patch_positions is not None:  # codec canvases: one grid row, their source positions
+                    media.append(failed.get(vi, patches))
+                    grids.append(tuple(plan.grid_thw))
+                    grid = np.asarray([plan.grid_thw])
+                    ts.append(px.patch_positions - block_patch_positions(grid, cfg.rule.merge_size))
+                    continue
                 per_frame = patches.shape[0] // plan.grid_thw[0]
                 for f, index in enumerate(plan.frame_indices):
-                    media.append(patches[f * per_frame : (f + 1) * per_frame])
+                    media.append(failed.get(vi, patches[f * per_frame : (f + 1) * per_frame]))
                     grids.append((1, plan.grid_thw[1], plan.grid_thw[2]))
                     ts.append(np.full(per_frame, index, dtype=np.int64))
             v += n_videos
@@ -351,10 +471,16 @@ def _positions(
 
 
 def decode_bin_videos(
-    rec: BinRecord, ids: np.ndarray, cfg: CollateConfig, *, check_pads: bool = True
+    rec: BinRecord,
+    ids: np.ndarray,
+    cfg: CollateConfig,
+    *,
+    check_pads: bool = True,
+    failures: list[MediaFailure] | None = None,
 ) -> list[VideoPixels]:
     """The planned frames of each video of one bin, as model inputs; checks plans, grids and (`check_pads`)
-    the `<|video_pad|>` count."""
+    the `<|video_pad|>` count. Given `failures`, a video that cannot be decoded is blank (its planned grid of
+    zero patches) and noted there; else its error is raised."""
     stored = rec.get("video_plans", ())
     plans = [VideoPlan.from_dict(p) for p in stored]
     grid = np.asarray(rec.get("video_grid_thw", np.zeros((0, 3))), dtype=np.int64).reshape(-1, 3)
@@ -371,8 +497,31 @@ def decode_bin_videos(
             raise ValueError(
                 f"bin {rec['key']} video {i}: grid {g.tolist()} differs from its plan's {plan.grid_thw}"
             )
-        out.append(load_video(blob, plan, cfg.rule, name=_video_name(stored[i], rec["key"], i)))
+        name = _video_name(stored[i], rec["key"], i)
+        load = load_codec_video if plan.run_tokens else load_video  # codec canvases, or a video file
+        try:
+            out.append(load(blob, plan, cfg.rule, name=name))
+        except MemoryError:
+            raise
+        except Exception as e:  # a damaged file: blank, and its sample dropped by the caller
+            if failures is None:
+                raise
+            failures.append(MediaFailure("video", i, _video_file(stored[i], rec["key"], i), one_line(e)))
+            out.append(_blank_video(plan, cfg))
     return out
+
+
+def _blank_video(plan: VideoPlan, cfg: CollateConfig) -> VideoPixels:
+    """Zero patches in the shape of the planned video (a codec video's at its canvases' block positions)."""
+    grid = (int(plan.grid_thw[0]), int(plan.grid_thw[1]), int(plan.grid_thw[2]))
+    blank = np.zeros((grid[0] * grid[1] * grid[2], cfg.rule.patch_dim), dtype=np.float32)
+    positions = block_patch_positions(np.asarray([grid]), cfg.rule.merge_size) if plan.run_tokens else None
+    return VideoPixels(blank, grid, plan.second_per_grid_t, positions)
+
+
+def _video_file(plan: dict, key: str, i: int) -> str:
+    """The video as its record named it (datasets packed since plans record it), else its place in the bin."""
+    return str(plan.get("source") or f"video {i} of bin {key}")
 
 
 def _check_video_pads(rec: BinRecord, ids: np.ndarray, plans: list[VideoPlan], cfg: CollateConfig) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 from mmpack.dataloader.balance import BALANCE_MODES, ComputeBalance, compute_balance
 from mmpack.dataloader.blend import BlendedStream, BlendStage
 from mmpack.dataloader.collate import CollateConfig
-from mmpack.dataloader.manifest import Manifest, load_manifest
+from mmpack.dataloader.manifest import DatasetNotFoundError, Manifest, load_manifest
 from mmpack.dataloader.mixture import Mixture, MixtureLike, as_mixture, check_sources, vision_source
 from mmpack.dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan, BinSplit, StreamOrder
 from mmpack.dataloader.pool import run_in_process, run_workers, take_batch
@@ -349,6 +349,7 @@ def build_loader(
     cost_model: CostModel | None = None,
     position_rule: PositionRule | None = None,
     split: tuple[tuple[float, float, float], int, int] | None = None,
+    strict_data: bool = False,
 ) -> PackedLoader:
     """A loader of the packed dataset at `path` (folder or fsspec URL) for the rank `topology`, or of a
     mixture: a list of `(weight, path)` pairs or a `mmpack.dataloader.mixture.Mixture` (each source with its own
@@ -367,6 +368,8 @@ def build_loader(
     `mmpack.packing.mrope.MRopeRule`), computed in the loader workers; None: positions restart at 0 per sample.
     `split`: (weights, part, split seed) of Megatron-LM's --split: the loader reads only that part's bins
     (`mmpack.dataloader.order.split_bins`; 0 train, 1 valid, 2 test; the same split seed splits alike).
+    A sample whose media cannot be decoded is dropped from its bin (labels masked, media blank; the batch's
+    `dropped` names it), or with `strict_data` stops the loader (`collate.BadSampleError`, one line).
     """
     mixture = as_mixture(path)
     config = LoaderConfig(
@@ -414,10 +417,10 @@ def build_loader(
         )
         for s in sources
     )
-    collate = collates[0]
+    collate = dataclasses.replace(collates[0], strict_data=strict_data)
     if mixture is not None:  # each bin decoded by its own source's rule; the shared fields an image source's
         shared = collates[vision_source([s.manifest for s in sources])]
-        collate = dataclasses.replace(shared, sources=collates)
+        collate = dataclasses.replace(shared, sources=collates, strict_data=strict_data)
     costs = None
     if balance == "compute":
         parts = [compute_balance(s.manifest, s.storage, cost_model).bin_costs for s in sources]
@@ -455,7 +458,9 @@ def _load_source(load: Any, path: str, name: str, options: dict[str, Any] | None
         return load(path, options)  # type: ignore[no-any-return]
     except (OSError, ValueError) as e:
         kind = (
-            FileNotFoundError
+            DatasetNotFoundError
+            if isinstance(e, DatasetNotFoundError)
+            else FileNotFoundError
             if isinstance(e, FileNotFoundError)
             else ValueError
             if isinstance(e, ValueError)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from mmpack.packing.errors import MmpackError
 from mmpack.packing.fileio import resolve_storage_options
 from mmpack.packing.format import MANIFEST_NAME
 from mmpack.packing.image_tokens import ImageTokenRule
@@ -110,6 +111,12 @@ def join_url(root: str, rel: str) -> str:
     return root.rstrip("/") + "/" + rel.lstrip("/")
 
 
+class DatasetNotFoundError(MmpackError, FileNotFoundError):
+    """No packed dataset where one was named: its manifest.json is not there (one line for the user)."""
+
+    default_reason = "dataset_not_found"
+
+
 def load_manifest(
     root: str,
     *,
@@ -131,7 +138,9 @@ def load_manifest(
             transient=lambda e: isinstance(e, ValueError) or is_transient(e),
         )
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"no packed dataset at {root!r}: {url} not found") from e
+        raise DatasetNotFoundError(
+            f"no packed dataset at {root!r}: {url} not found; give the folder (or URL) `mmpack pack -o` wrote"
+        ) from e
     except RetriesExhausted as e:
         raise OSError(
             f"cannot read {url} after {e.attempts} attempts: {type(e.last).__name__}: {e.last}"

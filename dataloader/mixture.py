@@ -8,7 +8,10 @@ file (`--data-mixture mix.yaml`)::
       - {path: /data/captions, weight: 0.7}
 
 Either every source has a `weight` (shares of the blended stream, normalised to sum 1) or every source has a
-`repeat` (epochs of that source per epoch of the mixture: shares proportional to repeat x bins). The same
+`repeat` (epochs of that source per epoch of the mixture: shares proportional to repeat x bins). A mixture file
+is input and bounded like any: a regular file (not a FIFO or a device) of at most `MAX_MIXTURE_FILE_BYTES`, YAML
+aliases expanding to at most `MAX_MIXTURE_NODES` nodes, only the keys above, weights and repeats finite numbers
+within `WEIGHT_RANGE` / `REPEAT_RANGE` (a bool is not one). The same
 dataset named twice (two paths to one folder, one URL written twice) is refused: it would replay its bins as
 if they were two sources. The sources must agree in what one model needs (`check_sources`: length, token ids,
 tokenizer, vision geometry); each keeps its own pixel budget, by which the loader decodes its bins.
@@ -23,6 +26,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmpack.dataloader.bounded_files import load_yaml_bounded, read_regular_file, short_repr
+
+MAX_MIXTURE_FILE_BYTES = 4 << 20
+# YAML nodes once aliases are expanded (a scalar counts 1 + its length)
+MAX_MIXTURE_NODES = 2 * MAX_MIXTURE_FILE_BYTES
+WEIGHT_RANGE = (1e-9, 1e12)  # shares are ratios of weights: wider ranges only lose precision or overflow
+REPEAT_RANGE = (1e-6, 1e6)  # epochs of a source per epoch of the mixture
+SOURCE_KEYS = ("path", "weight", "repeat", "name", "storage_options")
+TOP_LEVEL_KEYS = ("sources",)
+
 
 @dataclass(kw_only=True, frozen=True)
 class MixtureSource:
@@ -35,18 +48,30 @@ class MixtureSource:
     storage_options: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not self.path:
-            raise ValueError("a mixture source needs a path")
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"a mixture source needs a path (a string), got {short_repr(self.path)}")
+        if not isinstance(self.name, str):
+            raise ValueError(
+                f"mixture source {self.path!r}: name must be a string (quote a number), got {short_repr(self.name)}"
+            )
         if (self.weight is None) == (self.repeat is None):
             raise ValueError(f"mixture source {self.path!r}: give exactly one of weight and repeat")
-        for key in ("weight", "repeat"):
+        for key, (low, high) in (("weight", WEIGHT_RANGE), ("repeat", REPEAT_RANGE)):
             value = getattr(self, key)
-            if value is not None and not (
-                isinstance(value, int | float) and math.isfinite(value) and value > 0
-            ):
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if value is not None and not (number and math.isfinite(value) and low <= value <= high):
+                hint = " (YAML reads 1e-3 as text: write 1.0e-3 or 0.001)" if isinstance(value, str) else ""
                 raise ValueError(
-                    f"mixture source {self.path!r}: {key} must be a positive number, got {value!r}"
+                    f"mixture source {self.path!r}: {key} must be a positive number from {low:g} to {high:g}, got "
+                    f"{short_repr(value)}{hint}"
                 )
+        if self.storage_options is not None and not (
+            isinstance(self.storage_options, dict) and all(isinstance(k, str) for k in self.storage_options)
+        ):
+            raise ValueError(
+                f"mixture source {self.path!r}: storage_options must be a mapping of option names, got "
+                f"{short_repr(self.storage_options)}"
+            )
 
     @property
     def identity(self) -> str:
@@ -72,12 +97,14 @@ class Mixture:
             if s.identity in seen:
                 raise ValueError(
                     f"mixture names one dataset twice: {seen[s.identity]!r} and {s.path!r} are both "
-                    f"{s.identity}; give it once (with the sum of the weights)"
+                    f"{s.identity!r}; give it once (with the sum of the weights)"
                 )
             seen[s.identity] = s.path
         names = [s.name for s in self.sources if s.name]
         if len(set(names)) != len(names):
-            raise ValueError(f"mixture source names must differ, got {names}; give each its own name")
+            raise ValueError(
+                f"mixture source names must differ, got {short_repr(names)}; give each its own name"
+            )
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -85,7 +112,9 @@ class Mixture:
         base = [s.name or s.path.rstrip("/").rsplit("/", 1)[-1] or s.path for s in self.sources]
         names = [b if s.name or base.count(b) == 1 else s.path for s, b in zip(self.sources, base)]
         if len(set(names)) != len(names):
-            raise ValueError(f"mixture source names must differ, got {names}; give each its own name")
+            raise ValueError(
+                f"mixture source names must differ, got {short_repr(names)}; give each its own name"
+            )
         return tuple(names)
 
     @property
@@ -98,8 +127,14 @@ class Mixture:
             float(s.repeat) * n if s.repeat is not None else float(s.weight or 0)
             for s, n in zip(self.sources, num_bins)
         ]
-        total = sum(raw)
-        return tuple(r / total for r in raw)
+        top = max(raw)
+        if not (math.isfinite(top) and top > 0):
+            raise ValueError(
+                f"mixture shares need finite weights and sources with bins, got {short_repr(raw)}"
+            )
+        scaled = [r / top for r in raw]  # the largest is 1: the sum cannot overflow
+        total = sum(scaled)
+        return tuple(r / total for r in scaled)
 
     def epoch_bins(self, num_bins: Sequence[int]) -> int:
         """Bins in one epoch of the mixture: every source's bins (by weight), or repeat x bins (by repeat)."""
@@ -137,25 +172,36 @@ def parse_inline(spec: str | Sequence[str]) -> Mixture:
 
 
 def load_mixture_file(path: str) -> Mixture:
-    """A mixture from a YAML or JSON file: `{sources: [{path, weight | repeat, name?, storage_options?}]}`."""
+    """A mixture from a YAML or JSON file: `{sources: [{path, weight | repeat, name?, storage_options?}]}` (or the
+    list alone). Every refusal is a ValueError naming the file and what to change."""
+    text = read_regular_file(path, "mixture file", MAX_MIXTURE_FILE_BYTES, advice="give a YAML or JSON file")
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ValueError(f"cannot read mixture file {path}: {e}") from e
-    try:
-        raw = json.loads(text) if path.endswith(".json") else _yaml(text)
+        raw = json.loads(text) if path.endswith(".json") else load_yaml_bounded(text, MAX_MIXTURE_NODES)
+    except RecursionError:
+        raise ValueError(f"mixture file {path} nests too deep to parse; a mixture is a flat list") from None
     except ValueError as e:
-        raise ValueError(f"mixture file {path} does not parse: {e}") from e
+        raise ValueError(f"mixture file {path} does not parse: {e}") from None
+    if isinstance(raw, dict):
+        unknown = [k for k in raw if k not in TOP_LEVEL_KEYS]
+        if unknown:
+            raise ValueError(
+                f"mixture file {path}: unknown top-level key(s) {short_repr(unknown)}; it holds only "
+                f"{list(TOP_LEVEL_KEYS)}"
+            )
     entries = raw.get("sources") if isinstance(raw, dict) else raw
     if not isinstance(entries, list):
         raise ValueError(f"mixture file {path}: want a list under 'sources', got {type(entries).__name__}")
     sources = []
     for i, entry in enumerate(entries):
-        known = {"path", "weight", "repeat", "name", "storage_options"}
-        if not isinstance(entry, dict) or set(entry) - known:
+        if not isinstance(entry, dict):
             raise ValueError(
-                f"mixture file {path}: source {i} must be a mapping of {sorted(known)}, got {entry!r}"
+                f"mixture file {path}: source {i} must be a mapping of {list(SOURCE_KEYS)}, got {short_repr(entry)}"
+            )
+        unknown = [k for k in entry if k not in SOURCE_KEYS]
+        if unknown:
+            raise ValueError(
+                f"mixture file {path}: source {i} must be a mapping of {list(SOURCE_KEYS)}; unknown key(s) "
+                f"{short_repr(unknown)}"
             )
         try:
             sources.append(MixtureSource(**entry))
@@ -165,15 +211,6 @@ def load_mixture_file(path: str) -> Mixture:
         return Mixture(sources=tuple(sources))
     except ValueError as e:
         raise ValueError(f"mixture file {path}: {e}") from None
-
-
-def _yaml(text: str) -> Any:
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ValueError(str(e)) from None
 
 
 MixtureLike = str | Sequence[tuple[float, str]] | Mixture

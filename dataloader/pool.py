@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+from mmpack.dataloader.collate import BadSampleError
 from mmpack.dataloader.storage import ShardError
 from mmpack.dataloader.transport import SlotReader, new_slot_flags
 from mmpack.dataloader.worker import ProducerSpec, make_producer, to_torch, worker_loop
@@ -120,6 +121,8 @@ def run_workers(
                 metrics[w] = worker_metrics
             if kind == "shard_error":
                 raise ShardError(payload)
+            if kind == "bad_sample":
+                raise BadSampleError(payload)
             if kind != "ok":
                 raise RuntimeError(f"loader worker {w} failed on micro-batch {got_k}:\n{payload}")
             assert got_k == k, f"worker {w} sent micro-batch {got_k}, expected {k}"

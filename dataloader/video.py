@@ -41,6 +41,8 @@ class VideoPixels:
     pixel_values_videos: np.ndarray
     video_grid_thw: tuple[int, int, int]
     second_per_grid_t: float
+    # a codec video's (`mmpack.dataloader.codec_video`): each patch's source (frame, row, column), int64 [P, 3]
+    patch_positions: np.ndarray | None = None
 
 
 def load_video(

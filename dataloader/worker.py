@@ -27,7 +27,7 @@ import torch.multiprocessing
 
 from mmpack.dataloader.balance import ComputeBalance
 from mmpack.dataloader.blend import BlendedStream, BlendStage
-from mmpack.dataloader.collate import CollateConfig, ImageTooLargeError, collate_bins
+from mmpack.dataloader.collate import BadSampleError, CollateConfig, ImageTooLargeError, collate_bins
 from mmpack.dataloader.manifest import Manifest
 from mmpack.dataloader.order import BatchPlan, BinSplit, StreamOrder, micro_batch_bins
 from mmpack.dataloader.readers import (
@@ -41,6 +41,7 @@ from mmpack.dataloader.storage import ShardError, ShardStore, StorageConfig
 from mmpack.dataloader.topology import Topology
 from mmpack.dataloader.transport import HANDOVER_MAX_BYTES, SlotWriter
 from mmpack.packing.batch import MicroBatch
+from mmpack.packing.processes import exit_with_parent
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -498,6 +499,7 @@ def worker_loop(
     (a group of them would pass `HANDOVER_MAX_BYTES`), the worker keeps that room to itself, so at most
     `prefetch_batches` large ones, the one being made included, are held for the consumer (memory).
     """
+    exit_with_parent()  # a rank killed outright (SIGKILL, the OOM killer) takes its workers with it
     # Objects inherited from the consumer's process (forked) are never collected here: garbage among them
     # would run its finalizers in this process, where they do not belong (an fsspec filesystem's finalizer
     # closes its HTTP session on the consumer's event loop, which has no thread here, and waits a second
@@ -551,8 +553,14 @@ def worker_loop(
                 pending_bytes += msg.nbytes
                 large = msg.nbytes * handover > HANDOVER_MAX_BYTES
             except Exception as e:
-                kind = "shard_error" if isinstance(e, ShardError) else "error"
-                detail = str(e) if kind == "shard_error" else traceback.format_exc()
+                kind = (
+                    "shard_error"
+                    if isinstance(e, ShardError)
+                    else "bad_sample"  # --strict-data: one line naming the sample
+                    if isinstance(e, BadSampleError)
+                    else "error"
+                )
+                detail = traceback.format_exc() if kind == "error" else str(e)
                 item = (kind, k, detail, None)
             pending.append(item)
             k += num_workers

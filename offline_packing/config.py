@@ -14,6 +14,7 @@ cannot be read by a stage without being part of its fingerprint.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Literal, overload
 
@@ -40,6 +41,18 @@ SHARED_PATCH_FIELDS = ("patch_size", "merge_size", "temporal_patch_size")
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def require_utf8_path(path: str, what: str) -> None:
+    """Raises ValueError naming `path` as bytes when its name is not valid UTF-8 (Python keeps such bytes as lone
+    surrogates, which no manifest, reject row, marker or URL can hold)."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{what} path {os.fsencode(path)!r} is not valid UTF-8 (a file or folder name in another encoding); "
+            "rename it to UTF-8, e.g. convmv -f latin1 -t utf8 --notest"
+        ) from None
 
 
 def _at_least(minimum: int, **values: int | None) -> None:
@@ -180,6 +193,10 @@ class PackJobConfig:
             )
         _at_least(1, max_images_per_bin=self.max_images_per_bin)
         _one_of("verify_inputs", self.verify_inputs, VERIFY_INPUTS)
+        named = {"-o": self.output, "--work-dir": self.control.work_dir, "--image-root": self.scan.image_root}
+        for what, path in [*(("-i", p) for p in self.inputs), *named.items(), ("-t", self.tokenizer)]:
+            if path is not None:
+                require_utf8_path(path, what)
 
     @overload
     def stage_config(self, stage: Literal["scan"]) -> ScanStage: ...

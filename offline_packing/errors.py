@@ -63,8 +63,12 @@ REJECT_REASONS: dict[str, str] = {
     "undecodable_video": "--video-check decode: the planned frames do not decode",
     "video_with_images": "llava_onevision2 rule: a sample with images and videos (its processor mixes them up)",
     "video_timestamp_merge": "llava_onevision2 rule: the text before a <video> merges with its first timestamp",
+    "codec_video": "llava_onevision2 codec canvases (a cv-preinfer folder) that do not fit: positions not matching "
+    "the canvases, a canvas partly padding, no fps, blocks other than 2 x 2, another video rule, another video in the "
+    "sample, or no newline after its <video>",
     # length
-    "overlength": "longer than -L under --overlength drop (or no cut keeps a target token under truncate)",
+    "overlength": "longer than -L under --overlength drop (or no cut keeps a target token under truncate, or a "
+    "text too long for -L tokens, never tokenized)",
 }
 
 

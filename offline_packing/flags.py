@@ -265,8 +265,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "-w",
         "--workers",
         type=int,
-        help="worker processes for scan, lengths, write (local engine; under --engine ray every chunk is a Ray "
-        "task of one CPU, as many at once as the cluster has CPUs)",
+        help="worker processes for scan, lengths, write (local engine; at most one per CPU the job may use; "
+        "under --engine ray every chunk is a Ray task of one CPU, as many at once as the cluster has CPUs)",
     )
     _add(
         g,

@@ -3,7 +3,9 @@
 The output (-o) is claimed as a "dataset" folder and the work folder as a "work" folder
 (`mmpack.packing.ownership`): a folder that is not empty and carries no mmpack marker is refused before
 anything is written (`--overwrite` adopts it; nothing of it but the files the job writes is touched). Both are
-then locked for the job's duration (`mmpack.packing.joblock`), so a second job on the same output or work
+claimed only once the inputs are expanded (`check_job_folders` first), so a run refused for a folder or an
+input (one inside the output or work folder) leaves no marker anywhere. Both are then locked for the job's
+duration (`mmpack.packing.joblock`), so a second job on the same output or work
 folder stops at once, naming the first. `--clean-work` deletes only the work folder's own files
 (`mmpack.offline_packing.workdir.is_work_file`), then its marker and the folder if nothing else is left.
 """
@@ -19,9 +21,18 @@ from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.errors import PackError
 from mmpack.offline_packing.workdir import is_work_file
 from mmpack.packing.joblock import JobLock, hold_lock
-from mmpack.packing.ownership import OwnedFolder, claim_folder, is_local
+from mmpack.packing.ownership import OwnedFolder, check_claim, claim_folder, is_local
 
 _OUTPUT, _WORK = "output (-o)", "work folder (--work-dir)"
+# what --overwrite does to a folder it adopts, as the refusal says it (`offline_packing.write`: the dataset's
+# files; `workdir.is_work_file`: the work folder's)
+_OUTPUT_REPLACED = (
+    "its manifest.json, stats.json, rejects.jsonl, .nv-meta/ files and shards/<prefix>-NNNNNN files replace "
+    "yours of the same names"
+)
+_WORK_REPLACED = (
+    "its stage files (<stage>.done.json, scan/, lengths/, binpack/, write/) replace yours of the same names"
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,39 @@ class JobFolders:
             lock.check()
 
 
+def check_job_folders(cfg: PackJobConfig, work_address: str) -> None:
+    """Raises what `claim_job_folders` would for a folder that is not the job's, writing nothing (the job
+    checks its folders, then expands its inputs, then claims the folders: a refused run leaves no marker).
+
+    Raises:
+        FolderNotOwned: a folder is not mmpack's (see the module docstring).
+        PackError: the output and the work folder are one folder.
+    """
+    _refuse_one_folder(cfg, work_address)
+    for url, kind, role, replaces in _folders(cfg, work_address):
+        check_claim(
+            url,
+            kind,
+            overwrite=cfg.control.overwrite,
+            overwrite_flag="--overwrite",
+            storage_options=cfg.control.storage_options,
+            role=role,
+            replaces=replaces,
+        )
+
+
+def _folders(cfg: PackJobConfig, work_address: str) -> tuple[tuple[str, str, str, str], ...]:
+    """(url, kind, role, what --overwrite replaces) of the output and of the work folder."""
+    return (cfg.output, "dataset", _OUTPUT, _OUTPUT_REPLACED), (work_address, "work", _WORK, _WORK_REPLACED)
+
+
+def _refuse_one_folder(cfg: PackJobConfig, work_address: str) -> None:
+    if _same_folder(cfg.output, work_address):
+        raise PackError(
+            f"the output (-o) and the work folder (--work-dir) are one folder, {cfg.output}; give another --work-dir"
+        )
+
+
 @contextmanager
 def claim_job_folders(cfg: PackJobConfig, work_address: str) -> Iterator[JobFolders]:
     """Claim the output and the work folder, and hold their locks inside the block.
@@ -47,23 +91,19 @@ def claim_job_folders(cfg: PackJobConfig, work_address: str) -> Iterator[JobFold
         FolderLocked: another job holds one of them.
         PackError: the output and the work folder are one folder.
     """
-    if _same_folder(cfg.output, work_address):
-        raise PackError(
-            f"the output (-o) and the work folder (--work-dir) are one folder, {cfg.output}; give another --work-dir"
-        )
-
-    def claim(url: str, kind: str, role: str) -> OwnedFolder:
-        return claim_folder(
+    _refuse_one_folder(cfg, work_address)
+    output, work = [
+        claim_folder(
             url,
             kind,
             overwrite=cfg.control.overwrite,
             overwrite_flag="--overwrite",
             storage_options=cfg.control.storage_options,
             role=role,
+            replaces=replaces,
         )
-
-    output = claim(cfg.output, "dataset", _OUTPUT)
-    work = claim(work_address, "work", _WORK)
+        for url, kind, role, replaces in _folders(cfg, work_address)
+    ]
     try:
         with ExitStack() as stack:
             locks = tuple(

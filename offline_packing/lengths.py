@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -35,10 +34,12 @@ from mmpack.packing.chat import (
 )
 from mmpack.packing.image_tokens import ImageSizeError
 from mmpack.packing.jinja_chat import VIDEO_TAG, ChatTemplateError
+from mmpack.packing.template_limits import ChatTemplateLimitError
 from mmpack.packing.video_tokens import VideoMeta, VideoRuleError
 
 STAGE = "lengths"
 ENCODE_BATCH = 256  # samples whose rendered texts are encoded in one tokenizer call
+ENCODE_CALL_CHARS = 1 << 22  # ... unless their texts are longer together: a call's memory grows with its text
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ def plan_videos(sample: dict, vrule: Any, remote: RemoteFiles | None = None) -> 
     plans = []
     for path, info in zip(sample.get("videos", ()), sample.get("video_info", ())):
         try:
+            if "codec" in info:  # LLaVA-OneVision-2 codec canvases: planned from the scan's summary
+                plans.append(vrule.plan_codec(info["codec"]))
+                continue
             plans.append(vrule.plan(VideoMeta(**info["meta"])))
             if remote is not None:
                 video_timeline.decode_check(remote, path, plans[-1], name=path)
@@ -108,27 +112,66 @@ def prepare_scanned(
     whole = bool(expansions) and style.whole_block
     if expanded and grids and not style.with_images:  # its processor gives other ids and pixels than the text
         raise SampleReject("video_with_images", f"{len(grids)} images and {len(plans)} videos")
+    if len(plans) > 1 and any(p.run_tokens for p in plans):  # the codec rewrite takes one video's blocks
+        raise SampleReject(
+            "codec_video",
+            f"{len(plans)} videos, one of them codec canvases: a codec video must be its sample's only one",
+        )
     try:
         prep = prepare_conversation(
             conv, tokenizer, counts, options.chat_template, [p.num_tokens for p in plans], expansions, whole
         )
+    except ChatTemplateLimitError as exc:  # the template went past a limit: the job stops, naming the sample
+        raise PackError(f"{sample['src']}:{sample['line']}: {exc}") from None
     except ChatTemplateError as exc:
         raise SampleReject("chat_template_mismatch", str(exc)) from None
     except ValueError as exc:
         if plans and "video_pad" not in tokenizer.special_ids:
             raise PackError(f"{sample['src']}:{sample['line']}: {exc}") from None
         raise
+    _check_text_fits(prep.text, cfg, tokenizer, sample)
     if whole:
         _check_video_starts(prep, plans, tokenizer, style)
     return ScannedPrep(sample, grids, plans, prep)
+
+
+def text_char_limit(seq_len: int, tokenizer: Any) -> int | None:
+    """The most characters of rendered text the stage hands the tokenizer: a longer text holds more than `seq_len`
+    tokens whatever it says (`max_token_chars`, the most characters one token stands for); None where the
+    tokenizer gives no such bound."""
+    per_token = getattr(tokenizer, "max_token_chars", None)
+    return None if per_token is None else seq_len * per_token
+
+
+def _check_text_fits(text: str, cfg: LengthsStage, tokenizer: Any, sample: dict) -> None:
+    """A text past `text_char_limit` is over-length before it is tokenized (a tokenizer takes about 125 bytes of
+    memory per character): a reject (`drop`, and `truncate`, which could not know its cut exactly without
+    tokenizing it whole), or the job's error (`error`)."""
+    limit = text_char_limit(cfg.seq_len, tokenizer)
+    if limit is None or len(text) <= limit:
+        return
+    message = (
+        f"text of {len(text)} characters holds more than seq_len {cfg.seq_len} tokens (one token stands for at "
+        f"most {limit // cfg.seq_len} characters); not tokenized: split the record"
+    )
+    if cfg.lengths.overlength == "error":
+        raise PackError(f"{sample['src']}:{sample['line']}: overlength: {message} (--overlength error)")
+    raise SampleReject("overlength", message)
 
 
 def _check_video_starts(prep: Any, plans: list[Any], tokenizer: Any, style: Any) -> None:
     """SampleReject where the text a video's whole block starts with (`VideoStyle.leading_text`, OV-2's first
     timestamp), encoded alone, is not how the processor's text encodes it after the text before the video (the
     two would merge)."""
-    starts = [a for tag, a, _ in prep.rendered.media_char_spans if tag == VIDEO_TAG]
-    for a, plan in zip(starts, plans):
+    spans = [(a, b) for tag, a, b in prep.rendered.media_char_spans if tag == VIDEO_TAG]
+    for (a, b), plan in zip(spans, plans):
+        tail = style.trailing_text(plan)
+        if tail and not prep.text.startswith(tail, b):
+            raise SampleReject(
+                "codec_video",
+                f"the text after a codec <video> does not start with {tail!r} (the processor's rewrite takes it); "
+                "put a newline right after the <video> tag",
+            )
         before, head = prep.text[:a], style.leading_text(plan)
         if head and tokenizer.encode(before + head) != tokenizer.encode(before) + tokenizer.encode(head):
             raise SampleReject(
@@ -195,22 +238,19 @@ def tokenize_chunk_samples(
     samples: Iterable[dict], cfg: LengthsStage, tokenizer: Any, remote: RemoteFiles | None = None
 ) -> Iterator[tuple[dict, Any]]:
     """(sample, (tok, meta) or its SampleReject) per scanned sample, in order, as `tokenize_scanned` gives them,
-    with the texts of each `ENCODE_BATCH` samples encoded in one tokenizer call. Other errors are raised at
-    the sample that causes them, after the samples before it."""
+    with the texts of each `ENCODE_BATCH` samples (fewer where their texts pass `ENCODE_CALL_CHARS` together)
+    encoded in one tokenizer call. Other errors are raised at the sample that causes them, after the samples
+    before it."""
     it = iter(samples)
-    while True:
+    ended = False
+    while not ended:
         batch: list[dict] = []
-        read_error = None
-        try:  # an error reading sample k comes after the results of the samples before it
-            batch.extend(islice(it, ENCODE_BATCH))
-        except Exception as exc:
-            read_error = exc
         prepared: list[ScannedPrep | Exception] = []
-        for sample in batch:
-            try:
-                prepared.append(prepare_scanned(sample, cfg, tokenizer, remote))
-            except Exception as exc:  # raised in order below
-                prepared.append(exc)
+        read_error: Exception | None = None
+        try:  # an error reading sample k comes after the results of the samples before it
+            ended = _prepare_batch(it, batch, prepared, cfg, tokenizer, remote)
+        except Exception as exc:
+            read_error, ended = exc, True
         preps = [p.prep for p in prepared if isinstance(p, ScannedPrep)]
         finished = finish_tokenized(preps, tokenizer, encode_texts(tokenizer, [p.text for p in preps]))
         for sample, p in zip(batch, prepared):
@@ -226,8 +266,26 @@ def tokenize_chunk_samples(
                 yield sample, exc
         if read_error is not None:
             raise read_error
-        if len(batch) < ENCODE_BATCH:
-            return
+
+
+def _prepare_batch(
+    it: Iterator[dict], batch: list[dict], prepared: list[ScannedPrep | Exception], cfg: LengthsStage, tokenizer: Any,
+    remote: RemoteFiles | None,
+) -> bool:  # fmt: skip
+    """Reads and prepares samples of `it` into `batch` / `prepared` (a `ScannedPrep` or the error) until
+    `ENCODE_BATCH` samples or `ENCODE_CALL_CHARS` characters of text; True once `it` is exhausted."""
+    chars = 0
+    for sample in it:
+        batch.append(sample)
+        try:
+            ready = prepare_scanned(sample, cfg, tokenizer, remote)
+            prepared.append(ready)
+            chars += len(ready.prep.text)
+        except Exception as exc:  # raised in order by the caller
+            prepared.append(exc)
+        if len(batch) >= ENCODE_BATCH or chars >= ENCODE_CALL_CHARS:
+            return False
+    return True
 
 
 def lengths_chunk(ctx: JobContext, task: LengthsTask) -> dict:

@@ -27,7 +27,12 @@ from mmpack.offline_packing.finalize import fill_efficiency, finalize
 from mmpack.offline_packing.fingerprint import identities, stage_fingerprint
 from mmpack.offline_packing.flags import parse_job_args
 from mmpack.offline_packing.inputs.sources import expand_inputs
-from mmpack.offline_packing.job_folders import JobFolders, claim_job_folders, remove_work_files
+from mmpack.offline_packing.job_folders import (
+    JobFolders,
+    check_job_folders,
+    claim_job_folders,
+    remove_work_files,
+)
 from mmpack.offline_packing.lengths import run_lengths
 from mmpack.offline_packing.outputs.energon_meta import require_energon
 from mmpack.offline_packing.scan import run_scan, scan_output_fingerprint
@@ -144,10 +149,11 @@ def run_pack(cfg: PackJobConfig) -> PackSummary:
     ctx = JobContext(
         work_dir=resolve_work_dir(cfg), storage_options=control.storage_options, engine=control.engine
     )
+    # the folders checked, then the inputs (never its own files), then the folders claimed (marked): a run
+    # refused for either leaves no marker, in an input's folder least of all
+    check_job_folders(cfg, ctx.work_dir)
+    files = expand_inputs(ctx.remote, cfg.inputs, exclude=(cfg.output, ctx.work_dir))
     with claim_job_folders(cfg, ctx.work_dir) as folders:
-        files = expand_inputs(
-            ctx.remote, cfg.inputs, exclude=(cfg.output, ctx.work_dir)
-        )  # never its own files
         wd = ctx.work  # a URL work folder: this run's empty local cache, so nothing stale is read
         wd.root.mkdir(parents=True, exist_ok=True)
         try:

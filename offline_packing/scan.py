@@ -21,6 +21,7 @@ from mmpack.offline_packing.context import JobContext
 from mmpack.offline_packing.engines import run_parallel
 from mmpack.offline_packing.errors import PackError, SampleReject, reject_row
 from mmpack.offline_packing.fingerprint import FileIdentity, digest, file_identity, identities
+from mmpack.offline_packing.inputs import codec_assets
 from mmpack.offline_packing.inputs.chunks import Chunk, plan_chunks, read_chunk
 from mmpack.offline_packing.inputs.json_records import RawRecord, lone_surrogate
 from mmpack.offline_packing.inputs.remote import InputReadError, RemoteFiles, is_url
@@ -32,6 +33,7 @@ from mmpack.packing.chat import normalize_record
 from mmpack.packing.errors import MmpackError
 from mmpack.packing.fileio import NotRegularFileError, open_regular
 from mmpack.packing.image_tokens import decode_or_raise, read_image_size
+from mmpack.packing.video_codec_ov2 import CODEC_FORMAT
 
 STAGE = "scan"
 
@@ -144,6 +146,22 @@ def _read_video(remote: RemoteFiles, path: str, check: ImageCheck) -> dict:
     }
 
 
+def _read_codec_folder(
+    remote: RemoteFiles, path: str, name: str, read_files: dict[str, FileIdentity] | None, verify: str
+) -> dict:
+    """The scan's entry of a codec folder (`codec_assets.read_codec_folder`); SampleReject "codec_video" where
+    its assets do not fit. Every file it reads enters the stage fingerprint."""
+    try:
+        info = codec_assets.read_codec_folder(path, name=name)
+        files = codec_assets.asset_files(path)
+    except MmpackError as exc:
+        raise SampleReject(exc.reason, exc.message) from None
+    if read_files is not None:
+        for f in files:
+            read_files.setdefault(f, file_identity(remote, f, verify))
+    return {**info, "fmt": CODEC_FORMAT}
+
+
 def video_format(name: str) -> str:
     """The format name a video is stored under: its file extension, lowercase ("mp4", "avi", ...)."""
     stem, dot, ext = name.rsplit("/", 1)[-1].rpartition(".")
@@ -211,6 +229,12 @@ def scan_record(
     probed: dict[str, dict] = {}
     for video in conv.videos:
         path = _locate_image(video, rec, source, image_root, kind="video")
+        if rec.tar_sample is None and not is_url(path) and codec_assets.is_codec_folder(path):
+            if path not in probed:  # LLaVA-OneVision-2 codec canvases: a cv-preinfer folder
+                probed[path] = _read_codec_folder(remote, path, video, read_files, verify)
+            videos.append(path)
+            video_info.append(probed[path])
+            continue
         if read_files is not None and path not in read_files and rec.tar_sample is None:
             read_files[path] = file_identity(remote, path, verify)
         if path not in probed:

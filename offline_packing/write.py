@@ -25,6 +25,7 @@ from mmpack.offline_packing.binpack import load_plan
 from mmpack.offline_packing.config import WriteConfig, WriteStage
 from mmpack.offline_packing.context import JobContext
 from mmpack.offline_packing.engines import run_parallel
+from mmpack.offline_packing.inputs import codec_assets
 from mmpack.offline_packing.inputs.remote import RemoteFiles
 from mmpack.offline_packing.outputs.shard_writers import HashingWriter, PackedBin, open_shard_writer
 from mmpack.offline_packing.storage import OutputStore
@@ -32,6 +33,7 @@ from mmpack.offline_packing.tar_source import read_image_bytes
 from mmpack.offline_packing.workdir import WorkDir, read_done_marker
 from mmpack.packing.format import MANIFEST_NAME, SHARDS_DIR, bin_key, shard_name
 from mmpack.packing.ownership import OwnedFolder
+from mmpack.packing.video_codec_ov2 import CODEC_FORMAT
 
 STAGE = "write"
 
@@ -111,7 +113,10 @@ class BinSource:
             for path, fmt, plan in zip(
                 meta.get("videos", ()), meta.get("vfmt", ()), meta.get("video_plans", ())
             ):
-                videos.append(read_image_bytes(self.remote, path))
+                if fmt == CODEC_FORMAT:  # a codec folder: its kept canvases and block-ordered positions
+                    videos.append(codec_assets.codec_blob(path, name=plan.get("source", path)))
+                else:
+                    videos.append(read_image_bytes(self.remote, path))
                 video_formats.append(fmt)
                 video_plans.append(plan)
         return PackedBin(

@@ -28,6 +28,8 @@ source_ids           int64 [B]        index of each row's dataset in the loader'
 attention_mask       bool [B,1,L,L]   block-diagonal causal mask, True = masked (only when asked for)
 patch_positions      int64 [P, 3]     (frame, row, column) of each row of `pixel_values`, in its order (only
                                       where the position rule gives them: LLaVA-OneVision-2's 3-D vision RoPE)
+dropped              tuple of         the samples of these bins whose media could not be decoded: their labels
+                     DroppedSample    are masked and their media blank, grids unchanged (empty: none)
 ==================== ================ ===========================================================================
 
 A position rule (`PositionRule`) is the model family's: the trainer hands it to the loader, whose workers
@@ -67,6 +69,18 @@ class PositionRule(Protocol):
         ...
 
 
+@dataclass(kw_only=True, frozen=True)
+class DroppedSample:
+    """A sample the loader dropped from its bin because one of its media could not be decoded: its labels are
+    masked (no loss) and its media blank, so the bin keeps its layout."""
+
+    sample_id: str
+    bin_key: str  # the bin's key (`<shard prefix>-<bin>`)
+    row: int  # the bin's row in the micro-batch
+    media: str  # the medium that failed: the file as the record named it, else its place in the bin
+    error: str  # why it could not be decoded (one line)
+
+
 @dataclass(frozen=True)
 class MicroBatch(Generic[A]):
     """One micro-batch (see the module docstring for every field); `A` is np.ndarray or torch.Tensor."""
@@ -87,6 +101,7 @@ class MicroBatch(Generic[A]):
     source_ids: A | None = None
     attention_mask: A | None = None
     patch_positions: A | None = None
+    dropped: tuple[DroppedSample, ...] = ()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -96,7 +111,7 @@ class MicroBatch(Generic[A]):
 
     def map_arrays(self, fn: Callable[[A], B]) -> MicroBatch[B]:
         """The batch with `fn` applied to every array (to torch, to a device, a slice)."""
-        mapped = {k: v if isinstance(v, int) or v is None else fn(v) for k, v in self.items()}
+        mapped = {k: v if isinstance(v, (int, tuple)) or v is None else fn(v) for k, v in self.items()}
         return MicroBatch(**mapped)  # type: ignore[arg-type]  # each field keeps its kind
 
     def items(self) -> list[tuple[str, Any]]:
@@ -159,6 +174,8 @@ def contract_problems(batch: MicroBatch[Any]) -> list[str]:
         shape = tuple(batch.patch_positions.shape)  # type: ignore[attr-defined]
         if shape != (len(batch.pixel_values), 3):  # type: ignore[arg-type]
             out.append(f"patch_positions: shape {shape}, want ({len(batch.pixel_values)}, 3)")  # type: ignore[arg-type]
+    if any(not 0 <= d.row < b for d in batch.dropped):
+        out.append(f"dropped: rows {[d.row for d in batch.dropped]}, want rows of the {b} bins")
     if len(batch.second_per_grid_ts) != n_videos:  # type: ignore[arg-type]
         out.append(f"second_per_grid_ts: {len(batch.second_per_grid_ts)} values for {n_videos} videos")  # type: ignore[arg-type]
     return out

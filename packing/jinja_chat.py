@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from mmpack.packing.errors import MmpackError
+from mmpack.packing.template_limits import ChatTemplateLimitError, TemplateLimits
 from mmpack.packing.tokenizer import SPECIAL_TOKENS, VIDEO_PAD
 
 IMAGE_TAG = "<image>"
@@ -41,6 +42,11 @@ PADS = {IMAGE_TAG: SPECIAL_TOKENS["image_pad"], VIDEO_TAG: VIDEO_PAD}
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
 TOKENIZER_CONFIG = "tokenizer_config.json"
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+_MAX_JSON_BYTES = 64 << 20  # a tokenizer_config.json may carry many added tokens
+LIMIT_ADVICE = (
+    "a model folder's template renders under limits (docs/packing.md, chat templates): fix the template, or "
+    "pass --chat-template builtin or another .jinja file"
+)
 # Probe texts: private-use characters no template adds and no real record is likely to hold.
 _PROBES = ("\ue000mmpack-a\ue001", "\ue000mmpack-b\ue001", "\ue000mmpack-c\ue001")
 
@@ -73,7 +79,7 @@ def read_folder_template(folder: str | Path) -> tuple[str, str, dict[str, str]] 
         if not path.is_file():
             continue
         if name.endswith(".jinja"):
-            return path.read_text(encoding="utf-8"), str(path), variables
+            return _read_limited(path, 4 * TemplateLimits().max_source_chars), str(path), variables
         source = _template_of_json(path)
         if source is not None:
             return source, str(path), variables
@@ -82,7 +88,7 @@ def read_folder_template(folder: str | Path) -> tuple[str, str, dict[str, str]] 
 
 def _template_of_json(path: Path) -> str | None:
     try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+        value = json.loads(_read_limited(path, _MAX_JSON_BYTES)).get("chat_template")
     except (ValueError, AttributeError) as exc:
         raise ChatTemplateError(f"{path}: not a JSON object ({exc}); fix or remove the file") from None
     if isinstance(value, list):  # [{"name": ..., "template": ...}]
@@ -97,9 +103,13 @@ def _special_token_variables(path: Path) -> dict[str, str]:
     if not path.is_file():
         return {}
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(_read_limited(path, _MAX_JSON_BYTES))
     except ValueError as exc:
         raise ChatTemplateError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ChatTemplateError(
+            f"{path}: not a JSON object (a {type(config).__name__}); fix or remove the file"
+        )
     out = {}
     for key in _SPECIAL_TOKEN_KEYS:
         value = config.get(key)
@@ -110,11 +120,25 @@ def _special_token_variables(path: Path) -> dict[str, str]:
     return out
 
 
-def _compile(source: str) -> Any:
-    """The template in transformers' chat-template environment."""
+def _read_limited(path: Path, max_bytes: int) -> str:
+    """The UTF-8 text of a model folder's file, refused above `max_bytes` (a folder is input: it is bounded)."""
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise ChatTemplateLimitError(f"{path}: {size} bytes, above the limit of {max_bytes} for this file")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ChatTemplateError(
+            f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); fix the file"
+        ) from None
+
+
+def _compile(source: str, limits: TemplateLimits, origin: str) -> Any:
+    """The template in transformers' chat-template environment, under `limits` (`packing.template_limits`)."""
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from mmpack.packing.bounded_jinja import BoundedEnvironment
 
     class _Generation(jinja2.ext.Extension):  # `{% generation %}...{% endgeneration %}`: render the body
         tags = {"generation"}  # noqa: RUF012 (jinja2 declares it an instance variable)
@@ -141,16 +165,31 @@ def _compile(source: str) -> Any:
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    env = BoundedEnvironment(
+        limits, trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
-        return env.from_string(source)
-    except jinja2.exceptions.TemplateError as exc:
-        raise ChatTemplateError(f"the chat template does not compile: {exc}") from None
+        return env.compile_bounded(source)
+    except ChatTemplateLimitError as exc:
+        raise ChatTemplateLimitError(f"{origin}: the chat template {exc.message}; {LIMIT_ADVICE}") from None
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ChatTemplateError(
+            f"the chat template does not compile: line {exc.lineno}: {_one_line(exc.message)}"
+        ) from None
+    except (jinja2.exceptions.TemplateError, SyntaxError, RecursionError, MemoryError, ValueError) as exc:
+        # SyntaxError: Python's own (blocks nested too deep); RecursionError: expressions nested too deep
+        raise ChatTemplateError(f"the chat template does not compile: {_describe(exc)}") from None
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _describe(exc: BaseException) -> str:
+    return _one_line(f"{type(exc).__name__}: {exc}")
 
 
 def _pieces(content: str) -> list[str]:
@@ -166,9 +205,15 @@ class JinjaChat:
             role before the content (templates that reorder or merge messages).
     """
 
-    def __init__(self, source: str, variables: dict[str, str] | None = None, origin: str = "chat template"):
+    def __init__(
+        self,
+        source: str,
+        variables: dict[str, str] | None = None,
+        origin: str = "chat template",
+        limits: TemplateLimits | None = None,
+    ):
         self.origin = origin
-        self._template = _compile(source)
+        self._template = _compile(source, limits or TemplateLimits(), origin)
         self._variables = dict(variables or {})
         self.takes_parts = self._takes_parts()
         self.headers, self.default_turn = self._learn_headers()
@@ -177,19 +222,45 @@ class JinjaChat:
     def render_text(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = False) -> str:
         """The template's text of `messages` (mmpack (role, content) pairs with `<image>` / `<video>` tags)."""
         hf = [self._hf_message(role, content) for role, content in messages]
-        return self._render_hf(hf, add_generation_prompt)
+        return self._render_hf(hf, add_generation_prompt, sum(len(r) + len(c) for r, c in messages))
 
-    def _render_hf(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def _render_hf(
+        self, messages: list[dict], add_generation_prompt: bool = False, input_chars: int = 0
+    ) -> str:
+        """The rendered text, under the template's limits.
+
+        Raises:
+            ChatTemplateLimitError: the render went past a limit (time, output, size, depth), or ran out of
+                memory, recursion or number range; the message names the template file.
+            ChatTemplateError: the template fails on this conversation (its own error, a type error, ...).
+        """
         import jinja2
 
+        env = self._template.environment
         try:
-            return str(
-                self._template.render(
-                    messages=messages, add_generation_prompt=add_generation_prompt, **self._variables
+            with env.rendering(input_chars + sum(map(len, self._variables.values()))) as budget:
+                text = str(
+                    self._template.render(
+                        messages=messages, add_generation_prompt=add_generation_prompt, **self._variables
+                    )
                 )
-            )
+                budget.check_length(len(text))
+            return text
+        except ChatTemplateLimitError as exc:
+            what = exc.message
+        except MemoryError:
+            what = "ran out of memory"
+        except RecursionError:
+            what = "recursed too deep (a macro that calls itself without end?)"
+        except OverflowError as exc:
+            what = f"computed a number out of range ({_one_line(exc)})"
         except (jinja2.exceptions.TemplateError, TypeError, ValueError) as exc:
-            raise ChatTemplateError(f"{self.origin} fails on this conversation: {exc}") from None
+            raise ChatTemplateError(f"{self.origin} fails on this conversation: {_one_line(exc)}") from None
+        except OSError:  # not the template's: the process's own (an alarm, a signal turned into an error)
+            raise
+        except Exception as exc:  # any other error of the template's own code: one line, not a traceback
+            raise ChatTemplateError(f"{self.origin} fails on this conversation: {_describe(exc)}") from None
+        raise ChatTemplateLimitError(f"{self.origin}: the chat template {what}; {LIMIT_ADVICE}")
 
     def _hf_message(self, role: str, content: str) -> dict:
         if not MEDIA_TAG_RE.search(content):

@@ -173,6 +173,7 @@ def claim_folder(
     storage_options: dict[str, Any] | None = None,
     role: str | None = None,
     creator: str | None = None,
+    replaces: str | None = None,
 ) -> OwnedFolder:
     """Take the folder `url` for writing `kind` (one of `KINDS`); see the module docstring for the rule.
 
@@ -182,32 +183,70 @@ def claim_folder(
         storage_options: fsspec options of a URL (an S3 endpoint, credentials).
         role: how the command calls the folder in messages ("output (-o)"); default "folder".
         creator: the marker's "creator" (default "mmpack <version>").
+        replaces: what `overwrite` replaces or deletes of a folder's files, for the refusal (default: the
+            files of the names the command writes).
 
     Raises:
         FolderNotOwned: not empty and unmarked (without `overwrite`), marked with another kind, or a file.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    what = f"{role or 'folder'} {url}"
     fs, root = _filesystem(url, storage_options)
+    marker = _claimable(fs, root, f"{role or 'folder'} {url}", kind, overwrite, overwrite_flag, replaces)
+    if marker is not None:
+        return OwnedFolder(url, kind, marker, fs, root)
+    marker = _new_marker(kind, creator)
+    _write_marker(fs, root, marker)
+    return OwnedFolder(url, kind, marker, fs, root, created=True)
+
+
+def check_claim(
+    url: str,
+    kind: str,
+    *,
+    overwrite: bool = False,
+    overwrite_flag: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    role: str | None = None,
+    replaces: str | None = None,
+) -> None:
+    """Raises `FolderNotOwned` where `claim_folder` with the same arguments would, and writes nothing: a
+    command checks its folders first, then its inputs, and claims (marks) the folders last."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    fs, root = _filesystem(url, storage_options)
+    _claimable(fs, root, f"{role or 'folder'} {url}", kind, overwrite, overwrite_flag, replaces)
+
+
+def _claimable(
+    fs: Any,
+    root: str,
+    what: str,
+    kind: str,
+    overwrite: bool,
+    overwrite_flag: str | None,
+    replaces: str | None,
+) -> dict[str, Any] | None:
+    """The folder's marker of `kind` (reuse it), or None when the folder may be claimed; FolderNotOwned else."""
     marker = _read_marker(fs, root)
     if marker is not None:
         if marker.get("kind") != kind:
             raise FolderNotOwned(
                 f"{what} is mmpack's {marker.get('kind')!r} folder, not a {kind!r} one; choose another folder"
             )
-        return OwnedFolder(url, kind, marker, fs, root)
+        return marker
     if _is_file(fs, root):
         raise FolderNotOwned(f"{what} is a file, not a folder; choose a folder")
     if _first_entry(fs, root) is not None and not overwrite:
-        how = f", or pass {overwrite_flag} to let mmpack write its own files there" if overwrite_flag else ""
+        how = ""
+        if overwrite_flag:
+            effect = replaces or "files there of the names the command writes are replaced"
+            how = f", or pass {overwrite_flag} to let mmpack write there ({effect}; nothing else is touched)"
         raise FolderNotOwned(
             f"{what} is not empty and was not made by mmpack (it has no {MARKER_NAME}); choose an empty or new "
-            f"folder{how} (nothing of yours is deleted or overwritten)"
+            f"folder{how}"
         )
-    marker = _new_marker(kind, creator)
-    _write_marker(fs, root, marker)
-    return OwnedFolder(url, kind, marker, fs, root, created=True)
+    return None
 
 
 def open_owned(url: str, kind: str, *, storage_options: dict[str, Any] | None = None) -> OwnedFolder:

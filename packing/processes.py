@@ -1,12 +1,20 @@
 """Helper processes that die: the one error that names them, and how a process ended, in words (stdlib only).
 
 Loader workers, checkpoint writers, the converter's ranks and the offline job's workers raise
-`ProcessDiedError` when one of their processes is gone, so every entry point reports it as one line.
+`ProcessDiedError` when one of their processes is gone, so every entry point reports it as one line; the
+other way round, each of those helper processes calls `exit_with_parent` first, so that none outlives the
+process that started it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing
+import os
 import signal
+import sys
+import threading
+import time
 
 from mmpack.packing.errors import MmpackError
 
@@ -32,3 +40,81 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+def exit_with_parent(parent_pid: int | None = None, *, poll_s: float = 1.0) -> None:
+    """Called first thing in a helper process: it ends (SIGKILL) within about `poll_s` seconds of the process
+    that started it, however that one ends (SIGKILL and the OOM killer included).
+
+    `parent_pid`: the starting process (default: `multiprocessing`'s parent of this process; in a process
+    `multiprocessing` did not start, as a worker loop run in a thread of its consumer, nothing is done). Two
+    guards, as torch's DataLoader workers have: on Linux the parent-death signal (`prctl(PR_SET_PDEATHSIG)`,
+    sent by the kernel when the OS parent's thread that forked this process ends; checked again right after it
+    is set, for a parent that died before), and everywhere a daemon thread that polls the parent's pid (it
+    also covers a parent that is not the OS parent, as under a fork server).
+    """
+    if parent_pid is None:
+        parent = multiprocessing.parent_process()
+        if parent is None or parent.pid is None:
+            return
+        parent_pid = parent.pid
+    os_parent = os.getppid()
+    born = _start_time(parent_pid)
+    if os_parent == parent_pid:
+        _set_parent_death_signal(signal.SIGKILL)
+    if not _alive(parent_pid, born):  # died before the signal was set: nobody will send it now
+        os.kill(os.getpid(), signal.SIGKILL)
+    watch = threading.Thread(
+        target=_watch_parent,
+        args=(parent_pid, born, os_parent, poll_s),
+        daemon=True,
+        name="mmpack-parent-watch",
+    )
+    watch.start()
+
+
+def _watch_parent(parent_pid: int, born: bytes | None, os_parent: int, poll_s: float) -> None:
+    while True:
+        time.sleep(poll_s)
+        if os.getppid() != os_parent or not _alive(parent_pid, born):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _set_parent_death_signal(signum: int) -> None:
+    """The kernel sends `signum` to this process when its OS parent ends (Linux; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    if libc.prctl(pr_set_pdeathsig, signum, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def _proc_stat(pid: int) -> list[bytes] | None:
+    """The fields of `/proc/<pid>/stat` after the command name (state first), None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> bytes | None:
+    """When process `pid` started (Linux: clock ticks since boot, so a reused pid reads as another process),
+    or None where that is not known."""
+    fields = _proc_stat(pid)
+    return fields[19] if fields else None  # field 22 of proc(5)'s stat
+
+
+def _alive(pid: int, born: bytes | None) -> bool:
+    """True while `pid` runs and is the process first seen under that pid (a zombie counts as ended)."""
+    if born is not None or os.path.isdir("/proc/self"):
+        fields = _proc_stat(pid)
+        return fields is not None and fields[0] not in (b"Z", b"X") and (born is None or fields[19] == born)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True

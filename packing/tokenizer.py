@@ -9,7 +9,9 @@ rendered chat string can be encoded in one call) and no BOS/EOS is added.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -99,6 +101,11 @@ class HFTokenizer:
             ids["video_pad"] = int(video_pad)
         return ids
 
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of a text one token stands for (`token_chars_bound`); None where none holds."""
+        return token_chars_bound(self._tok)
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
@@ -133,6 +140,7 @@ class ByteTokenizer:
     def __init__(self) -> None:
         literals = {**SPECIAL_TOKENS, "video_pad": VIDEO_PAD}
         self.special_ids = {role: 256 + i for i, role in enumerate(literals)}
+        self.max_token_chars = max(len(literal) for literal in literals.values())  # a byte token: 1 character
         self._literal_to_id = {literals[role]: tid for role, tid in self.special_ids.items()}
 
     def encode(self, text: str) -> list[int]:
@@ -165,6 +173,49 @@ class ByteTokenizer:
 
     def __repr__(self) -> str:
         return "ByteTokenizer()"
+
+
+# What a `tokenizers` pipeline may do for `token_chars_bound` to hold: normalizers and pre-tokenizers that keep
+# every character of the text (in some token), and a BPE model that gives an unknown character its own token.
+_KEEPING_NORMALIZERS = frozenset(
+    {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Replace", "Sequence"}
+)
+_KEEPING_PRE_TOKENIZERS = frozenset(
+    {"ByteLevel", "Split", "Digits", "Punctuation", "Metaspace", "UnicodeScripts", "Sequence"}
+)
+# Canonical composition merges at most this many code points into one (U+1F82: alpha and three marks).
+_COMPOSED_CHARS = 4
+
+
+def token_chars_bound(tok: object) -> int | None:
+    """An upper bound on the characters of a text that one token of the HF `tokenizers.Tokenizer` `tok` stands
+    for (its longest vocabulary entry, times what a normalizer can compose into one character), so that a text
+    of more than `n` times it holds more than `n` tokens; None where the pipeline may drop characters or fuse a
+    run of unknown ones into one token (then no such bound holds)."""
+    model = tok.model  # type: ignore[attr-defined]
+    if type(model).__name__ != "BPE" or getattr(model, "fuse_unk", False):
+        return None
+    parts = (
+        (tok.normalizer, "normalizers", _KEEPING_NORMALIZERS),  # type: ignore[attr-defined]
+        (tok.pre_tokenizer, "pretokenizers", _KEEPING_PRE_TOKENIZERS),  # type: ignore[attr-defined]
+    )
+    for part, members, keeping in parts:
+        if part is not None and not _keeps_characters(json.loads(part.__getstate__()), members, keeping):
+            return None
+    vocab = tok.get_vocab(with_added_tokens=True)  # type: ignore[attr-defined]
+    return _COMPOSED_CHARS * max(map(len, vocab), default=1)
+
+
+def _keeps_characters(config: dict, members: str, keeping: frozenset[str]) -> bool:
+    """Whether a normalizer's or pre-tokenizer's JSON config keeps every character (recursing into Sequence)."""
+    kind = config.get("type")
+    if kind not in keeping:
+        return False
+    if kind == "Sequence":
+        return all(_keeps_characters(c, members, keeping) for c in config.get(members, ()))
+    if kind == "Replace" and not config.get("content"):
+        return False  # a replacement by nothing drops characters
+    return not (kind == "Split" and config.get("behavior") == "Removed")
 
 
 def resolve_tokenizer_file(path: str | Path) -> Path:

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 
 class VideoRuleError(MmpackError, ValueError):
-    """A video the rule refuses; `reason` is "video_too_short", "video_aspect_ratio" or "video_too_small"."""
+    """A video the rule refuses; `reason` is "video_too_short", "video_aspect_ratio", "video_too_small" or
+    "codec_video"."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message, reason=reason)
@@ -119,6 +120,20 @@ class VideoStyle(abc.ABC):
         """With `whole_block`: the text `token_ids` starts with, which the packer checks does not merge with
         the text before the video ("" where it starts with a special token)."""
         return ""
+
+    def trailing_text(self, plan: Any) -> str:
+        """With `whole_block`: the text the processor's rewrite takes with the block, which `token_ids` leaves
+        to the text after it (LLaVA-OneVision-2's codec runs: the newline); the packer checks it is there."""
+        return ""
+
+    def codec_plan_fields(self, rule: Any, codec: Mapping[str, Any]) -> dict[str, Any]:
+        """`VideoPlan` fields of a codec-stream video (canvases, `mmpack.packing.video_codec_ov2`) from the scan's
+        summary; VideoRuleError where the style reads video files only."""
+        raise VideoRuleError(
+            "codec_video",
+            f"codec canvases (a cv-preinfer folder) are read by the llava_onevision2 video rule only, not {self.name} "
+            "(--video-rule llava_onevision2, or --model with a LLaVA-OneVision-2 folder)",
+        )
 
     def rule_fields(self, given: Mapping[str, Any], image_rule: ImageTokenRule) -> dict[str, Any]:
         """`VideoTokenRule` fields (no patch sizes, no style) of this style under the options `given`

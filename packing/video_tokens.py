@@ -59,6 +59,9 @@ class VideoPlan:
     frame_count_exact: bool
     video_fps: float
     timestamps_s: tuple[float, ...] = ()  # per temporal patch, where the rule writes them (qwen3_vl, OV-2)
+    # a codec-stream video (`mmpack.packing.video_codec_ov2`): the <|image_pad|> count of each run of equal
+    # source frame; frame_indices and timestamps_s are then per run, grid_thw is the canvases' one row
+    run_tokens: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (lists, not tuples; no timestamps where the rule writes none)."""
@@ -70,6 +73,10 @@ class VideoPlan:
             d["timestamps_s"] = list(self.timestamps_s)
         else:
             del d["timestamps_s"]
+        if self.run_tokens:
+            d["run_tokens"] = list(self.run_tokens)
+        else:
+            del d["run_tokens"]
         return d
 
     @classmethod
@@ -85,6 +92,7 @@ class VideoPlan:
             frame_count_exact=bool(d["frame_count_exact"]),
             video_fps=float(d["video_fps"]),
             timestamps_s=tuple(float(t) for t in d.get("timestamps_s", ())),
+            run_tokens=tuple(int(n) for n in d.get("run_tokens", ())),
         )
 
 
@@ -186,6 +194,11 @@ class VideoTokenRule:
             video_fps=meta.fps,
             timestamps_s=tuple(float(t) for t in kind.timestamps(self, indices, meta.fps)),
         )
+
+    def plan_codec(self, codec: dict[str, Any]) -> VideoPlan:
+        """The plan of a codec-stream video from the scan's summary of its canvases
+        (`mmpack.packing.video_codec_ov2.codec_summary`); VideoRuleError where the style reads none."""
+        return VideoPlan(**self.kind.codec_plan_fields(self, codec))
 
     def _check_style_plan(
         self, meta: VideoMeta, nframes: int, indices: list[int], size_hw: tuple[int, int]

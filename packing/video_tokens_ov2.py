@@ -15,6 +15,10 @@ per frame; `VideoTokenRule(style="llava_onevision2")` applies it (`VIDEO_STYLE`)
 The processor replaces the chat template's ``<|vision_start|><|video_pad|><|vision_end|>`` by, per frame,
 ``<{seconds:.1f} seconds><|vision_start|>`` + h' w' / merge^2 ``<|image_pad|>`` + ``<|vision_end|>`` (no
 separator): the model sees each frame as an image with t = 1.
+
+A video given as codec canvases (a `cv-preinfer` folder) follows the same processor's codec path instead
+(`mmpack.packing.video_codec_ov2`: one grid row for its canvases, one timestamped block per run of equal source
+frame); its plan holds `run_tokens`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from mmpack.packing import video_codec_ov2 as codec
 from mmpack.packing.image_tokens import ImageTokenRule, read_processor_config, smart_resize
+from mmpack.packing.video_codec_ov2 import timestamp_text
 from mmpack.packing.video_style import FolderClaim, VideoRuleError, VideoStyle, sample_frame_indices
 
 STYLE = "llava_onevision2"
@@ -68,11 +74,6 @@ def frame_seconds(index: int, video_fps: float) -> float:
     seconds = index / video_fps
     minutes = int(seconds // 60)
     return minutes * 60 + float(f"{seconds - minutes * 60:09.6f}")
-
-
-def timestamp_text(seconds: float) -> str:
-    """The text before a frame's tokens."""
-    return f"<{seconds:.1f} seconds>"
 
 
 def block_ids(tokenizer: Any, plan: Any) -> np.ndarray:
@@ -128,7 +129,16 @@ class OneVision2Style(VideoStyle):
         return tuple(frame_seconds(i, video_fps) for i in indices)
 
     def token_ids(self, tokenizer: Any, plan: Any) -> np.ndarray | None:
-        return block_ids(tokenizer, plan)
+        return codec.block_ids(tokenizer, plan) if plan.run_tokens else block_ids(tokenizer, plan)
+
+    def trailing_text(self, plan: Any) -> str:
+        return codec.NEWLINE if plan.run_tokens else ""
+
+    def codec_plan_fields(self, rule: Any, codec_summary: Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            return codec.plan_fields(codec_summary, patch_size=rule.patch_size, merge_size=rule.merge_size)
+        except codec.CodecAssetError as exc:
+            raise VideoRuleError("codec_video", exc.message) from None
 
     def leading_text(self, plan: Any) -> str:
         return timestamp_text(plan.timestamps_s[0])

@@ -1,5 +1,6 @@
 """Shared pytest fixtures: the optional ../shared data, packed datasets and the family tests' tiny models built
-once per run, GPU skipping, and the run's closing lines (skips by reason, time by marker: run_summary)."""
+once per run, GPU skipping, the run's closing lines (skips by reason, time by marker: run_summary), and the
+check that no process the run started outlives it (support.leftovers)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.support import run_summary
+from tests.support import leftovers, run_summary
 from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER, VIDEO_DEMO, need_shared
 
 if TYPE_CHECKING:
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 _TIERS = pytest.StashKey[dict[str, tuple[str, ...]]]()  # test id -> its markers of run_summary.TIERS
+_LEFT = pytest.StashKey[list[str]]()  # processes the run left running, described
+leftovers.become_subreaper()  # orphans of the run's processes come back to this one (see pytest_sessionfinish)
 
 
 @pytest.fixture(scope="session")
@@ -160,6 +163,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """No process the run started is left running: what still runs (its fixtures torn down, after a grace) is
+    named at the end of the run, stopped, and fails the run."""
+    from tests.support.ranks import fork_server_pids
+
+    left = leftovers.leftover_processes(keep=fork_server_pids())
+    if left:
+        session.config.stash[_LEFT] = [leftovers.describe(p) for p in left]
+        leftovers.stop(left)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Generator[None, None, None]:
     """Two lines at the end of every run, after the short test summary, just before pytest's closing line: the
@@ -171,3 +186,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Genera
     tiers = terminalreporter.config.stash.get(_TIERS, {})
     terminalreporter.write_line(run_summary.skip_line(run_summary.skip_reason(rep) for rep in skipped))
     terminalreporter.write_line(run_summary.marker_time_line(run_summary.durations_of(reports), tiers))
+    left = terminalreporter.config.stash.get(_LEFT, [])
+    if left:
+        terminalreporter.write_line(
+            f"FAILED: {len(left)} process(es) started by this run still ran at its end (stopped now):",
+            red=True,
+        )
+        for line in left:
+            terminalreporter.write_line(f"  {line}")

@@ -1,7 +1,8 @@
 """A process that dies mid-run ends its job within seconds, non-zero, with a line naming it: a checkpoint
 writer, a loader worker and one of the four ranks of a TP2 x DP2 training run, one converter rank, one worker
-of the offline job. The same runs without the kill finish normally (the controls). A collective waits at most
-``--distributed-timeout-minutes``, then says so (gloo)."""
+of the offline job. The same runs without the kill finish normally (the controls). Within ``GONE_S`` of the
+kill no process of the job is left (loader workers and checkpoint writers of a killed rank included: they
+watch their parent). A collective waits at most ``--distributed-timeout-minutes``, then says so (gloo)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.support import ranks
+from tests.support import leftovers, ranks
 from tests.support.faults import STALL_WRITER_ENV
 from tests.support.ranks import free_port
 from tests.support.trainer import REPO, TINY
 
 DEADLINE_S = 60  # from the kill to the job's exit
+GONE_S = 30  # from the kill until no process of the job is left
 TRAIN = [
     "--tensor-model-parallel-size", "2", "--micro-batch-size", "1", "--global-batch-size", "2",
     "--train-iters", "3", "--seed", "3",
@@ -103,9 +105,18 @@ class Killed:
     launch: ranks.Launch
     pid: int  # the process killed
     took_s: float  # from the kill to the end of the group
+    job: list[psutil.Process]  # the ranks and all their descendants just before the kill
 
     def text(self) -> str:
         return self.launch.stdout + self.launch.stderr
+
+
+def assert_job_gone(job: list[psutil.Process], since_kill_s: float) -> None:
+    """Every process of ``job`` ends within ``GONE_S`` of the kill (``since_kill_s`` ago); those left are
+    named, then killed."""
+    left = leftovers.still_running(job, max(GONE_S - since_kill_s, 3.0))  # those just signalled: to end
+    leftovers.stop(left)
+    assert not left, f"{GONE_S} s after the kill, still running: " + "; ".join(map(leftovers.describe, left))
 
 
 def train_and_kill(
@@ -113,19 +124,20 @@ def train_and_kill(
 ) -> Killed:
     """The training run on 4 warm ranks; ``victim(ranks)`` waits for the moment and returns the pid to kill.
     After the kill the group has ``DEADLINE_S`` to end; what still runs then is killed."""
-    killed: list[tuple[int, float]] = []
+    killed: list[tuple[int, float, list[psutil.Process]]] = []
 
     def kill_victim(procs: list[BaseProcess]) -> float:
         pid = victim(procs)
+        job = leftovers.job_processes(p.pid for p in procs if p.pid is not None)
         kill(pid)
-        killed.append((pid, time.monotonic()))
+        killed.append((pid, time.monotonic(), job))
         return DEADLINE_S
 
     launch = ranks.launch(
         4, training_argv(data, folder), folder / "ranks", env=env, while_running=kill_victim
     )
-    pid, at = killed[0]
-    return Killed(launch, pid, time.monotonic() - at)
+    pid, at, job = killed[0]
+    return Killed(launch, pid, time.monotonic() - at, job)
 
 
 def wait_for(ready: Any, what: str, procs: list[BaseProcess], folder: Path, timeout_s: float = 240) -> Any:
@@ -206,14 +218,12 @@ def test_killed_training_rank_ends_the_job(data: Path, tmp_path: Path) -> None:
     run = start_training(data, tmp_path)
     run.wait_until(lambda: iterations_done(tmp_path) >= 1, "iteration 1")
     victim = rank_process(run, 2)
-    orphans = victim.children()  # its loader workers: they outlive a rank killed by SIGKILL
+    workers = victim.children()  # its loader workers: they end with it, though nothing stops them
+    assert len(workers) == 2, [p.cmdline() for p in workers]
+    job = leftovers.job_processes([run.proc.pid])  # torchrun, its ranks and theirs
     kill(victim.pid)
-    try:
-        code, took_s = run.finish()
-    finally:
-        for orphan in orphans:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                orphan.kill()
+    code, took_s = run.finish()
+    assert_job_gone(job, since_kill_s=took_s)
     text = run.text()
     assert code != 0 and took_s < DEADLINE_S
     assert f"local_rank: 2 (pid: {victim.pid})" in text and "exitcode: -9" in text  # torchrun names it
@@ -233,6 +243,7 @@ def test_killed_loader_worker_ends_the_job(data: Path, tmp_path: Path) -> None:
 
     run = train_and_kill(data, tmp_path, second_worker_of_rank_2)
     assert run.launch.returncode != 0 and run.took_s < DEADLINE_S, run.launch.report()
+    assert_job_gone(run.job, since_kill_s=run.took_s)
     lines = [line for line in run.text().splitlines() if line.startswith("pretrain_vlm: error: rank 2:")]
     assert len(lines) == 1, run.launch.report()
     assert "loader worker mmpack-loader-" in lines[0] and f"(pid {run.pid}) was killed by SIGKILL" in lines[0]
@@ -247,6 +258,7 @@ def test_killed_checkpoint_writer_ends_the_job(data: Path, tmp_path: Path) -> No
 
     try:
         run = train_and_kill(data, tmp_path, writer_of_rank_1, env={STALL_WRITER_ENV: f"{tmp_path}:1"})
+        assert_job_gone(run.job, since_kill_s=run.took_s)  # the other stalled writers of rank 1 too
     finally:
         kill_stalled_writers(tmp_path)
     writer = run.pid
@@ -292,8 +304,10 @@ def test_killed_converter_rank_ends_the_job_and_the_same_run_finishes(data: Path
     try:
         writer = run.wait_until(lambda: stalled_writer(stalls), "a checkpoint writer of converter rank 1")
         rank_1 = writer_parent(stalls, writer)  # the converter rank
+        job = leftovers.job_processes([run.proc.pid])
         kill(rank_1)
         code, took_s = run.finish()
+        assert_job_gone(job, since_kill_s=took_s)  # the stalled writer of rank 1 too
     finally:
         kill_stalled_writers(stalls)
     assert code == 1 and took_s < DEADLINE_S

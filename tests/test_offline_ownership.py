@@ -196,3 +196,41 @@ def test_an_object_store_output_under_the_input_prefix_is_never_read_as_input(ra
     assert any(
         p.endswith((".jsonl", ".tar")) for p in fs.find("rawbkt/data/packed")
     )  # control: readable files
+
+
+def test_a_refused_run_leaves_no_marker_in_an_input_folder_and_a_marked_folder_is_skipped_with_a_line(
+    raw: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    parent = tmp_path / "parent"
+    for name in ("a", "b"):
+        shutil.copytree(raw, parent / name)
+    record = next(p for p in sorted((parent / "a").rglob("*")) if is_input_file(p.name))
+    with pytest.raises(ValueError, match="inside this job's output or work folder"):
+        run_pack(_cfg(record, tmp_path / "out", work_dir=str(parent / "a"), overwrite=True))
+    assert not has_marker(parent / "a") and not (tmp_path / "out").exists()  # no trace of the refused run
+    assert run_pack(_cfg(parent, tmp_path / "out")).samples_read == 28  # both folders are read
+    claim_folder(str(parent / "b"), "work", overwrite=True)  # now mmpack's: skipped, with a line saying so
+    capsys.readouterr()
+    assert run_pack(_cfg(parent, tmp_path / "out-2")).samples_read == 14
+    assert (
+        f"input file(s) under {parent / 'b'} skipped: it carries mmpack's marker {MARKER_NAME}"
+        in capsys.readouterr().err
+    )
+
+
+def test_the_refusal_of_a_users_output_says_what_overwrite_replaces(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text("the user's")
+    with pytest.raises(FolderNotOwned) as refused:
+        run_pack(_cfg(raw, out))
+    message = str(refused.value)
+    assert "nothing of yours is deleted or overwritten" not in message
+    assert "or pass --overwrite to let mmpack write there (its manifest.json, stats.json, rejects" in message
+    assert "replace yours of the same names; nothing else is touched)" in message
+    (out / "notes.txt").write_text("the user's")
+    run_pack(_cfg(raw, out, overwrite=True))  # following it does what it said
+    assert (out / "manifest.json").read_text() != "the user's"
+    assert (out / "notes.txt").read_text() == "the user's"

@@ -1,18 +1,19 @@
 """The tests' rank launcher (tests/support/ranks.py), with tiny worker scripts and no training: each rank gets
 torchrun's environment and a working gloo group; its exit code and output come back; a rank that dies while
 the others wait in a collective ends the group (no hang), a group that hangs is killed at its deadline; and a
-trainer rank killed mid-run ends the training group."""
+trainer rank killed mid-run ends the training group and leaves no process of it behind."""
 
 from __future__ import annotations
 
 import json
 import signal
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.support import ranks
+from tests.support import leftovers, ranks
 from tests.support.trainer import Signal, train
 
 pytestmark = [pytest.mark.ranks, pytest.mark.slow]
@@ -151,15 +152,22 @@ def test_a_hanging_group_is_killed_at_its_deadline(tmp_path: Path) -> None:
         ranks.checked(run)
 
 
-def test_a_trainer_rank_killed_mid_run_ends_the_group(tmp_path: Path) -> None:
-    """A DP2 training run far too long to finish within its deadline; rank 1 killed (SIGKILL) after its first
-    step: the other rank stops, the group ends before the deadline."""
+def test_a_trainer_rank_killed_mid_run_ends_the_group(
+    tmp_path: Path, packed_dataset: Callable[..., Path]
+) -> None:
+    """A DP2 training run far too long to finish within its deadline, two loader workers per rank; rank 1
+    killed (SIGKILL) after its first step: the other rank stops, the group ends before the deadline, and
+    within 30 s of that nothing the run started is left (the killed rank's loader workers end with it)."""
     timeout_s = 240
-    args = ["--mock-data", "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "2",
-            "--train-iters", "100000", "--log-interval", "1"]  # fmt: skip
+    data = packed_dataset(n_samples=40, seed=5)
+    args = ["--data-path", str(data), "--micro-batch-size", "1", "--global-batch-size", "2",
+            "--train-iters", "100000", "--log-interval", "1", "--num-workers", "2"]  # fmt: skip
     send = Signal(signal.SIGKILL, rank=1, after_iteration=1)
     run = train(2, args, tmp_path, timeout_s=timeout_s, send=send)
     assert run.launch is not None
+    left = leftovers.leftover_processes(keep=ranks.fork_server_pids(), grace_s=30)
+    leftovers.stop(left)
+    assert not left, "still running: " + "; ".join(map(leftovers.describe, left))
     launch = run.launch
     assert not launch.timed_out and launch.seconds < timeout_s, launch.report()
     assert launch.ranks[1].exitcode == -signal.SIGKILL and launch.failed_first == 1, launch.report()

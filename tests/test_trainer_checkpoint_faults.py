@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -162,6 +163,27 @@ def test_trainer_falls_back_then_refuses_zeroed_bytes_in_one_line(
 
 
 @pytest.mark.ranks
+def test_unreadable_shard_of_a_checkpoint_without_checksums_is_one_line(
+    saved: tuple[Path, Path, Run], tmp_path: Path
+) -> None:
+    """Iteration 3 as saved before checksums existed (no checksums.json), its largest .distcp truncated:
+    torch's reader fails with a CheckpointException (a BaseException): one line, no traceback."""
+    data, ckpt, _ = saved
+    ckpt = _copy(ckpt, tmp_path)
+    folder = ckpt / "iter_0000003"
+    (folder / "checksums.json").unlink()
+    _truncate(_largest_distcp(folder))
+    run = train(1, ["--data-path", str(data), *COMMON, "--train-iters", "5", "--load", str(ckpt)], tmp_path)
+    assert run.returncode != 0 and run.train == []
+    errors = [line for line in run.stderr.splitlines() if line.startswith("pretrain_vlm: error:")]
+    assert len(errors) == 1, run.stderr[-3000:]
+    assert errors[0].startswith(f"pretrain_vlm: error: checkpoint {folder} could not be read (rank 0: ")
+    assert "has no checksums.json" in errors[0]
+    assert "the previous complete checkpoint is iteration 2" in errors[0]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.ranks
 def test_convert_refuses_a_training_runs_folder(
     saved: tuple[Path, Path, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -198,6 +220,9 @@ def test_export_replaces_an_earlier_sharded_export(saved: tuple[Path, Path, Run]
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [MARKER_NAME, "README.md", "config.json", "model.safetensors"]
     )
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o666 & ~umask  # as any file, not 0600
     assert (out / "README.md").read_text() == "mine"
     assert "model.embed_tokens.weight" in load_file(str(out / "model.safetensors"))
 

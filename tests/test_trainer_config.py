@@ -163,3 +163,22 @@ def test_fusions_only_with_transformer_engine() -> None:
     lang = build_megatron_configs(off, _arch(off), use_te=True).language
     assert not lang.bias_activation_fusion and not lang.gradient_accumulation_fusion
     assert lang.bias_dropout_fusion and lang.masked_softmax_fusion
+
+
+def test_expert_parallel_size_that_does_not_divide_the_experts_is_one_line() -> None:
+    """`--model-type qwen3_vl_moe --num-experts 3 --expert-model-parallel-size 2`: a ValueError naming both
+    (one line from the trainer), not megatron-core's assertion when it builds the layers."""
+    from mmpack.trainer.build import model_hf_config
+    from mmpack.trainer.data import dataset_info
+    from mmpack.trainer.models import family
+
+    def configs(experts: int) -> object:
+        cfg = parse_args([*BASE, "--model-type", "qwen3_vl_moe", "--num-experts", str(experts),
+                          "--moe-router-topk", "2", "--expert-model-parallel-size", "2"])  # fmt: skip
+        arch = family("qwen3_vl_moe").arch_from_hf_config(model_hf_config(cfg, dataset_info(None, 64)))
+        return build_megatron_configs(cfg, arch)
+
+    assert configs(4).language.num_moe_experts == 4  # control: 2 EP ranks of 2 experts each
+    refused = r"^--expert-model-parallel-size 2 must divide the number of experts, 3 "
+    with pytest.raises(ValueError, match=refused):
+        configs(3)

@@ -4,6 +4,7 @@ the video as the record did and its sample, not only the bin."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,17 +12,23 @@ import av
 import numpy as np
 import pytest
 
-from mmpack.dataloader.collate import CollateConfig, collate_bins
+from mmpack.dataloader.collate import BadSampleError, CollateConfig, collate_bins
 from mmpack.dataloader.manifest import load_manifest
 from mmpack.dataloader.readers import ArrowShardReader
-from mmpack.dataloader.video import VideoDecodeError, decode_planned_frames, resize_frame
+from mmpack.dataloader.video import decode_planned_frames, resize_frame
 from mmpack.offline_packing.errors import VideoProbeError
 from mmpack.offline_packing.inputs.video_probe import probe_video
 from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.pipeline import read_manifest, run_pack
 from mmpack.packing.video_tokens import VideoTokenRule
 from tests.support.fixtures_data import train_tiny_bpe
-from tests.support.video_fixtures import encode_video, reference_frames, stream_copy_cut, timescale_one
+from tests.support.video_fixtures import (
+    encode_video,
+    reference_frames,
+    stream_copy_cut,
+    timescale_one,
+    zero_frame_packet,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +38,8 @@ def clips(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source = encode_video(media / "source.mp4", 50, gop=25)
     stream_copy_cut(source, media / "cut.mp4", 12)
     timescale_one(source, media / "ts1.mp4")
-    data = bytearray(source.read_bytes())
-    data[len(data) // 2 : len(data) // 2 + 400] = bytes(
-        400
-    )  # zeroed bytes inside the frames, the index intact
-    (media / "zeroed.mp4").write_bytes(bytes(data))
+    # frame 10's bytes zeroed, the index intact: between the keyframes (0, 25) the scan decodes, before planned frame 16
+    zero_frame_packet(source, media / "zeroed.mp4", 10)
     return media
 
 
@@ -82,11 +86,11 @@ def test_video_check_decode_rejects_what_the_loader_would_fail_on(clips: Path, t
     _pack(clips, out)
     assert read_manifest(str(out))["counts"]["samples_packed"] == 2
     manifest = load_manifest(str(out))
-    cfg = CollateConfig.from_manifest(manifest)
+    cfg = dataclasses.replace(CollateConfig.from_manifest(manifest), strict_data=True)  # else it is dropped
     shard = manifest.shards[0]
     reader = ArrowShardReader(str(out / shard.path), label=shard.path)
     records = [reader.read(i) for i in range(len(reader))]
     reader.close()
-    with pytest.raises(VideoDecodeError, match=r"video media/zeroed\.mp4 of sample 'clip-zeroed.mp4' \(bin "):
+    with pytest.raises(BadSampleError, match=r"video media/zeroed\.mp4 of sample 'clip-zeroed.mp4' \(bin "):
         for rec in records:
             collate_bins([rec], cfg)

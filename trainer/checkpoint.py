@@ -45,9 +45,10 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import unwrap_model
+from torch.distributed.checkpoint.api import CheckpointException
 
-from mmpack.trainer.checkpoint_commit import TRACKER as TRACKER  # re-exported: names this module used to own
 from mmpack.trainer.checkpoint_commit import (
+    CHECKSUMS,
     CorruptCheckpointError,
     commit,
     iteration_dir,
@@ -57,8 +58,15 @@ from mmpack.trainer.checkpoint_commit import (
     staging_dir,
     verify_checkpoint,
 )
+from mmpack.trainer.checkpoint_commit import TRACKER as TRACKER  # re-exported: names this module used to own
 from mmpack.trainer.checkpoint_commit import latest_iteration as latest_iteration
-from mmpack.trainer.checkpoint_watch import AsyncSaveWatch, save_watched, started_process, watched_request
+from mmpack.trainer.checkpoint_watch import (
+    AsyncSaveWatch,
+    save_request,
+    save_watched,
+    started_process,
+    watched_request,
+)
 
 # The distributed optimizer's reshardable format: its flat buffers are all-gathered over DP and cut back into
 # tensors of the parameters' shapes (so they reshard like the model); the writes stay spread over ranks.
@@ -221,7 +229,7 @@ class CheckpointWriter:
             save_watched(state, str(folder))
             commit(self.root, iteration)
             return
-        request = dist_checkpointing.save(state, str(folder), async_sharded_save=True)
+        request = save_request(state, str(folder))
         watch = AsyncSaveWatch(dist.get_rank(), f"iteration {iteration} in {folder}")
         request = watched_request(request, report=watch.send_end)
         request.add_finalize_fn(lambda: commit(self.root, iteration))
@@ -374,16 +382,12 @@ def load_checkpoint(
         ]
     try:
         state = dist_checkpointing.load(request, str(folder))
-    except Exception as e:  # dist_checkpointing raises several types for missing/mismatched shards
-        if not verify:  # then a damaged file is as likely as a mismatch
-            raise CorruptCheckpointError(
-                f"checkpoint {folder} could not be read ({type(e).__name__}: {_first_line(e)}): a file of it "
-                "may be damaged (load without --no-verify-checkpoint to find which); "
-                + previous_good(root, iteration)
-            ) from e
+    except (Exception, CheckpointException) as e:  # several types for missing/mismatched/unreadable shards
+        if not verify or not (folder / CHECKSUMS).is_file():  # a damaged file is as likely as a mismatch
+            raise unreadable_checkpoint(root, iteration, e, verified=verify) from e
         raise CheckpointMismatchError(
             f"checkpoint {folder} (saved at {_describe_layout(saved_layout)}) does not load into this run "
-            f"({_describe_layout(lay)}): {' '.join(str(e).split())[:800]}"
+            f"({_describe_layout(lay)}): {' '.join(_full_text(e).split())[:800]}"
         ) from e
     _load_model_state(model, state)
     prefix = "".join(f"{w}\n" for w in warnings)
@@ -441,6 +445,35 @@ def load_common(root: str | Path, iteration: int) -> dict[str, Any]:
             f"{folder}: its common state (common.pt, metadata.json) could not be read ({type(e).__name__}: "
             f"{_first_line(e)}); {previous_good(root, iteration)}"
         ) from e
+
+
+def unreadable_checkpoint(
+    root: str | Path, iteration: int, error: BaseException, *, verified: bool
+) -> CorruptCheckpointError:
+    """The one-line error for an iteration whose files could not be read and were not checked against
+    checksums (``verified``: False under --no-verify-checkpoint; True when it has no checksums.json)."""
+    folder = iteration_dir(root, iteration)
+    if verified:
+        why = f"it has no {CHECKSUMS}, written before checksums existed, so its files could not be checked"
+    else:
+        why = "load without --no-verify-checkpoint to find which"
+    return CorruptCheckpointError(
+        f"checkpoint {folder} could not be read ({describe_load_error(error)}): a file of it may be damaged "
+        f"({why}); {previous_good(root, iteration)}"
+    )
+
+
+def describe_load_error(error: BaseException) -> str:
+    """``Type: first line`` of a load error; of torch's ``CheckpointException`` (a ``BaseException`` holding
+    each rank's error and traceback), the first failing rank's error."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (inner, _) = min(error.failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {type(inner).__name__}: {_first_line(inner)}"
+    return f"{type(error).__name__}: {_first_line(error)}"
+
+
+def _full_text(e: BaseException) -> str:
+    return describe_load_error(e) if isinstance(e, CheckpointException) else str(e)
 
 
 def _first_line(e: BaseException) -> str:

@@ -17,17 +17,19 @@ from __future__ import annotations
 import contextlib
 import gc
 import multiprocessing as mp
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection, wait
+from multiprocessing.managers import SyncManager
 from typing import Any
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-from mmpack.packing.processes import ProcessDiedError, describe_exit
+from mmpack.packing.processes import ProcessDiedError, describe_exit, exit_with_parent
 
 
 class _PipeQueue:
@@ -56,6 +58,7 @@ class _NoCount:
 
 def _write_one(transform_list: list, use_msc: bool, index: int, bucket: Any, conn: Connection) -> None:
     """In a forked writer: megatron-core's writer for one bucket; sends (index, [WriteResult] or error text)."""
+    exit_with_parent()  # a rank killed outright takes its writers with it
     results = _PipeQueue(conn)
     extra = {"use_msc": True} if use_msc else {}
     try:
@@ -103,6 +106,8 @@ def write_buckets(
 
     A writer that dies or fails raises :class:`ProcessDiedError` naming it; with ``report`` (the
     ``--async-save`` process) the outcome, None or that message, is sent there instead of raised."""
+    if report is not None:  # in the forked --async-save process: it ends with its rank
+        exit_with_parent()
     try:
         with _gc_disabled():
             results = _run_writers(transform_list, use_msc, rank, buckets)
@@ -170,9 +175,33 @@ def watched_request(request: AsyncRequest, report: Connection | None = None) -> 
     return request._replace(async_fn=partial(write_buckets, *fn.args, **fn.keywords, report=report))
 
 
+def save_request(state: dict[str, Any], folder: str) -> AsyncRequest:
+    """``dist_checkpointing.save(state, folder, async_sharded_save=True)`` (collective): the request that writes
+    this rank's shards, its writers' results reported to a queue that ends with this process."""
+    _own_results_queue()
+    return dist_checkpointing.save(state, folder, async_sharded_save=True)
+
+
 def save_watched(state: dict[str, Any], folder: str) -> None:
     """``dist_checkpointing.save(state, folder)`` (synchronous, collective) with the writers watched."""
-    watched_request(dist_checkpointing.save(state, folder, async_sharded_save=True)).execute_sync()
+    watched_request(save_request(state, folder)).execute_sync()
+
+
+def _own_results_queue() -> None:
+    """Gives megatron-core's ``FileSystemWriterAsync`` its results queue before it makes one itself.
+
+    megatron-core serves that queue from a ``multiprocessing`` manager, a process spawned once per rank and
+    stopped only by the rank's exit handlers: a rank killed outright (SIGKILL, the OOM killer) left it running
+    for ever. This is the same manager, started with :func:`exit_with_parent`, so it ends with its rank; set
+    once per process, where megatron-core keeps it (its module's ``_results_queue``)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))  # as megatron-core's: a fresh interpreter, no fork
+    manager.start(exit_with_parent, (os.getpid(),))
+    # the proxy keeps the manager (and its process) alive
+    filesystem_async._results_queue = manager.Queue()  # type: ignore[assignment]
 
 
 def started_process(start: Callable[[], Any]) -> Any:

@@ -40,15 +40,22 @@ def _trainable_modules(words: list[str]) -> tuple[str, ...] | None:
     return None if words == ["all"] else parse_modules(",".join(words))
 
 
-def _split_weights(text: str) -> tuple[float, float, float]:
-    """--split: Megatron-LM's `969,30,1` (also `/`-separated; missing parts are 0)."""
+# --split weights are ratios: larger ones only lose precision (1e308 + 1e308 overflows)
+SPLIT_MAX_WEIGHT = 1e12
+
+
+def split_weights(text: str) -> tuple[float, float, float]:
+    """--split: Megatron-LM's `969,30,1` (also `/`-separated; missing parts are 0); each weight a finite number
+    from 0 to `SPLIT_MAX_WEIGHT`, one of them > 0."""
     try:
         values = [float(v) for v in text.replace("/", ",").split(",")]
     except ValueError:
         values = []
-    if not 1 <= len(values) <= 3 or min(values) < 0 or sum(values) <= 0:
+    if not (1 <= len(values) <= 3 and all(0 <= v <= SPLIT_MAX_WEIGHT for v in values) and sum(values) > 0):
+        shown = repr(text) if len(text) <= 60 else repr(text[:60]) + "..."
         raise argparse.ArgumentTypeError(
-            f"--split takes up to three weights >= 0 (e.g. 969,30,1), got {text!r}"
+            f"--split takes up to three weights from 0 to {SPLIT_MAX_WEIGHT:g}, not all 0 (e.g. 969,30,1), "
+            f"got {shown}"
         )
     return tuple(values + [0.0] * (3 - len(values)))  # type: ignore[return-value]
 
@@ -624,8 +631,14 @@ class DataConfig:
         None,
         help="divide --data-path's bins by these weights (e.g. 969,30,1; a seeded permutation cut as Megatron-LM "
         "cuts documents); training reads only the train part, --eval-interval evaluates the valid part",
-        parse=_split_weights,
+        parse=split_weights,
         metavar="TRAIN,VALID,TEST",
+    )
+    strict_data: bool = flag(
+        False,
+        help="stop at the first sample whose images or videos cannot be decoded, in one line naming it; by default "
+        "such a sample is dropped from its bin (no loss, media blank), counted in the log line and listed in "
+        "bad_samples-rank<R>.jsonl in --save (else in --tensorboard-dir or beside --metrics-file)",
     )
 
     def __post_init__(self) -> None:
@@ -763,6 +776,11 @@ def build_megatron_configs(
         raise ValueError(
             f"--expert-model-parallel-size {par.expert_model_parallel_size} needs a mixture-of-experts model; "
             f"{arch.source.get('model_type')} has no experts"
+        )
+    if arch.moe is not None and arch.moe.num_experts % par.expert_model_parallel_size:
+        raise ValueError(
+            f"--expert-model-parallel-size {par.expert_model_parallel_size} must divide the number of experts, "
+            f"{arch.moe.num_experts} (--num-experts or the model's config.json): every EP rank holds as many"
         )
     variable_lengths = par.context_parallel_size > 1 and par.pipeline_model_parallel_size > 1
     dispatcher = m.moe_token_dispatcher_type

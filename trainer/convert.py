@@ -20,6 +20,7 @@ mmpack-marked folder. ``hf-to-mcore`` refuses a training run's folder (its track
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from mmpack.packing.errors import MmpackError
 from mmpack.packing.ownership import claim_folder, open_owned
-from mmpack.packing.processes import ProcessDiedError, describe_exit
+from mmpack.packing.processes import ProcessDiedError, describe_exit, exit_with_parent
 from mmpack.trainer.models import family_of, read_hf_config
 
 if TYPE_CHECKING:
@@ -133,9 +134,15 @@ def load_tp1_model(
     ``ckpt`` (its files verified unless ``verify`` is False), in a process whose one-rank process group is
     initialised (megatron-core's parallel state is set up here)."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    from mmpack.trainer.checkpoint import load_common, open_iteration
-    from mmpack.trainer.checkpoint_commit import iteration_dir
+    from mmpack.trainer.checkpoint import (
+        describe_load_error,
+        load_common,
+        open_iteration,
+        unreadable_checkpoint,
+    )
+    from mmpack.trainer.checkpoint_commit import CHECKSUMS, iteration_dir
 
     iteration, warnings = open_iteration(ckpt, verify=verify)
     if iteration is None:
@@ -147,9 +154,14 @@ def load_tp1_model(
     if not hf_config:
         raise ValueError(f"{folder} records no model_config (the HF config.json of the model)")
     fam, arch, model = _build_stage(hf_config, 1, 1)
-    state = dist_checkpointing.load(
-        {"model": model.sharded_state_dict()}, str(folder), strict="raise_unexpected"
-    )
+    try:
+        state = dist_checkpointing.load(
+            {"model": model.sharded_state_dict()}, str(folder), strict="raise_unexpected"
+        )
+    except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+        if verify and (folder / CHECKSUMS).is_file():  # its files are as saved: not a damaged one
+            raise ValueError(f"checkpoint {folder} could not be read: {describe_load_error(e)}") from e
+        raise unreadable_checkpoint(ckpt, iteration, e, verified=verify) from e
     model.load_state_dict(state["model"], strict=False)
     return fam, arch, model, hf_config
 
@@ -167,11 +179,23 @@ def _mcore_to_hf_rank(rank: int, port: int, ckpt: str, out: str, verify: bool) -
         written = root / "model.safetensors.tmp"
         save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(written),
                   metadata={"format": "pt"})  # fmt: skip
+        os.chmod(written, 0o666 & ~_umask())  # safetensors writes 0600; an export is a file like any other
         open_owned(out, "hf-export").remove_recorded(_old_export_files(root))
         os.replace(written, root / "model.safetensors")
         (root / "config.json").write_text(json.dumps(hf_config, indent=2))
     finally:
         dist.destroy_process_group()
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux: /proc; elsewhere set and put back)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _old_export_files(root: Path) -> list[str]:
@@ -209,6 +233,7 @@ def _init_rank(rank: int, world: int, port: int) -> None:
 
     from mmpack.trainer import cpu_backend
 
+    exit_with_parent()  # a killed `mmpack convert` takes its ranks with it
     cpu_backend.activate()
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

@@ -135,10 +135,12 @@ def build_step_batches(
     cost_model: Any = None,
     position_rule: PositionRule | None = None,
     split: tuple[tuple[float, float, float], int, int] | None = None,
+    strict_data: bool = False,
 ) -> StepBatches:
     """The loader of this rank's DP replica (megatron-core parallel_state must be initialised); `balance`,
     `cost_model`, `position_rule` (the model's) and `split` (--split's weights, the part read: 0 train,
-    1 valid, and the split's seed) as in `mmpack.dataloader.build_loader` (synthetic batches ignore all but the position rule)."""
+    1 valid, and the split's seed) and `strict_data` as in `mmpack.dataloader.build_loader` (synthetic batches ignore
+    all but the position rule)."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -178,6 +180,7 @@ def build_step_batches(
         cost_model=cost_model,
         position_rule=position_rule,
         split=split,
+        strict_data=strict_data,
     )
     return StepBatches(loader)
 

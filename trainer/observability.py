@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import math
+import os
 import resource
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -151,6 +154,7 @@ TAGS = {
     "mem_max_allocated_gb": "memory/max-allocated-gb",
     "mem_max_rss_gb": "memory/max-rss-gb",
     "moe_load_balancing_loss": "load_balancing_loss",  # megatron-core's tag
+    "bad_samples": "data/bad-samples",
 }
 
 
@@ -196,6 +200,82 @@ def source_scalars(metrics: dict[str, Any]) -> dict[str, float]:
     """TensorBoard tags of the per-source metrics: `lm loss/<source>`, `tokens/<source>`."""
     out = {f"lm loss/{n}": v for n, v in (metrics.get("source_loss") or {}).items() if v is not None}
     return out | {f"tokens/{n}": float(v) for n, v in (metrics.get("source_tokens") or {}).items()}
+
+
+def bad_samples_folder(save: str | None, tensorboard_dir: str | None, metrics_file: str | None) -> str | None:
+    """Where each rank lists the samples its loader dropped: --save, else --tensorboard-dir, else the folder of
+    --metrics-file; None: nowhere (the log's warning lines name them)."""
+    if save or tensorboard_dir:
+        return save or tensorboard_dir
+    return os.path.dirname(os.path.abspath(metrics_file)) if metrics_file else None
+
+
+class BadSamples:
+    """The samples the loader dropped from their bins because their media could not be decoded
+    (`MicroBatch.dropped`: labels masked, media blank). The rank that read them writes one warning line and one
+    JSON line each (`<folder>/bad_samples-rank<R>.jsonl`: sample id, dataset, bin, medium, error, iteration,
+    phase); the log line and the metrics count them over every rank."""
+
+    LOGGED = 100  # warning lines per rank: a dataset with many bad samples does not flood the log
+
+    def __init__(self, folder: str | None, *, rank: int) -> None:
+        self.rank = rank
+        self.path = None if folder is None else os.path.join(folder, f"bad_samples-rank{rank}.jsonl")
+        self.mine = 0  # samples dropped from the batches this rank read
+
+    def note(
+        self,
+        batches: list[MicroBatch[torch.Tensor]],
+        *,
+        iteration: int,
+        phase: str,
+        datasets: tuple[str, ...],
+    ) -> None:
+        """Records the samples the micro-batches of one step dropped (on the rank that read them);
+        `datasets`: the name of each `source_ids` value."""
+        rows = []
+        for batch in batches:
+            for d in batch.dropped:
+                source = 0 if batch.source_ids is None else int(batch.source_ids[d.row])
+                rows.append({
+                    "sample_id": d.sample_id,
+                    "dataset": datasets[source] if source < len(datasets) else str(source),
+                    "bin": d.bin_key,
+                    "media": d.media,
+                    "error": d.error,
+                    "iteration": iteration,
+                    "phase": phase,
+                })  # fmt: skip
+        if not rows:
+            return
+        where = f"; listed in {self.path}" if self.path else ""
+        for r in rows:
+            self.mine += 1
+            if self.mine > self.LOGGED:
+                continue
+            more = (
+                f" (the first {self.LOGGED} are logged; the count goes on)"
+                if self.mine == self.LOGGED
+                else ""
+            )
+            print(
+                f"mmpack trainer: warning: rank {self.rank}: dropped sample {r['sample_id']!r} of {r['dataset']} "
+                f"(bin {r['bin']}, {phase} iteration {iteration}): {r['media']} cannot be decoded: {r['error']}"
+                f"{where}{more}",
+                file=sys.stderr,
+                flush=True,
+            )
+        if self.path:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+    def count(self) -> int:
+        """The samples dropped so far, over every rank. Collective."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        total = torch.tensor([float(self.mine)], dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        return int(total.item())
 
 
 class RouterLosses:

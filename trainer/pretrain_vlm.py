@@ -61,8 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1
             if not isinstance(e, (ValueError, MmpackError)):
                 raise
-            # what the user can fix: one clear line, not a traceback per rank
-            if os.environ.get("RANK", "0") == "0":
+            # what the user can fix: one clear line, not a traceback per rank (a bad sample: by the rank that read it)
+            bad_sample = isinstance(e, MmpackError) and e.reason == "bad_sample"
+            if os.environ.get("RANK", "0") == "0" or bad_sample:
                 print(f"pretrain_vlm: error: {e}", file=sys.stderr)
             return 2
         finally:

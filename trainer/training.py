@@ -51,7 +51,14 @@ from mmpack.trainer.exits import ExitPolicy, ExitSignals
 from mmpack.trainer.freeze import count_parameters
 from mmpack.trainer.models import family_of
 from mmpack.trainer.models.protocol import ModelArch, ModelFamily
-from mmpack.trainer.observability import Observer, RouterLosses, SourceMetrics, source_loss_parts
+from mmpack.trainer.observability import (
+    BadSamples,
+    Observer,
+    RouterLosses,
+    SourceMetrics,
+    bad_samples_folder,
+    source_loss_parts,
+)
 from mmpack.trainer.shared_batches import SharedStepBatches, shared_step_batches
 from mmpack.trainer.stage_flags import check_model_flags, check_stage_flags
 
@@ -267,6 +274,7 @@ class Trainer:
             if cfg.data.balance == "compute"
             else None,
             position_rule=self.family.position_rule(self.arch),
+            strict_data=cfg.data.strict_data,
         )
         split = cfg.data.split
         carves = split is not None and (
@@ -319,6 +327,8 @@ class Trainer:
                 flush=True,
             )
         self.is_logger = dist.get_rank() == dist.get_world_size() - 1
+        folder = bad_samples_folder(cfg.checkpoint.save, cfg.logging.tensorboard_dir, cfg.train.metrics_file)
+        self.bad_samples = BadSamples(folder, rank=dist.get_rank())
         self.observer = Observer(
             cfg.logging, flop_model=self.family.flop_model(self.arch), pad_id=info.pad_id,
             model=torch.nn.ModuleList(self.chunks),
@@ -450,6 +460,10 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over a global batch; returns the metrics of the step."""
         batches, wait_s = self.train_data.next_step()
+        if self.train_data.source is not None:  # the rank that read them names the samples its loader dropped
+            self.bad_samples.note(
+                batches, iteration=self.iteration + 1, phase="train", datasets=self._datasets()
+            )
         start = time.perf_counter()
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
@@ -507,7 +521,15 @@ class Trainer:
             "compute_ms_mean": compute_mean * 1e3,
             "dp_imbalance": compute_max / max(compute_mean, 1e-12),
             "bins_consumed": int(self.train_data.state_dict().get("bins_consumed", -1)),
+            "bad_samples": self.bad_samples.count(),  # dropped so far, over all ranks
         }
+
+    def _datasets(self, *, eval_data: bool = False) -> tuple[str, ...]:
+        """The dataset of each `source_ids` value of the training (or eval) batches, as the flags named it."""
+        d = self.cfg.data
+        if eval_data and d.eval_data_path:
+            return (d.eval_data_path,)
+        return d.source_names or (str(d.data_path),)
 
     def evaluate(self) -> float:
         """Mean target-token loss over --eval-iters global batches of the held-out data."""
@@ -518,6 +540,9 @@ class Trainer:
         with torch.no_grad():
             for _ in range(self.cfg.train.eval_iters):
                 batches, _ = self.eval_data.next_step()
+                if self.eval_data.source is not None:
+                    names = self._datasets(eval_data=True)
+                    self.bad_samples.note(batches, iteration=self.iteration, phase="eval", datasets=names)
                 for x in self._run_schedule(batches, forward_only=True):
                     loss_sum += float(x["lm loss"][0])
                     n_tok += float(x["lm loss"][1])
@@ -544,6 +569,7 @@ class Trainer:
             f" DP compute max/mean: {m['dp_imbalance']:.3f} |"
             f" TFLOPs/GPU: {m['tflops_per_gpu']:.3f} |{mfu}"
             f" skipped iterations: {m['skipped_total']} |"
+            + ("" if not m.get("bad_samples") else f" bad samples: {m['bad_samples']} |")
             + (
                 ""
                 if m.get("moe_load_balancing_loss") is None

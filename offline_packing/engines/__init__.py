@@ -28,8 +28,8 @@ def run_parallel(
     progress: bool = True,
 ) -> list[R]:
     """`[fn(ctx, x) for x in items]` on the context's engine, results in item order, with a progress bar
-    (`weights`: each item's share of it). `workers`: processes of the local engine (Ray uses the cluster's
-    CPUs)."""
+    (`weights`: each item's share of it). `workers`: processes of the local engine, at most one per CPU and per
+    item (`engines.workers.capped_workers`; Ray uses the cluster's CPUs)."""
     from tqdm import tqdm
 
     weights = weights if weights is not None else [1] * len(items)

@@ -15,8 +15,9 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from mmpack.offline_packing.engines.workers import capped_workers
 from mmpack.offline_packing.errors import PackError
-from mmpack.packing.processes import ProcessDiedError, describe_exit
+from mmpack.packing.processes import ProcessDiedError, describe_exit, exit_with_parent
 
 if TYPE_CHECKING:
     from mmpack.offline_packing.context import JobContext
@@ -35,13 +36,15 @@ def run_local(
     done: Callable[[int], None] = lambda i: None,
     desc: str = "",
 ) -> list[R]:
-    """`[fn(ctx, x) for x in items]` on `workers` forked processes; `done(i)` as item i completes.
+    """`[fn(ctx, x) for x in items]` on `workers` forked processes (at most one per CPU and per item:
+    `capped_workers`); `done(i)` as item i completes.
 
     An item's error is raised once every item before it has completed, so the error raised is that of the
     first failing item, whatever the number of workers. A worker that dies (killed, out of memory) is a
     `ProcessDiedError` naming the stage (`desc`), the worker and the first chunk not done, never a hang.
     """
-    if workers <= 1 or len(items) <= 1:
+    workers = capped_workers(workers, len(items))
+    if workers <= 1:
         results = []
         for i, item in enumerate(items):
             results.append(fn(ctx, item))
@@ -51,7 +54,7 @@ def run_local(
     tasks, answers = mp.Queue(), mp.Queue()  # fed by threads: neither side blocks the other
     procs = [
         mp.Process(target=_serve, args=(ctx, fn, tasks, answers), daemon=True, name=f"mmpack-pack-{w}")
-        for w in range(min(workers, len(items)))
+        for w in range(workers)
     ]
     for p in procs:
         p.start()
@@ -97,6 +100,7 @@ def _collect(answers: Any, procs: list[Any], n: int, done: Callable[[int], None]
 
 def _serve(ctx: JobContext, fn: Callable[[JobContext, Any], Any], tasks: Any, answers: Any) -> None:
     """A worker: runs tasks until the end marker; an error is sent back (as itself when it pickles)."""
+    exit_with_parent()  # a killed driver takes its workers with it
     while (task := tasks.get()) is not None:
         i, item = task
         try:

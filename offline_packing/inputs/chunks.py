@@ -11,7 +11,8 @@ How each kind of input is read:
 - the same gzip-compressed (`.jsonl.gz`, `.json.gz`): line by line while decompressing, chunks addressed by
   record index (`json_lines.gzip_cursor`); never decompressed whole;
 - JSON documents (an array, a pretty-printed object; plain or gzip), Parquet and WebDataset tars: read whole
-  once per process (kept in the job context's caches), then sliced.
+  once per process (kept in the job context's caches), then sliced; a document or Parquet file over
+  `MAX_DOCUMENT_BYTES` (a gzip document decompressed no further) is an error naming it.
 
 A record longer than `max_record_bytes` (its JSON text, or its tar `.json` member) is a `record_too_large`
 reject, found before it is parsed or kept in memory.
@@ -20,18 +21,22 @@ reject, found before it is parsed or kept in memory.
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmpack.offline_packing.config import DEFAULT_MAX_RECORD_BYTES
+from mmpack.offline_packing.errors import PackError
 from mmpack.offline_packing.inputs.json_lines import (
     Line,
     StreamCursor,
     count_lines,
+    empty_gzip,
     gzip_failure,
     iter_lines,
     reading,
@@ -48,6 +53,11 @@ from mmpack.offline_packing.tar_source import index_tar, sample_record
 
 if TYPE_CHECKING:
     from mmpack.offline_packing.context import JobContext
+
+# A JSON document, a gzip document decompressed or a Parquet file's data is read whole (unlike JSON Lines): past
+# this it is an error, so a small file that expands without bound (a gzip bomb) never fills the memory. Real
+# documents stay well under it (LLaVA-1.5's 665k-sample mixture is a 1 GB JSON array).
+MAX_DOCUMENT_BYTES = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -171,23 +181,60 @@ def _whole_file(ctx: JobContext, path: str, max_record_bytes: int) -> list[RawRe
 def _read_whole_file(ctx: JobContext, path: str, max_record_bytes: int) -> list[RawRecord]:
     if path.endswith(".tar"):
         return _read_tar(ctx, path, max_record_bytes)
+    size = _identity(ctx, path)[0]
+    if size is not None and size > MAX_DOCUMENT_BYTES and not path.endswith(".parquet"):
+        raise _document_too_large(path, "is")
     data = ctx.remote.read_all(path) if is_url(path) else None
     if path.endswith(".parquet"):
         return _read_parquet(path, data, max_record_bytes)
     if path.endswith(".gz"):
-        try:
-            data = gzip.decompress(data if data is not None else Path(path).read_bytes())
-        except (EOFError, gzip.BadGzipFile, OSError) as exc:
-            raise gzip_failure(path, exc) from None
+        data = _decompress_bounded(path, data if data is not None else Path(path).read_bytes())
     return parse_json_document(data if data is not None else Path(path).read_bytes(), max_record_bytes)
 
 
-def _read_parquet(path: str, data: bytes | None, max_record_bytes: int) -> list[RawRecord]:
-    import io
+def _document_too_large(path: str, verb: str) -> PackError:
+    return PackError(
+        f"input {path} {verb} larger than {MAX_DOCUMENT_BYTES >> 20} MiB, and a JSON document (an array, one "
+        "object) or a Parquet file is read whole; write it as JSON Lines (.jsonl or .jsonl.gz), which is read "
+        "record by record, or split it into several files"
+    )
 
+
+def _decompress_bounded(path: str, data: bytes) -> bytes:
+    """A gzip document's bytes; first measured in 1 MiB pieces, none kept, so that one expanding past
+    `MAX_DOCUMENT_BYTES` (a gzip bomb) is an error before its bytes fill the memory."""
+    if not data:
+        raise empty_gzip(path)
+    size = 0
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(data)) as gz:
+            while piece := gz.read(1 << 20):
+                size += len(piece)
+                if size > MAX_DOCUMENT_BYTES:
+                    raise _document_too_large(path, "expands to")
+        if size == 0:
+            raise empty_gzip(path, decompressed=True)
+        return gzip.decompress(data)
+    except (EOFError, gzip.BadGzipFile, OSError, zlib.error) as exc:
+        raise gzip_failure(path, exc) from None
+
+
+def _read_parquet(path: str, data: bytes | None, max_record_bytes: int) -> list[RawRecord]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = pq.read_table(io.BytesIO(data) if data is not None else path).to_pylist()
+    try:
+        with pq.ParquetFile(io.BytesIO(data) if data is not None else path) as parquet:
+            meta = parquet.metadata
+            groups = (meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+            if sum(groups) > MAX_DOCUMENT_BYTES:  # its data uncompressed, before any of it is read
+                raise _document_too_large(path, "expands to")
+            rows = parquet.read().to_pylist()
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        said = " ".join(str(exc).split())  # pyarrow's messages span lines
+        raise PackError(
+            f"input {path} is not a Parquet file pyarrow can read ({said}); check or rewrite it"
+        ) from None
     records = []
     for i, row in enumerate(rows):
         # a column absent from a record reads back as null: drop those (mixed-format files)

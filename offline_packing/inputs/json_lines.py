@@ -10,8 +10,9 @@ process keeps one `StreamCursor` per gzip input (`mmpack.offline_packing.inputs.
 caches): the chunks of a file that one worker reads in order continue where the previous one stopped, so each
 worker decompresses the file about once.
 
-Truncated or corrupt gzip streams, and plain text named `.gz`, end the job with one line naming the file
-(`PackError`): the records after the damage cannot be counted, so none of the file is silently dropped.
+Truncated or corrupt gzip streams, plain text named `.gz`, and an empty `.gz` (zero bytes, or a stream of
+nothing) end the job with one line naming the file (`PackError`): the records after the damage cannot be
+counted, so none of the file is silently dropped.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ class _Opened:
         self.raw = remote.open_binary(path)
         self.f: IO[bytes] = self.raw
         if path.endswith(".gz"):
+            if not self.raw.read(1):
+                self.raw.close()
+                raise empty_gzip(path)
+            self.raw.seek(0)
             # read through a 64 KiB buffer: GzipFile's own 8 KiB one makes readline twice as slow
             gz = gzip.GzipFile(filename=path, mode="rb", fileobj=self.raw)
             self.f = io.BufferedReader(gz, buffer_size=_GZIP_BUFFER_BYTES)  # type: ignore[arg-type]
@@ -113,10 +118,21 @@ def gzip_failure(path: str, exc: BaseException) -> PackError:
     return PackError(f"input {path} {what}")
 
 
+def empty_gzip(path: str, decompressed: bool = False) -> PackError:
+    """The one-line job error of a `.gz` input with nothing in it (a zero-byte file, or a gzip stream of nothing):
+    an empty dataset from it would pass unnoticed."""
+    what = "decompresses to nothing (0 bytes)" if decompressed else "is empty (0 bytes), not a gzip file"
+    return PackError(f"input {path} {what}; remove it from the inputs or write its records into it")
+
+
 def count_lines(remote: RemoteFiles, path: str, max_record_bytes: int) -> int:
-    """The number of records (non-blank lines) of a line-oriented input, read once, in bounded memory."""
+    """The number of records (non-blank lines) of a line-oriented input, read once, in bounded memory; a gzip
+    input that decompresses to nothing is an error (`empty_gzip`)."""
     with reading(remote, path) as f:
-        return sum(1 for _ in iter_lines(f, max_record_bytes))
+        count = sum(1 for _ in iter_lines(f, max_record_bytes))
+        if path.endswith(".gz") and f.tell() == 0:
+            raise empty_gzip(path, decompressed=True)
+        return count
 
 
 class StreamCursor:

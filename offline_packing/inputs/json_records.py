@@ -41,7 +41,7 @@ def parse_json_line(raw: bytes, line: int) -> RawRecord:
         return RawRecord(line, error=too_deep, error_reason="malformed_record")
     try:
         return RawRecord(line, json.loads(text))
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer past the digit limit
         return RawRecord(line, error=f"invalid JSON: {exc}")
     except RecursionError:
         return RawRecord(line, error=_DEEP_MESSAGE, error_reason="malformed_record")
@@ -128,7 +128,7 @@ def _one_value(text: str, pos: int, max_record_bytes: int | None = None) -> RawR
     line = text.count("\n", 0, pos) + 1
     try:
         _, end = json.JSONDecoder().raw_decode(text, pos)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer past the digit limit
         if _later_line_is_object(text, pos):
             return None
         return RawRecord(line, error=f"invalid JSON: {exc}")
@@ -148,7 +148,7 @@ def _later_line_is_object(text: str, pos: int) -> bool:
         if candidate.strip():
             try:
                 return isinstance(json.loads(candidate), dict)
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):
                 return False
         start = end
     return False
@@ -165,7 +165,7 @@ def _split_json_array(text: str, pos: int, max_record_bytes: int | None = None) 
         counted_to = pos
         try:
             _, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # JSONDecodeError, or an integer past the digit limit
             # the rest of the array cannot be split reliably: one reject for it
             records.append(RawRecord(line, error=f"invalid JSON: {exc}"))
             return records
@@ -193,7 +193,7 @@ def _parse_element(
         return RawRecord(line, error=too_deep, error_reason="malformed_record")
     try:
         return RawRecord(line, json.loads(piece))
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer past the digit limit
         return RawRecord(line, error=f"invalid JSON: {exc}")
     except RecursionError:
         return RawRecord(line, error=_DEEP_MESSAGE, error_reason="malformed_record")

@@ -15,12 +15,14 @@ import glob
 import itertools
 import os
 import stat
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from mmpack.offline_packing.config import require_utf8_path
 from mmpack.offline_packing.inputs.remote import RemoteFiles, is_url, join_under, local_path, parent
 from mmpack.packing.fileio import NotRegularFileError, describe_mode
-from mmpack.packing.ownership import has_marker
+from mmpack.packing.ownership import MARKER_NAME, has_marker
 
 INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet", ".tar")
 
@@ -38,8 +40,10 @@ def expand_inputs(
     Paths come back absolute and normalised; a file named twice (relative and absolute path, a symlink,
     a file under a folder also given) is kept once, at its first place. Folders and globs never yield files
     under the folders of `exclude` (the job's output and work folder) nor under any folder that carries
-    mmpack's marker (another packed dataset or work folder); a file named on its own under `exclude` is an
-    error. Only regular files are read: a FIFO, socket or device named as an input is an error.
+    mmpack's marker (another packed dataset or work folder; a line on stderr names each folder so left out
+    and its file count); a file named on its own under `exclude` is an
+    error. Only regular files are read: a FIFO, socket or device named as an input is an error, and so is a path
+    that is not valid UTF-8 (named as bytes).
     """
     skip = _Excluded(exclude)
     files: list[str] = []
@@ -69,9 +73,11 @@ def expand_inputs(
         for f in found:
             real = os.path.realpath(f)
             if real not in seen:
+                require_utf8_path(f, "input")
                 _require_regular_file(f)
                 seen.add(real)
                 files.append(os.path.abspath(f))
+    skip.report_marked()
     return files
 
 
@@ -82,6 +88,7 @@ class _Excluded:
         self.urls = tuple(f.rstrip("/") + "/" for f in folders if is_url(f))
         self.local_dirs = tuple(os.path.realpath(local_path(f)) for f in folders if not is_url(f))
         self._marked: dict[str, bool] = {}
+        self.skipped_marked: dict[str, int] = {}  # marked folder -> input files left out because of it
 
     def url(self, url: str) -> bool:
         return url.startswith(self.urls)
@@ -91,9 +98,21 @@ class _Excluded:
         real = os.path.realpath(path)
         if any(real == d or real.startswith(d + os.sep) for d in self.local_dirs):
             return True
-        return any(
-            self._has_marker(d) for d in _folders_between(os.path.abspath(base), os.path.abspath(path))
-        )
+        folders = _folders_between(os.path.abspath(base), os.path.abspath(path))
+        marked = next((d for d in folders if self._has_marker(d)), None)
+        if marked is not None:
+            self.skipped_marked[marked] = self.skipped_marked.get(marked, 0) + 1
+        return marked is not None
+
+    def report_marked(self) -> None:
+        """One line on stderr per marked folder whose files were left out: never skipped without a word."""
+        for folder, n in sorted(self.skipped_marked.items()):
+            print(
+                f"note: {n} input file(s) under {folder} skipped: it carries mmpack's marker {MARKER_NAME} (a "
+                "packed dataset or work folder); name them with -i to read them, or remove the marker if the "
+                "folder is not mmpack's",
+                file=sys.stderr,
+            )
 
     def refuse_named(self, path: str) -> None:
         real = os.path.realpath(path)

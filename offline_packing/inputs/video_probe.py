@@ -4,7 +4,11 @@
 duration; retried with FFmpeg's defaults when that leaves the frame size or rate unknown), reads frame
 count, frame rate, duration, width and height of the first video stream, and checks the end of the file
 by seeking to the last frames and reading up to three packets (compressed data, not decoded), so that a
-truncated file is a reject here rather than an error in the loader. The bytes read are counted.
+truncated file is a reject here rather than an error in the loader. It then decodes two frames, the first one
+and the one at the last keyframe (`decode_ends`, on by default: about two frames' worth of decoding and reading
+per video), so that a file whose frame bytes are damaged (zeroed, overwritten) while its index is intact is an
+`undecodable_video` reject rather than a sample the loader drops; `--video-check decode` decodes every planned
+frame. The bytes read are counted.
 
 Frame count: the container's (`nb_frames`: mp4/mov sample tables, avi headers), or the frames the decoder
 shows where an edit list hides some (`video_timeline`, which also rejects timestamps too coarse to tell
@@ -53,6 +57,7 @@ class VideoProbeConfig:
     max_duration_s: float = 3 * 3600.0
     max_frame_pixels: int = 8192 * 8192
     check_tail: bool = True
+    decode_ends: bool = True  # decode the first frame and the last keyframe's (cheap: two frames)
 
     def __post_init__(self) -> None:
         if not self.max_duration_s > 0:
@@ -150,6 +155,8 @@ def _probe_file(f: IO[bytes], size: int, name: str, config: VideoProbeConfig) ->
         if config.check_tail:
             _check_tail(container, stream, meta, size, name)
         meta = shown_frames(container, stream, meta, name)  # a truncated file is corrupt_video first
+        if config.decode_ends:
+            _decode_ends(container, stream, meta, name)
         return VideoProbe(
             meta=meta,
             container=str(container.format.name),
@@ -267,3 +274,43 @@ def _check_tail(container: Any, stream: Any, meta: VideoMeta, size: int, name: s
             f"video {name} is truncated: its container announces {meta.duration_s:.2f} s but no packet "
             "was found near that end",
         )
+
+
+# packets read after a seek before the decoder must have shown a frame (B-frame reordering delays the first by a
+# few; a stream that shows none within this many is not one the loader can decode either)
+_DECODE_ENDS_MAX_PACKETS = 64
+
+
+def _decode_ends(container: Any, stream: Any, meta: VideoMeta, name: str) -> None:
+    """Decode the first frame, and the frame at the keyframe before the end: VideoProbeError "undecodable_video"
+    where either cannot be, as the loader would fail on frames there."""
+    import av
+
+    stream.codec_context.thread_count = 1  # two frames: threads would only cost start-up
+    start = stream.start_time or 0
+    last = start + int(max(0.0, meta.duration_s - 1.0 / meta.fps) / stream.time_base)
+    for where, target in (("first frame", start), ("frame at its last keyframe", last)):
+        try:
+            container.seek(target, stream=stream, backward=True)
+            shown = _first_decoded_frame(container, stream)
+        except av.error.FFmpegError as exc:
+            raise VideoProbeError(
+                "undecodable_video",
+                f"video {name}: its {where} cannot be decoded: {exc} (damaged frame data?)",
+            ) from None
+        if not shown:
+            raise VideoProbeError(
+                "undecodable_video",
+                f"video {name}: no {where} comes out of the decoder within {_DECODE_ENDS_MAX_PACKETS} packets "
+                "(damaged frame data?)",
+            )
+
+
+def _first_decoded_frame(container: Any, stream: Any) -> bool:
+    """Decodes packets from the current position until a frame comes out (True), or none did (False)."""
+    for n, packet in enumerate(container.demux(stream)):
+        if any(True for _ in packet.decode()):
+            return True
+        if n >= _DECODE_ENDS_MAX_PACKETS:
+            break
+    return False

@@ -8,9 +8,10 @@ Two container oddities make the sample table (`nb_frames`) disagree with what FF
   than the table counts. Seen cheaply as a frame count that disagrees with duration x frame rate; such a video
   is then demuxed once (packets only, nothing decoded) and planned over the frames the decoder shows (the
   loader skips the discarded ones too, `mmpack.dataloader.video`): honoured;
-- a time base too coarse for the frame rate (an mp4 written with timescale 1): frames share timestamps, or
-  get whole seconds that no longer follow the presentation order, so the loader cannot tell them apart.
-  Rejected as `video_timestamps`, with how to re-mux it.
+- a time base too coarse for the frame rate (an mp4 written with timescale 1): frames share timestamps, so the
+  loader cannot tell them apart. Rejected as `video_timestamps`, with how to re-mux it. A time base of a
+  second or more (a 1 fps clip at timescale 1) is checked packet by packet and accepted when every frame has
+  its own timestamp.
 
 `--video-check decode` goes further: `decode_check` decodes the planned frames of every video at pack time, as
 the loader will (`mmpack.dataloader.video.decode_planned_frames`), and rejects a video that fails as
@@ -33,19 +34,24 @@ def shown_frames(container: Any, stream: Any, meta: VideoMeta, name: str) -> Vid
     have their own timestamp."""
     tick_s = float(stream.time_base or 0)
     too_coarse = tick_s > 0 and (
-        tick_s >= 1  # a timescale of 1: even when the frames got distinct seconds, their order is lost
-        or 1 / tick_s < meta.fps * (1 - 1e-6)
+        1 / tick_s < meta.fps * (1 - 1e-6)
         or (meta.frame_count_exact and meta.total_frames > meta.duration_s / tick_s + 1)
     )
     if too_coarse:
         raise VideoProbeError("video_timestamps", _coarse_message(name, meta, tick_s))
     expected = meta.duration_s * meta.fps
-    if not meta.frame_count_exact or abs(meta.total_frames - expected) <= max(1.5, 0.01 * meta.total_frames):
+    slack = max(1.5, 0.01 * meta.total_frames)
+    counted = not meta.frame_count_exact or abs(meta.total_frames - expected) <= slack
+    # a timescale of 1 (a 1 fps clip) may still give each frame its own second: the packets tell, and only a
+    # video whose frames share one is refused
+    if counted and tick_s < 1:
         return meta
     container.seek(_EARLIEST, backward=True, any_frame=True)  # from the first packet, pre-roll included
     shown = [p.pts for p in container.demux(stream) if p.size and p.pts is not None and not p.is_discard]
     if len(set(shown)) != len(shown):
         raise VideoProbeError("video_timestamps", _coarse_message(name, meta, tick_s))
+    if counted and shown:
+        return meta
     if not shown:
         raise VideoProbeError(
             "empty_video", f"video {name} shows no frame (every frame is flagged to be discarded)"

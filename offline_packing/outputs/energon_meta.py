@@ -15,6 +15,7 @@ import io
 import uuid
 from pathlib import Path
 
+from mmpack.offline_packing.engines.workers import capped_workers
 from mmpack.offline_packing.errors import PackError
 
 DATASET_YAML = """\
@@ -70,7 +71,8 @@ def require_energon() -> None:
 
 
 def write_energon_metadata(out_dir: Path, wds_shards: list[dict], workers: int = 1) -> Path:
-    """Write `<out_dir>/.nv-meta` for the tar shards listed in `wds_shards` (manifest entries)."""
+    """Write `<out_dir>/.nv-meta` for the tar shards listed in `wds_shards` (manifest entries), with at most
+    `workers` processes, one per CPU and one per shard."""
     from megatron.energon.flavors.webdataset.config import INDEX_UUID_FILENAME, MAIN_FOLDER_NAME
     from megatron.energon.flavors.webdataset.prepare import WebdatasetPreparator
 
@@ -83,7 +85,7 @@ def write_energon_metadata(out_dir: Path, wds_shards: list[dict], workers: int =
             paths,
             split_parts_ratio=[("train", 1.0)],
             shuffle_seed=None,
-            workers=max(1, workers),
+            workers=capped_workers(workers, len(paths)),  # Energon forks as many as it is given
         )
     meta = Path(out_dir) / MAIN_FOLDER_NAME
     (meta / "dataset.yaml").write_text(DATASET_YAML)

@@ -20,10 +20,12 @@ import numpy as np
 
 
 def read_mixture(spec: str) -> Any:
-    """The `Mixture` of a file or an inline spec."""
+    """The `Mixture` of a file (anything at that path, or a name ending in .yaml / .yml / .json: a FIFO or a
+    missing file is refused naming it) or an inline spec."""
     from mmpack.dataloader.mixture import load_mixture_file, parse_inline
 
-    return load_mixture_file(spec) if os.path.isfile(spec) else parse_inline(spec)
+    is_file = os.path.lexists(spec) or spec.endswith((".yaml", ".yml", ".json"))
+    return load_mixture_file(spec) if is_file else parse_inline(spec)
 
 
 def mixture_report(

@@ -31,6 +31,7 @@ UNREACHABLE = {
     # by tests/test_llava_onevision2_video.py
     "video_with_images": "the llava_onevision2 video rule only",
     "video_timestamp_merge": "the llava_onevision2 video rule only",
+    "codec_video": "LLaVA-OneVision-2 codec canvases only: tested by tests/test_ov2_codec_video.py",
 }
 # A read error a test cannot cause for root (permissions do not stop it): checked only when not root.
 ROOT_CANNOT_TEST = {"unreadable_video": "a file root cannot read (chmod 000 stops other users only)"}

@@ -22,6 +22,7 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
+import multiprocessing.forkserver
 import os
 import runpy
 import signal
@@ -52,6 +53,7 @@ FAIL_GRACE_S = 3.0  # after one rank fails, the others' time to end on their own
 TERM_GRACE_S = 10.0  # after SIGTERM, before SIGKILL
 _ctx: multiprocessing.context.BaseContext | None = None
 _started = [0]  # ranks started in this pytest process (the suite's report counts them)
+_fork_server: list[int] = []  # the fork server's pid, once started
 
 
 def context() -> multiprocessing.context.BaseContext:
@@ -60,8 +62,27 @@ def context() -> multiprocessing.context.BaseContext:
     if _ctx is None:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(list(PRELOAD))
+        multiprocessing.forkserver.ensure_running()  # now, so that it is the one such child yet
+        _fork_server[:] = _children_named("multiprocessing.forkserver")
         _ctx = ctx
     return _ctx
+
+
+def fork_server_pids() -> list[int]:
+    """The pid of the run's fork server once it started, else none (it ends with the pytest process)."""
+    return list(_fork_server)
+
+
+def _children_named(command: str) -> list[int]:
+    """Pids of this process's children whose command line holds ``command``."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if command in " ".join(child.cmdline()):
+                found.append(child.pid)
+    return found
 
 
 def free_port() -> int:
@@ -124,6 +145,9 @@ class Launch:
 
 def _rank_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
     """A rank: torchrun's environment, its output to files, ``python ARGV`` run in this forked process."""
+    from mmpack.packing.processes import exit_with_parent
+
+    exit_with_parent()  # a pytest run killed outright takes its ranks with it (their parent is the fork server)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

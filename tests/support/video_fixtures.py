@@ -116,3 +116,19 @@ def timescale_one(src: Path, dst: Path) -> Path:
             except av.error.ArgumentError:  # "Invalid argument": a timestamp going back
                 break
     return dst
+
+
+def zero_frame_packet(src: Path, dst: Path, frame: int) -> Path:
+    """A copy of `src` with the coded bytes of one frame zeroed (the `frame`-th in presentation order, found by
+    its packet's offset in the file); the index intact. A frame between the first and the last keyframe: the
+    scan's two-frame check passes it, decoding every planned frame does not."""
+    import av
+
+    with av.open(str(src)) as inp:
+        stream = inp.streams.video[0]
+        packets = sorted((p.pts, p.pos, p.size) for p in inp.demux(stream) if p.size and p.pts is not None)
+    _, pos, size = packets[frame]
+    data = bytearray(src.read_bytes())
+    data[pos : pos + size] = bytes(size)
+    dst.write_bytes(bytes(data))
+    return dst

@@ -60,8 +60,20 @@ def family_of(hf_config: dict[str, Any]) -> ModelFamily[ModelArch]:
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
-    """``config.json`` of a model folder, with an error naming the folder when it is missing."""
+    """``config.json`` of a model folder, with an error naming the folder when it is missing, and the file when
+    it is not a JSON object."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"{model_dir} has no config.json: give a folder written by save_pretrained")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise ValueError(
+            f"{path} is not valid JSON ({exc}); give the config.json save_pretrained writes"
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(config).__name__}, not an object; give the config.json save_pretrained "
+            "writes"
+        )
+    return config
