@@ -5,8 +5,9 @@
 # Then each extra alone: README's line for it on top of the plain install, its own feature on the path (pack
 # --energon, pack --engine ray, training with --tensorboard-dir; bench: pack and stats), and the extra's
 # packages removed again before the next one.
-# Also the wheel: `pip wheel . --no-deps` installed with its runtime dependencies into a venv of its own, then
-# `mmpack --help` and an import of every module (.ci/wheel_check.py) from it, in a folder outside the repository.
+# Last the wheel: `pip wheel . --no-deps` installed in place of the editable install (on the runtime dependencies
+# the plain install put there), then `mmpack --help` and an import of every module (.ci/wheel_check.py) from it, in a
+# folder outside the repository.
 # Usage: bash .ci/plain_install.sh [extra ...]   (default: every extra README lists but test, which test.sh
 # runs; "none" for the plain one only)
 # MMPACK_PLAIN_DIR keeps the work folder (default: a temporary one, removed at the end).
@@ -101,20 +102,21 @@ extra_path() {
   step "stats" mmpack stats "$d/ds"
 }
 
-# The wheel as a user installs it from an index: built from this copy, installed with its runtime dependencies
-# (torch's CPU build first, as README says) into a venv of its own, then used from a folder outside the repository:
-# `mmpack --help` and every part (every module but those of an extra) imported from site-packages.
+# The wheel as a user installs it from an index: built from this copy and installed in place of the editable
+# install into the plain install's venv (whose packages are exactly the runtime dependencies, installed from the
+# index by README's lines above; pip installs whatever of the wheel's dependencies would be missing), then used from
+# a folder outside the repository: `mmpack --help` and every part (every module but those of an extra) imported from
+# site-packages. A venv of its own would install torch and every dependency a second time for the same check.
 wheel_check() {
-  local venv="$work/wheel-venv" dist="$work/dist" away="$work/wheel-check"
+  local dist="$work/dist" away="$work/wheel-check"
   step "build the wheel: pip wheel . --no-deps" pip wheel . --no-deps -q -w "$dist"
-  step "a fresh venv for the wheel" python3.11 -m venv "$venv"
-  limit=900 step "install torch==2.13.0 into it" "$venv/bin/pip" install -q torch==2.13.0
-  limit=900 step "install the wheel and its dependencies" "$venv/bin/pip" install -q "$dist"/mmpack-*.whl
+  step "uninstall the editable install" pip uninstall -q -y mmpack
+  limit=900 step "install the wheel (and any missing dependency)" pip install -q "$dist"/mmpack-*.whl
   mkdir -p "$away"
   cp "$repo/.ci/wheel_check.py" "$away/"
-  step "mmpack --help from the wheel" bash -c 'cd "$1" && "$2" --help' _ "$away" "$venv/bin/mmpack"
+  step "mmpack --help from the wheel" bash -c 'cd "$1" && mmpack --help' _ "$away"
   expect "mmpack --help from the wheel" "$(cat "$log")" "usage: mmpack"
-  step "import every part from the wheel" bash -c 'cd "$1" && "$2" wheel_check.py' _ "$away" "$venv/bin/python"
+  step "import every part from the wheel" bash -c 'cd "$1" && python wheel_check.py' _ "$away"
   expect "import every part from the wheel" "$(cat "$log")" "modules import from the wheel"
   tail -n 1 "$log" | sed 's/^/    /'
 }
@@ -184,8 +186,6 @@ raw="$work/raw"
 step "a small raw dataset and tokenizer" python -m mmpack.demo.synthetic "$raw" \
   --samples 40 --max-size 96 --tokenizer
 user_path
-echo "== the wheel: built, installed into a venv of its own, used outside the repository"
-wheel_check
 
 for extra in "${extras[@]}"; do
   echo "== extra $extra alone"
@@ -195,5 +195,7 @@ for extra in "${extras[@]}"; do
   { time remove_extra >"$log" 2>&1; } 2>"$work/time"
   report "remove the extra again"
 done
+echo "== the wheel: built, installed in place of the editable install, used outside the repository"
+wheel_check
 cpu=$(awk '{s += $1} END {printf "%.0f", s}' "$work/cpu")
 echo "== plain install and ${#extras[@]} extra(s): all passed in $((SECONDS - t_start)) s (cpu $cpu s)"
