@@ -185,7 +185,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Genera
     skipped = terminalreporter.stats.get("skipped", [])
     tiers = terminalreporter.config.stash.get(_TIERS, {})
     terminalreporter.write_line(run_summary.skip_line(run_summary.skip_reason(rep) for rep in skipped))
-    terminalreporter.write_line(run_summary.marker_time_line(run_summary.durations_of(reports), tiers))
+    durations = run_summary.durations_of(reports)
+    terminalreporter.write_line(run_summary.marker_time_line(durations, tiers))
+    terminalreporter.write_line(run_summary.file_time_line(durations))
     left = terminalreporter.config.stash.get(_LEFT, [])
     if left:
         terminalreporter.write_line(

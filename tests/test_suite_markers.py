@@ -179,3 +179,15 @@ def test_marker_time_line_counts_a_test_under_each_marker() -> None:
     assert run_summary.marker_time_line(durations, tiers) == (
         "time by marker: ranks 15 s (2 tests), slow 11 s (1 test), unmarked 2 s (1 test); all 17 s (3 tests)"
     )
+
+
+def test_file_time_line_sums_each_file_costliest_first() -> None:
+    durations = {
+        "tests/test_a.py::one": 3.0,
+        "tests/test_b.py::one": 5.0,
+        "tests/test_a.py::two[x]": 4.0,
+        "tests/test_c.py::one": 1.0,
+    }
+    assert run_summary.file_time_line(durations, top=2) == (
+        "time by file (top 2): test_a.py 7 s (2), test_b.py 5 s (1)"
+    )

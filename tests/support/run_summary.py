@@ -57,6 +57,19 @@ def marker_time_line(durations: Mapping[str, float], tiers: Mapping[str, Iterabl
     )
 
 
+def file_time_line(durations: Mapping[str, float], top: int = 12) -> str:
+    """``time by file (top 12): test_a.py 120 s (8), test_b.py 90 s (3), ...``: the summed seconds of each test
+    file's tests, the costliest first, so that a run's log says where its time went."""
+    seconds: Counter[str] = Counter()
+    count: Counter[str] = Counter()
+    for nodeid, secs in durations.items():
+        name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+        seconds[name] += secs
+        count[name] += 1
+    parts = [f"{name} {secs:.0f} s ({count[name]})" for name, secs in seconds.most_common(top)]
+    return f"time by file (top {top}): {', '.join(parts) or 'no test ran'}"
+
+
 def _tests(n: int) -> str:
     return f"{n} test" if n == 1 else f"{n} tests"
 
