@@ -134,12 +134,16 @@ class ComputeBalance:
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__(state["bin_costs"])  # type: ignore[misc]
 
+    def costs(self, bins: np.ndarray) -> np.ndarray:
+        """The cost of each bin of `bins` (ids)."""
+        return self.bin_costs[bins]
+
     def layout(self, step: int, global_bins: np.ndarray, dp_size: int, micro_batch_size: int) -> np.ndarray:
         """Bin ids [D, m, B] of global batch `step`, whose bins (in stream order) are `global_bins`."""
         key = (step, dp_size, micro_batch_size)
         with self._lock:
             if key not in self._memo:
-                positions = balanced_layout(self.bin_costs[global_bins], dp_size, micro_batch_size)
+                positions = balanced_layout(self.costs(global_bins), dp_size, micro_batch_size)
                 if len(self._memo) >= 8:
                     self._memo.pop(next(iter(self._memo)))
                 self._memo[key] = np.asarray(global_bins, dtype=np.int64)[positions]

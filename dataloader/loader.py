@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,11 +19,12 @@ from mmpack.dataloader.manifest import DatasetNotFoundError, Manifest, load_mani
 from mmpack.dataloader.mixture import Mixture, MixtureLike, as_mixture, check_sources, vision_source
 from mmpack.dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan, BinSplit, StreamOrder
 from mmpack.dataloader.pool import run_in_process, run_workers, take_batch
+from mmpack.dataloader.raw_source import RawAnchor, RawBins, RawSpec, RawStream, is_raw_source
 from mmpack.dataloader.storage import ShardStore, StorageConfig
 from mmpack.dataloader.topology import Topology
 from mmpack.dataloader.worker import ProducerSpec, SourceSpec
 from mmpack.packing.batch import MicroBatch, PositionRule
-from mmpack.packing.cost import CostModel
+from mmpack.packing.cost import DEFAULT_COST_MODEL, CostModel
 
 if TYPE_CHECKING:
     import torch
@@ -324,8 +326,177 @@ class PackedLoader:
             source.close()  # type: ignore[attr-defined]
 
 
+class OnlineLoader(PackedLoader):
+    """`PackedLoader` of a raw source packed online (`mmpack.dataloader.raw_source`): the same iteration, rank
+    assignment, balance and collation; its state holds positions: the global position `bins_consumed` and its
+    place in the stream (`epoch`, `buffer_slot`, `bin_in_buffer`), from which a resume walks on without
+    packing the buffers before it."""
+
+    def __init__(
+        self,
+        raw: RawSpec,
+        manifest: Manifest,
+        topology: Topology,
+        config: LoaderConfig,
+        collate: CollateConfig,
+    ) -> None:
+        self.root, self.manifest, self.topology, self.config = raw.source.name, manifest, topology, config
+        self.mixture, self.split, self.shares = None, None, (1.0,)
+        self.plan = BatchPlan(
+            global_batch_size=config.global_batch_size,
+            micro_batch_size=config.micro_batch_size,
+            dp_size=topology.dp_size,
+        )
+        storage = StorageConfig(root=raw.source.name)  # no shards: nothing is stored
+        self.sources = (SourceSpec(manifest=manifest, storage=storage),)
+        self.epoch_bins = 0  # unknown until every buffer of an epoch is packed
+        self.spec = ProducerSpec(
+            manifest=manifest,
+            topology=topology,
+            plan=self.plan,
+            seed=config.seed,
+            shard_window=config.shard_window,
+            storage=storage,
+            collate=collate,
+            prefetch_shards=0,
+            raw=raw,
+        )
+        self._counts: dict[int, int] = {}  # bins of each buffer this process has packed (for `state_dict`)
+        self._walk: RawStream | None = None
+        self._micro_batches_done = 0
+        self._data_wait_s = 0.0
+        self._micro_batches = 0
+        self._worker_metrics = {}
+        self._active = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        raise ValueError(f"raw source {self.root}: the steps of an epoch are known only once it is packed")
+
+    def _end_step(self) -> int | None:
+        return None
+
+    def source_positions(self, position: int) -> list[int]:
+        return [position]
+
+    def _stream(self) -> RawStream:
+        """This process's walk of the stream (bin counts only), for the state."""
+        if self._walk is None:
+            raw = self.spec.raw
+            assert raw is not None
+            source = raw.source
+
+            def count(b: int) -> int:
+                if b not in self._counts:
+                    self._counts[b] = source.pack_buffer(b).num_bins
+                return self._counts[b]
+
+            self._walk = RawStream(source.num_buffers, self.config.seed, raw.anchor, count, name=source.name)
+        return self._walk
+
+    def _geometry(self) -> dict[str, Any]:
+        raw = self.spec.raw
+        assert raw is not None
+        return {
+            "version": STATE_VERSION,
+            "kind": "raw",
+            "micro_batch_size": self.plan.micro_batch_size,
+            "dp_size": self.plan.dp_size,
+            "seed": self.config.seed,
+            "global_batch_size": self.plan.global_batch_size,
+            "balance": self.config.balance,
+            "source_fingerprint": raw.source.fingerprint,
+            "num_buffers": raw.source.num_buffers,
+            "split": None,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        step, in_step = divmod(self._micro_batches_done, self.micro_batches_per_step)
+        consumed = step * self.plan.global_batch_size
+        at = self._stream().locate(consumed)
+        return self._geometry() | {
+            "epoch": at.epoch,
+            "buffer_slot": at.slot,
+            "bin_in_buffer": at.offset,
+            "bins_consumed": consumed,
+            "micro_batches_in_step": in_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues from `state` (of the same records, options, seed and global batch; the same micro-batch and
+        DP sizes too when it was saved inside a step)."""
+        mine = self._geometry()
+        if state.get("kind") != "raw":
+            raise ValueError(
+                f"loader state is of a packed dataset, this loader reads raw source {self.root}; resume it "
+                "from a state of the same raw source"
+            )
+        for key in ("version", "seed", "global_batch_size", "source_fingerprint"):
+            if state.get(key) != mine[key]:
+                raise ValueError(
+                    f"loader state was saved with {key}={state.get(key)!r}, this loader has {mine[key]!r}; "
+                    "resuming would change the data stream"
+                )
+        consumed = int(state["bins_consumed"])
+        if consumed < 0 or consumed % self.plan.global_batch_size:
+            raise ValueError(f"inconsistent loader state {state}")
+        in_step = int(state.get("micro_batches_in_step", 0))
+        if in_step:
+            self._check_in_step(state, mine, in_step, True)
+        self.close()
+        anchor = RawAnchor(
+            position=consumed,
+            epoch=int(state["epoch"]),
+            slot=int(state["buffer_slot"]),
+            offset=int(state["bin_in_buffer"]),
+        )
+        raw = self.spec.raw
+        assert raw is not None
+        self.spec = dataclasses.replace(self.spec, raw=dataclasses.replace(raw, anchor=anchor))
+        self._walk = None
+        self._micro_batches_done = (
+            consumed // self.plan.global_batch_size * self.micro_batches_per_step + in_step
+        )
+
+
+def build_online_loader(
+    source: RawBins,
+    *,
+    topology: Topology,
+    config: LoaderConfig,
+    build_attention_mask: bool = False,
+    position_rule: PositionRule | None = None,
+    strict_data: bool = False,
+    cost_model: CostModel | None = None,
+    rejects_dir: str | None = None,
+) -> OnlineLoader:
+    """`build_loader` of a raw source (see there)."""
+    if config.num_epochs is not None:
+        raise ValueError(
+            f"raw source {source.name}: num_epochs is not supported for raw sources (an epoch's bins are known "
+            "only once all of it is packed); stop after a number of steps instead"
+        )
+    manifest = Manifest.from_model(source.dataset)
+    collate = dataclasses.replace(
+        CollateConfig.from_manifest(
+            manifest, build_attention_mask=build_attention_mask, position_rule=position_rule
+        ),
+        strict_data=strict_data,
+    )
+    rejects_path = None
+    if rejects_dir is not None:
+        os.makedirs(rejects_dir, exist_ok=True)
+        rejects_path = os.path.join(rejects_dir, f"rejects-dp{topology.dp_rank}.jsonl")
+    raw = RawSpec(
+        source=source,
+        rejects_path=rejects_path,
+        cost_model=(cost_model or DEFAULT_COST_MODEL) if config.balance == "compute" else None,
+    )
+    return OnlineLoader(raw, manifest, topology, config, collate)
+
+
 def build_loader(
-    path: MixtureLike,
+    path: MixtureLike | RawBins,
     *,
     topology: Topology,
     micro_batch_size: int,
@@ -350,6 +521,7 @@ def build_loader(
     position_rule: PositionRule | None = None,
     split: tuple[tuple[float, float, float], int, int] | None = None,
     strict_data: bool = False,
+    rejects_dir: str | None = None,
 ) -> PackedLoader:
     """A loader of the packed dataset at `path` (folder or fsspec URL) for the rank `topology`, or of a
     mixture: a list of `(weight, path)` pairs or a `mmpack.dataloader.mixture.Mixture` (each source with its own
@@ -370,8 +542,15 @@ def build_loader(
     (`mmpack.dataloader.order.split_bins`; 0 train, 1 valid, 2 test; the same split seed splits alike).
     A sample whose media cannot be decoded is dropped from its bin (labels masked, media blank; the batch's
     `dropped` names it), or with `strict_data` stops the loader (`collate.BadSampleError`, one line).
+
+    `path` may also be a raw source (`mmpack.dataloader.raw_source.RawBins`, made by
+    `mmpack.offline_packing.online.raw_source(inputs, model=..., image_root=..., buffer_size=..., seq_len=...)`):
+    its records are packed online, buffer by buffer, by the offline job's length model and kernels, and its
+    bins go through the same rank assignment, balance and collation (an `OnlineLoader`). Records the offline
+    job would reject are skipped, counted in `metrics()` (`raw_samples_rejected`, `raw_rejected.<reason>`)
+    and, with `rejects_dir`, written to `<rejects_dir>/rejects-dp<rank>.jsonl`. Not with `split` or
+    `num_epochs` yet.
     """
-    mixture = as_mixture(path)
     config = LoaderConfig(
         micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size,
@@ -385,6 +564,20 @@ def build_loader(
         start_method=start_method,
         balance=balance,
     )
+    if is_raw_source(path):
+        if split is not None:
+            raise ValueError(f"raw source {path.name}: --split is not supported for raw sources yet")
+        return build_online_loader(
+            path,
+            topology=topology,
+            config=config,
+            build_attention_mask=build_attention_mask,
+            position_rule=position_rule,
+            strict_data=strict_data,
+            cost_model=cost_model,
+            rejects_dir=rejects_dir,
+        )
+    mixture = as_mixture(path)  # type: ignore[arg-type]
 
     def source(root: str, options: dict[str, Any] | None) -> SourceSpec:
         manifest = load_manifest(

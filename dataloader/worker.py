@@ -30,6 +30,7 @@ from mmpack.dataloader.blend import BlendedStream, BlendStage
 from mmpack.dataloader.collate import BadSampleError, CollateConfig, ImageTooLargeError, collate_bins
 from mmpack.dataloader.manifest import Manifest
 from mmpack.dataloader.order import BatchPlan, BinSplit, StreamOrder, micro_batch_bins
+from mmpack.dataloader.raw_source import RawProducer, RawSpec
 from mmpack.dataloader.readers import (
     ArrowShardReader,
     BinRecord,
@@ -62,6 +63,7 @@ class ProducerSpec:
     weights: tuple[float, ...] = ()
     stage: BlendStage | None = None
     split: BinSplit | None = None  # --split: only this part's bins are read (of every source)
+    raw: RawSpec | None = None  # a raw source, packed online (`manifest` then holds its rules, no shards)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -304,8 +306,10 @@ class MixedProducer:
 
 def make_producer(
     spec: ProducerSpec, k_start: int, k_end: int | None, *, worker: tuple[int, int] = (0, 1)
-) -> Producer | MixedProducer:
-    """The producer of one dataset, or of a mixture when `spec.sources` names its sources."""
+) -> Producer | MixedProducer | RawProducer:
+    """The producer of one dataset, of a mixture when `spec.sources` names its sources, or of a raw source."""
+    if spec.raw is not None:
+        return RawProducer(spec, k_start, k_end, worker=worker)
     if spec.sources:
         return MixedProducer(spec, k_start, k_end, worker=worker)
     return Producer(spec, k_start, k_end, worker=worker)

@@ -16,6 +16,7 @@ from types import ModuleType
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "pack": ("mmpack.offline_packing.pack_cli", "pack raw multimodal samples into a sharded packed dataset"),
     "stats": ("mmpack.offline_packing.stats.cli", "packing efficiency of a packed dataset or a length file"),
+    "view": ("mmpack.view.cli", "see a packed dataset (or raw records) as the model sees it, in a web page"),
     "demo": ("mmpack.demo.cli", "build a small dataset, pack it, print stats, train a tiny model"),
     "convert": (
         "mmpack.trainer.convert",

@@ -28,6 +28,7 @@ STAGES = ("scan", "lengths", "binpack", "write")
 OVERLENGTH_POLICIES = ("drop", "truncate", "error")
 OUTPUT_FORMATS = ("arrow", "wds", "both")
 IMAGE_CHECKS = ("header", "decode")
+CODEC_GROUPINGS = ("readiness", "fixed")  # cv-preinfer's --grouping_mode
 VIDEO_CHECKS = ("header", "decode")
 VERIFY_INPUTS = ("stat", "sha256")
 ENGINES = ("local", "ray")
@@ -73,9 +74,21 @@ class ScanConfig:
     )
     max_video_seconds: float = 3 * 3600.0  # longer videos (from the container) are rejects
     chunk_size: int = 2048  # samples per scan/lengths chunk (the unit of parallel work)
+    # LLaVA-OneVision-2 codec video made at pack time (`inputs/codec_preinfer.py`): raw videos through cv-preinfer
+    codec_videos: bool = False  # make each raw video's codec assets and pack it as a codec video
+    cv_preinfer: str | None = None  # the cv-preinfer executable (default: the one on PATH)
+    codec_cache: str | None = None  # the cache of codec assets (default: ~/.cache/mmpack/codec-assets)
+    codec_target_canvases: int = 32  # the preprocessor's canvas budget (groups = this / 4)
+    codec_grouping: str = "readiness"  # "readiness" (groups by content) or "fixed" (32 frames a group)
 
     def __post_init__(self) -> None:
         _one_of("image_check", self.image_check, IMAGE_CHECKS)
+        _one_of("codec_grouping", self.codec_grouping, CODEC_GROUPINGS)
+        if self.codec_target_canvases < 4 or self.codec_target_canvases % 4:
+            raise ValueError(
+                f"--codec-target-canvases must be a positive multiple of 4 (canvases per group), got "
+                f"{self.codec_target_canvases}"
+            )
         _at_least(1, max_record_bytes=self.max_record_bytes, max_image_pixels=self.max_image_pixels)
         _at_least(1, chunk_size=self.chunk_size)
         if not self.max_video_seconds > 0:

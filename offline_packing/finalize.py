@@ -93,8 +93,14 @@ def fill_efficiency(stats: dict) -> float:
 
 
 def build_manifest(
-    ctx: JobContext, cfg: PackJobConfig, counts: ManifestCounts, shards: list[dict]
+    ctx: JobContext,
+    cfg: PackJobConfig,
+    counts: ManifestCounts,
+    shards: list[dict],
+    algorithm: str | None = None,
 ) -> Manifest:
+    """The manifest of a job's dataset; `algorithm`: the one used, where no binpack marker says it (online
+    packing, which describes its rules by the same manifest)."""
     lengths = cfg.lengths
     return Manifest(
         seq_len=cfg.seq_len,
@@ -105,7 +111,7 @@ def build_manifest(
         video_rule=lengths.video_rule,
         chat_template=lengths.chat_template.to_dict(),
         algorithm={
-            "name": ctx.work.read_marker("binpack")["algorithm"],
+            "name": algorithm or ctx.work.read_marker("binpack")["algorithm"],
             "requested": cfg.binpack.algorithm,
             "max_items_per_bin": cfg.binpack.max_samples_per_bin,
             "max_images_per_bin": cfg.max_images_per_bin,

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from mmpack.offline_packing.config import (
+    CODEC_GROUPINGS,
     ENGINES,
     IMAGE_CHECKS,
     OUTPUT_FORMATS,
@@ -167,7 +168,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="whose frame sampling, frame size and video tokens: qwen-vl-utils (Qwen2-VL / Qwen2.5-VL, default) "
         "or qwen3_vl (transformers' Qwen3-VL processor: timestamps before each temporal patch; the default "
         "with a Qwen3-VL --model DIR) or llava_onevision2 (LLaVA-OneVision-2's processor: 8/16/max frames by "
-        "duration, a timestamp and <|image_pad|> block per frame; the default with a OneVision-2 --model DIR)",
+        "duration, a timestamp and <|image_pad|> block per frame; the default with a OneVision-2 --model DIR) "
+        "or gemma4 (Gemma 4's processor: num_frames frames, an MM:SS timestamp and <|video|> block per frame; "
+        "the rule of a Gemma 4 --model DIR)",
     )
     qwen3 = "; qwen3_vl: on all sampled frames' pixels together (its size.{})"
     for name, kind, what in (
@@ -206,6 +209,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="longer videos (duration from the container) are rejected as video_too_long "
         f"(default {option_default('max_video_seconds'):.0f})",
+    )
+    _add(
+        g,
+        "--codec-videos",
+        action="store_true",
+        help="LLaVA-OneVision-2: run cv-preinfer (package codec-video-prep, in a venv of its own) on each raw "
+        "local video and pack its codec canvases (cached by video content and knobs; docs/video.md)",
+    )
+    _add(g, "--cv-preinfer", metavar="PATH", help="the cv-preinfer executable (default: the one on PATH)")
+    _add(
+        g,
+        "--codec-cache",
+        metavar="DIR",
+        help="cache folder of the codec assets (default ~/.cache/mmpack/codec-assets; on Ray, one every node "
+        "sees)",
+    )
+    _add(
+        g,
+        "--codec-target-canvases",
+        type=int,
+        help=f"cv-preinfer's canvas budget (default {option_default('codec_target_canvases')})",
+    )
+    _add(
+        g,
+        "--codec-grouping",
+        choices=CODEC_GROUPINGS,
+        help=f"cv-preinfer's grouping (default {option_default('codec_grouping')})",
     )
     g = p.add_argument_group("bin packing")
     _add(g, "-M", "--max-samples-per-bin", type=int, help="at most N samples per bin")

@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from mmpack.offline_packing.config import PackJobConfig
 from mmpack.offline_packing.errors import PackError
@@ -58,21 +59,27 @@ def check_job_folders(cfg: PackJobConfig, work_address: str) -> None:
         PackError: the output and the work folder are one folder.
     """
     _refuse_one_folder(cfg, work_address)
-    for url, kind, role, replaces in _folders(cfg, work_address):
-        check_claim(
-            url,
-            kind,
-            overwrite=cfg.control.overwrite,
-            overwrite_flag="--overwrite",
-            storage_options=cfg.control.storage_options,
-            role=role,
-            replaces=replaces,
-        )
+    for url, kind, claim in _folders(cfg, work_address):
+        check_claim(url, kind, **claim)
 
 
-def _folders(cfg: PackJobConfig, work_address: str) -> tuple[tuple[str, str, str, str], ...]:
-    """(url, kind, role, what --overwrite replaces) of the output and of the work folder."""
-    return (cfg.output, "dataset", _OUTPUT, _OUTPUT_REPLACED), (work_address, "work", _WORK, _WORK_REPLACED)
+def _folders(cfg: PackJobConfig, work_address: str) -> tuple[tuple[str, str, dict[str, Any]], ...]:
+    """(url, kind, the keyword arguments of `check_claim` and `claim_folder`) of the output and of the work
+    folder."""
+    return (
+        (cfg.output, "dataset", _claim_arguments(cfg, _OUTPUT, _OUTPUT_REPLACED)),
+        (work_address, "work", _claim_arguments(cfg, _WORK, _WORK_REPLACED)),
+    )
+
+
+def _claim_arguments(cfg: PackJobConfig, role: str, replaces: str) -> dict[str, Any]:
+    return {
+        "overwrite": cfg.control.overwrite,
+        "overwrite_flag": "--overwrite",
+        "storage_options": cfg.control.storage_options,
+        "role": role,
+        "replaces": replaces,
+    }
 
 
 def _refuse_one_folder(cfg: PackJobConfig, work_address: str) -> None:
@@ -92,18 +99,7 @@ def claim_job_folders(cfg: PackJobConfig, work_address: str) -> Iterator[JobFold
         PackError: the output and the work folder are one folder.
     """
     _refuse_one_folder(cfg, work_address)
-    output, work = [
-        claim_folder(
-            url,
-            kind,
-            overwrite=cfg.control.overwrite,
-            overwrite_flag="--overwrite",
-            storage_options=cfg.control.storage_options,
-            role=role,
-            replaces=replaces,
-        )
-        for url, kind, role, replaces in _folders(cfg, work_address)
-    ]
+    output, work = [claim_folder(url, kind, **claim) for url, kind, claim in _folders(cfg, work_address)]
     try:
         with ExitStack() as stack:
             locks = tuple(

@@ -117,10 +117,15 @@ def prepare_scanned(
             "codec_video",
             f"{len(plans)} videos, one of them codec canvases: a codec video must be its sample's only one",
         )
+    # an image's placeholder becomes what its rule's style writes (Gemma 4's <|image> N x <|image|> <image|>),
+    # else its pad repeated
+    image_ids = [rule.kind.token_ids(tokenizer, n) for n in counts]
+    image_ids = image_ids if any(e is not None for e in image_ids) else []
     try:
         prep = prepare_conversation(
-            conv, tokenizer, counts, options.chat_template, [p.num_tokens for p in plans], expansions, whole
-        )
+            conv, tokenizer, counts, options.chat_template, [p.num_tokens for p in plans], expansions, whole,
+            image_ids,
+        )  # fmt: skip
     except ChatTemplateLimitError as exc:  # the template went past a limit: the job stops, naming the sample
         raise PackError(f"{sample['src']}:{sample['line']}: {exc}") from None
     except ChatTemplateError as exc:
@@ -222,6 +227,8 @@ def finish_scanned(pending: ScannedPrep, cfg: LengthsStage, tok: Any) -> tuple[A
             ],
             "video_tokens": int(tok.num_video_tokens),
         }
+        if any("files" in v for v in info):  # a codec video in the training form: its files, for the writer
+            meta["codec_files"] = [v.get("files") for v in info]
     return tok, meta
 
 

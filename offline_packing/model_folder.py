@@ -3,7 +3,9 @@ model folder.
 
 A model folder (as `save_pretrained` writes it) holds `tokenizer.json`, `preprocessor_config.json` and its chat
 template; the preprocessor config settles patch, merge and temporal patch sizes, min/max pixels, mean/std,
-rescale factor and resampling, read as transformers 5 reads it (`ImageTokenRule.from_preprocessor_config`).
+rescale factor and resampling, read as transformers 5 reads it (`ImageTokenRule.from_preprocessor_config`; a
+folder without one may hold the image processor in transformers 5's `processor_config.json`, as Gemma 4's do,
+whose `image_processor_type` selects the image rule's style, `mmpack.packing.image_rules`).
 `-t DIR` where DIR holds a `preprocessor_config.json` is the same as `--model DIR`; `--min-pixels` / `--max-pixels`
 set the dataset's own pixel budget over the folder's. Without a model folder, the image flags and their defaults
 give the rule. The video rule (`resolve_video_rule`) is that of the style in `mmpack.packing.video_rules` that
@@ -21,7 +23,13 @@ import os
 from typing import Any
 
 from mmpack.offline_packing.config import SHARED_PATCH_FIELDS
-from mmpack.packing.image_tokens import PREPROCESSOR_CONFIG, ImageTokenRule, load_model_image_rule
+from mmpack.packing.image_tokens import (
+    PREPROCESSOR_CONFIG,
+    PROCESSOR_CONFIG,
+    ImageTokenRule,
+    image_processor_config,
+    load_model_image_rule,
+)
 from mmpack.packing.jinja_chat import ChatTemplateError, read_folder_template
 from mmpack.packing.tokenizer import TOKENIZER_FILE
 from mmpack.packing.video_rules import DEFAULT_STYLE, style_of_folder, video_style
@@ -41,7 +49,9 @@ def model_folder_of(model: str | None, tokenizer: str | None) -> str | None:
     """The model folder of the flags: `--model`, else `-t` when it is a folder with a preprocessor config."""
     if model is not None:
         return model
-    if tokenizer is not None and os.path.isfile(os.path.join(tokenizer, PREPROCESSOR_CONFIG)):
+    if tokenizer is not None and any(
+        os.path.isfile(os.path.join(tokenizer, name)) for name in (PREPROCESSOR_CONFIG, PROCESSOR_CONFIG)
+    ):
         return tokenizer
     return None
 
@@ -65,16 +75,18 @@ def resolve_image_rule(
     model_rule = load_model_image_rule(folder)
     if model_rule is None:
         raise ValueError(
-            f"--model {folder}: no {PREPROCESSOR_CONFIG} in it; pass -t for the tokenizer and the image flags "
-            "(--min-pixels, --max-pixels, ...) instead"
+            f"--model {folder}: no {PREPROCESSOR_CONFIG} (nor a {PROCESSOR_CONFIG} with an image_processor) in it; "
+            "pass -t for the tokenizer and the image flags (--min-pixels, --max-pixels, ...) instead"
         )
+    found = image_processor_config(folder)
+    where = found[0] if found else os.path.join(folder, PREPROCESSOR_CONFIG)
     for name, value in flags.items():
         if name not in PIXEL_BUDGET_FIELDS and value != getattr(model_rule, name):
             flag = "--" + name.replace("_", "-")
             raise ValueError(
-                f"{flag} {value} disagrees with {os.path.join(folder, PREPROCESSOR_CONFIG)} ({name} "
+                f"{flag} {value} disagrees with {where} ({name} "
                 f"{getattr(model_rule, name)}): the trainer refuses a dataset cut into other patches than its "
-                f"model's; drop {flag} or change the model folder's {PREPROCESSOR_CONFIG}"
+                f"model's; drop {flag} or change the model folder's processor config"
             )
     budget = {name: flags.get(name, getattr(model_rule, name)) for name in PIXEL_BUDGET_FIELDS}
     try:
@@ -82,9 +94,7 @@ def resolve_image_rule(
             model_rule, min_pixels=budget["min_pixels"], max_pixels=budget["max_pixels"]
         )
     except ValueError as e:
-        raise ValueError(
-            f"--min-pixels / --max-pixels over {os.path.join(folder, PREPROCESSOR_CONFIG)}: {e}"
-        ) from None
+        raise ValueError(f"--min-pixels / --max-pixels over {where}: {e}") from None
     if tokenizer is None:
         if not os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
             raise ValueError(f"--model {folder}: no {TOKENIZER_FILE} in it; pass -t TOKENIZER")

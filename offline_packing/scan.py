@@ -16,24 +16,25 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, cast
 
-from mmpack.offline_packing.config import ScanStage
+from mmpack.offline_packing.config import ScanConfig, ScanStage
 from mmpack.offline_packing.context import JobContext
 from mmpack.offline_packing.engines import run_parallel
 from mmpack.offline_packing.errors import PackError, SampleReject, reject_row
 from mmpack.offline_packing.fingerprint import FileIdentity, digest, file_identity, identities
 from mmpack.offline_packing.inputs import codec_assets
 from mmpack.offline_packing.inputs.chunks import Chunk, plan_chunks, read_chunk
+from mmpack.offline_packing.inputs.codec_preinfer import CodecPreinfer, default_cache_dir, find_executable
 from mmpack.offline_packing.inputs.json_records import RawRecord, lone_surrogate
 from mmpack.offline_packing.inputs.remote import InputReadError, RemoteFiles, is_url
 from mmpack.offline_packing.inputs.sources import input_folder, resolve_image_path
 from mmpack.offline_packing.inputs.video_probe import VideoProbeConfig, probe_video
 from mmpack.offline_packing.tar_source import TarSample, is_member_ref, read_image_bytes, resolve_member
 from mmpack.offline_packing.workdir import WorkDir, read_done_marker, read_json
-from mmpack.packing.chat import normalize_record
+from mmpack.packing.chat import Conversation, normalize_record
 from mmpack.packing.errors import MmpackError
 from mmpack.packing.fileio import NotRegularFileError, open_regular
 from mmpack.packing.image_tokens import decode_or_raise, read_image_size
-from mmpack.packing.video_codec_ov2 import CODEC_FORMAT
+from mmpack.packing.video_codec_ov2 import CODEC_FORMAT, fold_canvas_tags
 
 STAGE = "scan"
 
@@ -54,6 +55,35 @@ class ImageCheck:
     full_decode: bool
     max_image_pixels: int
     max_video_seconds: float = 3 * 3600.0
+    codec: CodecPreinfer | None = None  # raw videos become LLaVA-OneVision-2 codec assets (--codec-videos)
+
+
+def codec_preinfer(options: ScanConfig) -> CodecPreinfer | None:
+    """How raw videos become codec assets under `options` (None without --codec-videos); PackError in one line
+    where cv-preinfer is not found."""
+    if not options.codec_videos:
+        return None
+    try:
+        executable = find_executable(options.cv_preinfer)
+    except FileNotFoundError as exc:
+        raise PackError(f"--codec-videos: {exc}") from None
+    return CodecPreinfer(
+        executable=executable,
+        cache_dir=options.codec_cache or default_cache_dir(),
+        target_canvases=options.codec_target_canvases,
+        grouping=options.codec_grouping,
+    )
+
+
+def image_check_of(options: ScanConfig) -> ImageCheck:
+    """How the scan checks a record's images and videos under `options` (also online packing's,
+    `mmpack.offline_packing.online`)."""
+    return ImageCheck(
+        full_decode=options.image_check == "decode",
+        max_image_pixels=options.max_image_pixels,
+        max_video_seconds=options.max_video_seconds,
+        codec=codec_preinfer(options),
+    )
 
 
 def _read_image(remote: RemoteFiles, path: str, check: ImageCheck) -> tuple[int, int, str, int]:
@@ -151,15 +181,76 @@ def _read_codec_folder(
 ) -> dict:
     """The scan's entry of a codec folder (`codec_assets.read_codec_folder`); SampleReject "codec_video" where
     its assets do not fit. Every file it reads enters the stage fingerprint."""
+    assets = codec_assets.AssetFiles(remote)
     try:
-        info = codec_assets.read_codec_folder(path, name=name)
-        files = codec_assets.asset_files(path)
+        info = codec_assets.read_codec_folder(path, name=name, files=assets)
+        files = codec_assets.asset_files(path, assets)
     except MmpackError as exc:
         raise SampleReject(exc.reason, exc.message) from None
     if read_files is not None:
         for f in files:
             read_files.setdefault(f, file_identity(remote, f, verify))
     return {**info, "fmt": CODEC_FORMAT}
+
+
+def _codec_assets_of(codec: CodecPreinfer, path: str, name: str, probed: dict, rec: RawRecord) -> str:
+    """The cached cv-preinfer folder of a local raw video (made if not cached); SampleReject "codec_video"
+    where the video is no local file or the preprocessor fails."""
+    if rec.tar_sample is not None or is_url(path) or is_member_ref(path):
+        raise SampleReject(
+            "codec_video",
+            f"--codec-videos runs cv-preinfer on local video files only, {name} is not one; make its assets "
+            "with cv-preinfer and give the folder in its place",
+        )
+    try:
+        return codec.assets_of(path, int(probed["meta"]["total_frames"]), name=name)
+    except MmpackError as exc:
+        raise SampleReject(exc.reason, exc.message) from None
+
+
+def _training_form_row(
+    remote: RemoteFiles,
+    rec: RawRecord,
+    conv: Conversation,
+    source: str,
+    image_root: str,
+    read_files: dict[str, FileIdentity] | None,
+    verify: str,
+) -> dict:
+    """The scan row of a record in LLaVA-OneVision-2's training form of a codec video (its images the canvases
+    with one `<image>` each, `patch_positions` one row-major `.npy`, `fps`): the row of the same assets as a
+    cv-preinfer folder, its canvases' tags one `<video>`; SampleReject "codec_video" where they do not fit."""
+    obj = cast(dict, rec.obj)
+    name = conv.sample_id
+    given, fps = obj["patch_positions"], obj.get("fps")
+    given = given[0] if isinstance(given, list) and len(given) == 1 else given
+    fps = fps[0] if isinstance(fps, list) and len(fps) == 1 else fps
+    if not isinstance(given, str) or rec.tar_sample is not None:
+        raise SampleReject(
+            "codec_video",
+            f"codec video {name}: patch_positions must name one .npy file of a record outside a tar, got {given!r}",
+        )
+    canvases = [_locate_image(image, rec, source, image_root) for image in conv.images]
+    positions = _locate_image(given, rec, source, image_root)
+    if any(is_url(p) for p in (*canvases, positions)):
+        raise SampleReject(
+            "codec_video", f"codec video {name}: the training form is read from local files only"
+        )
+    try:
+        messages = fold_canvas_tags(conv.messages, len(canvases), name=name)
+        info = codec_assets.read_codec_files(canvases, positions, fps, name=name)
+    except MmpackError as exc:
+        raise SampleReject(exc.reason, exc.message) from None
+    if read_files is not None:
+        for f in (*canvases, positions):
+            read_files.setdefault(f, file_identity(remote, f, verify))
+    files = {"canvases": canvases, "positions": positions, "fps": fps}
+    return {
+        "src": source, "line": rec.line, "id": conv.sample_id, "messages": [list(m) for m in messages],
+        "images": [], "wh": [], "fmt": [], "nbytes": [],
+        "videos": [positions], "video_info": [{**info, "fmt": CODEC_FORMAT, "files": files}],
+        "video_names": [given],
+    }  # fmt: skip
 
 
 def video_format(name: str) -> str:
@@ -211,6 +302,8 @@ def scan_record(
         conv = normalize_record(rec.obj, source=source, line=rec.line)
     except MmpackError as exc:
         raise SampleReject(exc.reason, exc.message) from None
+    if "patch_positions" in rec.obj:  # LLaVA-OneVision-2's training form of a codec video
+        return _training_form_row(remote, rec, conv, source, image_root, read_files, verify)
     paths, sizes, formats, nbytes = [], [], [], []
     seen: dict[str, tuple[int, int, str, int]] = {}
     for image in conv.images:
@@ -229,7 +322,7 @@ def scan_record(
     probed: dict[str, dict] = {}
     for video in conv.videos:
         path = _locate_image(video, rec, source, image_root, kind="video")
-        if rec.tar_sample is None and not is_url(path) and codec_assets.is_codec_folder(path):
+        if rec.tar_sample is None and codec_assets.is_codec_folder(path, codec_assets.AssetFiles(remote)):
             if path not in probed:  # LLaVA-OneVision-2 codec canvases: a cv-preinfer folder
                 probed[path] = _read_codec_folder(remote, path, video, read_files, verify)
             videos.append(path)
@@ -239,6 +332,13 @@ def scan_record(
             read_files[path] = file_identity(remote, path, verify)
         if path not in probed:
             probed[path] = _read_video(remote, path, check)
+        if check.codec is not None:  # --codec-videos: the raw video's cv-preinfer assets stand in for it
+            folder = _codec_assets_of(check.codec, path, video, probed[path], rec)
+            if folder not in probed:
+                probed[folder] = _read_codec_folder(remote, folder, video, read_files, verify)
+            videos.append(folder)
+            video_info.append(probed[folder])
+            continue
         videos.append(path)
         video_info.append({**probed[path], "fmt": video_format(video)})
     row = {
@@ -271,6 +371,7 @@ def scan_chunk(ctx: JobContext, task: ScanTask) -> dict:
         full_decode=options.image_check == "decode",
         max_image_pixels=options.max_image_pixels,
         max_video_seconds=options.max_video_seconds,
+        codec=codec_preinfer(options),
     )
     rejects: list[dict] = []
     read_files: dict[str, FileIdentity] = {}
@@ -328,6 +429,7 @@ def run_scan(
     ctx: JobContext, cfg: ScanStage, files: list[str], fingerprint: str, *, workers: int, progress: bool
 ) -> dict:
     """Stage 1 over all chunks of `files` (canonical input paths); returns the marker info."""
+    codec_preinfer(cfg.scan)  # a missing cv-preinfer stops the job once, before any chunk
     chunks = plan_chunks(ctx, files, cfg.scan.chunk_size, cfg.scan.max_record_bytes)
     tasks = [ScanTask(c, cfg, fingerprint) for c in chunks]
     results = run_parallel(

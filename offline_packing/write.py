@@ -95,44 +95,59 @@ class BinSource:
     def packed_bin(self, b: int) -> PackedBin:
         members = np.asarray(self.order[self.bin_offsets[b] : self.bin_offsets[b + 1]])
         chunks = np.searchsorted(self.chunk_starts, members, side="right") - 1
-        ids, masks, lens, sample_ids, images, formats, grids = [], [], [], [], [], [], []
-        videos, video_formats, video_plans = [], [], []
+        samples = []
         for c, g in zip(chunks.tolist(), members.tolist()):
             c_ids, c_mask, c_off, c_meta, c_meta_off = self.chunk(c)
             i = g - int(self.chunk_starts[c])
             lo, hi = int(c_off[i]), int(c_off[i + 1])
-            ids.append(c_ids[lo:hi])
-            masks.append(c_mask[lo:hi])
-            lens.append(hi - lo)
             meta = json.loads(c_meta[c_meta_off[i] : c_meta_off[i + 1]].tobytes())
-            sample_ids.append(meta["id"])
-            for path, fmt, grid in zip(meta["images"], meta["fmt"], meta["grid"]):
-                images.append(read_image_bytes(self.remote, path))
-                formats.append(fmt)
-                grids.append(grid)
-            for path, fmt, plan in zip(
-                meta.get("videos", ()), meta.get("vfmt", ()), meta.get("video_plans", ())
-            ):
-                if fmt == CODEC_FORMAT:  # a codec folder: its kept canvases and block-ordered positions
-                    videos.append(codec_assets.codec_blob(path, name=plan.get("source", path)))
-                else:
-                    videos.append(read_image_bytes(self.remote, path))
-                video_formats.append(fmt)
-                video_plans.append(plan)
-        return PackedBin(
-            key=bin_key(self.prefix, b),
-            input_ids=np.concatenate(ids).astype(np.uint32, copy=False),
-            loss_mask=np.concatenate(masks).astype(np.uint8, copy=False),
-            seq_lens=np.asarray(lens, dtype=np.int32),
-            sample_ids=sample_ids,
-            images=images,
-            image_formats=formats,
-            image_grid_thw=np.asarray(grids, dtype=np.int32).reshape(-1, 3),
-            videos=videos,
-            video_formats=video_formats,
-            video_plans=video_plans,
-            video_grid_thw=np.asarray([p["grid_thw"] for p in video_plans], dtype=np.int32).reshape(-1, 3),
-        )
+            samples.append((c_ids[lo:hi], c_mask[lo:hi], meta))
+        return assemble_bin(bin_key(self.prefix, b), samples, self.remote)
+
+
+def assemble_bin(
+    key: str, samples: list[tuple[np.ndarray, np.ndarray, dict]], remote: RemoteFiles
+) -> PackedBin:
+    """One bin of its samples' (token ids, loss mask, lengths-stage metadata row), in order: their images and
+    videos read as stored (never re-encoded). The offline writer and online packing build bins with it."""
+    ids, masks, lens, sample_ids, images, formats, grids = [], [], [], [], [], [], []
+    videos, video_formats, video_plans = [], [], []
+    for s_ids, s_mask, meta in samples:
+        ids.append(s_ids)
+        masks.append(s_mask)
+        lens.append(len(s_ids))
+        sample_ids.append(meta["id"])
+        for path, fmt, grid in zip(meta["images"], meta["fmt"], meta["grid"]):
+            images.append(read_image_bytes(remote, path))
+            formats.append(fmt)
+            grids.append(grid)
+        codec_files = meta.get("codec_files") or [None] * len(meta.get("videos", ()))
+        for path, fmt, plan, files in zip(
+            meta.get("videos", ()), meta.get("vfmt", ()), meta.get("video_plans", ()), codec_files
+        ):
+            if fmt == CODEC_FORMAT and files:  # the training form: canvas files, a positions file, an fps
+                videos.append(codec_assets.codec_blob_of_files(**files, name=plan.get("source", path)))
+            elif fmt == CODEC_FORMAT:  # a codec folder: its kept canvases and block-ordered positions
+                name = plan.get("source", path)
+                videos.append(codec_assets.codec_blob(path, name=name, files=codec_assets.AssetFiles(remote)))
+            else:
+                videos.append(read_image_bytes(remote, path))
+            video_formats.append(fmt)
+            video_plans.append(plan)
+    return PackedBin(
+        key=key,
+        input_ids=np.concatenate(ids).astype(np.uint32, copy=False),
+        loss_mask=np.concatenate(masks).astype(np.uint8, copy=False),
+        seq_lens=np.asarray(lens, dtype=np.int32),
+        sample_ids=sample_ids,
+        images=images,
+        image_formats=formats,
+        image_grid_thw=np.asarray(grids, dtype=np.int32).reshape(-1, 3),
+        videos=videos,
+        video_formats=video_formats,
+        video_plans=video_plans,
+        video_grid_thw=np.asarray([p["grid_thw"] for p in video_plans], dtype=np.int32).reshape(-1, 3),
+    )
 
 
 def write_shard(ctx: JobContext, task: ShardTask) -> list[dict]:

@@ -26,7 +26,7 @@ import numpy as np
 from mmpack.packing.chat_template import ChatTemplate
 from mmpack.packing.chat_template import render_conversation as render_conversation  # its home: chat_template
 from mmpack.packing.errors import MmpackError
-from mmpack.packing.jinja_chat import IMAGE_TAG, VIDEO_TAG
+from mmpack.packing.jinja_chat import IMAGE_TAG, MEDIA_FORMS, VIDEO_TAG
 from mmpack.packing.jinja_chat import RenderedChat as _Rendered
 from mmpack.packing.tokenizer import RESERVED_TOKENS, VIDEO_PAD, TextTokenizer
 
@@ -264,6 +264,8 @@ class PreparedConversation:
     video_expansions: tuple[np.ndarray | None, ...] = ()  # per video: the ids its one pad becomes (or pads)
     # the expansions replace each video's whole <|vision_start|><|video_pad|><|vision_end|>, not its pad
     video_whole_blocks: bool = False
+    # per image: the ids its whole placeholder becomes (`ImageStyle.token_ids`), None where its pad is repeated
+    image_expansions: tuple[np.ndarray | None, ...] = ()
 
 
 def prepare_conversation(
@@ -274,12 +276,17 @@ def prepare_conversation(
     video_token_counts: Sequence[int] = (),
     video_expansions: Sequence[np.ndarray | None] = (),
     video_whole_blocks: bool = False,
+    image_expansions: Sequence[np.ndarray | None] = (),
 ) -> PreparedConversation:
     """Check `conv` against the media token counts and render it for encoding (ValueError where they differ).
     `video_expansions`: per video the ids its pad becomes (`video_tokens_qwen3.placeholder_ids`), else its pads
     repeated; with `video_whole_blocks`, the ids its whole vision block becomes (`video_tokens_ov2.block_ids`:
-    the caller checks that their first text does not merge with the text before, `video_tokens_ov2`)."""
+    the caller checks that their first text does not merge with the text before, `video_tokens_ov2`).
+    `image_expansions`: per image the ids its whole placeholder becomes (`ImageStyle.token_ids`, Gemma 4's
+    `<|image>` N x `<|image|>` `<image|>`), else its pad repeated."""
     counts = _checked_counts(image_token_counts, conv.images, "image")
+    if image_expansions and len(image_expansions) != len(counts):
+        raise ValueError(f"{len(image_expansions)} image expansions for {len(counts)} images")
     video_counts = _checked_counts(video_token_counts, conv.videos, "video")
     if video_expansions and len(video_expansions) != len(video_counts):
         raise ValueError(f"{len(video_expansions)} video expansions for {len(video_counts)} videos")
@@ -299,7 +306,7 @@ def prepare_conversation(
     rendered = template.render(messages, [1] * len(counts), [1] * len(video_counts))
     return PreparedConversation(
         rendered.text, rendered, tuple(messages), tuple(counts), tuple(video_counts), tuple(video_expansions),
-        video_whole_blocks,
+        video_whole_blocks, tuple(image_expansions),
     )  # fmt: skip
 
 
@@ -395,11 +402,13 @@ def _finish_one(
     if rendered.media_char_spans:
         repeats = np.ones(n, dtype=np.int64)
         n_of = {IMAGE_TAG: iter(prep.image_token_counts), VIDEO_TAG: iter(prep.video_token_counts)}
-        expansions = iter(prep.video_expansions or [None] * len(prep.video_token_counts))
+        expansions = {
+            VIDEO_TAG: iter(prep.video_expansions or [None] * len(prep.video_token_counts)),
+            IMAGE_TAG: iter(prep.image_expansions or [None] * len(prep.image_token_counts)),
+        }
         replaced: list[tuple[int, np.ndarray]] = []  # (compact index, ids it becomes)
-        pad_role = {IMAGE_TAG: "image_pad", VIDEO_TAG: "video_pad"}
         for tag, a, b in rendered.media_char_spans:
-            expected = [tokenizer.special_ids[k] for k in ("vision_start", pad_role[tag], "vision_end")]
+            expected = _placeholder_ids(tokenizer, tag, prep.text[a:b])
             if in_order:  # tokens with start >= a and end <= b
                 inside = np.arange(np.searchsorted(starts, a, "left"), np.searchsorted(ends, b, "right"))
             else:
@@ -409,11 +418,19 @@ def _finish_one(
                     f"tokenizer {tokenizer.name} does not keep the vision tokens as single tokens"
                 )
             loss[inside] = 0
-            repeats[inside[1]] = next(n_of[tag])
-            expansion = next(expansions) if tag == VIDEO_TAG else None
+            expansion = next(expansions[tag])
+            whole = expansion is not None and (tag == IMAGE_TAG or prep.video_whole_blocks)
+            if len(inside) != 3 and not whole:  # only a vision block's middle pad is repeated
+                raise ValueError(
+                    f"the chat template writes {prep.text[a:b]} for a {tag}, which only a rule that expands it "
+                    "whole takes (a Gemma 4 model folder's)"
+                )
+            count = next(n_of[tag])
+            if len(inside) == 3:
+                repeats[inside[1]] = count
             if expansion is not None:
-                at_k = int(inside[1])
-                if prep.video_whole_blocks:
+                at_k = int(inside[1]) if len(inside) == 3 else int(inside[0])
+                if whole:
                     repeats[inside], at_k = 0, int(inside[0])
                 repeats[at_k] = len(expansion)
                 replaced.append((at_k, expansion))
@@ -441,6 +458,19 @@ def _finish_one(
         turn_video_counts=tuple(content.count(VIDEO_TAG) for _, content in messages),
         video_spans=tuple((at(a), at(b)) for a, b in compact_spans[VIDEO_TAG]),
     )
+
+
+def _placeholder_ids(tokenizer: TextTokenizer, tag: str, literal: str) -> list[int]:
+    """The ids a media placeholder the template wrote must have: Qwen-VL's vision block as its three control
+    tokens, another form (`jinja_chat.MEDIA_FORMS`: Gemma 4's `<|image|>`) as the one token the tokenizer has
+    for it."""
+    if literal == MEDIA_FORMS[tag][0]:
+        pad = "image_pad" if tag == IMAGE_TAG else "video_pad"
+        return [tokenizer.special_ids[k] for k in ("vision_start", pad, "vision_end")]
+    ids = tokenizer.encode(literal)
+    if len(ids) != 1:
+        raise ValueError(f"tokenizer {tokenizer.name} does not encode {literal} as one token")
+    return [int(ids[0])]
 
 
 def tokenize_conversation(

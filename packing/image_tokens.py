@@ -26,6 +26,7 @@ import math
 import os
 import struct
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import IO, Any
@@ -33,6 +34,7 @@ from typing import IO, Any
 import numpy as np
 
 from mmpack.packing.errors import MmpackError
+from mmpack.packing.image_rules import DEFAULT_IMAGE_STYLE, ImageStyle, image_style, style_of_processor
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -91,7 +93,8 @@ def smart_resize(
 
 @dataclass(frozen=True)
 class ImageTokenRule:
-    """How an image becomes vision patches and LLM tokens (Qwen2-VL rule; see the module docstring).
+    """How an image becomes vision patches and LLM tokens (Qwen2-VL rule, see the module docstring; another
+    processor's resize where `image_style` names another style of `mmpack.packing.image_rules`).
 
     The size fields fix the token count; `temporal_patch_size`, `image_mean`, `image_std`,
     `rescale_factor` and `resample` (a PIL resampling filter, 3 = bicubic) fix the pixel values, as in a
@@ -108,6 +111,7 @@ class ImageTokenRule:
     image_std: tuple[float, float, float] = CLIP_STD
     rescale_factor: float = 1 / 255
     resample: int = 3
+    image_style: str = DEFAULT_IMAGE_STYLE  # whose resize: a name in `mmpack.packing.image_rules.IMAGE_RULES`
 
     def __post_init__(self) -> None:
         if self.patch_size < 1 or self.merge_size < 1 or self.temporal_patch_size < 1:
@@ -132,6 +136,12 @@ class ImageTokenRule:
                 f"need rescale_factor > 0 and resample in 0..5 (PIL filters), got {self.rescale_factor}, "
                 f"{self.resample}"
             )
+        self.kind.check(self)
+
+    @property
+    def kind(self) -> ImageStyle:
+        """The style object of `image_style` (the registry's)."""
+        return image_style(self.image_style)
 
     @property
     def factor(self) -> int:
@@ -156,8 +166,8 @@ class ImageTokenRule:
         return 3 * self.temporal_patch_size * self.patch_size**2
 
     def resized_hw(self, height: int, width: int) -> tuple[int, int]:
-        """(h', w') the image is resized to; `ImageSizeError` (a ValueError) for too elongated images."""
-        factor = self.factor
+        """(h', w') the image is resized to, by its style; `ImageSizeError` (a ValueError) for too elongated
+        images."""
         if height < 1 or width < 1:
             raise ImageSizeError("image_size_invalid", f"image of {width}x{height} (w x h) has no pixels")
         aspect = max(height, width) / min(height, width)
@@ -167,9 +177,7 @@ class ImageTokenRule:
                 f"image of {width}x{height} (w x h) has aspect ratio {aspect:.1f}, "
                 f"above the limit of {self.max_aspect_ratio}",
             )
-        return smart_resize(
-            height, width, factor=factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels
-        )
+        return self.kind.resized_hw(self, height, width)
 
     def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
         """(t, h, w) of the vision grid in patches (before the merge); t is 1 for images."""
@@ -201,18 +209,42 @@ class ImageTokenRule:
     def from_preprocessor_config(
         cls, config: dict[str, Any], *, source: str = "preprocessor_config"
     ) -> ImageTokenRule:
-        """The rule of a Qwen2-VL-style `preprocessor_config.json`, read as transformers 5 reads it.
+        """The rule of an image processor config (`preprocessor_config.json`, or `processor_config.json`'s
+        `image_processor`), by the style that claims its `image_processor_type` (`mmpack.packing.image_rules`).
+
+        Raises:
+            ValueError: a processor type or setting no rule can reproduce, naming `source`.
+        """
+        style = style_of_processor(config, source)
+        fields = style.rule_fields(config, source)
+        try:
+            return cls(**fields, image_style=style.name)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: {exc}") from exc
+
+
+class Qwen2VLImageStyle(ImageStyle):
+    """transformers' `Qwen2VLImageProcessor` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision): `smart_resize`
+    (the module docstring), each image `<|vision_start|>` + N x `<|image_pad|>` + `<|vision_end|>`."""
+
+    name = "qwen2_vl"
+
+    def resized_hw(self, rule: Any, height: int, width: int) -> tuple[int, int]:
+        return smart_resize(
+            height, width, factor=rule.factor, min_pixels=rule.min_pixels, max_pixels=rule.max_pixels
+        )
+
+    def claims(self, config: Mapping[str, Any]) -> bool:
+        kind = str(config.get("image_processor_type", "Qwen2VLImageProcessor"))
+        return kind.startswith("Qwen2VLImageProcessor")
+
+    def rule_fields(self, config: Mapping[str, Any], source: str) -> dict[str, Any]:
+        """The fields of a Qwen2-VL `preprocessor_config.json`, read as transformers 5 reads it.
 
         `min_pixels`/`max_pixels` win over `size.shortest_edge`/`size.longest_edge` (transformers' order);
         keys absent from the file take `Qwen2VLImageProcessorPil`'s class defaults (max_pixels 28*28*1280,
         not the 12845056 Qwen2-VL checkpoints ship), since that is what the model's processor would use.
-
-        Raises:
-            ValueError: a processor type or setting this rule cannot reproduce, naming `source`.
         """
-        kind = str(config.get("image_processor_type", "Qwen2VLImageProcessor"))
-        if not kind.startswith("Qwen2VLImageProcessor"):
-            raise ValueError(f"{source}: image_processor_type {kind!r} is not a Qwen2-VL image processor")
         for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
             if config.get(flag, True) is not True:
                 raise ValueError(f"{source}: {flag}={config[flag]!r} is not supported (mmpack needs true)")
@@ -223,9 +255,9 @@ class ImageTokenRule:
             raise ValueError(
                 f"{source}: size {size} needs both shortest_edge and longest_edge (or min_pixels/max_pixels)"
             )
-        defaults = cls()
+        defaults = ImageTokenRule()
         try:
-            return cls(
+            return dict(
                 patch_size=int(config.get("patch_size", defaults.patch_size)),
                 merge_size=int(config.get("merge_size", defaults.merge_size)),
                 temporal_patch_size=int(config.get("temporal_patch_size", defaults.temporal_patch_size)),
@@ -240,7 +272,10 @@ class ImageTokenRule:
             raise ValueError(f"{source}: {exc}") from exc
 
 
+IMAGE_STYLE = Qwen2VLImageStyle()
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
+# transformers 5 saves a processor's settings (each sub-processor's under its own key) in this file
+PROCESSOR_CONFIG = "processor_config.json"
 
 
 def read_processor_config(model_dir: str | os.PathLike[str], name: str) -> tuple[str, dict[str, Any]] | None:
@@ -260,9 +295,25 @@ def read_processor_config(model_dir: str | os.PathLike[str], name: str) -> tuple
     return path, config
 
 
-def load_model_image_rule(model_dir: str | os.PathLike[str]) -> ImageTokenRule | None:
-    """The rule of `model_dir/preprocessor_config.json`; None when the folder has no such file."""
+def image_processor_config(model_dir: str | os.PathLike[str]) -> tuple[str, dict[str, Any]] | None:
+    """(where, settings) of a model folder's image processor: its `preprocessor_config.json`, else the
+    `image_processor` of its `processor_config.json` (as transformers 5 saves a processor); None where it has
+    neither."""
     found = read_processor_config(model_dir, PREPROCESSOR_CONFIG)
+    if found is not None:
+        return found
+    found = read_processor_config(model_dir, PROCESSOR_CONFIG)
+    if found is None or "image_processor" not in found[1]:
+        return None
+    path, config = found
+    if not isinstance(config["image_processor"], dict):
+        raise ValueError(f"{path}: image_processor is not a JSON object")
+    return f"{path} image_processor", config["image_processor"]
+
+
+def load_model_image_rule(model_dir: str | os.PathLike[str]) -> ImageTokenRule | None:
+    """The rule of `model_dir`'s image processor config (`image_processor_config`); None when it has none."""
+    found = image_processor_config(model_dir)
     if found is None:
         return None
     path, config = found

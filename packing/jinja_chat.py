@@ -38,6 +38,12 @@ IMAGE_TAG = "<image>"
 VIDEO_TAG = "<video>"
 MEDIA_TAG_RE = re.compile(f"({re.escape(IMAGE_TAG)}|{re.escape(VIDEO_TAG)})")
 PADS = {IMAGE_TAG: SPECIAL_TOKENS["image_pad"], VIDEO_TAG: VIDEO_PAD}
+# What a template may write for an image / a video part, the first form the default: Qwen-VL's vision block, or
+# one media token that the processor expands (Gemma 4's `<|image|>` / `<|video|>`).
+MEDIA_FORMS: dict[str, tuple[str, ...]] = {
+    tag: (SPECIAL_TOKENS["vision_start"] + pad + SPECIAL_TOKENS["vision_end"], form)
+    for (tag, pad), form in zip(PADS.items(), ("<|image|>", "<|video|>"))
+}
 # The files a model folder may hold its template in, in the order transformers prefers them.
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -215,7 +221,10 @@ class JinjaChat:
         self.origin = origin
         self._template = _compile(source, limits or TemplateLimits(), origin)
         self._variables = dict(variables or {})
-        self.takes_parts = self._takes_parts()
+        written = self._media_forms()
+        self.takes_parts = written is not None
+        self.media: dict[str, str] = written or {tag: forms[0] for tag, forms in MEDIA_FORMS.items()}
+        self.trims_text = self._trims_text()
         self.headers, self.default_turn = self._learn_headers()
         self.default_system = self._default_system_text()
 
@@ -275,13 +284,28 @@ class JinjaChat:
                 parts.append({"type": "text", "text": piece})
         return {"role": role, "content": parts}
 
-    def _takes_parts(self) -> bool:
-        probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _PROBES[0]}]}]
-        try:
-            text = self._render_hf(probe)
-        except ChatTemplateError:
-            return False
-        return text.count(PADS[IMAGE_TAG]) == 1
+    def _media_forms(self) -> dict[str, str] | None:
+        """What the template writes for an image part and a video part (a form of MEDIA_FORMS each); None where
+        it takes no image part (a text model's template)."""
+        found: dict[str, str] = {}
+        for tag, kind in ((IMAGE_TAG, "image"), (VIDEO_TAG, "video")):
+            probe = [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": _PROBES[0]}]}]
+            try:
+                text = self._render_hf(probe)
+            except ChatTemplateError:
+                text = ""
+            written = [form for form in MEDIA_FORMS[tag] if text.count(form) == 1]
+            if len(written) == 1:
+                found[tag] = written[0]
+            elif tag == IMAGE_TAG:
+                return None
+        return {tag: found.get(tag, MEDIA_FORMS[tag][0]) for tag in MEDIA_FORMS}
+
+    def _trims_text(self) -> bool:
+        """Whether the template writes a message's text trimmed (Gemma 4's trims each text part)."""
+        padded = f" {_PROBES[1]} "
+        text = self.render_text([("user", f"{IMAGE_TAG}{padded}" if self.takes_parts else padded)])
+        return padded not in text and _PROBES[1] in text
 
     def _learn_headers(self) -> tuple[dict[str, str], str]:
         """Each role's header (what the template writes before a message's content when a system message comes
@@ -347,7 +371,7 @@ class JinjaChat:
                 pos = self._find_piece(text, piece, pos, bool(j % 2), k, out)
             starts.append(start)
             content_ends.append(pos)
-        if sum(text.count(p) for p in PADS.values()) != len(out.media_char_spans):
+        if sum(text.count(p) for p in self.media.values()) != len(out.media_char_spans):
             raise ChatTemplateError(
                 f"{self.origin} writes other vision pads than one per <image> / <video> tag"
             )
@@ -359,20 +383,16 @@ class JinjaChat:
         return out
 
     def _find_piece(self, text: str, piece: str, pos: int, is_tag: bool, k: int, out: RenderedChat) -> int:
-        if not piece:
+        needle = self.media[piece] if is_tag else piece.strip() if self.trims_text else piece
+        if not needle:
             return pos
-        needle = PADS[piece] if is_tag else piece
         at = text.find(needle, pos)
         if at < 0:
-            what = f"its {piece} pad" if is_tag else "its text as given"
+            what = f"its {piece} placeholder {needle}" if is_tag else "its text as given"
             raise ChatTemplateError(f"{self.origin}: message {k} does not hold {what}")
         end = at + len(needle)
         if is_tag:
-            vs, ve = SPECIAL_TOKENS["vision_start"], SPECIAL_TOKENS["vision_end"]
-            if not (text.startswith(vs, at - len(vs)) and text.startswith(ve, end)):
-                raise ChatTemplateError(f"{self.origin} does not write {vs}{needle}{ve} for {piece}")
-            out.media_char_spans.append((piece, at - len(vs), end + len(ve)))
-            end += len(ve)
+            out.media_char_spans.append((piece, at, end))
         return end
 
 

@@ -189,10 +189,7 @@ def claim_folder(
     Raises:
         FolderNotOwned: not empty and unmarked (without `overwrite`), marked with another kind, or a file.
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    fs, root = _filesystem(url, storage_options)
-    marker = _claimable(fs, root, f"{role or 'folder'} {url}", kind, overwrite, overwrite_flag, replaces)
+    fs, root, marker = _check_claim(url, kind, overwrite, overwrite_flag, storage_options, role, replaces)
     if marker is not None:
         return OwnedFolder(url, kind, marker, fs, root)
     marker = _new_marker(kind, creator)
@@ -212,10 +209,25 @@ def check_claim(
 ) -> None:
     """Raises `FolderNotOwned` where `claim_folder` with the same arguments would, and writes nothing: a
     command checks its folders first, then its inputs, and claims (marks) the folders last."""
+    _check_claim(url, kind, overwrite, overwrite_flag, storage_options, role, replaces)
+
+
+def _check_claim(
+    url: str,
+    kind: str,
+    overwrite: bool,
+    overwrite_flag: str | None,
+    storage_options: dict[str, Any] | None,
+    role: str | None,
+    replaces: str | None,
+) -> tuple[Any, str, dict[str, Any] | None]:
+    """(filesystem, root, the folder's marker of `kind` or None when it may be claimed); the checks both
+    `check_claim` and `claim_folder` make."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     fs, root = _filesystem(url, storage_options)
-    _claimable(fs, root, f"{role or 'folder'} {url}", kind, overwrite, overwrite_flag, replaces)
+    marker = _claimable(fs, root, f"{role or 'folder'} {url}", kind, overwrite, overwrite_flag, replaces)
+    return fs, root, marker
 
 
 def _claimable(

@@ -11,12 +11,17 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 from mmpack.packing.errors import MmpackError
+
+T = TypeVar("T")
 
 
 class ProcessDiedError(MmpackError, RuntimeError):
@@ -71,6 +76,59 @@ def exit_with_parent(parent_pid: int | None = None, *, poll_s: float = 1.0) -> N
         name="mmpack-parent-watch",
     )
     watch.start()
+
+
+def call_tied(fn: Callable[..., T], *args: Any, what: str) -> T:
+    """`fn(*args)` in a forked process of its own, for code of another project that starts worker processes
+    without a hook for them (Megatron-Energon's metadata step): that process calls `exit_with_parent`, and so does
+    every process forked from it (`os.register_at_fork`), so none of them outlives this one. Returns what `fn`
+    returns and raises what it raises (as itself when it pickles); `ProcessDiedError` naming `what` when the
+    process dies without an answer."""
+    mp = multiprocessing.get_context("fork")  # `fn` and its arguments go as they are, not pickled
+    receive, send = mp.Pipe(duplex=False)
+    # not a daemon: a daemon may not start processes of its own
+    proc = mp.Process(target=_run_tied, args=(fn, args, send), name="mmpack-tied")
+    proc.start()
+    send.close()  # the child's end is the only one left: its death is an EOF here
+    try:
+        ok, value = receive.recv()
+    except EOFError:
+        proc.join()
+        died = describe_exit(proc.exitcode)
+        raise ProcessDiedError(f"{what}: its process (pid {proc.pid}) {died}; rerun the command") from None
+    except BaseException:  # Ctrl-C: the process and those it forked end now, not when it is done
+        proc.kill()
+        proc.join()
+        raise
+    finally:
+        receive.close()
+    proc.join()
+    if not ok:
+        raise value
+    return cast(T, value)
+
+
+def _run_tied(fn: Callable[..., Any], args: tuple[Any, ...], send: Any) -> None:
+    exit_with_parent()
+    os.register_at_fork(after_in_child=_exit_with_forker)  # this process ends right after `fn`
+    try:
+        answer: tuple[bool, Any] = (True, fn(*args))
+    except BaseException as exc:  # raised again in the caller
+        answer = (False, _picklable(exc))
+    send.send(answer)
+    send.close()
+
+
+def _exit_with_forker() -> None:
+    exit_with_parent(os.getppid())
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
 
 
 def _watch_parent(parent_pid: int, born: bytes | None, os_parent: int, poll_s: float) -> None:

@@ -21,6 +21,7 @@ the folders, `mmpack.dataloader.codec_video` decodes the blob).
 from __future__ import annotations
 
 import io
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -209,8 +210,35 @@ def read_codec_blob(data: bytes | bytearray | memoryview, name: str) -> tuple[li
             n = sum(1 for k in z.files if k.startswith("canvas_"))
             canvases = [z[f"canvas_{i:03d}"].tobytes() for i in range(n)]
             positions = z["positions"].astype(np.int64).reshape(-1, 3)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:  # a truncated blob: BadZipFile
         raise CodecAssetError(
             f"codec video {name}: not a codec blob of this dataset ({exc}); repack"
         ) from None
     return canvases, positions
+
+
+def fold_canvas_tags(
+    messages: Sequence[tuple[str, str]], num_canvases: int, *, name: str
+) -> tuple[tuple[str, str], ...]:
+    """The messages of LLaVA-OneVision-2's training form of a codec video (one `<image>` per canvas) with the
+    canvases' tags made the one `<video>` of the folder form: the model's rewrite replaces the span from the first
+    canvas's block to the last's, so the tags must be in one message with only white space between them."""
+    from mmpack.packing.chat import IMAGE_TAG, VIDEO_TAG  # here: the loader's workers import this module
+
+    found = [k for k, (_, text) in enumerate(messages) if IMAGE_TAG in text]
+    counts = [messages[k][1].count(IMAGE_TAG) for k in found]
+    if len(found) != 1 or counts[0] != num_canvases:
+        raise CodecAssetError(
+            f"codec video {name}: {sum(counts)} <image> tags in {len(found)} messages for {num_canvases} canvases; "
+            "the training form has one <image> per canvas, all in one message"
+        )
+    role, text = messages[found[0]]
+    first, last = text.index(IMAGE_TAG), text.rindex(IMAGE_TAG) + len(IMAGE_TAG)
+    if text[first:last].replace(IMAGE_TAG, "").strip():
+        raise CodecAssetError(
+            f"codec video {name}: text between the canvases' <image> tags (the model's rewrite drops it); keep the "
+            "tags together"
+        )
+    out = list(messages)
+    out[found[0]] = (role, text[:first] + VIDEO_TAG + text[last:])
+    return tuple(out)

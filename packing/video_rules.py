@@ -16,6 +16,7 @@ VIDEO_RULES: dict[str, str] = {
     "qwen-vl-utils": "mmpack.packing.video_tokens_qwen2",
     "qwen3_vl": "mmpack.packing.video_tokens_qwen3",
     "llava_onevision2": "mmpack.packing.video_tokens_ov2",
+    "gemma4": "mmpack.packing.video_tokens_gemma4",
 }
 # the rule of the manifests written before there was a choice: they record no style
 DEFAULT_STYLE = "qwen-vl-utils"

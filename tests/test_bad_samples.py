@@ -22,6 +22,9 @@ from mmpack.packing.batch import contract_problems
 from mmpack.packing.layout import IGNORE_INDEX
 from tests.support.bad_samples import (
     BAD_SAMPLE,
+    OV2_OPTIONS,
+    codec_bin,
+    codec_grid,
     damage_video,
     mask_labels,
     pack_video_dataset,
@@ -134,6 +137,70 @@ def test_an_image_that_does_not_decode_drops_its_sample(datasets: dict[str, Path
     assert not batch.pixel_values[:rows].any()  # type: ignore[attr-defined]
     _, good = _bin_of(datasets["good"], sid)
     assert good.pixel_values[:rows].any() and (good.labels[0, start:end] != IGNORE_INDEX).any()  # type: ignore[attr-defined]
+
+
+OV2_SAMPLE = "video-1"  # a clip sharing its bin with image samples under LLaVA-OneVision-2's rule
+
+
+@pytest.fixture(scope="module")
+def ov2_datasets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same records packed under LLaVA-OneVision-2's video rule (each frame an image in token order): the
+    packed dataset (`good`), a copy with OV2_SAMPLE's video bytes zeroed (`damaged`) and one with its labels
+    masked (`masked`)."""
+    root = tmp_path_factory.mktemp("bad-samples-ov2")
+    good = pack_video_dataset(root, **OV2_OPTIONS)
+    rewrite_sample(good, root / "damaged", OV2_SAMPLE, damage_video)
+    rewrite_sample(good, root / "masked", OV2_SAMPLE, mask_labels)
+    return {"good": good, "damaged": root / "damaged", "masked": root / "masked"}
+
+
+def _assert_dropped_like_masked(dropped: object, masked: object, good: object, video_rows: int) -> None:
+    """The dropped bin is laid out as the masked one, its video's patch rows (frames or canvases, in
+    `pixel_values`) blank and every image's as decoded; control: the good bin trains on the sample."""
+    for name in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "image_grid_thw"):
+        np.testing.assert_array_equal(getattr(dropped, name), getattr(masked, name), err_msg=name)
+    pixels, good_pixels = dropped.pixel_values, good.pixel_values  # type: ignore[attr-defined]
+    changed = ~np.all(pixels == good_pixels, axis=1)
+    assert int(changed.sum()) == video_rows and not pixels[changed].any()
+    assert len(pixels) > video_rows  # the bin's images are there, as decoded
+    assert not np.array_equal(good.labels, dropped.labels)  # type: ignore[attr-defined]
+
+
+def test_a_frames_as_images_video_that_does_not_decode_drops_its_sample(
+    ov2_datasets: dict[str, Path],
+) -> None:
+    """LLaVA-OneVision-2: the frames of a video that does not decode are blank images, and its sample dropped."""
+    rec, dropped = _bin_of(ov2_datasets["damaged"], OV2_SAMPLE)
+    _, masked = _bin_of(ov2_datasets["masked"], OV2_SAMPLE)
+    _, good = _bin_of(ov2_datasets["good"], OV2_SAMPLE)
+    assert len(rec["images"]) and len(rec["videos"]) == 1  # a bin of images and one video
+    [d] = dropped.dropped  # type: ignore[attr-defined]
+    assert (d.sample_id, d.bin_key) == (OV2_SAMPLE, rec["key"]) and d.media.endswith(".mp4"), d
+    assert masked.dropped == good.dropped == ()  # type: ignore[attr-defined]
+    assert contract_problems(dropped) == []  # type: ignore[arg-type]
+    _assert_dropped_like_masked(dropped, masked, good, int(np.prod(rec["video_plans"][0]["grid_thw"])))
+    with pytest.raises(BadSampleError, match=f"^sample '{OV2_SAMPLE}' "):
+        _bin_of(ov2_datasets["damaged"], OV2_SAMPLE, strict_data=True)
+
+
+def test_a_codec_video_that_does_not_decode_drops_its_sample(ov2_datasets: dict[str, Path]) -> None:
+    """LLaVA-OneVision-2's codec stream: a blob that does not read is one blank grid row of canvases, and its
+    sample dropped. The bin is the frames-as-images one with its video stored as a codec blob of one canvas
+    per frame (a run of pads each, as a codec video's runs are)."""
+    rec, _ = _bin_of(ov2_datasets["good"], OV2_SAMPLE)
+    manifest = load_manifest(str(ov2_datasets["good"]))
+    cfg = CollateConfig.from_manifest(manifest)
+    codec = codec_bin(rec, cfg.rule)
+    good = collate_bins([codec], cfg)
+    broken = {**codec, "videos": [codec["videos"][0][:100]]}  # a truncated blob
+    k = list(rec["sample_ids"]).index(OV2_SAMPLE)
+    masked_rec = {**codec, "loss_mask": np.array(codec["loss_mask"])}
+    mask_labels(masked_rec, k)
+    dropped, masked = collate_bins([broken], cfg), collate_bins([masked_rec], cfg)
+    [d] = dropped.dropped  # type: ignore[attr-defined]
+    assert d.sample_id == OV2_SAMPLE and "codec" in d.error, d
+    assert good.dropped == () and good.image_grid_thw.tolist().count(codec_grid(codec)) == 1  # one grid row
+    _assert_dropped_like_masked(dropped, masked, good, int(np.prod(codec_grid(codec))))
 
 
 def test_the_scan_rejects_a_video_with_zeroed_frame_bytes(tmp_path: Path) -> None:

@@ -28,14 +28,6 @@ pytestmark = [pytest.mark.family, pytest.mark.shared]
 
 REFERENCE_DIR = SHARED_DIR / "reference"
 VIDEO_DEMO = SHARED_DIR / "data" / "mllm_video_demo"
-IMAGE_CONFIG = {
-    "image_processor_type": "Qwen2VLImageProcessor",
-    "patch_size": 14,
-    "temporal_patch_size": 1,
-    "merge_size": 2,
-    "min_pixels": 3136,
-    "max_pixels": 1605632,
-}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +41,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     out = tmp_path_factory.mktemp("ov2_folder")
     (out / "config.json").write_text(json.dumps({"model_type": "llava_onevision2"}))
-    (out / "preprocessor_config.json").write_text(json.dumps(IMAGE_CONFIG))
+    (out / "preprocessor_config.json").write_text(json.dumps(onevision.VIDEO_IMAGE_CONFIG))
     shutil.copy(QWEN3_TOKENIZER, out / "tokenizer.json")
     shutil.copy(QWEN3_TOKENIZER.parent / "tokenizer_config.json", out / "tokenizer_config.json")
     return out

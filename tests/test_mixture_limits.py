@@ -163,6 +163,21 @@ def test_missing_dataset_is_one_line_naming_the_path(
         assert err[0].startswith(f"pretrain_vlm: error: no packed dataset at '{nope}'"), err
 
 
+def test_trainer_refuses_overflowing_weights_before_building_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--data-path 1e308 A 1e308 B` built the model, then a loader worker died; now one line from the entry
+    point, before any dataset is read. Control: the largest allowed weights pass on to the datasets' check."""
+    from mmpack.trainer.pretrain_vlm import main
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    for weight, line in (("1e308", f"mixture source '{a}': weight must be a positive number"),
+                         (str(WEIGHT_RANGE[1]), f"no packed dataset at '{a}'")):  # fmt: skip
+        code = main(["--data-path", weight, a, weight, b, "--seq-length", "64"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith(f"pretrain_vlm: error: {line}"), err
+
+
 def test_stats_of_a_mixture_with_overflowing_weights_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     """`mmpack stats --mixture` printed shares of 0 and nan for weights of 1e308; the spec is refused first."""
     from mmpack.cli import main as mmpack_main

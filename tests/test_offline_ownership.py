@@ -220,6 +220,29 @@ def test_a_refused_run_leaves_no_marker_in_an_input_folder_and_a_marked_folder_i
     )
 
 
+def test_a_marked_object_store_prefix_is_skipped_with_the_same_line(
+    raw: Path, s3, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mmpack.offline_packing.inputs.remote import RemoteFiles
+    from mmpack.offline_packing.inputs.sources import expand_inputs
+
+    opts = s3.storage_options
+    parent = s3.upload_folder(raw, "rawbkt", "marked-parent/a").removesuffix("/a")
+    s3.upload_folder(raw, "rawbkt", "marked-parent/b")
+    capsys.readouterr()
+    remote = RemoteFiles(opts)
+    every = expand_inputs(remote, [parent])
+    assert every and capsys.readouterr().err == ""  # control: nothing marked, both prefixes read, no line
+    claim_folder(f"{parent}/b", "work", overwrite=True, storage_options=opts)
+    kept = expand_inputs(remote, [parent])
+    skipped = [f for f in every if f.startswith(f"{parent}/b/")]
+    assert skipped and kept == [f for f in every if f not in skipped]
+    assert (
+        f"note: {len(skipped)} input file(s) under {parent}/b skipped: it carries mmpack's marker {MARKER_NAME}"
+        in capsys.readouterr().err
+    )
+
+
 def test_the_refusal_of_a_users_output_says_what_overwrite_replaces(raw: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()

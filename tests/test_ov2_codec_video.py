@@ -17,21 +17,16 @@ import numpy as np
 import pytest
 
 from tests.support.fixtures_chat import QWEN2_VL_CHAT_TEMPLATE
+from tests.support.onevision import VIDEO_IMAGE_CONFIG
 from tests.support.shared import QWEN3_TOKENIZER, SHARED_DIR, need_shared
+from tests.support.storage_servers import moto_s3
 
 pytestmark = [pytest.mark.family, pytest.mark.shared]
 
 CODEC_DEMO = SHARED_DIR / "data" / "ov2_codec_demo"
 DEMOS = ("1", "1_fixed", "2", "3")
-IMAGE_CONFIG = {
-    "image_processor_type": "Qwen2VLImageProcessor",
-    "patch_size": 14,
-    "temporal_patch_size": 1,
-    "merge_size": 2,
-    "min_pixels": 3136,
-    "max_pixels": 1605632,
-}
 USER, ANSWER = "<video>\nDescribe the video.", "A short answer."  # the chat of expected.json
+MOE_BIN_TOKENS = 1024  # the mixed records in two bins
 
 
 def _expected(name: str) -> dict:
@@ -44,7 +39,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     need_shared(QWEN3_TOKENIZER, CODEC_DEMO, what="the codec demo assets and the Qwen3 tokenizer")
     out = tmp_path_factory.mktemp("ov2_codec_folder")
     (out / "config.json").write_text(json.dumps({"model_type": "llava_onevision2"}))
-    (out / "preprocessor_config.json").write_text(json.dumps(IMAGE_CONFIG))
+    (out / "preprocessor_config.json").write_text(json.dumps(VIDEO_IMAGE_CONFIG))
     (out / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
     shutil.copy(QWEN3_TOKENIZER, out / "tokenizer.json")
     shutil.copy(QWEN3_TOKENIZER.parent / "tokenizer_config.json", out / "tokenizer_config.json")
@@ -118,6 +113,13 @@ def packed(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     records = [{"id": n, "messages": chat(USER), "videos": [n]} for n in good]
     records += [{"id": k, "messages": chat(USER), "videos": [v]} for k, v in bad.items()]
     records += [{"id": "nonewline", "messages": chat("<video>Describe the video."), "videos": ["3"]}]
+    meta = json.loads((CODEC_DEMO / "3" / "meta.json").read_text())
+    canvases = [f"3/{f}" for f in meta["canvas_files"]]  # the training form of demo 3: its canvases as images
+    form = {"images": canvases, "patch_positions": "3/src_patch_position.npy", "fps": [meta["fps"]]}
+    tags = "<image>\n" * len(canvases)
+    records += [{"id": "training_form", "messages": chat(tags + "Describe the video."), **form}]
+    gap = tags.replace("\n", "\nand ", 1) + "Describe it."  # text between the tags: a reject
+    records += [{"id": "form_gap", "messages": chat(gap), **form}]
     (root / "records.json").write_text(json.dumps(records))
     out = root / "packed"
     args = ["pack", "-i", str(root / "records.json"), "-o", str(out), "-L", "9000", "--model", str(folder)]
@@ -159,16 +161,36 @@ def test_packed_ids_equal_the_preprocessors_and_bad_assets_are_rejects(packed: P
     assert samples["dropped"][1]["grid_thw"] == [3, 20, 36]
     assert sum(samples["dropped"][1]["run_tokens"]) == 3 * 180
     rejects = [json.loads(line) for line in (packed / "rejects.jsonl").read_text().splitlines()]
-    assert [r["reason"] for r in rejects] == ["codec_video"] * 5
+    assert [r["reason"] for r in rejects] == ["codec_video"] * 6
     messages = [r["message"] for r in rejects]
     for key, words in {
         "partly": "canvas 1 is partly padding",
         "short": "is int32 (2876, 3)",
         "nofps": "no positive fps",
         "blocks": "4x4 patch blocks",
+        "form_gap": "text between the canvases' <image> tags",
     }.items():
         assert any(f"codec video {key}:" in m and words in m for m in messages), (key, messages)
     assert any("newline right after the <video>" in m for m in messages), messages
+
+
+def test_training_form_packs_as_the_folder_form(packed: Path) -> None:
+    """LLaVA-OneVision-2's training form of demo 3 (its canvases as the record's images, one <image> each, the
+    row-major positions `.npy`, the fps) packs to the folder form's sample: expected.json's ids, the same plan
+    and the same stored canvases and block-ordered positions."""
+    from mmpack.packing.video_codec_ov2 import read_codec_blob
+
+    samples = _samples(packed)
+    (ids, plan), (folder_ids, folder_plan) = samples["training_form"], samples["3"]
+    assert ids == folder_ids == _expected("3")["input_ids"]
+    same = lambda p: {k: v for k, v in p.items() if k not in ("source", "sample_id")}  # noqa: E731
+    assert same(plan) == same(folder_plan)
+    blobs = _video_blobs(packed)
+    (form_canvases, form_positions), (canvases, positions) = (
+        read_codec_blob(blobs[k], k) for k in ("training_form", "3")
+    )
+    assert form_canvases == canvases and np.array_equal(form_positions, positions)
+    assert np.array_equal(positions, np.load(CODEC_DEMO / "3" / "patch_positions_block_order.npy"))
 
 
 def test_loader_hands_one_grid_row_and_source_positions(packed: Path) -> None:
@@ -211,7 +233,7 @@ def test_loader_hands_one_grid_row_and_source_positions(packed: Path) -> None:
                 seen += 1
             at += t * h * w
     loader.close()
-    assert seen == len(DEMOS)
+    assert seen == len(DEMOS) + 1  # and demo 3's training form
 
 
 def _oracle():  # type: ignore[no-untyped-def]
@@ -231,9 +253,9 @@ def _oracle():  # type: ignore[no-untyped-def]
     return module
 
 
-def _mixed_bin(root: Path, hf_dir: Path) -> Path:
-    """One bin of a codec video (a one-group copy of demo 3, its last canvas all padding), a frame-path video
-    and an image, packed with the tiny model folder."""
+def _mixed_bin(root: Path, hf_dir: Path, *, length: int = 2048, bins: int = 1) -> Path:
+    """A codec video (a one-group copy of demo 3, its last canvas all padding), a frame-path video and an
+    image, packed with the tiny model folder into bins of ``length`` tokens (``bins`` of them)."""
     from mmpack.cli import main as mmpack
     from tests.support.shared import MLLM_DEMO_JSON, VIDEO_DEMO
 
@@ -252,10 +274,10 @@ def _mixed_bin(root: Path, hf_dir: Path) -> Path:
     ]
     (root / "mixed.json").write_text(json.dumps(records))
     out = root / "mixed"
-    args = ["pack", "-i", str(root / "mixed.json"), "-o", str(out), "-L", "2048", "--model", str(hf_dir)]
+    args = ["pack", "-i", str(root / "mixed.json"), "-o", str(out), "-L", str(length), "--model", str(hf_dir)]
     assert mmpack([*args, "--no-progress"]) == 0
     counts = json.loads((out / "manifest.json").read_text())["counts"]
-    assert (counts["samples_packed"], counts["bins"]) == (3, 1), counts
+    assert (counts["samples_packed"], counts["bins"]) == (3, bins), counts
     return out
 
 
@@ -294,41 +316,58 @@ def _codec_reference_inputs(oracle, folder: Path, ids: list[int], lead: int, tok
     }
 
 
-def _reference_mixed_loss(hf_dir: Path, packed: Path, root: Path) -> dict[str, float]:
-    """The reference model's loss over the bin's samples one by one: the codec sample with the oracle's inputs
-    (one merged grid row), the frame-path video and the image with the loader's pixels and grids and the
-    reference's own `build_patch_positions` (the frames at their indices); and the codec controls: its canvases
-    as one grid row each (`per_canvas`), its positions in canvas order (`canvas_order`), the codec sample's own
-    loss under each (`codec_*`)."""
+def _reference_mixed_loss(hf_dir: Path, packed: Path, root: Path, *, bins: int = 1) -> dict[str, float]:
+    """The reference model's (dense or MoE, as config.json says) loss over the samples of the first ``bins``
+    bins one by one: the codec sample with the oracle's inputs (one merged grid row), the frame-path video and
+    the image with the loader's pixels and grids and the reference's own `build_patch_positions` (the frames at
+    their indices); and the codec controls: its canvases as one grid row each (`per_canvas`), its positions in
+    canvas order (`canvas_order`), the codec sample's own loss under each (`codec_*`)."""
     import torch
-    import torch.nn.functional as F
 
     from mmpack.dataloader import Topology, build_loader, load_manifest
     from mmpack.dataloader.readers import open_shard_reader
+    from tests.support import onevision
+
+    model_type = json.loads((hf_dir / "config.json").read_text())["model_type"]
+    model = onevision.reference_classes(model_type)[1].from_pretrained(hf_dir, dtype=torch.float32).eval()
+    m = load_manifest(str(packed))
+    loader = build_loader(
+        str(packed), topology=Topology(dp_rank=0, dp_size=1), micro_batch_size=1, global_batch_size=1,
+        num_workers=0, num_epochs=1,
+    )  # fmt: skip
+    totals = {"loss": 0.0, "tokens": 0.0}
+    codec: dict[str, float] = {}  # the codec sample's own loss, as it is and under the controls
+    seen: list[str] = []
+    for batch in itertools.islice(loader, bins):
+        bin_id = int(batch.bin_ids[0])
+        shard = m.shards[m.shard_index(bin_id)]
+        reader = open_shard_reader(str(packed / shard.path), shard.format, label=shard.path)
+        rec = reader.read(bin_id - shard.first_bin)
+        reader.close()
+        _add_mixed_bin_losses(model, batch, rec, m.image_pad_id, hf_dir, root, totals, codec)
+        seen += rec["sample_ids"]
+    loader.close()
+    assert sorted(seen) == ["codec", "frames", "image"], seen
+    return {"loss": totals["loss"] / totals["tokens"], "tokens": totals["tokens"]} | {
+        f"codec_{name}": value for name, value in codec.items()
+    }
+
+
+def _add_mixed_bin_losses(  # type: ignore[no-untyped-def]
+    model, batch, rec: dict, pad: int, hf_dir: Path, root: Path, totals: dict, codec: dict
+) -> None:
+    """Adds the summed token losses and loss tokens of one bin's samples to ``totals``; the codec sample's mean
+    loss as it is and under the controls to ``codec``."""
+    import torch
+    import torch.nn.functional as F
+
     from mmpack.packing.tokenizer import load_tokenizer
     from mmpack.packing.video_codec_ov2 import timestamp_text
     from tests.support import onevision
 
     _, _, video = onevision.reference_modules()
-    model = (
-        onevision.reference_classes("llava_onevision2")[1].from_pretrained(hf_dir, dtype=torch.float32).eval()
-    )
-    m = load_manifest(str(packed))
-    reader = open_shard_reader(str(packed / m.shards[0].path), m.shards[0].format, label="shard")
-    rec = reader.read(0)
-    reader.close()
-    loader = build_loader(
-        str(packed), topology=Topology(dp_rank=0, dp_size=1), micro_batch_size=1, global_batch_size=1,
-        num_workers=0, num_epochs=1,
-    )  # fmt: skip
-    batch = next(iter(loader))
-    loader.close()
     plans = {p["sample_id"]: p for p in rec["video_plans"]}
-    pad, cu = m.image_pad_id, batch.cu_seqlens.tolist()
-    grids, row, frame = batch.image_grid_thw.tolist(), 0, 0
-    totals = {"loss": 0.0}
-    codec: dict[str, float] = {}  # the codec sample's own loss, as it is and under the controls
-    count = 0
+    grids, row, frame, cu = batch.image_grid_thw.tolist(), 0, 0, batch.cu_seqlens.tolist()
     for sid, (a, b) in zip(rec["sample_ids"], itertools.pairwise(cu)):
         tokens, labels = batch.tokens[0, a:b], batch.labels[0, a:b]
         taken = []
@@ -367,9 +406,8 @@ def _reference_mixed_loss(hf_dir: Path, packed: Path, root: Path) -> dict[str, f
                     codec[name] = loss / int(keep.sum())
                 if name == "loss":
                     totals[name] += loss
-        count += int(keep.sum())
-    assert row == len(batch.pixel_values) and set(rec["sample_ids"]) == {"codec", "frames", "image"}
-    return {"loss": totals["loss"] / count} | {f"codec_{name}": value for name, value in codec.items()}
+        totals["tokens"] += int(keep.sum())
+    assert row == len(batch.pixel_values)  # every grid row of the bin was one sample's
 
 
 @pytest.mark.ranks
@@ -395,3 +433,145 @@ def test_codec_frames_and_image_in_one_bin_train_as_the_reference(
     for name in ("per_canvas", "canvas_order"):
         gap = abs(ref[f"codec_{name}"] - ref["codec_loss"]) / ref["codec_loss"]
         assert gap > 1e-4, f"control {name}: the reference's loss moves by only {gap:.2e} (relative)"
+
+
+@pytest.mark.ranks
+@pytest.mark.slow
+def test_moe_codec_bins_at_ep2_train_as_the_reference(
+    onevision2_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The MoE variant (4 experts, 2 per token), the codec video, a frame-path video and an image in two bins:
+    one iteration of both bins at lr 0, EP2 (TP1, DP2) on two ranks, logs the reference's loss over the same
+    samples (the codec sample fed the oracle's inputs) to 1e-5; controls: the canvases as one grid row each and
+    their positions in canvas order move the reference's loss of the codec sample by over 1e-4 (the experts'
+    own control is test_llava_onevision2_video.py's)."""
+    from tests.support import onevision
+    from tests.support.trainer import ok, train
+
+    need_shared(QWEN3_TOKENIZER, CODEC_DEMO, what="the codec demo assets and the Qwen3 tokenizer")
+    hf_dir = onevision2_model("llava_onevision2_moe", **onevision.MOE_FIELDS)
+    packed = _mixed_bin(tmp_path, hf_dir, length=MOE_BIN_TOKENS, bins=2)  # one global batch of two
+    ref = _reference_mixed_loss(hf_dir, packed, tmp_path, bins=2)
+    args = onevision.moe_args({"hf": hf_dir, "packed": packed}, 1, 2, "--train-iters", "1", "--lr", "0")
+    [step] = ok(train(2, args, tmp_path / "ep2", tiny=False)).train
+    print(f"codec mix MoE EP2: loss {step['loss']!r}, reference {ref}")
+    assert step["target_tokens"] == ref["tokens"]
+    assert step["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    for name in ("per_canvas", "canvas_order"):
+        gap = abs(ref[f"codec_{name}"] - ref["codec_loss"]) / ref["codec_loss"]
+        assert gap > 1e-4, f"control {name}: the reference's loss moves by only {gap:.2e} (relative)"
+
+
+STAND_IN = '''#!{python}
+"""A stand-in cv-preinfer: logs its command line, writes the shared demo's assets of the video's demo."""
+import shutil, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+with open({log!r}, "a") as f:
+    f.write(" ".join(args) + "\\n")
+video, out = Path(args[args.index("--video") + 1]), Path(args[args.index("--out_dir") + 1])
+demo = Path({demo!r}) / video.stem.split("-")[0]
+for f in demo.iterdir():
+    if f.suffix in (".jpg", ".npy") and not f.name.endswith("order.npy") or f.name == "meta.json":
+        shutil.copy(f, out / f.name)
+'''
+
+
+def _stand_in(root: Path) -> tuple[Path, Path]:
+    """A stand-in `cv-preinfer` executable under ``root`` and the file it logs its command lines to."""
+    import sys
+
+    log, exe = root / "cv-preinfer.log", root / "cv-preinfer"
+    exe.write_text(STAND_IN.format(python=sys.executable, log=str(log), demo=str(CODEC_DEMO)))
+    exe.chmod(0o755)
+    return exe, log
+
+
+def test_pack_runs_cv_preinfer_on_raw_videos_once_per_content_and_knobs(folder: Path, tmp_path: Path) -> None:
+    """`mmpack pack --codec-videos --cv-preinfer PATH` (a stand-in that writes the demo's assets) packs two raw
+    videos of the same bytes as codec videos with expected.json's ids, running the preprocessor once, with the
+    processor's frame count (146, all the frames of 3.mp4); the cache answers the same bytes and knobs again,
+    another knob runs it anew."""
+    from mmpack.cli import main as mmpack
+    from mmpack.offline_packing.inputs.codec_preinfer import CodecPreinfer
+    from tests.support.shared import VIDEO_DEMO
+
+    need_shared(VIDEO_DEMO, what="mllm_video_demo")
+    exe, log = _stand_in(tmp_path)
+    for name in ("3.mp4", "3-copy.mp4"):
+        shutil.copy(VIDEO_DEMO / "mllm_demo_data" / "3.mp4", tmp_path / name)
+    chat = [{"role": "user", "content": USER}, {"role": "assistant", "content": ANSWER}]
+    records = [{"id": n, "messages": chat, "videos": [n]} for n in ("3.mp4", "3-copy.mp4")]
+    (tmp_path / "raw.json").write_text(json.dumps(records))
+    cache, out = tmp_path / "cache", tmp_path / "packed"
+    args = ["pack", "-i", str(tmp_path / "raw.json"), "-o", str(out), "-L", "6000", "--model", str(folder)]
+    codec = ["--codec-videos", "--cv-preinfer", str(exe), "--codec-cache", str(cache), "--no-progress"]
+    assert mmpack([*args, *codec]) == 0
+    samples = _samples(out)
+    assert samples["3.mp4"][0] == samples["3-copy.mp4"][0] == _expected("3")["input_ids"]
+    [call] = log.read_text().splitlines()
+    assert "--num_sampled_frames 146 --grouping_mode readiness" in call, call
+    video = str(tmp_path / "3.mp4")
+    made = CodecPreinfer(executable=str(exe), cache_dir=str(cache)).assets_of(video, 146, name="3")
+    assert len(log.read_text().splitlines()) == 1  # cached: same bytes, same knobs
+    fewer = CodecPreinfer(executable=str(exe), cache_dir=str(cache), target_canvases=16)
+    assert fewer.assets_of(video, 146, name="3") != made
+    calls = log.read_text().splitlines()
+    assert len(calls) == 2 and "--num_sampled_frames 128 " in calls[1], calls
+
+
+def test_pack_without_cv_preinfer_says_how_to_get_it(
+    folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--codec-videos with no cv-preinfer found stops the job with one line saying how to install it."""
+    from mmpack.cli import main as mmpack
+
+    (tmp_path / "raw.json").write_text("[]")
+    args = ["pack", "-i", str(tmp_path / "raw.json"), "-o", str(tmp_path / "out"), "-L", "64"]
+    args += ["-t", "byte-fallback"]
+    args += ["--codec-videos", "--cv-preinfer", str(tmp_path / "missing"), "--no-progress"]
+    code = mmpack(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1, err
+    assert "pip install codec-video-prep==0.2.5" in err[0] and "--cv-preinfer" in err[0]
+
+
+def test_codec_folder_given_as_an_s3_url_packs_as_the_local_one(
+    folder: Path, packed: Path, tmp_path: Path
+) -> None:
+    """A one-group cv-preinfer folder (demo 3's first group, its last canvas all padding) on a moto S3 server, a
+    record's video under the URL image root (`-r s3://...`, resolved as a video file is), packs to the sample of
+    the same folder packed from disk: the same ids, plan, stored canvases and block-ordered positions (read
+    through the job's storage)."""
+    from mmpack.cli import main as mmpack
+
+    chat = [{"role": "user", "content": USER}, {"role": "assistant", "content": ANSWER}]
+    records = [{"id": "s3", "messages": chat, "videos": ["dropped"]}]
+    (tmp_path / "records.json").write_text(json.dumps(records))
+    out = tmp_path / "packed"
+    with moto_s3() as endpoint:
+        endpoint.upload_folder(packed.parent / "dropped", "codec", "v1/dropped")
+        args = ["pack", "-i", str(tmp_path / "records.json"), "-o", str(out), "-L", "6000"]
+        args += ["--model", str(folder), "-r", "s3://codec/v1", "--s3-endpoint", endpoint.endpoint_url]
+        assert mmpack([*args, "--no-progress"]) == 0
+    [(ids, plan)] = _samples(out).values()
+    local_ids, local_plan = _samples(packed)["dropped"]
+    same = lambda p: {k: v for k, v in p.items() if k != "sample_id"}  # noqa: E731
+    assert ids == local_ids and same(plan) == same(local_plan) and plan["grid_thw"] == [3, 20, 36]
+    assert _video_blobs(out)["s3"] == _video_blobs(packed)["dropped"]
+
+
+def _video_blobs(packed: Path) -> dict[str, bytes]:
+    """sample id -> its video's blob over every bin of the dataset."""
+    from mmpack.dataloader import load_manifest
+    from mmpack.dataloader.readers import open_shard_reader
+
+    blobs = {}
+    for shard in load_manifest(str(packed)).shards:
+        reader = open_shard_reader(str(packed / shard.path), shard.format, label=shard.path)
+        for i in range(shard.bins):
+            rec = reader.read(i)
+            blobs |= {p["sample_id"]: bytes(blob) for p, blob in zip(rec["video_plans"], rec["videos"])}
+        reader.close()
+    return blobs

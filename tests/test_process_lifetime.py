@@ -14,12 +14,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.support import leftovers
 from tests.support.ranks import REPO
+from tests.support.shared import need_import
 
 STARTER = textwrap.dedent(
     """\
@@ -127,3 +129,78 @@ def test_an_orphan_of_the_run_is_adopted_and_found_at_its_end() -> None:
     finally:
         _reap(orphan)
     assert orphan.pid not in [p.pid for p in leftovers.running_descendants()]
+
+
+ENERGON_STARTER = textwrap.dedent(
+    """\
+    import os, sys, threading, time
+    from megatron.energon.flavors.webdataset.prepare import WebdatasetPreparator
+    from mmpack.offline_packing.outputs.energon_meta import write_energon_metadata
+
+    def stuck(cls, path, **kw):  # an Energon worker reading a shard, for ever
+        print("worker", os.getpid(), file=sys.__stdout__, flush=True)
+        time.sleep(60)
+        yield from ()
+
+    WebdatasetPreparator._preprocess_tar = classmethod(stuck)
+    out = sys.argv[1]
+    paths = [f"shards/a-{i:06d}.tar" for i in range(2)]
+    # the control: Energon's preparation called in this process, as a thread of it
+    control = lambda: WebdatasetPreparator.prepare_dataset(os.path.join(out, "control"), paths, workers=2)
+    threading.Thread(target=control, daemon=True).start()
+    # what `mmpack pack --energon` runs
+    write_energon_metadata(os.path.join(out, "tied"), [{"path": p, "sha256": "0" * 64} for p in paths], 2)
+    """
+)
+
+
+def test_energons_metadata_workers_end_when_the_job_is_killed(tmp_path: Path) -> None:
+    """`--energon`: the processes Megatron-Energon forks for its metadata step end with a killed job, as those
+    of the same step called in the job's own process (the control) do not."""
+    need_import("megatron.energon", extra="energon")
+    for name in ("control", "tied"):
+        (tmp_path / name).mkdir()
+    with open(tmp_path / "stderr", "w+") as stderr:
+        starter = subprocess.Popen(
+            [sys.executable, "-c", ENERGON_STARTER, str(tmp_path)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+    assert starter.stdout is not None
+    n = min(2, len(os.sched_getaffinity(0)))  # workers of each preparation
+    workers: list[psutil.Process] = []
+    while len(workers) < 2 * n:  # Energon's own progress lines come in between
+        line = starter.stdout.readline()
+        assert line, (tmp_path / "stderr").read_text()  # the starter ended
+        if line.startswith("worker "):
+            workers.append(psutil.Process(int(line.split()[1])))
+    job = leftovers.job_processes([starter.pid])
+    control = [p for p in workers if p.ppid() == starter.pid]
+    tied = [p for p in job if p.pid != starter.pid and p not in control]
+    assert len(control) == n and len(tied) == n + 1  # Energon's workers and the process they were forked in
+    try:
+        starter.kill()
+        starter.wait()
+        assert leftovers.still_running(tied, within_s=5.0) == [], (
+            "a process of the metadata step outlived the job"
+        )
+        assert leftovers.still_running(control, within_s=0) == control  # the control: adopted, still running
+    finally:
+        for proc in job:
+            _reap(proc)
+
+
+def test_a_tied_call_returns_raises_and_names_its_death() -> None:
+    """`call_tied`: `fn`'s value and error come back from its process; a process that dies is one line."""
+    from mmpack.packing.processes import ProcessDiedError, call_tied
+
+    assert call_tied(divmod, 7, 2, what="step") == (3, 1)
+    with pytest.raises(ZeroDivisionError):
+        call_tied(divmod, 7, 0, what="step")
+    with pytest.raises(
+        ProcessDiedError, match=r"^step: its process \(pid \d+\) was killed by SIGKILL; rerun"
+    ):
+        call_tied(lambda: os.kill(os.getpid(), signal.SIGKILL), what="step")  # the child's own pid

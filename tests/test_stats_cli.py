@@ -596,6 +596,27 @@ def test_dataset_manifest_path_and_table(tmp_path: Path, capsys: pytest.CaptureF
         assert text in out, text
 
 
+def test_dataset_workers_are_capped_like_every_worker_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--workers 99999` on two shards starts no more readers than the machine gives the job (one CPU here)."""
+    from mmpack.offline_packing.engines import workers
+    from mmpack.offline_packing.stats import dataset
+
+    root = write_tiny_dataset(tmp_path / "ds")
+    started: list[int] = []
+    pool = dataset.ThreadPoolExecutor
+
+    def recorded(max_workers: int) -> Any:
+        started.append(max_workers)
+        return pool(max_workers=max_workers)
+
+    monkeypatch.setattr(dataset, "ThreadPoolExecutor", recorded)
+    monkeypatch.setattr(workers, "machine_workers", lambda: 1)
+    assert run_json(capsys, str(root), "--workers", "99999")["num_bins"] == 5
+    assert started == [1]
+
+
 def test_dataset_inconsistent_manifest_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = write_tiny_dataset(tmp_path / "ds", counts_override={"bins": 6})
     report = run_json(capsys, str(root))

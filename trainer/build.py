@@ -19,8 +19,12 @@ from mmpack.trainer.config import MegatronConfigs, ModelConfig, RunConfig
 from mmpack.trainer.data import DataInfo
 from mmpack.trainer.dataset_check import check_dataset_matches_model
 from mmpack.trainer.freeze import apply_freeze
+from mmpack.trainer.lora.export import check_resume_base
+from mmpack.trainer.lora.layer import add_lora
+from mmpack.trainer.lora.peft_io import PeftTensors
+from mmpack.trainer.lora.spec import LoraSpec, check_targets, resolve_spec
 from mmpack.trainer.models import family, family_of, read_hf_config
-from mmpack.trainer.models.hf_weights import ExpertSlice
+from mmpack.trainer.models.hf_weights import ExpertSlice, model_rules
 from mmpack.trainer.models.protocol import ModelArch, ModelFamily, TinyModelSpec
 
 if TYPE_CHECKING:
@@ -145,15 +149,47 @@ def build_stage_model(
     return model
 
 
+def run_lora_spec(m: ModelConfig, arch: ModelArch) -> LoraSpec | None:
+    """The run's LoRA (None: none) from the flags and ``--lora-adapter``'s adapter_config.json, its targets
+    checked against every linear module of the whole model."""
+    spec = resolve_spec(
+        rank=m.lora_rank, alpha=m.lora_alpha, dropout=m.lora_dropout, targets=m.lora_target_modules,
+        adapter=m.lora_adapter,
+    )  # fmt: skip
+    if spec is not None:
+        fam = family_of(arch.source)
+        whole = fam.hf.part_rules(arch, first=True, last=True, layers=(0, arch.num_layers))
+        check_targets(spec, whole, f"the {fam.model_type} model")
+        if spec.adapter_dir:
+            PeftTensors(spec.adapter_dir).check_modules(whole)
+    return spec
+
+
+def add_stage_lora(model: torch.nn.Module, cfg: RunConfig, arch: ModelArch, spec: LoraSpec) -> None:
+    """LoRA adapters on this stage's (or model chunk's) targeted layers, from ``--lora-adapter`` or drawn."""
+    rules = model_rules(family_of(arch.source).hf.part_rules, arch, model)
+    add_lora(
+        model, rules, spec, tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(), seed=cfg.train.seed,
+        adapter=PeftTensors(spec.adapter_dir) if spec.adapter_dir else None,
+    )  # fmt: skip
+
+
 def build_model(
     cfg: RunConfig, mcfg: MegatronConfigs, arch: ModelArch, *, use_te: bool
 ) -> list[DistributedDataParallel]:
     """This stage's model chunks (one, or one per virtual stage of the interleaved pipeline), each cast and
-    wrapped in megatron DDP (as Megatron-LM does, only the first chunk's gradients are bucketed)."""
+    wrapped in megatron DDP (as Megatron-LM does, only the first chunk's gradients are bucketed); with LoRA
+    the adapters on them, and only those train unless --trainable-modules names more."""
     vp = mcfg.language.virtual_pipeline_model_parallel_size
+    lora = run_lora_spec(cfg.model, arch)
+    if lora is not None and cfg.checkpoint.load:
+        check_resume_base(cfg.checkpoint.load, cfg.model.hf_model)
     chunks = []
     for vp_stage in range(vp) if vp else [None]:
         model = build_stage_model(cfg, mcfg, arch, use_te=use_te, vp_stage=vp_stage)
+        if lora is not None:
+            add_stage_lora(model, cfg, arch, lora)
         m = cfg.model  # frozen parameters before DDP and the optimizer: no grad buffer, no optimizer state
         apply_freeze(
             model,
@@ -162,6 +198,7 @@ def build_model(
             trainable_modules=m.trainable_modules,
             freeze_vision=m.freeze_vision,
             freeze_llm=m.freeze_llm,
+            lora=lora is not None,
         )
         if torch.cuda.is_available():
             model.cuda()

@@ -14,7 +14,8 @@ What one checkpoint holds:
 - ``model``: the sharded state dict of this stage's model, vision tower included (decoder layers by their
   global number, TP shards by their offset in the full tensor); under the interleaved pipeline one entry per
   model chunk, ``model0``, ``model1``, ... (Megatron-LM's keys). The shards are named by global layer
-  either way, so a checkpoint saved with chunks loads without them and the other way round;
+  either way, so a checkpoint saved with chunks loads without them and the other way round. Under LoRA only
+  the parameters that train (the adapters: the frozen base is --hf-model's);
 - ``optimizer``: megatron-core's sharded optimizer state in model space (the distributed optimizer's
   ``fully_reshardable`` format), so the optimizer reshards like the model;
 - ``scheduler``, ``iteration``, the ``layout`` (TP, PP, DP, CP) and the ``model_config`` (HF config.json);
@@ -67,6 +68,7 @@ from mmpack.trainer.checkpoint_watch import (
     started_process,
     watched_request,
 )
+from mmpack.trainer.lora.spec import is_lora_param
 
 # The distributed optimizer's reshardable format: its flat buffers are all-gathered over DP and cut back into
 # tensors of the parameters' shapes (so they reshard like the model); the writes stay spread over ranks.
@@ -96,11 +98,21 @@ def _chunks(model: Any) -> list[Any]:
 
 
 def model_sharded_state_dict(model: Any) -> dict[str, Any]:
-    """``{"model": ...}`` of one chunk, ``{"model0": ..., "model1": ...}`` of the interleaved pipeline's."""
+    """``{"model": ...}`` of one chunk, ``{"model0": ..., "model1": ...}`` of the interleaved pipeline's; with
+    LoRA only the parameters that train (the adapters; the frozen base comes from --hf-model)."""
     chunks = _chunks(model)
     if len(chunks) == 1:
-        return {"model": bare_module(chunks[0]).sharded_state_dict()}
-    return {f"model{i}": bare_module(c).sharded_state_dict() for i, c in enumerate(chunks)}
+        return {"model": _trained_part(bare_module(chunks[0]))}
+    return {f"model{i}": _trained_part(bare_module(c)) for i, c in enumerate(chunks)}
+
+
+def _trained_part(module: Any) -> dict[str, Any]:
+    """The module's sharded state dict; under LoRA only the entries of the parameters that train."""
+    state = module.sharded_state_dict()
+    params = dict(module.named_parameters())
+    if not any(is_lora_param(name) for name in params):
+        return state
+    return {key: value for key, value in state.items() if key in params and params[key].requires_grad}
 
 
 def _load_model_state(model: Any, state: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ MoeDispatcher = Literal["allgather", "alltoall", "flex"]  # megatron-core's toke
 MOE_DISPATCHERS: tuple[str, ...] = get_args(MoeDispatcher)
 CpCommType = Literal["p2p", "a2a", "all_gather"]  # Transformer Engine's context-parallel attention
 CP_COMM_TYPES: tuple[str, ...] = get_args(CpCommType)
+LossReduction = Literal["token", "sample", "square"]  # trainer/loss_reduction.py says what each means
 
 
 def _family_names() -> list[str]:
@@ -38,6 +39,13 @@ def _trainable_modules(words: list[str]) -> tuple[str, ...] | None:
     from mmpack.trainer.freeze import parse_modules
 
     return None if words == ["all"] else parse_modules(",".join(words))
+
+
+def _lora_targets(words: list[str]) -> tuple[str, ...]:
+    """--lora-target-modules: names comma- or space-separated."""
+    from mmpack.trainer.lora.spec import parse_targets
+
+    return parse_targets(words)
 
 
 # --split weights are ratios: larger ones only lose precision (1e308 + 1e308 overflows)
@@ -134,6 +142,28 @@ class ModelConfig:
         nargs="+",
         convert=_trainable_modules,
     )
+    # LoRA (mmpack.trainer.lora): adapters on the targeted linear layers, every other parameter frozen unless
+    # --trainable-modules names its module; None: not given (from --lora-adapter's adapter_config.json, or defaults)
+    lora_rank: int | None = flag(
+        None, help="LoRA: rank of the adapters (turns LoRA on; the base model is frozen)"
+    )
+    lora_alpha: float | None = flag(
+        None, help="LoRA: updates are scaled by alpha / rank (default 8, as peft)"
+    )
+    lora_dropout: float | None = flag(None, help="LoRA: dropout on the adapters' input (default 0)")
+    lora_target_modules: tuple[str, ...] | None = flag(
+        None,
+        help="LoRA: the HF linear modules to adapt, named as the HF model names them (comma- or space-separated, "
+        "a name or a dotted suffix of one, as peft matches): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+        "down_proj, and the vision tower's (qkv, attn.proj, ...) and projector's (mlp.0, mlp.2) (default: q_proj,v_proj)",
+        nargs="+",
+        convert=_lora_targets,
+    )
+    lora_adapter: str | None = flag(
+        None,
+        help="LoRA: start from this PEFT adapter folder (adapter_config.json gives rank, alpha, dropout and "
+        "targets; adapter_model.safetensors the weights)",
+    )
     size_flags: tuple[tuple[str, float, str], ...] = not_a_flag(
         (),
         why="(field, value, flag) of the sizes the command line set (a size flag or --model-size), from "
@@ -145,6 +175,10 @@ class ModelConfig:
         from mmpack.trainer.freeze import parse_modules
 
         parse_modules(self.trainable_modules)  # ValueError naming unknown modules
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise ValueError(f"--lora-rank must be >= 1, got {self.lora_rank}")
+        if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         for name in (
             "num_layers",
             "hidden_size",
@@ -531,6 +565,12 @@ class TrainConfig:
     metrics_file: str | None = flag(None, help="also write each log line as JSON to this file")
     debug_overflow_iterations: tuple[int, ...] = flag(
         (), help="testing: make the loss infinite at these iterations (checks fp16 step skipping)", nargs="*"
+    )
+    loss_reduction: LossReduction = flag(
+        "token",
+        help="how the target tokens of a global batch are weighed: token (each the same), sample (each "
+        "sample's mean, averaged over the samples) or square (1 / sqrt(the sample's target tokens)); "
+        "docs/fine-tuning.md",
     )
     # Megatron-LM's activation recompute (TransformerConfig's fields of the same names); the fork's
     # --custom-pipeline-recompute-layers gives each pipeline stage its own recompute_num_layers

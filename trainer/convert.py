@@ -36,6 +36,7 @@ from mmpack.packing.processes import ProcessDiedError, describe_exit, exit_with_
 from mmpack.trainer.models import family_of, read_hf_config
 
 if TYPE_CHECKING:
+    from mmpack.trainer.lora.spec import LoraSpec
     from mmpack.trainer.models.protocol import ModelArch, ModelFamily
 
 TIMEOUT_MINUTES = 10.0  # a converter rank waits this long in a collective for the others (as the trainer)
@@ -63,6 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-verify-checkpoint", action="store_true", help="skip checking the files against their checksums"
     )
+    p.add_argument(
+        "--lora-format",
+        choices=("peft", "merged"),
+        default=None,
+        help="a LoRA run's checkpoint: peft writes a PEFT adapter folder, merged the HF weights of --hf-model "
+        "with the adapters merged in",
+    )
+    p.add_argument("--hf-model", default=None, help="--lora-format merged: the base model's HF folder")
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -128,11 +137,12 @@ def _hf_to_mcore_rank(rank: int, world: int, port: int, hf_dir: str, out: str, t
 
 
 def load_tp1_model(
-    ckpt: str, *, verify: bool = True
+    ckpt: str, *, verify: bool = True, lora: LoraSpec | None = None, hf_model: str | None = None
 ) -> tuple[ModelFamily[ModelArch], ModelArch, Any, dict[str, Any]]:
     """(family, arch, whole model at TP1 x PP1, HF config dict) from the newest complete iteration of
     ``ckpt`` (its files verified unless ``verify`` is False), in a process whose one-rank process group is
-    initialised (megatron-core's parallel state is set up here)."""
+    initialised (megatron-core's parallel state is set up here). A LoRA run's checkpoint (``lora``) holds the
+    adapters and what else trained: the model gets the adapters, its base weights from ``hf_model`` if given."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -154,10 +164,18 @@ def load_tp1_model(
     if not hf_config:
         raise ValueError(f"{folder} records no model_config (the HF config.json of the model)")
     fam, arch, model = _build_stage(hf_config, 1, 1)
+    request = model.sharded_state_dict()
+    if lora is not None:
+        from mmpack.trainer.lora.layer import add_lora
+        from mmpack.trainer.models.hf_weights import model_rules
+
+        if hf_model:
+            fam.hf.load_stage_weights(model, hf_model, arch, tp_rank=0, tp_size=1)
+        add_lora(model, model_rules(fam.hf.part_rules, arch, model), lora, tp_rank=0, tp_size=1, seed=0)
+        saved = dist_checkpointing.load_tensors_metadata(str(folder))
+        request = {k: v for k, v in model.sharded_state_dict().items() if getattr(v, "key", None) in saved}
     try:
-        state = dist_checkpointing.load(
-            {"model": model.sharded_state_dict()}, str(folder), strict="raise_unexpected"
-        )
+        state = dist_checkpointing.load({"model": request}, str(folder), strict="raise_unexpected")
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
         if verify and (folder / CHECKSUMS).is_file():  # its files are as saved: not a damaged one
             raise ValueError(f"checkpoint {folder} could not be read: {describe_load_error(e)}") from e
@@ -166,15 +184,61 @@ def load_tp1_model(
     return fam, arch, model, hf_config
 
 
-def _mcore_to_hf_rank(rank: int, port: int, ckpt: str, out: str, verify: bool) -> None:
+def _lora_export(
+    ckpt: str, out: str, verify: bool, lora_format: str | None, hf_model: str | None
+) -> tuple[dict[str, Any] | None, Any]:
+    """A LoRA run's export: (HF tensors to write as the model, the config.json dict), or (None, None) once
+    the PEFT folder is written; (None, False) for a checkpoint of no LoRA run."""
+    from safetensors.torch import save_file
+
+    from mmpack.trainer.lora import export
+    from mmpack.trainer.lora.peft_io import merge_adapter_shards
+    from mmpack.trainer.lora.spec import is_lora_param
+
+    spec = export.checkpoint_spec(ckpt)
+    if spec is None:
+        if lora_format:
+            raise ValueError(f"--lora-format: {ckpt} holds the checkpoints of a run without LoRA")
+        return None, False
+    if lora_format is None or (lora_format == "merged" and not hf_model):
+        raise ValueError(
+            f"{ckpt} holds a LoRA run's adapters: give --lora-format peft (a PEFT adapter folder) or "
+            "--lora-format merged --hf-model DIR (the base model's folder, the adapters merged in)"
+        )
+    fam, arch, model, hf_config = load_tp1_model(ckpt, verify=verify, lora=spec, hf_model=hf_model)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    adapters = merge_adapter_shards(
+        fam.hf.stage_rules(arch, 0, 1), [{n: p for n, p in params.items() if is_lora_param(n)}]
+    )
+    if lora_format == "merged":
+        base = {n: p for n, p in params.items() if not is_lora_param(n)}
+        weights = fam.hf.hf_state_dict(arch, {(0, 0): base}, 1, 1)
+        return export.merge_into(weights, adapters, spec.scale), hf_config
+    root = Path(out)
+    written = root / "adapter_model.safetensors.tmp"
+    save_file(export.peft_tensors(adapters), str(written), metadata={"format": "pt"})
+    os.chmod(written, 0o666 & ~_umask())
+    os.replace(written, root / "adapter_model.safetensors")
+    (root / "adapter_config.json").write_text(json.dumps(export.peft_config(spec, hf_model), indent=2))
+    return None, None
+
+
+def _mcore_to_hf_rank(
+    rank: int, port: int, ckpt: str, out: str, verify: bool, lora_format: str | None = None,
+    hf_model: str | None = None,
+) -> None:  # fmt: skip
     import torch.distributed as dist
     from safetensors.torch import save_file
 
     _init_rank(rank, 1, port)
     try:
-        fam, arch, model, hf_config = load_tp1_model(ckpt, verify=verify)
-        params = {name: p.detach() for name, p in model.named_parameters()}
-        tensors = fam.hf.hf_state_dict(arch, {(0, 0): params}, 1, 1)
+        tensors, hf_config = _lora_export(ckpt, out, verify, lora_format, hf_model)
+        if tensors is None and hf_config is None:
+            return  # the PEFT folder is written
+        if tensors is None:
+            fam, arch, model, hf_config = load_tp1_model(ckpt, verify=verify)
+            params = {name: p.detach() for name, p in model.named_parameters()}
+            tensors = fam.hf.hf_state_dict(arch, {(0, 0): params}, 1, 1)
         root = Path(out)
         written = root / "model.safetensors.tmp"
         save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(written),
@@ -308,16 +372,22 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int, *, start_method: str = 
     return iteration_dir(out, 0)
 
 
-def mcore_to_hf(ckpt: str, out: str, *, verify: bool = True, start_method: str = "spawn") -> Path:
+def mcore_to_hf(
+    ckpt: str, out: str, *, verify: bool = True, start_method: str = "spawn", lora_format: str | None = None,
+    hf_model: str | None = None,
+) -> Path:  # fmt: skip
     """Writes ``out/config.json`` and ``out/model.safetensors`` (an earlier export there replaced, shards and
-    index included); returns the weights file (``start_method``: as :func:`hf_to_mcore`'s)."""
+    index included); returns the weights file (``start_method``: as :func:`hf_to_mcore`'s). A LoRA run's
+    checkpoint: ``lora_format`` peft writes ``out/adapter_config.json`` and ``out/adapter_model.safetensors``
+    (returns the latter), merged the weights of ``hf_model`` with the adapters merged in."""
     from mmpack.trainer.checkpoint_commit import latest_iteration
 
     if latest_iteration(ckpt) is None:
         raise ValueError(f"{ckpt} holds no checkpoint (no latest_checkpointed_iteration.txt)")
     claim_folder(out, "hf-export", role="HF export folder (--out)")
-    _spawn(_mcore_to_hf_rank, 1, (_free_port(), ckpt, out, verify), start_method)
-    return Path(out) / "model.safetensors"
+    args = (_free_port(), ckpt, out, verify, lora_format, hf_model)
+    _spawn(_mcore_to_hf_rank, 1, args, start_method)
+    return Path(out) / ("adapter_model.safetensors" if lora_format == "peft" else "model.safetensors")
 
 
 def _preload() -> None:
@@ -340,9 +410,11 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             weights = mcore_to_hf(
-                args.ckpt, args.out, verify=not args.no_verify_checkpoint, start_method=method
-            )
-            print(f"wrote {weights} and config.json")
+                args.ckpt, args.out, verify=not args.no_verify_checkpoint, start_method=method,
+                lora_format=args.lora_format, hf_model=args.hf_model,
+            )  # fmt: skip
+            config = "adapter_config.json" if args.lora_format == "peft" else "config.json"
+            print(f"wrote {weights} and {config}")
     except (ValueError, FileNotFoundError, MmpackError, ProcessDiedError) as e:
         if args.debug:
             raise

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 import torch
 
+from mmpack.trainer.lora.spec import is_lora_param
+
 MODULES = ("adapter", "vision_model", "language_model", "embedding", "output_layer")
 
 
@@ -80,14 +82,21 @@ def apply_freeze(
     trainable_modules: tuple[str, ...] | None,
     freeze_vision: bool,
     freeze_llm: bool,
+    lora: bool = False,
 ) -> None:
     """Sets ``requires_grad`` of every parameter of an unwrapped stage model from the flags
-    (``adapter_prefixes``: the model family's)."""
+    (``adapter_prefixes``: the model family's). With ``lora`` the LoRA adapters train unless their module is
+    frozen, and the base parameters only where ``trainable_modules`` names their module."""
     allowed, frozen = trainable_set(trainable_modules, freeze_vision=freeze_vision, freeze_llm=freeze_llm)
+    if lora and trainable_modules is None:
+        allowed = set()
     for name, param in model.named_parameters():
-        trains = param_trains(
-            name, tied=tied, adapter_prefixes=adapter_prefixes, allowed=allowed, frozen=frozen
-        )
+        if lora and is_lora_param(name):
+            trains = not modules_of(name, tied=tied, adapter_prefixes=adapter_prefixes) & frozen
+        else:
+            trains = param_trains(
+                name, tied=tied, adapter_prefixes=adapter_prefixes, allowed=allowed, frozen=frozen
+            )
         param.requires_grad_(trains)
 
 

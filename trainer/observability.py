@@ -161,35 +161,38 @@ TAGS = {
 def source_loss_parts(
     token_loss: torch.Tensor, loss_mask: torch.Tensor, token_sources: torch.Tensor, num_sources: int
 ) -> torch.Tensor:
-    """float64 [2, K]: each source's summed token loss and target tokens in one micro-batch, from the
-    per-token loss and mask (flattened B * L, maybe padded past it for THD) and each token's source
-    (`source_ids` [B] repeated L times)."""
+    """float64 [3, K]: each source's weighted token-loss sum, weight sum and target tokens in one micro-batch,
+    from the per-token loss and the loss mask holding each target token's weight (1 under --loss-reduction
+    token; flattened B * L, maybe padded past it for THD) and each token's source (`source_ids` [B] repeated
+    L times)."""
     flat_loss, flat_mask = token_loss.detach().float().reshape(-1), loss_mask.detach().float().reshape(-1)
     per_token = token_sources.to(flat_loss.device).long().reshape(-1)
     if per_token.numel() < flat_loss.numel():  # THD's padding tail: no targets, counted as source 0
         per_token = torch.cat([per_token, per_token.new_zeros(flat_loss.numel() - per_token.numel())])
-    out = torch.zeros((2, num_sources), dtype=torch.float64, device=flat_loss.device)
+    out = torch.zeros((3, num_sources), dtype=torch.float64, device=flat_loss.device)
     out[0].index_add_(0, per_token, (flat_loss * flat_mask).double())
     out[1].index_add_(0, per_token, flat_mask.double())
+    out[2].index_add_(0, per_token, (flat_mask != 0).double())
     return out
 
 
 class SourceMetrics:
-    """Per-source loss and target tokens of a mixture, summed over the steps of one logging interval."""
+    """Per-source loss (under the run's --loss-reduction) and target tokens of a mixture, summed over the
+    steps of one logging interval."""
 
     def __init__(self, names: tuple[str, ...]) -> None:
         self.names = names
-        self.totals = np.zeros((2, len(names)))
+        self.totals = np.zeros((3, len(names)))
 
     def add(self, sums: list[float]) -> None:
-        """One step's [loss sums..., token counts...] over every DP rank."""
-        self.totals += np.asarray(sums, dtype=np.float64).reshape(2, len(self.names))
+        """One step's [weighted loss sums..., weight sums..., token counts...] over every DP rank."""
+        self.totals += np.asarray(sums, dtype=np.float64).reshape(3, len(self.names))
 
     def take(self) -> dict[str, Any]:
         """The interval's `source_loss` and `source_tokens` by name; starts the next interval."""
-        loss, tokens = self.totals
+        loss, weight, tokens = self.totals
         out = {
-            "source_loss": {n: float(s / t) if t else None for n, s, t in zip(self.names, loss, tokens)},
+            "source_loss": {n: float(s / w) if w else None for n, s, w in zip(self.names, loss, weight)},
             "source_tokens": {n: int(t) for n, t in zip(self.names, tokens)},
         }
         self.totals = np.zeros_like(self.totals)

@@ -33,6 +33,7 @@ from mmpack.trainer.build import (
     check_data_matches_model,
     check_dataset_for_hf_model,
     model_hf_config,
+    run_lora_spec,
 )
 from mmpack.trainer.checkpoint import CheckpointWriter, load_checkpoint
 from mmpack.trainer.checkpoint_commit import HF_CONFIG_NAME, claim_checkpoint_folder
@@ -49,6 +50,8 @@ from mmpack.trainer.data import (
 )
 from mmpack.trainer.exits import ExitPolicy, ExitSignals
 from mmpack.trainer.freeze import count_parameters
+from mmpack.trainer.lora.export import write_run_config
+from mmpack.trainer.loss_reduction import weigh_step
 from mmpack.trainer.models import family_of
 from mmpack.trainer.models.protocol import ModelArch, ModelFamily
 from mmpack.trainer.observability import (
@@ -180,19 +183,22 @@ def build_scheduler(cfg: RunConfig, optimizer: Any) -> OptimizerParamScheduler:
     )
 
 
-def _loss_func(loss_mask: torch.Tensor, poison: bool, sources: Any, output: torch.Tensor):
+def _loss_func(loss_mask: torch.Tensor, poison: bool, sources: Any, scale: float, output: torch.Tensor):
     """megatron-core's per-token loss (``calculate_per_token_loss``): the micro-batch's summed token loss and
     its number of target tokens; the schedule sums both over micro-batches, ``finalize_model_grads`` over DP
     ranks, and divides the gradients by the step's token count, so every target token of the global batch
-    weighs the same whatever micro-batch it is in. The pair is also what gets logged; `sources` (a mixture:
-    the rows' source ids and the number of sources) adds each source's pair."""
+    weighs the same whatever micro-batch it is in. Under ``--loss-reduction`` sample / square, ``loss_mask``
+    holds each target token's weight times ``scale`` (``loss_reduction.weigh_step``), 0 elsewhere. The pair is
+    also what gets logged; `sources` (a mixture: the rows' source ids and the number of sources) adds each
+    source's sums (with the unscaled weights)."""
     loss_sum = (output.float().reshape(-1) * loss_mask.reshape(-1)).sum()
     if poison:
         loss_sum = loss_sum * math.inf
-    num_tokens = loss_mask.sum().to(torch.int)
+    num_tokens = (loss_mask != 0).sum().to(torch.int)
     reported = {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
     if sources is not None:
-        reported["source loss"] = source_loss_parts(output, loss_mask, *sources)
+        weights = loss_mask / scale if scale not in (0.0, 1.0) else loss_mask  # 0: no target in the step
+        reported["source loss"] = source_loss_parts(output, weights, *sources)
     return loss_sum, num_tokens, reported
 
 
@@ -405,11 +411,11 @@ class Trainer:
         )
 
     # -- steps --------------------------------------------------------------------------------------------
-    def _forward_step(self, poison: bool, data_iterator: Any, model: Any):
+    def _forward_step(self, poison: bool, scale: float, data_iterator: Any, model: Any):
         batch: MicroBatch[torch.Tensor] = next(data_iterator)
         if self.cp is not None:  # this CP rank's share of every sample (split on the host)
             inputs, loss_mask = cp_micro_batch(batch, self.cp, use_thd=self.use_te)
-            return model(**inputs), partial(_loss_func, loss_mask, poison, None)
+            return model(**inputs), partial(_loss_func, loss_mask, poison, None, scale)
         if torch.cuda.is_available():
             batch = batch.map_arrays(lambda v: v.cuda(non_blocking=True))
         sources = None
@@ -421,7 +427,7 @@ class Trainer:
         if self.use_te:  # THD: under sequence parallelism the flattened length must divide by TP
             batch = pad_flat_batch(batch, self.thd_multiple, self.pad_id)
         output = model(**model_inputs(batch, use_thd=self.use_te))
-        return output, partial(_loss_func, batch.loss_mask, poison, sources)
+        return output, partial(_loss_func, batch.loss_mask, poison, sources, scale)
 
     def _run_schedule(
         self, batches: list[MicroBatch[torch.Tensor]], *, forward_only: bool, poison: bool = False
@@ -429,10 +435,12 @@ class Trainer:
         b, seq = self.cfg.train.micro_batch_size, self.cfg.train.seq_length
         if self.use_te:
             b, seq = 1, thd_length(b * seq, self.thd_multiple)
+        # the token weights of --loss-reduction over the whole global batch, before any CP split
+        step = weigh_step(batches, self.cfg.train.loss_reduction, ps.get_data_parallel_group())
         return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, poison),
+            forward_step_func=partial(self._forward_step, poison, step.scale),
             # each model chunk runs every micro-batch (the interleaved schedule takes one iterator per chunk)
-            data_iterator=self._per_chunk(lambda _: iter(batches)),
+            data_iterator=self._per_chunk(lambda _: iter(step.batches)),
             model=self.chunks,
             num_microbatches=len(batches),
             seq_length=seq,
@@ -493,9 +501,9 @@ class Trainer:
         if self.source_metrics is not None:
             k = len(self.source_metrics.names)
             parts = (
-                sum((x["source loss"].cpu() for x in losses), torch.zeros(2, k, dtype=torch.float64))
+                sum((x["source loss"].cpu() for x in losses), torch.zeros(3, k, dtype=torch.float64))
                 if losses
-                else torch.zeros(2, k, dtype=torch.float64)
+                else torch.zeros(3, k, dtype=torch.float64)
             )
             self.source_metrics.add(self._reduce_over_dp(parts.reshape(-1).tolist()))
         compute_mean = compute_sum / self.dp_size
@@ -563,6 +571,7 @@ class Trainer:
         mfu = "" if m.get("mfu") is None else f" MFU: {m['mfu']:.3f} |"
         self.log_text(
             f" iteration {m['iteration']:>6}/{self.cfg.train.train_iters:>6} | lm loss: {m['loss']:.6E} |"
+            f" loss reduction: {self.cfg.train.loss_reduction} |"
             f" learning rate: {m['lr']:.3E} | grad norm: {gn} | loss scale: {m['loss_scale']:.1f} |"
             f" tokens/s: {m['tokens_per_s']:.1f} | real-token fraction: {m['real_token_fraction']:.3f} |"
             f" data-wait ms (max over ranks): {m['data_wait_ms']:.1f} | step ms: {m['step_ms']:.1f} |"
@@ -596,6 +605,9 @@ class Trainer:
             os.makedirs(ck.save, exist_ok=True)
             with open(os.path.join(ck.save, HF_CONFIG_NAME), "w") as f:
                 json.dump(self.hf_config, f, indent=2)
+            lora = run_lora_spec(self.cfg.model, self.arch)
+            if lora is not None:  # which adapters the checkpoints hold, for mmpack convert
+                write_run_config(ck.save, lora, self.cfg.model.hf_model)
         assert self.writer is not None
         if self.cfg.parallel.overlap_param_gather:  # the updated parameters are otherwise gathered lazily
             for chunk in self.chunks:
@@ -625,7 +637,10 @@ class Trainer:
                 self.observer.write_timers(self.iteration, normalizer=1.0)
             if tr.eval_interval and self.iteration % tr.eval_interval == 0:
                 loss = self.evaluate()
-                self.log_text(f" validation loss at iteration {self.iteration} | lm loss: {loss:.6E} |")
+                self.log_text(
+                    f" validation loss at iteration {self.iteration} | lm loss: {loss:.6E} |"
+                    f" loss reduction: {tr.loss_reduction} |"
+                )
                 self.write_metrics({"iteration": self.iteration, "eval_loss": loss})
             if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
                 self.save()

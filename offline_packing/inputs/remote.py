@@ -124,8 +124,10 @@ class RemoteFiles:
     def read_all(self, url: str) -> bytes:
         return self.read_range(url, 0, None)
 
-    def expand(self, arg: str, suffixes: tuple[str, ...]) -> list[str]:
-        """The input objects an -i URL names (an object, a prefix "folder" or a glob), sorted, as URLs."""
+    def expand(self, arg: str, suffixes: tuple[str, ...]) -> tuple[list[str], dict[str, int]]:
+        """The input objects an -i URL names (an object, a prefix "folder" or a glob), sorted, as URLs; and the
+        prefixes holding mmpack's marker (packed datasets or work folders, never raw input) whose objects were
+        left out, as URLs, with how many each."""
         fs, path = self.filesystem(arg)
         protocol = arg.split("://", 1)[0]
 
@@ -133,16 +135,24 @@ class RemoteFiles:
             return p if "://" in p else f"{protocol}://{p}"
 
         if protocol.startswith("http"):  # no listing over plain HTTP: one object per URL
-            return [arg] if arg.endswith(suffixes) else []
+            return ([arg] if arg.endswith(suffixes) else []), {}
         if any(ch in path for ch in "*?["):
             found = with_retries(arg, "list", lambda: fs.glob(path))
         elif with_retries(arg, "stat", lambda: fs.isdir(path)):
             found = with_retries(arg, "list", lambda: fs.find(path))
         else:
             found = [path] if with_retries(arg, "stat", lambda: fs.exists(path)) else []
-        # prefixes holding mmpack's marker are packed datasets or work folders, never raw input
-        marked = tuple(p[: -len(MARKER_NAME)] for p in found if p.endswith(f"/{MARKER_NAME}"))
-        return sorted(as_url(p) for p in found if p.endswith(suffixes) and not p.startswith(marked))
+        marked = sorted((p[: -len(MARKER_NAME)] for p in found if p.endswith(f"/{MARKER_NAME}")), key=len)
+        kept: list[str] = []
+        skipped: dict[str, int] = {}
+        for p in sorted(p for p in found if p.endswith(suffixes) and not p.endswith(f"/{MARKER_NAME}")):
+            folder = next((m for m in reversed(marked) if p.startswith(m)), None)  # the nearest marked prefix
+            if folder is None:
+                kept.append(as_url(p))
+            else:
+                url = as_url(folder.rstrip("/"))
+                skipped[url] = skipped.get(url, 0) + 1
+        return kept, skipped
 
     def open_ranged(self, url: str, block_bytes: int = HEADER_BLOCK_BYTES) -> RangedFile:
         """A `RangedFile` over a remote object (its size from the `identity` just taken, else one stat);

@@ -50,7 +50,9 @@ def expand_inputs(
     seen: set[str] = set()
     for arg in map(local_path, inputs):
         if is_url(arg):
-            found = [f for f in remote.expand(arg, INPUT_SUFFIXES) if not skip.url(f)]
+            listed, marked = remote.expand(arg, INPUT_SUFFIXES)
+            skip.count_marked(marked)
+            found = [f for f in listed if not skip.url(f)]
             if not found:
                 raise FileNotFoundError(f"input {arg!r} matches no {'/'.join(INPUT_SUFFIXES)} object")
             files += [f for f in found if f not in seen]
@@ -103,6 +105,13 @@ class _Excluded:
         if marked is not None:
             self.skipped_marked[marked] = self.skipped_marked.get(marked, 0) + 1
         return marked is not None
+
+    def count_marked(self, skipped: dict[str, int]) -> None:
+        """Counts the files a remote listing left out under marked prefixes (`RemoteFiles.expand`), but for
+        the job's own output and work folder (left out without a word, as local ones are)."""
+        for folder, n in skipped.items():
+            if not self.url(folder + "/"):
+                self.skipped_marked[folder] = self.skipped_marked.get(folder, 0) + n
 
     def report_marked(self) -> None:
         """One line on stderr per marked folder whose files were left out: never skipped without a word."""

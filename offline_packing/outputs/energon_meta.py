@@ -17,6 +17,7 @@ from pathlib import Path
 
 from mmpack.offline_packing.engines.workers import capped_workers
 from mmpack.offline_packing.errors import PackError
+from mmpack.packing.processes import call_tied
 
 DATASET_YAML = """\
 sample_type:
@@ -72,24 +73,27 @@ def require_energon() -> None:
 
 def write_energon_metadata(out_dir: Path, wds_shards: list[dict], workers: int = 1) -> Path:
     """Write `<out_dir>/.nv-meta` for the tar shards listed in `wds_shards` (manifest entries), with at most
-    `workers` processes, one per CPU and one per shard."""
+    `workers` processes, one per CPU and one per shard. Energon's preparation runs in a process of its own
+    (`call_tied`), so the processes Energon forks end with this one, however it ends."""
     from megatron.energon.flavors.webdataset.config import INDEX_UUID_FILENAME, MAIN_FOLDER_NAME
-    from megatron.energon.flavors.webdataset.prepare import WebdatasetPreparator
 
     paths = [e["path"] for e in wds_shards]
     if not paths:
         raise ValueError("--energon: the dataset has no WebDataset shards")
-    with contextlib.redirect_stdout(io.StringIO()):  # energon prints progress lines to stdout
-        WebdatasetPreparator.prepare_dataset(
-            Path(out_dir),
-            paths,
-            split_parts_ratio=[("train", 1.0)],
-            shuffle_seed=None,
-            workers=capped_workers(workers, len(paths)),  # Energon forks as many as it is given
-        )
+    # Energon forks as many processes as it is given
+    call_tied(_prepare, Path(out_dir), paths, capped_workers(workers, len(paths)), what="--energon metadata")
     meta = Path(out_dir) / MAIN_FOLDER_NAME
     (meta / "dataset.yaml").write_text(DATASET_YAML)
     (meta / "sample_loader.py").write_text(SAMPLE_LOADER_PY)
     digest = "".join(e["sha256"] for e in wds_shards)
     (meta / INDEX_UUID_FILENAME).write_text(str(uuid.uuid5(uuid.NAMESPACE_URL, digest)))
     return meta
+
+
+def _prepare(out_dir: Path, paths: list[str], workers: int) -> None:
+    from megatron.energon.flavors.webdataset.prepare import WebdatasetPreparator
+
+    with contextlib.redirect_stdout(io.StringIO()):  # energon prints progress lines to stdout
+        WebdatasetPreparator.prepare_dataset(
+            out_dir, paths, split_parts_ratio=[("train", 1.0)], shuffle_seed=None, workers=workers
+        )

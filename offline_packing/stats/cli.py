@@ -87,7 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="fsspec storage option (repeatable; VALUE parsed as JSON when it can be)",
     )
-    store.add_argument("--workers", type=int, default=8, help="shards read in parallel (default 8)")
+    store.add_argument(
+        "--workers", type=int, default=8, help="shards read in parallel (default 8; at most one per CPU)"
+    )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
+from mmpack.offline_packing.engines.workers import capped_workers
 from mmpack.offline_packing.stats.inputs import StatsInputError
 from mmpack.packing.format import MANIFEST_NAME
 from mmpack.packing.manifest import Manifest, ManifestError
@@ -142,7 +143,7 @@ def read_dataset(
         except OSError as e:
             raise OSError(f"shard {entry['path']}: {e}") from e
 
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(entries) or 1))) as pool:
+    with ThreadPoolExecutor(max_workers=capped_workers(workers, len(entries))) as pool:
         shards = list(pool.map(read_one, entries))
     capacity = int(manifest["seq_len"])
     packing = DatasetPacking(root, manifest, fmt, capacity, shards)

@@ -14,6 +14,16 @@ from typing import Any
 
 SEQ_LEN = 1024
 BAD_SAMPLE = "video-0"  # an mp4 (H.264) clip of `add_synthetic_videos`, alone in its sample
+# LLaVA-OneVision-2's video rule (each frame an image in a `<|image_pad|>` block; its processor's temporal patch 1
+# and pixel bounds): its record holding both an image and videos is rejected, the others packed
+OV2_OPTIONS: dict[str, Any] = {
+    "video_style": "llava_onevision2",
+    "temporal_patch_size": 1,
+    "min_pixels": 3136,
+    "max_pixels": 50176,
+    "video_image_min_pixels": 3136,
+    "video_image_max_pixels": 50176,
+}
 
 
 def zero_frame_bytes(data: bytes) -> bytes:
@@ -35,9 +45,10 @@ def zero_frame_bytes(data: bytes) -> bytes:
     raise ValueError("no mdat box: not an mp4 this helper can damage")
 
 
-def pack_video_dataset(root: Path) -> Path:
+def pack_video_dataset(root: Path, **options: Any) -> Path:
     """Three synthetic image records and four video records (three tiny clips, one record with an image and two
-    of them), packed by the real offline job with a tiny BPE; every sample packed (the videos pass the scan)."""
+    of them), packed by the real offline job with a tiny BPE; every sample packed (the videos pass the scan).
+    `options`: packing options of another video rule (`OV2_OPTIONS`), which may reject some samples."""
     from mmpack.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
     from mmpack.demo.videos import add_synthetic_videos
 
@@ -45,8 +56,8 @@ def pack_video_dataset(root: Path) -> Path:
     raw = add_synthetic_videos(raw, 3, seed=7)
     tokenizer = train_tiny_bpe(root / "tok", seed=7, video_pad=True)
     out = root / "packed"
-    summary = pack_synthetic(raw, tokenizer, out, seq_len=SEQ_LEN, format="arrow")
-    assert summary.samples_rejected == 0, summary.rejected_by_reason
+    summary = pack_synthetic(raw, tokenizer, out, seq_len=SEQ_LEN, format="arrow", **options)
+    assert options or summary.samples_rejected == 0, summary.rejected_by_reason
     return out
 
 
@@ -98,3 +109,35 @@ def mask_labels(row: dict[str, Any], k: int) -> None:
     """Zeroes sample k's loss mask (`change` of `rewrite_sample`): the bin a dropped sample should train like."""
     start, end = sample_span(row, k)
     row["loss_mask"][start:end] = [0] * (end - start)
+
+
+def codec_bin(rec: dict[str, Any], rule: Any) -> dict[str, Any]:
+    """A LLaVA-OneVision-2 frames-as-images bin (as a shard reader gives it) whose one video is stored as a codec
+    blob instead (`mmpack.packing.video_codec_ov2`): one random PNG canvas per frame, each frame's run of pads
+    one run of the codec plan, the canvases' block positions as their source positions."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from mmpack.packing.patch_positions import block_patch_positions
+    from mmpack.packing.video_codec_ov2 import pack_codec_blob
+
+    [plan] = rec["video_plans"]
+    t, h, w = plan["grid_thw"]
+    rng = np.random.default_rng(0)
+    canvases = []
+    for _ in range(t):
+        buf = io.BytesIO()
+        pixels = rng.integers(0, 256, (h * rule.patch_size, w * rule.patch_size, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(buf, format="PNG")
+        canvases.append(buf.getvalue())
+    positions = block_patch_positions(np.asarray([[t, h, w]]), rule.merge_size)
+    runs = [h * w // rule.merge_size**2] * t
+    codec_plan = {**plan, "run_tokens": runs}
+    return {**rec, "videos": [pack_codec_blob(canvases, ["png"] * t, positions)], "video_plans": [codec_plan]}
+
+
+def codec_grid(rec: dict[str, Any]) -> list[int]:
+    """The grid row [N, h, w] of a `codec_bin`'s video."""
+    return list(rec["video_plans"][0]["grid_thw"])

@@ -47,6 +47,13 @@ def image_config(patch_size: int = 14, merge_size: int = MERGE, max_pixels: int 
 
 
 IMAGE_CONFIG = image_config()
+# LLaVA-OneVision-2's processor settings for its video paths (the demo videos' max_pixels; the processor's
+# default mean and std)
+VIDEO_IMAGE_CONFIG = {
+    key: value
+    for key, value in image_config(max_pixels=1605632).items()
+    if key not in ("image_mean", "image_std")
+}
 
 
 def need_reference() -> None:

@@ -1,0 +1,237 @@
+"""Online packing: raw records packed into bins buffer by buffer, for the loader to read as it trains.
+
+A `RawSource` is the offline job's stages 1-3 over one packing buffer at a time, by the same functions: the
+input readers (`inputs.chunks`), the scan of a record (`scan.scan_record`), the length model
+(`lengths.tokenize_chunk_samples`) and the bin-packing kernels with their item and image caps
+(`binpack.pack_bins`); a bin is built by the writer's own `write.assemble_bin`. With a buffer that holds the
+whole input, the bins are those `mmpack pack` writes with the same options.
+
+A buffer is a run of consecutive input records (the offline job's record order) of at most `buffer_size`
+records: the input is cut into chunks of `buffer_size` records (`plan_chunks`, per file), and consecutive
+chunks are grouped while they fit. The loader takes a `RawSource` as an object that meets
+`mmpack.dataloader.raw_source.RawBins` (`build_loader(raw_source(...), ...)`): the loader's layer does not import
+the offline job, the offline job hands it its source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mmpack.offline_packing.binpack import pack_bins
+from mmpack.offline_packing.config import PackJobConfig
+from mmpack.offline_packing.context import JobContext
+from mmpack.offline_packing.errors import PackError, SampleReject, reject_row
+from mmpack.offline_packing.finalize import build_manifest
+from mmpack.offline_packing.fingerprint import digest, identities
+from mmpack.offline_packing.inputs.chunks import Chunk, plan_chunks, read_chunk
+from mmpack.offline_packing.inputs.sources import expand_inputs, input_folder
+from mmpack.offline_packing.lengths import tokenize_chunk_samples
+from mmpack.offline_packing.model_folder import resolve_chat_template, resolve_image_rule, resolve_video_rule
+from mmpack.offline_packing.options import job_config
+from mmpack.offline_packing.scan import image_check_of, scan_record
+from mmpack.offline_packing.write import assemble_bin
+from mmpack.packing.manifest import Manifest, ManifestCounts
+from mmpack.packing.tokenizer import tokenizer_files
+
+# The output of the job config: online packing writes no dataset (the config requires the field).
+NO_OUTPUT = "<online>"
+
+
+@dataclass(frozen=True)
+class PackedBuffer:
+    """The bins of one packing buffer: each bin's samples (indices into the buffer's kept samples), their
+    tokens and metadata rows, and the buffer's rejects (the offline job's reject rows)."""
+
+    buffer: int
+    bins: tuple[np.ndarray, ...]
+    input_ids: tuple[np.ndarray, ...]
+    loss_masks: tuple[np.ndarray, ...]
+    metas: tuple[dict, ...]
+    rejects: tuple[dict, ...]
+    samples_read: int
+    context: JobContext = field(repr=False)
+
+    @property
+    def num_bins(self) -> int:
+        return len(self.bins)
+
+    @property
+    def tokens(self) -> int:
+        return int(sum(len(x) for x in self.input_ids))
+
+    def record(self, j: int) -> dict[str, Any]:
+        """Bin j as the loader's `BinRecord` (the fields a shard reader returns)."""
+        samples = [(self.input_ids[i], self.loss_masks[i], self.metas[i]) for i in self.bins[j].tolist()]
+        packed = assemble_bin(f"raw-{self.buffer:06d}-{j:06d}", samples, self.context.remote)
+        return {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed)}
+
+    def bin_features(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(seq_lens, image grids, video grids) of bin j, for the cost model (nothing read from disk)."""
+        members = self.bins[j].tolist()
+        lens = np.asarray([len(self.input_ids[i]) for i in members], dtype=np.int64)
+        grids = [g for i in members for g in self.metas[i]["grid"]]
+        videos = [p["grid_thw"] for i in members for p in self.metas[i].get("video_plans", ())]
+        as3 = lambda x: np.asarray(x, dtype=np.int64).reshape(-1, 3)  # noqa: E731
+        return lens, as3(grids), as3(videos)
+
+
+@dataclass(frozen=True)
+class RawSource:
+    """Raw records, the job config that counts and packs them, and their cut into packing buffers
+    (picklable: it travels to the loader's workers, whose job context fills its own caches)."""
+
+    config: PackJobConfig
+    buffer_size: int
+    files: tuple[str, ...]
+    chunks: tuple[Chunk, ...]
+    buffers: tuple[tuple[int, int], ...]  # [first chunk, end chunk) of each buffer
+    dataset: Manifest  # the rules the bins are packed by (no shards): what the loader's collation reads
+    fingerprint: str
+    name: str
+    context: JobContext = field(repr=False)
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self.buffers)
+
+    def pack_buffer(self, buffer: int) -> PackedBuffer:
+        """Buffer `buffer` read, scanned, counted and packed (a pure function of the records and the config)."""
+        if not 0 <= buffer < self.num_buffers:
+            raise IndexError(f"{self.name}: buffer {buffer} of {self.num_buffers}")
+        cfg, ctx = self.config, self.context
+        rejects: list[dict] = []
+        read = [0]
+        first, end = self.buffers[buffer]
+        scanned = self._scanned(self.chunks[first:end], rejects, read)
+        lengths_cfg = cfg.stage_config("lengths")
+        ids, masks, metas = [], [], []
+        for sample, result in tokenize_chunk_samples(
+            scanned, lengths_cfg, ctx.tokenizer(cfg.tokenizer), ctx.remote
+        ):
+            if isinstance(result, SampleReject):
+                self._reject(rejects, sample["src"], sample["line"], result, "lengths", sample["id"])
+                continue
+            tok, meta = result
+            ids.append(np.asarray(tok.input_ids))
+            masks.append(np.asarray(tok.loss_mask))
+            metas.append(meta)
+        lengths = np.asarray([len(x) for x in ids], dtype=np.int64)
+        nimg = np.asarray([len(m["images"]) for m in metas], dtype=np.int64)
+        bins, _ = pack_bins(lengths, nimg, cfg.stage_config("binpack"))
+        return PackedBuffer(
+            buffer=buffer,
+            bins=tuple(bins),
+            input_ids=tuple(ids),
+            loss_masks=tuple(masks),
+            metas=tuple(metas),
+            rejects=tuple(rejects),
+            samples_read=read[0],
+            context=ctx,
+        )
+
+    def _scanned(self, chunks: tuple[Chunk, ...], rejects: list[dict], read: list[int]) -> Iterator[dict]:
+        """The scan's rows of the chunks' records, in order (stage 1 of the offline job, record by record)."""
+        options = self.config.scan
+        check = image_check_of(options)
+        for chunk in chunks:
+            image_root = options.image_root or input_folder(chunk.path)
+            for rec in read_chunk(self.context, chunk, options.max_record_bytes):
+                read[0] += 1
+                try:
+                    yield scan_record(self.context.remote, rec, chunk.path, image_root, check)
+                except SampleReject as exc:
+                    self._reject(rejects, chunk.path, rec.line, exc, "scan")
+
+    def _reject(
+        self, rejects: list[dict], src: str, line: int, exc: SampleReject, stage: str, sample_id: Any = None
+    ) -> None:
+        if self.config.strict:
+            raise PackError(f"{src}:{line}: {exc.reason}: {exc.message}") from None
+        rejects.append(reject_row(src, line, exc.reason, exc.message, stage, sample_id))
+
+
+def open_raw_source(config: PackJobConfig, buffer_size: int) -> RawSource:
+    """The raw source of a job config's inputs (its output is not written), cut into buffers of at most
+    `buffer_size` records."""
+    if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
+        raise ValueError(f"packing buffer size must be a whole number of samples >= 1, got {buffer_size!r}")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ctx = JobContext(work_dir="", storage_options=config.control.storage_options)
+    files = expand_inputs(ctx.remote, config.inputs)
+    if not files:
+        raise FileNotFoundError(f"raw source {' '.join(config.inputs)}: no input files (.jsonl, .json, ...)")
+    chunks = plan_chunks(ctx, files, buffer_size, config.scan.max_record_bytes)
+    buffers: list[tuple[int, int]] = []
+    held = 0  # records of the last buffer
+    for i, chunk in enumerate(chunks):  # consecutive chunks share a buffer while they fit
+        if buffers and held + chunk.count <= buffer_size:
+            buffers[-1], held = (buffers[-1][0], i + 1), held + chunk.count
+        else:
+            buffers.append((i, i + 1))
+            held = chunk.count
+    ctx.tokenizer(config.tokenizer)  # loaded once here: workers forked from this process inherit it
+    algorithm = config.binpack.algorithm
+    counts = ManifestCounts(
+        samples_read=0,
+        samples_packed=0,
+        samples_rejected=0,
+        rejected_by_reason={},
+        bins=0,
+        tokens=0,
+        image_tokens=0,
+    )
+    dataset = build_manifest(ctx, config, counts, [], algorithm=algorithm)
+    read = identities(ctx.remote, [*files, *tokenizer_files(config.tokenizer)], config.verify_inputs)
+    stages = [dataclasses.asdict(config.stage_config(s)) for s in ("scan", "lengths", "binpack")]
+    fingerprint = digest("online", stages, read, buffer_size)
+    return RawSource(
+        config=config,
+        buffer_size=buffer_size,
+        files=tuple(files),
+        chunks=tuple(chunks),
+        buffers=tuple(buffers),
+        dataset=dataset,
+        fingerprint=fingerprint,
+        name=os.path.basename(files[0].rstrip("/")) if len(files) == 1 else f"{len(files)} raw files",
+        context=ctx,
+    )
+
+
+def raw_source(
+    inputs: str | list[str] | tuple[str, ...],
+    *,
+    buffer_size: int,
+    seq_len: int,
+    model: str | None = None,
+    tokenizer: str | None = None,
+    image_root: str | None = None,
+    **options: Any,
+) -> RawSource:
+    """Raw records (files, folders or globs, as `mmpack pack -i` takes them) packed online into bins of
+    `seq_len` tokens, `buffer_size` records at a time, by the length model of the model folder `model` (its
+    tokenizer, image and video rules, chat template, as `mmpack pack --model`) or of `tokenizer` alone;
+    `options`: other packing options by their `mmpack pack` names (`max_images_per_bin`, `seed`, ...)."""
+    named = tokenizer if tokenizer is None or not os.path.exists(tokenizer) else os.path.abspath(tokenizer)
+    model = os.path.abspath(model) if model else None
+    found, image_rule = resolve_image_rule(model, named, {})
+    video_rule = resolve_video_rule(model, named, {}, image_rule)
+    chat = resolve_chat_template(model, named, None)
+    config = job_config(
+        inputs=(inputs,) if isinstance(inputs, str) else tuple(inputs),
+        output=NO_OUTPUT,
+        seq_len=seq_len,
+        tokenizer=found or "",
+        image_rule=image_rule,
+        video_rule=video_rule,
+        image_root=image_root,
+        progress=False,
+        **chat,
+        **options,
+    )
+    return open_raw_source(config, buffer_size)

@@ -1,0 +1,122 @@
+"""Gemma 4 test folders and transformers' Gemma 4 processing as the packer's reference (tests/test_gemma4_packer.py).
+
+Harness, not reference code: `model_folder` copies the shared stand-in (../shared/data/gemma4_tokenizer: a Qwen3 BPE
+with Gemma 4's special tokens, its chat template and `processor_config.json`) into a model folder, as its
+SOURCE.md says; `reference_processor` builds transformers' `Gemma4Processor` from that folder's files with its
+PIL image processor (`Gemma4ImageProcessorPil`) and no video processor (`Gemma4VideoProcessor` needs
+torchvision, which does not load here). The reference ids are transformers' own: `apply_chat_template`, then the
+processor's call (images) or its `replace_video_token` (videos) and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.support.fixtures_chat import hf_messages
+from tests.support.shared import SHARED_DIR
+
+GEMMA4_TOKENIZER_DIR = SHARED_DIR / "data" / "gemma4_tokenizer"
+FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "processor_config.json")
+
+
+def model_folder(folder: Path, *, max_soft_tokens: int | None = None) -> Path:
+    """A Gemma 4 model folder's text and processor files (no weights), the image budget `max_soft_tokens` where
+    given (the stand-in's is 70)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in FOLDER_FILES:
+        shutil.copyfile(GEMMA4_TOKENIZER_DIR / name, folder / name)
+    if max_soft_tokens is not None:
+        path = folder / "processor_config.json"
+        config = json.loads(path.read_text())
+        config["image_processor"]["max_soft_tokens"] = max_soft_tokens
+        config["image_seq_length"] = max_soft_tokens
+        path.write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def reference_processor(folder: Path) -> Any:
+    """transformers' `Gemma4Processor` of `folder` with its PIL image processor and no video processor."""
+    from transformers import AutoTokenizer
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+
+    class WithoutVideo(
+        Gemma4Processor
+    ):  # harness: the processor's class check would ask for the video processor
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument is None and argument_name == "video_processor":
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    config = json.loads((folder / "processor_config.json").read_text())
+
+    def settings(key: str, kind: str) -> dict:
+        return {k: v for k, v in config[key].items() if k != kind}
+
+    return WithoutVideo(
+        feature_extractor=Gemma4AudioFeatureExtractor(
+            **settings("feature_extractor", "feature_extractor_type")
+        ),
+        image_processor=Gemma4ImageProcessorPil(**settings("image_processor", "image_processor_type")),
+        tokenizer=AutoTokenizer.from_pretrained(str(folder)),
+        video_processor=None,
+        chat_template=(folder / "chat_template.jinja").read_text(),
+        image_seq_length=config["image_seq_length"],
+    )
+
+
+def video_metadata(path: Path) -> tuple[int, float, int, int]:
+    """(frames, fps, height, width) of a video's first stream from its container, read with PyAV."""
+    import av
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        rate = stream.average_rate
+        assert rate is not None, path
+        return int(stream.frames), float(rate), int(stream.height), int(stream.width)
+
+
+def reference_video_text(processor: Any, path: Path) -> tuple[str, list[int], int]:
+    """(the text transformers' processor writes for the video at `path`, its frame indices, its tokens per frame),
+    from its sampling (`default_sample_indices_fn` with the config's `num_frames`), its size rule and its
+    `replace_video_token`."""
+    from transformers.models.gemma4.processing_gemma4 import get_aspect_ratio_preserving_size
+    from transformers.video_utils import VideoMetadata, default_sample_indices_fn
+
+    config = json.loads((Path(processor.tokenizer.name_or_path) / "processor_config.json").read_text())
+    video = config["video_processor"]
+    frames, fps, height, width = video_metadata(path)
+    meta = VideoMetadata(total_num_frames=frames, fps=fps, height=height, width=width)
+    indices = default_sample_indices_fn(meta, num_frames=video["num_frames"])
+    meta.frames_indices = indices  # type: ignore[assignment]  # transformers sets its ndarray here too
+    pooling, patch = video["pooling_kernel_size"], video["patch_size"]
+    h, w = get_aspect_ratio_preserving_size(
+        height, width, patch, video["max_soft_tokens"] * pooling**2, pooling
+    )
+    per_frame = (h // patch) * (w // patch) // pooling**2
+    text = processor.replace_video_token(
+        {"num_soft_tokens_per_video": [per_frame], "video_metadata": [meta]}, 0
+    )
+    return text, [int(i) for i in indices], per_frame
+
+
+def reference_sample(processor: Any, record: dict, root: Path) -> dict[str, np.ndarray]:
+    """transformers' `input_ids` and `mm_token_type_ids` of one record (media paths relative to `root`)."""
+    from PIL import Image
+
+    text = processor.apply_chat_template(hf_messages(record["messages"]), tokenize=False)
+    for rel in record.get("videos", ()):
+        expansion, _, _ = reference_video_text(processor, root / rel)
+        text = text.replace(processor.video_token, expansion, 1)
+    images = [Image.open(root / rel) for rel in record.get("images", ())]
+    if not images:
+        ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return {"input_ids": np.asarray(ids), "mm_token_type_ids": None}  # type: ignore[dict-item]
+    out = processor(text=[text], images=[images], return_tensors="np")
+    return {"input_ids": out["input_ids"][0], "mm_token_type_ids": out["mm_token_type_ids"][0]}

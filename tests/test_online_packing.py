@@ -1,0 +1,226 @@
+"""Online packing (`mmpack.offline_packing.online`, `mmpack.dataloader.raw_source`): raw records packed buffer by
+buffer in the loader give the offline job's bins, its fill, an exact resume and a counted, written reject."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mmpack.dataloader import build_loader
+from mmpack.dataloader.loader import PackedLoader
+from mmpack.dataloader.manifest import load_manifest
+from mmpack.dataloader.raw_source import RawAnchor, RawStream
+from mmpack.dataloader.readers import open_shard_reader
+from mmpack.dataloader.topology import Topology
+from mmpack.demo.synthetic import make_synthetic_dataset, pack_synthetic
+from mmpack.offline_packing.online import RawSource, raw_source
+
+SEQ_LEN = 256
+ONE_RANK = Topology(dp_rank=0, dp_size=1)
+
+
+def _raw_of(packed: Path, buffer_size: int, seed: int, records: Path | None = None) -> RawSource:
+    """The raw records a `packed_dataset` was packed from, as an online source with the same options."""
+    raw = packed.parent / "raw"
+    return raw_source(
+        str(records or raw / "data.jsonl"),
+        buffer_size=buffer_size,
+        seq_len=SEQ_LEN,
+        tokenizer=str(packed.parent / "tokenizer" / "tokenizer.json"),
+        image_root=str(raw),
+        seed=seed,
+    )
+
+
+def _offline_bins(packed: Path) -> list[dict[str, Any]]:
+    manifest = load_manifest(str(packed))
+    out = []
+    for shard in manifest.shards:
+        reader = open_shard_reader(str(packed / shard.path), shard.format, label=shard.path)
+        out += [reader.read(j) for j in range(shard.bins)]
+        reader.close()
+    return out
+
+
+def _online_bins(source: RawSource) -> list[dict[str, Any]]:
+    return [
+        packed.record(j)
+        for packed in (source.pack_buffer(b) for b in range(source.num_buffers))
+        for j in range(packed.num_bins)
+    ]
+
+
+def _contents(bins: list[dict[str, Any]]) -> list[tuple]:
+    """Each bin as (its samples, token ids, loss mask, image bytes), sorted: what a bin holds, not where it is."""
+    return sorted(
+        (
+            tuple(b["sample_ids"]),
+            np.asarray(b["input_ids"], np.uint32).tobytes(),
+            np.asarray(b["loss_mask"], np.uint8).tobytes(),
+            tuple(bytes(i) for i in b["images"]),
+        )
+        for b in bins
+    )
+
+
+def _batch_contents(loader: PackedLoader, n: int) -> list[tuple[bytes, bytes, bytes]]:
+    """(tokens, labels, pixels) of the first n micro-batches of one bin each, sorted."""
+    out = []
+    for _, batch in zip(range(n), loader):
+        out.append(
+            (
+                batch.tokens.numpy().tobytes(),
+                batch.labels.numpy().tobytes(),
+                batch.pixel_values.numpy().tobytes(),
+            )
+        )
+    return sorted(out)
+
+
+def test_whole_dataset_buffer_gives_the_offline_bins(packed_dataset: Any) -> None:
+    packed = packed_dataset(n_samples=60, seed=8)
+    offline = _offline_bins(packed)
+    source = _raw_of(packed, buffer_size=10_000, seed=8)
+    assert source.num_buffers == 1
+    assert _contents(_online_bins(source)) == _contents(offline)  # same samples, token ids, images
+    # through the loaders: the same token rows, labels and pixel values, bin for bin
+    n = len(offline)
+    kw: dict[str, Any] = {
+        "topology": ONE_RANK,
+        "micro_batch_size": 1,
+        "global_batch_size": 1,
+        "num_workers": 0,
+    }
+    assert _batch_contents(build_loader(source, **kw), n) == _batch_contents(
+        build_loader(str(packed), **kw), n
+    )
+    # control: a buffer of half the records packs other bins, and the comparison sees it
+    halves = _raw_of(packed, buffer_size=30, seed=8)
+    assert halves.num_buffers == 2
+    assert _contents(_online_bins(halves)) != _contents(offline)
+
+
+def test_buffer_of_a_twentieth_fills_within_a_point_of_the_offline_job(
+    tmp_path: Path, packed_dataset: Any
+) -> None:
+    tokenizer = packed_dataset(n_samples=60, seed=8).parent / "tokenizer" / "tokenizer.json"
+    data = make_synthetic_dataset(tmp_path / "raw", n_samples=4000, seed=3, formats=("text",), max_words=40)
+    pack_synthetic(data, tokenizer, tmp_path / "packed", seq_len=SEQ_LEN, format="arrow")
+    counts = load_manifest(str(tmp_path / "packed")).dataset.counts
+    assert counts is not None
+    offline_fill = counts.tokens / (counts.bins * SEQ_LEN)
+    source = raw_source(str(data.jsonl_path), buffer_size=200, seq_len=SEQ_LEN, tokenizer=str(tokenizer))
+    assert source.num_buffers == 20
+    buffers = [source.pack_buffer(b) for b in range(source.num_buffers)]
+    online_fill = sum(p.tokens for p in buffers) / (sum(p.num_bins for p in buffers) * SEQ_LEN)
+    print(f"fill: offline {offline_fill:.4f}, online (buffer 1/20) {online_fill:.4f}")
+    assert sum(p.tokens for p in buffers) == counts.tokens  # every sample packed, once
+    assert offline_fill - online_fill < 0.01
+
+
+def _stream(loader: PackedLoader, n: int) -> list[tuple[list[int], bytes]]:
+    out = []
+    for _, batch in zip(range(n), loader):
+        assert batch.bin_ids is not None
+        out.append((batch.bin_ids.tolist(), batch.tokens.numpy().tobytes()))
+    return out
+
+
+def test_resume_mid_epoch_equals_the_uninterrupted_stream(packed_dataset: Any) -> None:
+    source = _raw_of(packed_dataset(n_samples=60, seed=8), buffer_size=15, seed=8)
+    assert source.num_buffers == 4
+    kw: dict[str, Any] = {
+        "topology": ONE_RANK,
+        "micro_batch_size": 2,
+        "global_batch_size": 4,
+        "num_workers": 0,
+    }
+    whole = _stream(build_loader(source, **kw, seed=3), 16)  # into the second epoch
+    assert whole == _stream(build_loader(source, **kw, seed=3), 16)  # a pure function of (seed, positions)
+    for cut in (4, 5):  # between steps, and one micro-batch into a step
+        first = build_loader(source, **kw, seed=3)
+        assert _stream(first, cut) == whole[:cut]
+        state = first.state_dict()
+        assert len(json.dumps(state)) < 1024 and state["kind"] == "raw"  # positions, not samples
+        resumed = build_loader(source, **kw, seed=3)
+        resumed.load_state_dict(json.loads(json.dumps(state)))
+        assert _stream(resumed, 16 - cut) == whole[cut:]
+    # a state saved between steps resumes with another DP size: rank r's micro-batch is half of each step
+    saver = build_loader(source, **kw, seed=3)
+    _stream(saver, 4)
+    halves = []
+    for rank in range(2):
+        loader = build_loader(source, **{**kw, "topology": Topology(dp_rank=rank, dp_size=2)}, seed=3)
+        loader.load_state_dict(saver.state_dict())
+        halves.append(_stream(loader, 6))
+    assert [x for pair in zip(*halves) for x in pair] == whole[4:16]
+    # control: another seed orders other bins, and a state of it is refused
+    other = build_loader(source, **kw, seed=4)
+    assert _stream(other, 16) != whole
+    with pytest.raises(ValueError, match="seed"):
+        build_loader(source, **kw, seed=3).load_state_dict(other.state_dict())
+
+
+def test_malformed_record_is_skipped_counted_and_written(tmp_path: Path, packed_dataset: Any) -> None:
+    packed = packed_dataset(n_samples=60, seed=8)
+    lines = (packed.parent / "raw" / "data.jsonl").read_text().splitlines(keepends=True)
+    records = tmp_path / "with-bad.jsonl"
+    records.write_text("".join(lines[:30]) + '{"conversations": [oops\n' + "".join(lines[30:]))
+    source = _raw_of(packed, buffer_size=20, seed=8, records=records)
+    rejects = tmp_path / "rejects"
+    loader = build_loader(
+        source,
+        topology=ONE_RANK,
+        micro_batch_size=1,
+        global_batch_size=1,
+        num_workers=2,
+        rejects_dir=str(rejects),
+    )
+    buffers = [source.pack_buffer(b) for b in range(source.num_buffers)]
+    bins = sum(p.num_bins for p in buffers)
+    # one epoch, read on past the reject, and a few batches more: each worker has passed every buffer since
+    read = len([batch for _, batch in zip(range(bins + 4), loader)])
+    assert read == bins + 4
+    samples = sum(len(members) for p in buffers for members in p.bins)
+    metrics = loader.metrics()
+    loader.close()
+    rows = [json.loads(x) for x in (rejects / "rejects-dp0.jsonl").read_text().splitlines()]
+    bad = [r for r in rows if r["reason"] == "malformed_json"]
+    assert [(Path(r["source"]).name, r["line"]) for r in bad] == [("with-bad.jsonl", 31)]
+    assert metrics["raw_rejected.malformed_json"] == 1
+    assert metrics["raw_samples_read"] == 61 and metrics["raw_samples_rejected"] == len(rows)
+    assert samples == 61 - len(rows)  # the rest goes on: every other record is trained on
+
+
+def test_compute_balance_lays_out_each_global_batch_over_ranks(packed_dataset: Any) -> None:
+    source = _raw_of(packed_dataset(n_samples=60, seed=8), buffer_size=30, seed=8)
+    kw: dict[str, Any] = {"micro_batch_size": 1, "global_batch_size": 4, "num_workers": 0}
+    plain = _stream(build_loader(source, topology=ONE_RANK, **kw), 8)  # 2 global batches, in stream order
+    ranks = [
+        _stream(build_loader(source, topology=Topology(dp_rank=r, dp_size=2), balance="compute", **kw), 4)
+        for r in range(2)
+    ]
+    for step in range(2):
+        global_bins = sorted(b for ids, _ in plain[4 * step : 4 * step + 4] for b in ids)
+        mine = [b for rank in ranks for ids, _ in rank[2 * step : 2 * step + 2] for b in ids]
+        assert sorted(mine) == global_bins  # the same bins, each on one rank
+    assert [ids for rank in ranks for ids, _ in rank] != [ids for ids, _ in plain]  # laid out by cost
+
+
+def test_stream_walk_passes_empty_buffers_and_continues_from_any_anchor() -> None:
+    counts = {0: 0, 1: 3, 2: 0, 3: 2}  # buffers 0 and 2: every record rejected
+    whole = RawStream(4, 1, RawAnchor(), counts.__getitem__).positions(0, 25)
+    assert sorted(set(whole.tolist())) == [(1 << 32) | j for j in range(3)] + [
+        (3 << 32) | j for j in range(2)
+    ]
+    for p in range(20):
+        anchor = RawStream(4, 1, RawAnchor(), counts.__getitem__).locate(p)
+        assert (RawStream(4, 1, anchor, counts.__getitem__).positions(p, 5) == whole[p : p + 5]).all()
+    with pytest.raises(ValueError, match="has 0 bins"):  # control: a state the records do not match
+        RawStream(4, 1, RawAnchor(position=7, epoch=1, slot=0, offset=1), counts.__getitem__)
+    with pytest.raises(ValueError, match="every record"):
+        RawStream(4, 1, RawAnchor(), lambda b: 0)

@@ -1,0 +1,320 @@
+"""LoRA parity with peft on transformers: the session's tiny Qwen2.5-VL and its bin of a real image sample and a
+real video sample; peft puts adapters (rank 4, nonzero B) on every linear module of the language model, the
+vision tower and the projector, and saves them; mmpack starts from that folder (``--lora-adapter``) at TP1 and
+TP2 x PP2. The loss before any update and every adapter gradient equal peft's to 1e-5 (relative), and so does
+the loss after one Adam step at lr > 0 (peft's adapters stepped by torch's Adam alike). The base weights stay
+bit-identical and the optimizer holds the adapters only. Control: another adapter init moves the loss by far
+more than the tolerance. Cheap unit checks of the flags and the target names follow.
+
+This file is also the torchrun worker: one step's loss and adapter gradients, an optimizer step, the loss after.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv", "attn.proj", "mlp.0", "mlp.2"]  # fmt: skip
+ADAM = ["--weight-decay", "0", "--clip-grad", "0", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8"]  # fmt: skip
+LR = 0.003
+
+
+def _worker(out_dir: str, argv: list[str]) -> None:
+    """Loss and adapter gradients of one step, one optimizer step (base weights compared before and after, the
+    optimizer's parameters named), and the loss after it."""
+    import torch
+    import torch.distributed as dist
+
+    from mmpack.trainer import cpu_backend
+    from mmpack.trainer.arguments import parse_args
+    from mmpack.trainer.lora.spec import is_lora_param
+    from mmpack.trainer.training import Trainer, shutdown
+    from tests.support.hf_parity import step_loss
+
+    cpu_backend.activate()  # the test is the entry point: it sets up the CPU backend (no CUDA)
+    trainer = Trainer(parse_args(argv))
+    batches, _ = trainer.train_data.next_step()
+    params = dict(trainer.model.module.named_parameters())
+    base = {n: p.detach().clone() for n, p in params.items() if not is_lora_param(n)}
+    trainer.model.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    loss = step_loss(trainer._run_schedule(batches, forward_only=False))
+    grads = {n: p.main_grad.detach().clone() for n, p in params.items() if is_lora_param(n)}
+    ok, _, _ = trainer.optimizer.step()
+    by_id = {id(p): n for n, p in params.items()}
+    optimizers = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+    in_optimizer = sorted(
+        by_id.get(id(p), "?") for o in optimizers for g in o.param_groups for p in g["params"]
+    )
+    with_state = sorted(by_id.get(id(p), "?") for o in optimizers for p in o.optimizer.state)
+    with torch.no_grad():
+        after = step_loss(trainer._run_schedule(batches, forward_only=True))
+    if trainer.cfg.checkpoint.save:  # the adapters after the step, for the export round trip
+        trainer.iteration = 1
+        trainer.save()
+        assert trainer.writer is not None
+        trainer.writer.finalize(blocking=True)
+    rank = dist.get_rank()
+    result = {
+        "loss": loss, "after": after, "ok": bool(ok), "lr": trainer.optimizer.param_groups[0]["lr"],
+        "base_unchanged": all(p.equal(base[n]) for n, p in params.items() if n in base),
+        "base_trainable": [n for n, p in params.items() if n in base and p.requires_grad],
+        "lora_params": sorted(n for n in params if is_lora_param(n)),
+        "in_optimizer": in_optimizer, "with_state": with_state,
+    }  # fmt: skip
+    torch.save(grads, Path(out_dir) / f"grads{rank}.pt")
+    (Path(out_dir) / f"result{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    trainer.close()
+    shutdown()
+
+
+# -- the test side ----------------------------------------------------------------------------------------
+
+
+def _peft_model(hf_dir: Path, seed: int, targets: list[str]):  # type: ignore[no-untyped-def]
+    """The model folder's transformers model under peft's LoRA on ``targets`` (rank 4, alpha 8), every A and B
+    drawn from ``seed`` (B nonzero, so that the adapters change the loss and every gradient is nonzero)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(qwen2_5_vl_video_bin: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """peft's adapter folder, its loss and adapter gradients on the bin, its loss after one Adam step at ``LR``
+    and (control) the loss under another adapter init."""
+    from tests.support.hf_parity import loader_samples, model_inputs_of
+
+    pytest.importorskip("peft")
+    hf_dir, packed = qwen2_5_vl_video_bin
+    inputs = model_inputs_of(loader_samples(packed))
+    return peft_reference(hf_dir, packed, inputs, TARGETS, tmp_path_factory.mktemp("lora") / "adapter")
+
+
+def peft_reference(hf_dir: Path, packed: Path, inputs: list, targets: list[str], folder: Path) -> dict:
+    """peft's side of the parity for one model folder and its packed samples (``inputs``)."""
+    import torch
+
+    from tests.support.hf_parity import loss_and_grads
+
+    model = _peft_model(hf_dir, 0, targets)
+    model.save_pretrained(folder)
+    model.train()
+    ref = loss_and_grads(model, inputs)
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert lora and all(p.requires_grad for p in lora)
+    adam = torch.optim.Adam(lora, lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    adam.step()
+    with torch.no_grad():
+        ref["after"] = loss_and_grads(model, inputs)["loss"]
+        ref["other_init"] = loss_and_grads(_peft_model(hf_dir, 1, targets), inputs)["loss"]
+    return {**ref, "adapter": folder, "hf": hf_dir, "packed": packed}
+
+
+def _run(ref: dict, tmp_path: Path, tp: int, pp: int, *extra: str) -> list[dict]:
+    import torch
+
+    from tests.support.hf_parity import torchrun, train_args
+
+    args = [
+        *train_args(ref["hf"], ref["packed"], tp, pp),
+        "--lora-adapter",
+        str(ref["adapter"]),
+        *ADAM,
+        *extra,
+    ]
+    args[args.index("--lr") + 1] = str(LR)
+    torchrun(tp * pp, [__file__, str(tmp_path), *args], tmp_path)
+    return [
+        {
+            **json.loads((tmp_path / f"result{r}.json").read_text()),
+            "grads": torch.load(tmp_path / f"grads{r}.pt"),
+        }
+        for r in range(tp * pp)
+    ]
+
+
+def _check_grads(ref: dict, results: list[dict], tp: int, pp: int) -> int:
+    """Every adapter gradient of every stage, TP shards merged, against peft's; returns how many."""
+    from mmpack.trainer.lora.peft_io import merge_adapter_shards
+    from mmpack.trainer.lora.spec import spellings
+    from mmpack.trainer.models import family_of
+
+    config = json.loads((ref["hf"] / "config.json").read_text())
+    family = family_of(config)
+    arch = family.arch_from_hf_config(config)
+    peft_grads = {
+        k.replace("base_model.model.", "", 1).replace(".default", ""): g for k, g in ref["grads"].items()
+    }
+    checked = 0
+    for stage in range(pp):  # megatron-core's rank order: TP fastest
+        grads = merge_adapter_shards(
+            family.hf.stage_rules(arch, stage, pp), [results[stage * tp + t]["grads"] for t in range(tp)]
+        )
+        for name, grad in grads.items():
+            module, tail = name.rsplit(".lora_", 1)
+            expected = peft_grads[f"{spellings(module)[-1]}.lora_{tail}"]
+            scale = float(expected.abs().max())
+            assert scale > 0, name
+            diff = float((grad - expected).abs().max())
+            assert diff <= 1e-5 * scale, (name, diff, scale)
+            checked += 1
+    return checked
+
+
+@pytest.mark.shared
+@pytest.mark.ranks
+@pytest.mark.family
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 2)])
+def test_lora_equals_peft(reference: dict, tmp_path: Path, tp: int, pp: int) -> None:
+    ref = reference
+    save = ["--save", str(tmp_path / "ckpt")] if pp > 1 else []
+    results = _run(ref, tmp_path, tp, pp, *save)
+    last = results[-1]  # the last stage computes the loss
+    print(
+        f"TP{tp}xPP{pp}: loss {last['loss']!r} / after {last['after']!r}; peft {ref['loss']!r} / {ref['after']!r}; "
+        f"peft under another adapter init {ref['other_init']!r}"
+    )
+    assert last["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert last["after"] == pytest.approx(ref["after"], rel=1e-5)
+    gap = abs(ref["other_init"] - last["loss"]) / ref["loss"]
+    assert gap > 1e-3, f"control: another adapter init moves the loss by only {gap:.2e}"
+    assert abs(ref["after"] - ref["loss"]) / ref["loss"] > 1e-4, "the Adam step should move the loss"
+    assert _check_grads(ref, results, tp, pp) == len(ref["grads"])
+    for r in results:
+        assert r["ok"] and r["lr"] == pytest.approx(LR)
+        assert r["base_unchanged"] and not r["base_trainable"]
+        assert r["lora_params"] and r["in_optimizer"] == r["lora_params"] == r["with_state"]
+    if save:
+        _check_export(ref, tmp_path, last["after"])
+
+
+def _check_export(ref: dict, tmp_path: Path, loss: float) -> None:
+    """The checkpoint (saved at TP2 x PP2, read at TP1: resharded) holds the adapters only; exported as a PEFT
+    folder peft on transformers gives mmpack's loss after the step, and so do the merged weights."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from peft import PeftModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mmpack.trainer.convert import mcore_to_hf
+    from tests.support.hf_parity import loader_samples, loss_and_grads, model_inputs_of
+    from tests.support.ranks import warm_start_method
+
+    inputs = model_inputs_of(loader_samples(ref["packed"]))
+    ckpt = tmp_path / "ckpt"
+    saved = {p.name for p in ckpt.rglob("*") if p.is_file()}
+    assert "adapter_config.json" in saved and not any("safetensors" in n for n in saved)
+    tensors = dist_checkpointing.load_tensors_metadata(str(ckpt / "iter_0000001"))
+    assert tensors and all(".lora.lora_" in key for key in tensors), sorted(tensors)[:5]
+    peft_dir, merged_dir = tmp_path / "peft", tmp_path / "merged"
+    mcore_to_hf(str(ckpt), str(peft_dir), lora_format="peft", start_method=warm_start_method())
+    mcore_to_hf(str(ckpt), str(merged_dir), lora_format="merged", hf_model=str(ref["hf"]),
+                start_method=warm_start_method())  # fmt: skip
+    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(ref["hf"], torch_dtype=torch.float32)
+    merged = Qwen2_5_VLForConditionalGeneration.from_pretrained(merged_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        via_peft = loss_and_grads(PeftModel.from_pretrained(base, peft_dir), inputs)["loss"]
+        via_merged = loss_and_grads(merged, inputs)["loss"]
+    print(f"exported: peft {via_peft!r}, merged {via_merged!r}, mmpack {loss!r}")
+    assert via_peft == pytest.approx(loss, rel=1e-5)
+    assert via_merged == pytest.approx(loss, rel=1e-5)
+
+
+# -- flags and target names (no ranks) --------------------------------------------------------------------
+
+
+def test_target_names_that_match_nothing_are_one_error_listing_the_valid_names() -> None:
+    from mmpack.trainer.lora.spec import LoraSpec, check_targets
+    from mmpack.trainer.models.qwen2_5_vl import FAMILY
+    from tests.support.qwen2_5_vl import tiny_arch
+
+    arch = tiny_arch()
+    rules = FAMILY.hf.part_rules(arch, first=True, last=True, layers=(0, arch.num_layers))
+    check_targets(
+        LoraSpec(rank=2, alpha=4, targets=("q_proj", "mlp.0", "layers.1.mlp.down_proj")), rules, "it"
+    )
+    with pytest.raises(ValueError, match="qproj, lm_head name") as err:
+        check_targets(LoraSpec(rank=2, alpha=4, targets=("qproj", "lm_head", "v_proj")), rules, "it")
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv", "mlp.0"):
+        assert name in str(err.value).split("valid names: ")[1]
+    with pytest.raises(ValueError, match=r"proj \(visual.patch_embed.proj\) also name"):
+        check_targets(LoraSpec(rank=2, alpha=4, targets=("proj",)), rules, "it")
+
+
+def test_adapter_config_gives_the_lora_and_contradicting_flags_are_refused(tmp_path: Path) -> None:
+    from mmpack.trainer.lora.export import check_resume_base, write_run_config
+    from mmpack.trainer.lora.spec import resolve_spec
+
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": 8,
+                "lora_alpha": 16,
+                "lora_dropout": 0.1,
+                "target_modules": ["v_proj", "q_proj"],
+            }
+        )
+    )
+    spec = resolve_spec(rank=None, alpha=None, dropout=None, targets=None, adapter=str(tmp_path))
+    assert spec is not None and (spec.rank, spec.scale, spec.dropout, spec.targets) == (8, 2.0, 0.1, ("q_proj", "v_proj"))  # fmt: skip
+    with pytest.raises(ValueError, match="--lora-rank 4 contradicts --lora-adapter"):
+        resolve_spec(rank=4, alpha=None, dropout=None, targets=None, adapter=str(tmp_path))
+    assert resolve_spec(rank=None, alpha=None, dropout=None, targets=None, adapter=None) is None
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "use_dora": True}))  # fmt: skip
+    with pytest.raises(ValueError, match="use_dora True is not supported"):
+        resolve_spec(rank=None, alpha=None, dropout=None, targets=None, adapter=str(tmp_path))
+    write_run_config(str(tmp_path), spec, "/models/base")  # a LoRA run's checkpoint folder
+    check_resume_base(str(tmp_path), "/models/base")
+    with pytest.raises(ValueError, match="trained on --hf-model /models/base; give that --hf-model again"):
+        check_resume_base(str(tmp_path), None)
+
+
+def test_flags_reach_the_config_and_freeze_composes() -> None:
+    import torch
+
+    from mmpack.trainer.arguments import parse_args
+    from mmpack.trainer.freeze import apply_freeze
+
+    cfg = parse_args(["--mock-data", "--lora-rank", "4", "--lora-target-modules", "q_proj,v_proj", "o_proj"])
+    assert (cfg.model.lora_rank, cfg.model.lora_target_modules) == (4, ("q_proj", "v_proj", "o_proj"))
+    names = ["vision.merger.ln_q.weight", "vision.layers.0.self_attention.linear_proj.lora.lora_A.proj",
+             "language_model.decoder.layers.0.self_attention.linear_qkv.weight",
+             "language_model.decoder.layers.0.self_attention.linear_qkv.lora.lora_B.q_proj"]  # fmt: skip
+    model = torch.nn.Module()
+    for name in names:
+        *path, leaf = name.split(".")
+        module = model
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(1)))
+
+    def trains(**flags) -> list[bool]:  # type: ignore[no-untyped-def]
+        flags = {"trainable_modules": None, "freeze_vision": False, "freeze_llm": False, **flags}
+        apply_freeze(model, tied=False, adapter_prefixes=("vision.merger.",), lora=True, **flags)
+        return [model.get_parameter(n).requires_grad for n in names]
+
+    assert trains() == [False, True, False, True]  # only the adapters
+    assert trains(trainable_modules=("adapter",)) == [True, True, False, True]  # and the projector in full
+    assert trains(freeze_vision=True) == [False, False, False, True]  # the vision tower's adapters frozen
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,232 @@
+"""`mmpack view`: the page of a packed dataset, opened in a real headless browser (chromium, `--dump-dom`), shows
+each sample's decoded text, marks as trained exactly the tokens the loader's labels train, holds each bin's
+images at the model's size and the rejects with their reason; the raw preview of the shared mllm_demo records
+renders the token ids of transformers' `apply_chat_template` (default system prompt included); a missing shard
+and an image that does not decode are each one line naming the file, and the rest still shows."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from urllib.parse import quote
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmpack.cli import main as mmpack
+from mmpack.dataloader.collate import CollateConfig, collate_bins
+from mmpack.dataloader.manifest import load_manifest
+from mmpack.dataloader.readers import open_shard_reader
+from mmpack.packing.layout import IGNORE_INDEX
+from tests.support.browser import Node, dump_dom, need_chromium, parse_dom
+from tests.support.fixtures_chat import hf_messages, qwen2_vl_model_folder
+from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER, need_shared
+
+BAD_RECORDS = [  # rejected by the packer, each for its reason
+    {"id": "bad-missing-image", "image": "images/nowhere.jpg",
+     "conversations": [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "a cat"}]},
+    {"id": "bad-role", "conversations": [{"from": "narrator", "value": "hi"}, {"from": "gpt", "value": "ok"}]},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Synthetic records (two of them bad) packed by the real offline job into 3 Arrow shards."""
+    from mmpack.demo.synthetic import make_synthetic_dataset, pack_synthetic, train_tiny_bpe
+
+    root = tmp_path_factory.mktemp("view")
+    raw = make_synthetic_dataset(root / "raw", n_samples=40, seed=3, size_range=(28, 84), max_words=30)
+    with raw.jsonl_path.open("a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in BAD_RECORDS)
+    tokenizer = train_tiny_bpe(root / "tokenizer", seed=0)
+    pack_synthetic(raw, tokenizer, root / "packed", seq_len=256, format="arrow", max_bins_per_shard=6, seed=3)
+    return root
+
+
+def _view(dataset: Path, packed: Path, out: Path, *extra: str) -> int:
+    tokenizer = str(dataset / "tokenizer" / "tokenizer.json")
+    return mmpack(
+        [
+            "view",
+            str(packed),
+            "-o",
+            str(out),
+            "-t",
+            tokenizer,
+            "--bins",
+            "2",
+            "--no-plot",
+            "--no-progress",
+            *extra,
+        ]
+    )
+
+
+def _page(out: Path, tmp_path: Path) -> Node:
+    return parse_dom(dump_dom(out / "index.html", tmp_path / "profile"))
+
+
+def _bin0(packed: Path) -> tuple[dict, np.ndarray]:
+    """Bin 0 as the loader reads it, and the labels its collate gives."""
+    manifest = load_manifest(str(packed))
+    reader = open_shard_reader(str(packed / manifest.shards[0].path), "arrow", label="shard 0")
+    rec = reader.read(0)
+    reader.close()
+    return rec, collate_bins([rec], CollateConfig.from_manifest(manifest)).labels[0]
+
+
+@pytest.mark.slow
+def test_page_shows_text_trained_tokens_images_and_rejects(dataset: Path, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    need_chromium()
+    packed, out = dataset / "packed", tmp_path / "view"
+    assert _view(dataset, packed, out) == 0
+    page = _page(out, tmp_path)
+    assert page.find_all("body")[0].attrs.get("data-ready") == "1"
+    shown = page.by_id("bin")
+    assert shown.attrs["data-bin"] == "0"
+    rec, labels = _bin0(packed)
+    tokens = shown.find_all("span", cls="tok")
+    ids = [int(t.attrs["data-id"]) for t in tokens]
+    assert ids == rec["input_ids"].tolist()  # every token of the bin, in order
+    # each sample's text, token by token, is the tokenizer's decoding of its ids
+    tok = Tokenizer.from_file(str(dataset / "tokenizer" / "tokenizer.json"))
+    samples = shown.find_all("div", cls="sample")
+    assert [s.attrs["data-sample-id"] for s in samples] == rec["sample_ids"]
+    starts = np.concatenate([[0], np.cumsum(rec["seq_lens"])])
+    for s, a, b in zip(samples, starts[:-1], starts[1:]):
+        text = "".join(t.text() for t in s.find_all("span", cls="tok"))
+        assert text == tok.decode(rec["input_ids"][a:b].tolist(), skip_special_tokens=False)
+    # exactly the tokens the loader trains on (label of the token before != -100) are marked, both ways
+    marked = [j for j, t in enumerate(tokens) if "trained" in t.classes]
+    assert marked == [j for j, t in enumerate(tokens) if t.attrs["data-trained"] == "1"]
+    expected = (np.flatnonzero(labels[: len(ids) - 1] != IGNORE_INDEX) + 1).tolist()
+    assert marked == expected and 0 < len(marked) < len(ids)
+    control = np.flatnonzero(labels[: len(ids)] != IGNORE_INDEX).tolist()  # labels not shifted: wrong tokens
+    assert marked != control
+    assert set(marked) <= set(np.flatnonzero(rec["loss_mask"]).tolist())
+    # the bin's images, each at the size of its grid (the model's pixels), at its <|image_pad|> tokens
+    figures = shown.find_all("figure", cls="media")
+    assert len(figures) == len(rec["images"]) > 0
+    for fig, grid in zip(figures, rec["image_grid_thw"]):
+        assert fig.attrs["data-grid"] == "x".join(str(int(g)) for g in grid)
+        (img,) = fig.find_all("img")
+        assert Image.open(out / img.attrs["src"]).size == (int(grid[2]) * 14, int(grid[1]) * 14)
+        assert (
+            len(fig.find_all("span", cls="tok")) == int(fig.attrs["data-tokens"]) == int(np.prod(grid)) // 4
+        )
+    # the list of bins counts them too
+    row = page.by_id("bins").find_all("tr", data_bin="0")[0]
+    assert [c.text() for c in row.find_all("td")][2:4] == [str(len(rec["seq_lens"])), str(len(rec["images"]))]
+    # positions on hover: M-RoPE's three axes
+    assert all(" t " in t.attrs["title"] and " w " in t.attrs["title"] for t in tokens)
+    # the rejects with their reason and file
+    rejects = {r.attrs["data-reason"]: r.text() for r in page.by_id("rejects").find_all("tr", cls="reject")}
+    assert set(rejects) == {"missing_image", "unknown_role"}
+    assert "data.jsonl:41" in rejects["missing_image"] and "nowhere.jpg" in rejects["missing_image"]
+    assert page.by_id("problems").find_all("li") == []
+    # searching a sample id (index.html#id=...: the page's own search) finds its bin, the sample highlighted
+    manifest = load_manifest(str(packed))
+    reader = open_shard_reader(str(packed / manifest.shards[0].path), "arrow", label="shard 0")
+    wanted = reader.read(1)["sample_ids"][-1]  # bin 1: rendered (--bins 2)
+    reader.close()
+    found = parse_dom(
+        dump_dom(out / "index.html", tmp_path / "profile", fragment="id=" + quote(wanted, safe=""))
+    )
+    assert found.by_id("bin").attrs["data-bin"] == "1"
+    assert [s.attrs["data-sample-id"] for s in found.find_all("div", cls="highlight")] == [wanted]
+
+
+@pytest.mark.slow
+def test_missing_shard_and_corrupt_image_are_one_line_each(
+    dataset: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    need_chromium()
+    packed = tmp_path / "packed"
+    shutil.copytree(dataset / "packed", packed)
+    manifest = json.loads((packed / "manifest.json").read_text())
+    first, second = (packed / s["path"] for s in manifest["shards"][:2])
+    second.unlink()
+    rec, _ = _bin0(dataset / "packed")
+    data = bytearray(first.read_bytes())
+    at = data.find(rec["images"][0])
+    assert at > 0
+    data[at : at + 64] = b"\0" * 64  # the first image of bin 0 no longer decodes
+    first.write_bytes(bytes(data))
+    out = tmp_path / "view"
+    assert _view(dataset, packed, out) == 0
+    lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("mmpack view: problem:")]
+    assert len(lines) == 2, lines
+    assert sum(str(second) in x and "missing" in x for x in lines) == 1
+    first_pad = int(np.flatnonzero(rec["input_ids"] == load_manifest(str(packed)).image_pad_id)[0])
+    owner = int(np.searchsorted(np.cumsum(rec["seq_lens"]), first_pad, side="right"))
+    assert sum(str(first) in x and f"sample {rec['sample_ids'][owner]} dropped" in x for x in lines) == 1
+    page = _page(out, tmp_path)
+    assert [li.text() for li in page.by_id("problems").find_all("li", cls="problem")] == [
+        x.removeprefix("mmpack view: problem: ") for x in lines
+    ]
+    # the rest still shows: bin 0 (its first sample dropped, no token of it trained) and the bin list
+    shown = page.by_id("bin")
+    dropped = shown.find_all("div", cls="sample")[owner]
+    assert "dropped" in dropped.classes and not dropped.find_all("span", cls="trained")
+    rows = page.by_id("bins").find_all("tr")
+    assert len(rows) > 1
+
+
+def test_manifest_of_a_newer_version_is_one_line(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    manifest = {"format": "mmpack-packed", "version": 99, "seq_len": 64, "formats": ["arrow"], "shards": []}
+    (packed / "manifest.json").write_text(json.dumps(manifest))
+    assert mmpack(["view", str(packed), "-o", str(tmp_path / "view"), "--no-progress"]) == 1
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mmpack view: error:"), err
+    assert str(packed / "manifest.json") in err[0] and "version 99" in err[0], err
+
+
+@pytest.mark.shared
+@pytest.mark.slow
+def test_raw_preview_renders_the_ids_of_apply_chat_template(tmp_path: Path) -> None:
+    """The 6 shared mllm_demo records through a Qwen2-VL model folder around the Qwen3 tokenizer: the page's ids of
+    each sample are transformers' (its template's default system prompt first); control: without that prompt
+    they would differ."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    need_shared(MLLM_DEMO_JSON, QWEN3_TOKENIZER, what="the mllm_demo records and the Qwen3 tokenizer")
+    need_chromium()
+    model = qwen2_vl_model_folder(tmp_path / "Qwen2-VL", QWEN3_TOKENIZER)
+    out = tmp_path / "view"
+    argv = ["view", str(MLLM_DEMO_JSON), "-n", "6", "--model", str(model), "-o", str(out), "--no-plot"]
+    assert mmpack([*argv, "--no-progress"]) == 0
+    page = _page(out, tmp_path)
+    samples = page.by_id("bin").find_all("div", cls="sample")
+    records = json.loads(MLLM_DEMO_JSON.read_text())
+    assert len(samples) == len(records) == 6
+    assert {s.attrs["data-source"] for s in samples} == {str(MLLM_DEMO_JSON.resolve())}
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    processor = Qwen2VLImageProcessorPil.from_pretrained(str(model))
+    system = tokenizer("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")["input_ids"]
+    by_line = {s.attrs["data-sample-id"].rsplit(":", 1)[1]: s for s in samples}
+    for sample, record in zip(sorted(by_line.items(), key=lambda kv: int(kv[0])), records):
+        shown = [int(t.attrs["data-id"]) for t in sample[1].find_all("span", cls="tok")]
+        expected = _expected_ids(record, tokenizer, processor)
+        assert shown == expected
+        assert shown[: len(system)] == system  # the default system prompt, shown
+        assert shown[len(system) :] != expected  # control: the ids without it are not transformers'
+        assert sample[1].text().count("<|im_start|>system") == 1
+
+
+def _expected_ids(record: dict, tokenizer, processor) -> list[int]:
+    """transformers' ids of a record: `apply_chat_template`, each `<|image_pad|>` expanded to its grid's tokens."""
+    text = tokenizer.apply_chat_template(hf_messages(record["messages"]), tokenize=False)
+    images = [Image.open(MLLM_DEMO_JSON.parent / p) for p in record.get("images", [])]
+    if images:
+        grids = processor(images=images, return_tensors="np")["image_grid_thw"]
+        pieces = text.split("<|image_pad|>")
+        counts = [int(np.prod(g)) // processor.merge_size**2 for g in grids]
+        text = pieces[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(counts, pieces[1:]))
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

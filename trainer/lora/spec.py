@@ -1,0 +1,184 @@
+"""What a LoRA run adapts: rank, alpha, dropout and the target modules, from the flags or from a PEFT adapter
+folder's ``adapter_config.json``, and which HF linear modules of a model the targets name (as peft matches
+them: a name equal to the module's, or a dotted suffix of it; a regex string from a PEFT file must match the
+whole name)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mmpack.trainer.models.hf_weights import Rule, SafetensorsReader
+
+# megatron-core's linear layers that LoRA adapts, by the last part of their module name
+LINEAR_LAYERS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA = "lora"  # the attribute a LoRA layer hangs under on the layer it adapts
+DEFAULT_TARGETS = ("q_proj", "v_proj")  # peft's default for the Qwen2 language models
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# adapter_config.json keys whose non-default values mmpack does not implement: key -> the value it takes
+_UNSUPPORTED = {
+    "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
+    "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}, "target_parameters": None,
+}  # fmt: skip
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoraSpec:
+    """One run's LoRA: ``targets`` a tuple of names (peft's list form) or one regex (peft's string form);
+    ``adapter_dir``: a PEFT folder whose weights start the adapters (None: A drawn, B zero, as peft does)."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] | str = DEFAULT_TARGETS
+    adapter_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"--lora-rank must be >= 1, got {self.rank}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
+        if not self.targets:
+            raise ValueError("--lora-target-modules names no module")
+
+    @property
+    def scale(self) -> float:
+        """peft's scaling of the update B A x: alpha / rank."""
+        return self.alpha / self.rank
+
+    def matches(self, hf_module: str) -> bool:
+        """Whether the targets name the HF module ``hf_module`` (either of its two spellings)."""
+        return any(_target_matches(self.targets, name) for name in spellings(hf_module))
+
+
+def spellings(hf_module: str) -> tuple[str, ...]:
+    """The names of one HF module as ``save_pretrained`` writes it (``model.layers.0...``) and as transformers 5
+    holds it in memory (``model.language_model.layers.0...``), which peft matches and saves."""
+    names = [SafetensorsReader.canonical(hf_module)]
+    for old, new in SafetensorsReader.ALIASES:
+        if names[0].startswith(old):
+            names.append(new + names[0][len(old) :])
+            break
+    return tuple(names)
+
+
+def _target_matches(targets: tuple[str, ...] | str, name: str) -> bool:
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def parse_targets(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``q_proj,v_proj`` (or several words) -> ("q_proj", "v_proj")."""
+    words = text.split(",") if isinstance(text, str) else [w for t in text for w in t.split(",")]
+    return tuple(dict.fromkeys(w.strip() for w in words if w.strip()))
+
+
+def lora_modules(rules: dict[str, Rule]) -> dict[str, Rule]:
+    """megatron-core module name -> the rule of its weight, for every linear layer LoRA can adapt (experts
+    excepted: transformers holds them as 3-D tensors, not linear modules)."""
+    return {
+        name[: -len(".weight")]: rule
+        for name, rule in rules.items()
+        if name.endswith(".weight")
+        and name[: -len(".weight")].rsplit(".", 1)[-1] in LINEAR_LAYERS
+        and rule.expert < 0
+        and ".experts." not in name
+    }
+
+
+def hf_modules(rule: Rule) -> tuple[str, ...]:
+    """The HF linear modules a megatron-core layer's weight is made of (``...q_proj``, ``...k_proj``, ...)."""
+    return tuple(name[: -len(".weight")] for name in rule.hf)
+
+
+def short_name(hf_module: str) -> str:
+    """How a target names the module in the list of valid names: its last part (``q_proj``), with its parent
+    where that is a number (``mlp.0``)."""
+    parts = hf_module.split(".")
+    return ".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1]
+
+
+def check_targets(spec: LoraSpec, rules: dict[str, Rule], where: str) -> None:
+    """Every target names at least one linear module of the whole model (``rules``: its HF rules with every
+    part); one ValueError listing the valid names otherwise (``where``: the model, for the message)."""
+    modules = [m for rule in lora_modules(rules).values() for m in hf_modules(rule)]
+    valid = sorted({short_name(m) for m in modules})
+    given = [spec.targets] if isinstance(spec.targets, str) else list(spec.targets)
+    unmatched = [t for t in given if not any(_target_matches(t if isinstance(spec.targets, str) else (t,), n)
+                                             for m in modules for n in spellings(m))]  # fmt: skip
+    if unmatched:
+        raise ValueError(
+            f"--lora-target-modules: {', '.join(unmatched)} name(s) no linear module of {where}; valid names: "
+            f"{', '.join(valid)} (or a dotted suffix of a module name, e.g. layers.0.self_attn.q_proj)"
+        )
+    # peft would adapt these too (a convolution, the embedding, the output layer): the runs would differ
+    others = {name.rsplit(".", 1)[0] for rule in rules.values() for name in rule.hf} - set(modules)
+    clash = sorted({f"{t} ({m})" for t in given for m in others for n in spellings(m)
+                    if _target_matches(t if isinstance(spec.targets, str) else (t,), n)})  # fmt: skip
+    if clash:
+        raise ValueError(
+            f"--lora-target-modules: {', '.join(clash[:3])} also name(s) a module mmpack does not adapt (peft "
+            f"would); name the linear modules more precisely (e.g. attn.proj), valid names: {', '.join(valid)}"
+        )
+
+
+def read_adapter_config(folder: str) -> dict[str, Any]:
+    """A PEFT folder's ``adapter_config.json``, checked: a LoRA adapter of features mmpack implements."""
+    path = Path(folder) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise ValueError(f"--lora-adapter {folder}: no {ADAPTER_CONFIG} (give a folder written by peft's save_pretrained)")  # fmt: skip
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path}: not a LoRA adapter (peft_type {config.get('peft_type')!r})")  # type: ignore[union-attr]
+    for key, ok in _UNSUPPORTED.items():
+        if config.get(key, ok) not in (ok, None, [], {}):
+            raise ValueError(
+                f"{path}: {key} {config[key]!r} is not supported (mmpack's LoRA takes {key} {ok!r})"
+            )
+    for key in ("r", "lora_alpha", "target_modules"):
+        if key not in config:
+            raise ValueError(f"{path}: no {key!r}")
+    return config
+
+
+def resolve_spec(
+    *, rank: int | None, alpha: float | None, dropout: float | None, targets: tuple[str, ...] | None,
+    adapter: str | None,
+) -> LoraSpec | None:  # fmt: skip
+    """The run's LoRA from its flags (None: no LoRA); with ``adapter`` its ``adapter_config.json`` gives rank,
+    alpha, dropout and targets, and a flag that contradicts it is refused."""
+    if adapter is None:
+        if rank is None:
+            if alpha is not None or dropout is not None or targets is not None:
+                raise ValueError(
+                    "--lora-alpha, --lora-dropout and --lora-target-modules need --lora-rank (or --lora-adapter)"
+                )
+            return None
+        return LoraSpec(rank=rank, alpha=8.0 if alpha is None else alpha, dropout=dropout or 0.0,
+                        targets=targets or DEFAULT_TARGETS)  # fmt: skip
+    config = read_adapter_config(adapter)
+    found = config["target_modules"]
+    file_targets = found if isinstance(found, str) else tuple(sorted(found))
+    from_file = {"--lora-rank": (rank, config["r"]), "--lora-alpha": (alpha, config["lora_alpha"]),
+                 "--lora-target-modules": (tuple(sorted(targets)) if targets else None, file_targets)}  # fmt: skip
+    for flag, (given, there) in from_file.items():
+        if given is not None and given != there:
+            raise ValueError(f"{flag} {given} contradicts --lora-adapter {adapter} ({ADAPTER_CONFIG}: {there}); drop the flag")  # fmt: skip
+    return LoraSpec(
+        rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+        dropout=float(config.get("lora_dropout") or 0.0) if dropout is None else dropout,
+        targets=file_targets, adapter_dir=adapter,
+    )  # fmt: skip
+
+
+def is_lora_param(name: str) -> bool:
+    """Whether a stage-model parameter name is a LoRA adapter's (``<layer>.lora.lora_A.<slot>``)."""
+    return f".{LORA}.lora_A." in name or f".{LORA}.lora_B." in name
