@@ -232,8 +232,8 @@ def as_mixture(data: MixtureLike) -> Mixture | None:
 def check_sources(names: Sequence[str], manifests: Sequence[Any]) -> None:
     """One clear error for sources a blended batch cannot hold together (`manifests`: the loader's `Manifest`
     of each source): every source has bins and the first one's seq_len, token ids and tokenizer; the sources
-    holding images or videos share the vision tower's geometry (patch, merge, temporal patch) and pixel
-    normalisation, those holding videos the video rule's style. Each source keeps its own pixel budget (min and
+    holding images or videos share the image rule's style and the vision tower's geometry (patch, merge, temporal
+    patch) and pixel normalisation, those holding videos the video rule's style. Each source keeps its own pixel budget (min and
     max pixels, largest image, resampling, video sampling), by which the loader decodes its bins: the tower
     takes any grid. A source without images or videos mixes with any image rule."""
     for name, m in zip(names, manifests):
@@ -291,6 +291,12 @@ _SHARED_BY_ALL = (
     ),
 )
 _SHARED_BY_VISION = (
+    (
+        "image rule style",
+        lambda m: m.image_rule.image_style,
+        "one model's processor lays out image tokens and pixels one way (Qwen2-VL's, Gemma 4's): repack one "
+        "with the model folder of the other (`mmpack pack --model DIR`)",
+    ),
     (
         "vision geometry (" + ", ".join(_GEOMETRY) + ")",
         lambda m: tuple(getattr(m.image_rule, f) for f in _GEOMETRY),

@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     if module is None:
         parser.print_help()
         return 2
+    if args.command == "pack" and getattr(args, "preview", None) is not None:
+        from mmpack.view.cli import run_pack_preview  # the packer does not import the view: shown from here
+
+        return run_pack_preview(args)
     return int(module.run(args) or 0)
 
 

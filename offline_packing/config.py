@@ -21,7 +21,7 @@ from typing import Literal, overload
 from mmpack.packing.chat_template import ChatTemplate
 from mmpack.packing.format import DEFAULT_MAX_IMAGE_PIXELS, bin_key
 from mmpack.packing.image_tokens import ImageTokenRule
-from mmpack.packing.tokenizer import BYTE_TOKENIZER
+from mmpack.packing.tokenizer import BYTE_TOKENIZER, ControlTokens, control_tokens_of
 from mmpack.packing.video_tokens import VideoTokenRule
 
 STAGES = ("scan", "lengths", "binpack", "write")
@@ -116,6 +116,13 @@ class LengthsConfig:
                     f"the video rule's {name} ({video}) differs from the image rule's ({image}): both are the "
                     "vision tower's; build the video rule with the image rule's patch sizes"
                 )
+        control_tokens_of(self.image_rule, self.video_rule)  # rules of two models' tokens are refused here
+
+    @property
+    def control_tokens(self) -> ControlTokens:
+        """The control tokens the job's tokenizer must have (and a record's text may not hold) under its
+        image and video rules."""
+        return control_tokens_of(self.image_rule, self.video_rule)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -22,6 +22,7 @@ from mmpack.offline_packing.inputs.remote import RemoteFiles
 if TYPE_CHECKING:
     from mmpack.offline_packing.inputs.remote import RemoteFiles
     from mmpack.offline_packing.workdir import WorkDir
+    from mmpack.packing.tokenizer import ControlTokens
 
 T = TypeVar("T")
 
@@ -99,8 +100,11 @@ class JobContext:
 
         return self.caches.get("work", None, lambda: WorkDir(self))
 
-    def tokenizer(self, path: str) -> Any:
-        """The tokenizer at `path`, loaded once per process (forked workers inherit the driver's)."""
-        from mmpack.packing.tokenizer import load_tokenizer
+    def tokenizer(self, path: str, controls: ControlTokens | None = None) -> Any:
+        """The tokenizer at `path` checked for the control tokens `controls` (a `ControlTokens`: the job's
+        `LengthsConfig.control_tokens`; None: Qwen's), loaded once per process (forked workers inherit the
+        driver's)."""
+        from mmpack.packing.tokenizer import QWEN_TOKENS, load_tokenizer
 
-        return self.caches.get("tokenizer", path, lambda: load_tokenizer(path))
+        tokens = QWEN_TOKENS if controls is None else controls
+        return self.caches.get("tokenizer", (path, tokens), lambda: load_tokenizer(path, tokens))

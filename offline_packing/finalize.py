@@ -106,7 +106,7 @@ def build_manifest(
         seq_len=cfg.seq_len,
         shards=tuple(ShardEntry.from_dict(e, f"shard {e['path']}") for e in shards),
         formats=tuple(cfg.write.formats),
-        tokenizer=tokenizer_info(ctx.tokenizer(cfg.tokenizer)),
+        tokenizer=tokenizer_info(ctx.tokenizer(cfg.tokenizer, lengths.control_tokens)),
         image_rule=ManifestImageRule.from_rule(lengths.image_rule, cfg.scan.max_image_pixels),
         video_rule=lengths.video_rule,
         chat_template=lengths.chat_template.to_dict(),

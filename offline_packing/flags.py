@@ -349,6 +349,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"samples per unit of parallel work (default {option_default('chunk_size')})",
     )
     _add(g, "--strict", action="store_true", help="fail on the first bad sample instead of rejecting it")
+    _add(
+        g,
+        "--preview",
+        type=int,
+        metavar="N",
+        help="pack nothing: show the first N records of the input (one .json/.jsonl file) as this job would pack "
+        "them, in the page OUTPUT.preview/index.html (as `mmpack view RAW -n N`)",
+    )
     _add(g, "--no-progress", dest="progress", action="store_false", help="no progress bars")
     _add(g, "--debug", action="store_true", help="show the traceback of an error")
 
@@ -357,6 +365,8 @@ def config_from_args(args: argparse.Namespace, only_stage: int | None = None) ->
     """The job config of parsed `mmpack pack` flags; ValueError for values the config refuses."""
     options = dict(vars(args))
     options.pop("command", None)  # the subcommand's name (mmpack's own parser)
+    if options.pop("preview", None) is not None:  # the `mmpack` command shows it (mmpack.view.raw)
+        raise ValueError("--preview is shown by the `mmpack pack` command: run `mmpack pack ... --preview N`")
     endpoint = options.pop("s3_endpoint", None)
     # Absolute paths: the same folder named from another working directory is the same job (fingerprints).
     model = options.pop("model", None)

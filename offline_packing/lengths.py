@@ -27,6 +27,7 @@ from mmpack.offline_packing.inputs.remote import RemoteFiles
 from mmpack.offline_packing.workdir import WorkDir, jsonl_line, read_done_marker, read_jsonl
 from mmpack.packing.chat import (
     Conversation,
+    SampleError,
     encode_texts,
     finish_tokenized,
     prepare_conversation,
@@ -130,6 +131,8 @@ def prepare_scanned(
         raise PackError(f"{sample['src']}:{sample['line']}: {exc}") from None
     except ChatTemplateError as exc:
         raise SampleReject("chat_template_mismatch", str(exc)) from None
+    except SampleError as exc:  # a control token of the rules' tokenizer in the text
+        raise SampleReject(exc.reason, exc.message) from None
     except ValueError as exc:
         if plans and "video_pad" not in tokenizer.special_ids:
             raise PackError(f"{sample['src']}:{sample['line']}: {exc}") from None
@@ -302,7 +305,7 @@ def lengths_chunk(ctx: JobContext, task: LengthsTask) -> dict:
     if (marker := read_done_marker(done, task.fingerprint)) is not None:
         return marker
     cfg = task.cfg
-    tokenizer = ctx.tokenizer(cfg.tokenizer)
+    tokenizer = ctx.tokenizer(cfg.tokenizer, cfg.lengths.control_tokens)
     ids, masks, metas, rejects = [], [], [], []
     scanned = read_jsonl(wd.chunk_path("scan", task.chunk, "samples.jsonl"))
     for sample, result in tokenize_chunk_samples(scanned, cfg, tokenizer, ctx.remote):
@@ -363,7 +366,8 @@ def run_lengths(
     scan_info = wd.read_marker("scan")
     n_chunks = len(scan_info["chunks"])
     tasks = [LengthsTask(c, cfg, fingerprint) for c in range(n_chunks)]
-    ctx.tokenizer(cfg.tokenizer)  # loaded once here; forked workers inherit it instead of each parsing it
+    # loaded once here; forked workers inherit it instead of each parsing it
+    ctx.tokenizer(cfg.tokenizer, cfg.lengths.control_tokens)
     results = run_parallel(
         ctx,
         lengths_chunk,

@@ -112,7 +112,7 @@ class RawSource:
         lengths_cfg = cfg.stage_config("lengths")
         ids, masks, metas = [], [], []
         for sample, result in tokenize_chunk_samples(
-            scanned, lengths_cfg, ctx.tokenizer(cfg.tokenizer), ctx.remote
+            scanned, lengths_cfg, ctx.tokenizer(cfg.tokenizer, cfg.lengths.control_tokens), ctx.remote
         ):
             if isinstance(result, SampleReject):
                 self._reject(rejects, sample["src"], sample["line"], result, "lengths", sample["id"])
@@ -175,7 +175,8 @@ def open_raw_source(config: PackJobConfig, buffer_size: int) -> RawSource:
         else:
             buffers.append((i, i + 1))
             held = chunk.count
-    ctx.tokenizer(config.tokenizer)  # loaded once here: workers forked from this process inherit it
+    # loaded once here: workers forked from this process inherit it
+    ctx.tokenizer(config.tokenizer, config.lengths.control_tokens)
     algorithm = config.binpack.algorithm
     counts = ManifestCounts(
         samples_read=0,

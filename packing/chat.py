@@ -186,11 +186,7 @@ def validate_conversation(conv: Conversation) -> None:
             raise SampleError("malformed_record", f"message {i} is not valid Unicode: {exc}") from None
         if role == "system" and i != 0:
             raise SampleError("misplaced_system", f"system message at position {i}; only the first may be")
-        for literal in RESERVED_TOKENS:
-            if literal in content:
-                raise SampleError(
-                    "reserved_token_in_text", f"message {i} contains the control token {literal}"
-                )
+        _refuse_reserved(i, content, RESERVED_TOKENS)
         tags += content.count(IMAGE_TAG)
         video_tags += content.count(VIDEO_TAG)
     if not any(role == "assistant" and content.strip() for role, content in conv.messages):
@@ -199,6 +195,19 @@ def validate_conversation(conv: Conversation) -> None:
         raise SampleError("image_tag_mismatch", f"{tags} <image> tags but {len(conv.images)} images")
     if video_tags != len(conv.videos):
         raise SampleError("video_tag_mismatch", f"{video_tags} <video> tags but {len(conv.videos)} videos")
+
+
+def refuse_reserved_tokens(conv: Conversation, reserved: Sequence[str]) -> None:
+    """SampleError (`reserved_token_in_text`) where a message's text holds a control token of `reserved` (the
+    tokenizer would read it as that token: a record could forge turns or media)."""
+    for i, (_, content) in enumerate(conv.messages):
+        _refuse_reserved(i, content, reserved)
+
+
+def _refuse_reserved(i: int, content: str, reserved: Sequence[str]) -> None:
+    for literal in reserved:
+        if literal in content:
+            raise SampleError("reserved_token_in_text", f"message {i} contains the control token {literal}")
 
 
 @dataclass(frozen=True)
@@ -290,6 +299,7 @@ def prepare_conversation(
     video_counts = _checked_counts(video_token_counts, conv.videos, "video")
     if video_expansions and len(video_expansions) != len(video_counts):
         raise ValueError(f"{len(video_expansions)} video expansions for {len(video_counts)} videos")
+    refuse_reserved_tokens(conv, tokenizer.controls.literals)  # the scan refused Qwen's; these are the rules'
     if video_counts and "video_pad" not in tokenizer.special_ids:
         raise ValueError(
             f"tokenizer {tokenizer.name} has no {VIDEO_PAD} token, needed for videos; use a "

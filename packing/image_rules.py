@@ -4,8 +4,9 @@
 An image rule is a frozen set of numbers (`mmpack.packing.image_tokens.ImageTokenRule`: patch and merge sizes,
 pixel budget, pixel normalisation) plus a style, the processor whose resize it follows. The style decides what
 differs between processors: the size an image is resized to (`resized_hw`; the grid and token count follow from
-it and the patch sizes), the ids an image's placeholder becomes in the text (`token_ids`), and which processor
-config selects it (`claims`, `rule_fields`). A new processor's image rule is one module plus one line in
+it and the patch sizes), the ids an image's placeholder becomes in the text (`token_ids`), the control tokens
+the tokenizer must have and a record's text may not hold (`control_tokens`), and which processor config selects
+it (`claims`, `rule_fields`). A new processor's image rule is one module plus one line in
 `IMAGE_RULES`; `ImageTokenRule`, `mmpack pack --model DIR` and the lengths stage reach it only through
 `image_style` / `style_of_processor`. Modules are imported when first asked for.
 """
@@ -18,6 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from mmpack.packing.tokenizer import QWEN_TOKENS, ControlTokens
 
 IMAGE_RULES: dict[str, str] = {
     "qwen2_vl": "mmpack.packing.image_tokens",
@@ -32,6 +35,8 @@ class ImageStyle(abc.ABC):
     numbers they apply; subclasses set `name` and implement `resized_hw`."""
 
     name: str  # `ImageTokenRule.image_style`, as the manifest names it
+    # the model's chat and media tokens (the tokenizer's `special_ids` roles): Qwen-VL's unless a style says
+    control_tokens: ControlTokens = QWEN_TOKENS
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"

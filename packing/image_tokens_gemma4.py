@@ -14,7 +14,9 @@ The processor resizes every image, up or down, keeping its aspect ratio, to the 
     tokens   = (h' / factor) * (w' / factor)
 
 Each image becomes ``<|image>`` + tokens x ``<|image|>`` + ``<image|>`` in the text (the chat template writes
-one ``<|image|>`` per image; the processor expands it).
+one ``<|image|>`` per image; the processor expands it). A tokenizer for these rules needs Gemma 4's media and turn
+tokens (`CONTROL_TOKENS`), not Qwen's; its `special_ids` then name ``<|image|>`` image_pad and ``<|video|>``
+video_pad (the tokens repeated per image and video token).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from mmpack.packing.image_rules import ImageStyle
+from mmpack.packing.tokenizer import ControlTokens
 
 STYLE = "gemma4"
 PROCESSOR_TYPES = ("Gemma4ImageProcessor", "Gemma4ImageProcessorPil")
@@ -35,8 +38,33 @@ SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 PATCH_SIZE = 16
 POOLING_KERNEL_SIZE = 3
 MAX_SOFT_TOKENS = 280
-# the text of one image: begin, soft token, end
+# the text of one image: begin, soft token, end; a video frame's soft token
 BOI, IMAGE_SOFT, EOI = "<|image>", "<|image|>", "<image|>"
+VIDEO_SOFT = "<|video|>"
+# Gemma 4's control tokens: the media and turn tokens its processor and template write are required; the others
+# of its tokenizer are recorded where present, and all are reserved (a record's text may not hold them)
+CONTROL_TOKENS = ControlTokens(
+    "gemma4",
+    required=(
+        ("image_start", BOI),
+        ("image_pad", IMAGE_SOFT),
+        ("image_end", EOI),
+        ("video_pad", VIDEO_SOFT),
+        ("turn_start", "<|turn>"),
+        ("turn_end", "<turn|>"),
+    ),
+    optional=(
+        ("pad", "<pad>"),
+        ("bos", "<bos>"),
+        ("eos", "<eos>"),
+        ("audio_pad", "<|audio|>"),
+        ("audio_start", "<|audio>"),
+        ("audio_end", "<audio|>"),
+        ("channel_start", "<|channel>"),
+        ("channel_end", "<channel|>"),
+        ("think", "<|think|>"),
+    ),
+)
 
 
 def budget_resize(height: int, width: int, *, factor: int, max_soft_tokens: int) -> tuple[int, int]:
@@ -80,6 +108,7 @@ class Gemma4ImageStyle(ImageStyle):
     """Gemma 4's processor (see the module docstring)."""
 
     name = STYLE
+    control_tokens = CONTROL_TOKENS
 
     def check(self, rule: Any) -> None:
         if rule.max_pixels < rule.factor * rule.factor:

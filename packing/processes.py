@@ -3,16 +3,21 @@
 Loader workers, checkpoint writers, the converter's ranks and the offline job's workers raise
 `ProcessDiedError` when one of their processes is gone, so every entry point reports it as one line; the
 other way round, each of those helper processes calls `exit_with_parent` first, so that none outlives the
-process that started it.
+process that started it. A command of another project (any executable) runs through `run_tied`, which gives it,
+and every process it starts, the same end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -108,6 +113,75 @@ def call_tied(fn: Callable[..., T], *args: Any, what: str) -> T:
     return cast(T, value)
 
 
+# `sh` between this process and a command: it leads the command's process group, and when the kernel sends it
+# SIGTERM (its parent-death signal) it kills that whole group, itself included; else it exits as the command did.
+_GROUP_GUARD = 'trap "kill -s KILL 0" TERM; "$@" & wait $!'
+_PR_SET_PDEATHSIG = 1
+
+
+def run_tied(argv: list[str], *, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)` for a command of another project
+    (any executable, which may start processes of its own, as `cv-preinfer` runs `ffprobe`), tied to this process:
+    the command and every process it starts are killed when this process ends, however it ends, and when
+    the command runs past `timeout_s` (then `subprocess.TimeoutExpired`, as `subprocess.run` raises).
+
+    The command runs under a small `sh` guard (`_GROUP_GUARD`) that leads a process group of its own and gets
+    SIGTERM as its parent-death signal (Linux; elsewhere only the timeout and Ctrl-C kill the group). A process
+    the command moves to another group or session is out of reach. Its stdin is /dev/null; an exit by a signal
+    reads as 128 + the signal's number. OSError when `argv[0]` is not an executable file.
+    """
+    if shutil.which(argv[0]) is None:
+        raise FileNotFoundError(errno.ENOENT, "not an executable file", argv[0])
+    proc = subprocess.Popen(
+        ["/bin/sh", "-c", _GROUP_GUARD, "mmpack-guard", *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        process_group=0,
+        preexec_fn=die_with_parent_preexec(signal.SIGTERM),
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except BaseException:  # past its time, or Ctrl-C: the whole group ends now
+        _kill_group(proc)
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def die_with_parent_preexec(signum: int = signal.SIGKILL) -> Callable[[], None]:
+    """A `preexec_fn` for `subprocess.Popen`: the kernel sends the child (any executable) `signum` when the thread
+    that starts it ends, so when this process ends (Linux parent-death signal; elsewhere nothing). That thread
+    must wait for the child, as `subprocess.run` does; a child whose starter died before the signal was set
+    kills itself."""
+    prctl = _libc_prctl()  # looked up before the fork: the child only calls it
+    parent = os.getpid()
+
+    def set_parent_death_signal() -> None:
+        if prctl is not None and prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the starter died before the signal was set: nobody will send it now
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return set_parent_death_signal
+
+
+def _libc_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    return cast(Callable[..., int], ctypes.CDLL(None, use_errno=True).prctl)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL to the process group `proc` leads, then `proc` waited for and its pipes closed."""
+    with contextlib.suppress(ProcessLookupError):  # the group has ended already
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
 def _run_tied(fn: Callable[..., Any], args: tuple[Any, ...], send: Any) -> None:
     exit_with_parent()
     os.register_at_fork(after_in_child=_exit_with_forker)  # this process ends right after `fn`
@@ -140,11 +214,8 @@ def _watch_parent(parent_pid: int, born: bytes | None, os_parent: int, poll_s: f
 
 def _set_parent_death_signal(signum: int) -> None:
     """The kernel sends `signum` to this process when its OS parent ends (Linux; elsewhere nothing)."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    if libc.prctl(pr_set_pdeathsig, signum, 0, 0, 0) != 0:
+    prctl = _libc_prctl()
+    if prctl is not None and prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 

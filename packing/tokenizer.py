@@ -1,10 +1,14 @@
 """Text tokenizers for the length model: a wrapper over HF `tokenizers` and a byte-level demo tokenizer.
 
 Both expose the same small interface (`TextTokenizer`): `encode`, `encode_with_offsets` (character offsets
-into the input string), `special_ids` (pad, im_start, im_end, vision_start, vision_end, image_pad, and
-video_pad where the tokenizer has it: only datasets with videos need it),
+into the input string), `special_ids` (role -> id of the control tokens its `controls` name),
 `vocab_size`, `name`, `sha256` and `is_fallback`. Special tokens are always parsed out of the text (so the
 rendered chat string can be encoded in one call) and no BOS/EOS is added.
+
+Which control tokens a tokenizer must have depends on the model's rules (`ControlTokens`, owned by each image and
+video style: `ImageStyle.control_tokens`, `VideoStyle.control_tokens`): Qwen's (`QWEN_TOKENS`: pad, im_start,
+im_end, vision_start, vision_end, image_pad, and video_pad where the tokenizer has it: only datasets with videos
+need it) by default, Gemma 4's for its rules. The same set is what a record's text may not hold.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import functools
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -29,8 +34,45 @@ SPECIAL_TOKENS: dict[str, str] = {
 }
 # The video pad: optional, since a tokenizer for image and text data need not have it.
 VIDEO_PAD = "<|video_pad|>"
-# Control tokens that may not appear in a record's text.
-RESERVED_TOKENS: tuple[str, ...] = (*SPECIAL_TOKENS.values(), VIDEO_PAD)
+
+
+@dataclass(frozen=True)
+class ControlTokens:
+    """The control tokens a model's text needs from its tokenizer, as (role, literal) pairs: `required` ones
+    (refused where missing), `optional` ones (recorded where the tokenizer has them). A role says what the packer
+    and loader use a token for ("image_pad": the token repeated per image token, "pad": bin padding); `name`
+    says whose tokens they are, in messages. Every literal is reserved: a record's text may not hold it."""
+
+    name: str
+    required: tuple[tuple[str, str], ...]
+    optional: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def literals(self) -> tuple[str, ...]:
+        """Every literal, required first: what a record's text may not hold."""
+        return tuple(literal for _, literal in (*self.required, *self.optional))
+
+    def merged(self, other: ControlTokens) -> ControlTokens:
+        """Both sets' tokens (a role required by either is required); ValueError where they name one role
+        differently (rules of two models)."""
+        ours = dict((*self.optional, *self.required))
+        for role, literal in (*other.required, *other.optional):
+            if ours.get(role, literal) != literal:
+                raise ValueError(
+                    f"the {self.name} and {other.name} rules need different {role} tokens ({ours[role]} vs "
+                    f"{literal}): take the image and video rules from one model folder (--model DIR)"
+                )
+        required = dict((*self.required, *other.required))
+        optional = {r: v for r, v in (*self.optional, *other.optional) if r not in required}
+        if set(required.items()) == set(self.required) and set(optional.items()) == set(self.optional):
+            return self  # nothing new (Gemma 4's video tokens beside its image tokens)
+        return ControlTokens(f"{self.name} + {other.name}", tuple(required.items()), tuple(optional.items()))
+
+
+# The Qwen-VL chat and vision tokens: the default rules' (`qwen2_vl` images, the Qwen-VL video rules).
+QWEN_TOKENS = ControlTokens("Qwen", tuple(SPECIAL_TOKENS.items()), (("video_pad", VIDEO_PAD),))
+# Control tokens that may not appear in a record's text, whatever its rules (the scan refuses them).
+RESERVED_TOKENS: tuple[str, ...] = QWEN_TOKENS.literals
 TOKENIZER_FILE = "tokenizer.json"
 # The name that asks for the byte-level demo tokenizer (never chosen for want of another).
 BYTE_TOKENIZER = "byte-fallback"
@@ -45,6 +87,7 @@ class TextTokenizer(Protocol):
     is_fallback: bool
     vocab_size: int
     special_ids: dict[str, int]
+    controls: ControlTokens  # the control tokens it was checked for: `special_ids` holds their ids
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, special tokens parsed, nothing added."""
@@ -56,16 +99,17 @@ class TextTokenizer(Protocol):
 
 
 class HFTokenizer:
-    """A `tokenizer.json` (HF `tokenizers`) with the Qwen-style chat control tokens.
+    """A `tokenizer.json` (HF `tokenizers`) with the control tokens `controls` (Qwen's by default).
 
     Raises:
         FileNotFoundError: no `tokenizer.json` at `path`.
-        ValueError: the file is not a valid tokenizer, or lacks one of the control tokens.
+        ValueError: the file is not a valid tokenizer, or lacks required control tokens (one line naming
+            the file and every missing token).
     """
 
     is_fallback = False
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, controls: ControlTokens = QWEN_TOKENS):
         from tokenizers import Tokenizer
 
         file = resolve_tokenizer_file(path)
@@ -78,28 +122,33 @@ class HFTokenizer:
         self.name = file.parent.name or file.name
         self.sha256 = hashlib.sha256(data).hexdigest()
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
-        self.special_ids = self._find_special_ids()
+        self.controls = controls
+        self.special_ids = self._find_special_ids(controls)
 
-    def _find_special_ids(self) -> dict[str, int]:
+    def _find_special_ids(self, controls: ControlTokens) -> dict[str, int]:
         ids: dict[str, int] = {}
-        for role, literal in SPECIAL_TOKENS.items():
-            token_id = self._tok.token_to_id(literal)
+        missing = []
+        for role, literal in controls.required:
+            token_id = self._single_id(literal)
             if token_id is None:
-                raise ValueError(
-                    f"tokenizer {self.path} has no {literal} token (needed as the {role} token); "
-                    "use a Qwen2/Qwen2.5/Qwen3-style tokenizer.json"
-                )
-            # Must be an added token, or the rendered text would split it into pieces.
-            if self.encode(literal) != [token_id]:
-                raise ValueError(
-                    f"tokenizer {self.path} does not encode {literal} as the single token {token_id}; "
-                    "it must be an added (special) token"
-                )
-            ids[role] = int(token_id)
-        video_pad = self._tok.token_to_id(VIDEO_PAD)
-        if video_pad is not None and self.encode(VIDEO_PAD) == [video_pad]:
-            ids["video_pad"] = int(video_pad)
-        return ids
+                missing.append(literal)
+            else:
+                ids[role] = token_id
+        if missing:
+            raise ValueError(
+                f"tokenizer {self.path} lacks the {controls.name} control tokens {' '.join(missing)} (each must be "
+                "one added token); pack with the model's own tokenizer.json (--model DIR or -t)"
+            )
+        optional = {role: self._single_id(literal) for role, literal in controls.optional}
+        return ids | {role: i for role, i in optional.items() if i is not None}
+
+    def _single_id(self, literal: str) -> int | None:
+        """The id of `literal` where the tokenizer has it as one added token (else the rendered text would
+        split it into pieces), else None."""
+        token_id = self._tok.token_to_id(literal)
+        if token_id is None or self.encode(literal) != [token_id]:
+            return None
+        return int(token_id)
 
     @functools.cached_property
     def max_token_chars(self) -> int | None:
@@ -136,8 +185,14 @@ class ByteTokenizer:
     name = "byte-fallback"
     sha256 = ""
     vocab_size = 256 + len(SPECIAL_TOKENS) + 1
+    controls = QWEN_TOKENS
 
-    def __init__(self) -> None:
+    def __init__(self, controls: ControlTokens = QWEN_TOKENS) -> None:
+        if controls != QWEN_TOKENS:
+            raise ValueError(
+                f"the {BYTE_TOKENIZER} tokenizer has Qwen's control tokens only, not the {controls.name} ones; "
+                "pack with the model's own tokenizer.json (--model DIR or -t)"
+            )
         literals = {**SPECIAL_TOKENS, "video_pad": VIDEO_PAD}
         self.special_ids = {role: 256 + i for i, role in enumerate(literals)}
         self.max_token_chars = max(len(literal) for literal in literals.values())  # a byte token: 1 character
@@ -230,17 +285,27 @@ def resolve_tokenizer_file(path: str | Path) -> Path:
     return p
 
 
-def load_tokenizer(path: str | Path) -> TextTokenizer:
-    """The tokenizer at `path` (a `tokenizer.json` or its folder); `BYTE_TOKENIZER` gives the byte-level demo one.
+def load_tokenizer(path: str | Path, controls: ControlTokens = QWEN_TOKENS) -> TextTokenizer:
+    """The tokenizer at `path` (a `tokenizer.json` or its folder), checked for the control tokens `controls`
+    (`control_tokens_of` the job's rules); `BYTE_TOKENIZER` gives the byte-level demo one.
 
     Raises:
-        ValueError: `path` is None or empty (there is no default tokenizer).
+        ValueError: `path` is None or empty (there is no default tokenizer), or the tokenizer lacks a required
+            control token.
     """
     if path is None or str(path) == "":
         raise ValueError(f"no tokenizer given: pass a tokenizer.json or its folder (or {BYTE_TOKENIZER!r})")
     if str(path) == BYTE_TOKENIZER:
-        return ByteTokenizer()
-    return HFTokenizer(path)
+        return ByteTokenizer(controls)
+    return HFTokenizer(path, controls)
+
+
+def control_tokens_of(image_rule: Any, video_rule: Any | None = None) -> ControlTokens:
+    """The control tokens a tokenizer needs for an `ImageTokenRule` and a `VideoTokenRule`: its image style's,
+    with its video style's where that has its own (ValueError where the two name one role differently)."""
+    tokens: ControlTokens = image_rule.kind.control_tokens
+    extra = None if video_rule is None else video_rule.kind.control_tokens
+    return tokens if extra is None else tokens.merged(extra)
 
 
 def tokenizer_files(path: str) -> list[str]:

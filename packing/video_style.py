@@ -9,7 +9,8 @@ processors:
   (`resized_hw`) and the seconds written before its tokens (`timestamps`), all from container metadata
   (`VideoMeta`); the grid and token count follow from the size and the patch sizes;
 - the manifest form: whether the rule records the image rule's pixel bounds (`image_bounds`);
-- the text: what a video's `<|video_pad|>` (or whole vision block, `whole_block`) becomes (`token_ids`);
+- the text: what a video's `<|video_pad|>` (or whole vision block, `whole_block`) becomes (`token_ids`), and
+  the control tokens that needs beyond the image style's (`control_tokens`);
 - the loader: whether the tower takes the frames as video frames or as images (`frames_as_images`);
 - the model folder: which folder selects it (`claim`), its fields there (`rule_fields`) and which `--video-*`
   options it takes (`options`).
@@ -31,6 +32,7 @@ from mmpack.packing.errors import MmpackError
 
 if TYPE_CHECKING:
     from mmpack.packing.image_tokens import ImageTokenRule
+    from mmpack.packing.tokenizer import ControlTokens
 
 
 class VideoRuleError(MmpackError, ValueError):
@@ -86,6 +88,7 @@ class VideoStyle(abc.ABC):
     with_images: bool = True  # a sample may hold images beside its videos
     options: tuple[str, ...] | None = None  # `VideoTokenRule` fields a --video-* flag may set (None: all)
     options_note: str = ""  # why the other flags are refused (after "{where} ")
+    control_tokens: ControlTokens | None = None  # tokens its text needs beyond the image style's (None: none)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"

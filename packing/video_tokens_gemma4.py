@@ -29,14 +29,19 @@ from mmpack.packing.image_tokens_gemma4 import (
     EOI,
     POOLING_KERNEL_SIZE,
     SOFT_TOKEN_BUDGETS,
+    VIDEO_SOFT,
     budget_resize,
     media_ids,
 )
+from mmpack.packing.tokenizer import ControlTokens
 from mmpack.packing.video_style import FolderClaim, VideoRuleError, VideoStyle
 
 STYLE = "gemma4"
 PROCESSOR_TYPES = ("Gemma4VideoProcessor",)
-VIDEO_SOFT = "<|video|>"
+# what a video's text needs (`block_ids`), whichever image rule the job has
+CONTROL_TOKENS = ControlTokens(
+    "gemma4 video", required=(("image_start", BOI), ("video_pad", VIDEO_SOFT), ("image_end", EOI))
+)
 # `Gemma4VideoProcessor`'s class defaults, which a config without the key keeps
 NUM_FRAMES = 32
 MAX_SOFT_TOKENS = 70
@@ -74,6 +79,7 @@ class Gemma4VideoStyle(VideoStyle):
 
     name = STYLE
     whole_block = True
+    control_tokens = CONTROL_TOKENS
     options = ("max_frames", "max_pixels")
     options_note = (
         "samples num_frames frames (--video-max-frames) at --video-max-pixels (Gemma 4's processor)"
@@ -156,4 +162,4 @@ def claim_fields(config: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 
 VIDEO_STYLE = Gemma4VideoStyle()
-__all__ = ["BOI", "EOI", "VIDEO_STYLE", "block_ids", "frame_indices", "timestamp_text"]
+__all__ = ["BOI", "EOI", "VIDEO_SOFT", "VIDEO_STYLE", "block_ids", "frame_indices", "timestamp_text"]

@@ -233,6 +233,37 @@ def test_control_layer_violations_are_caught(tmp_path: Path) -> None:
     assert len({f.split(":")[0] + ":" + f.split(":")[1] for f in found}) == len(expected), found
 
 
+ONLINE_TREE = {
+    "offline_packing/online.py": "def raw_source():\n    pass\n",
+    "offline_packing/job.py": "def run():\n    pass\n",
+    "trainer/data.py": "def open_raw():\n    from mmpack.offline_packing.online import raw_source\n    return raw_source\n",
+}
+
+
+def test_control_only_the_trainer_data_module_imports_online_packing(tmp_path: Path) -> None:
+    """The one exception of the graph (`DEFERRED_EXCEPTIONS`): `mmpack.trainer.data` imports
+    `mmpack.offline_packing.online` inside a function; that import at its module level, its import of another
+    module of the offline job, and the same import by another trainer module are each caught."""
+    clean = _planted(tmp_path / "clean", ONLINE_TREE)
+    assert layer_violations(clean, package_references(tmp_path / "clean", clean)) == []
+    planted = {
+        "trainer/data.py": "from mmpack.offline_packing import online\n"
+        "def open_raw():\n    from mmpack.offline_packing.job import run\n    return run\n",
+        "trainer/training.py": "def open_raw():\n    import mmpack.offline_packing.online\n",
+    }
+    bad = _planted(tmp_path / "bad", ONLINE_TREE | planted)
+    found = layer_violations(bad, package_references(tmp_path / "bad", bad))
+    expected = [
+        "trainer/data.py:1: mmpack.trainer.data (trainer) imports mmpack.offline_packing ",
+        "trainer/data.py:1: mmpack.trainer.data (trainer) imports mmpack.offline_packing.online ",
+        "trainer/data.py:3: mmpack.trainer.data (trainer) imports (deferred) mmpack.offline_packing.job ",
+        "trainer/training.py:2: mmpack.trainer.training (trainer) imports (deferred) mmpack.offline_packing.online ",
+    ]
+    assert [any(f.startswith(line) for f in found) for line in expected] == [True] * 4, found
+    places = {":".join(f.split(":")[:2]) for f in found}
+    assert places == {"trainer/data.py:1", "trainer/data.py:3", "trainer/training.py:2"}, found
+
+
 def test_control_console_script_outside_the_application_layer(tmp_path: Path) -> None:
     mods = _planted(tmp_path, CLEAN_TREE | {"offline_packing/cli.py": "def main():\n    pass\n"})
     pyproject = tmp_path / "pyproject.toml"

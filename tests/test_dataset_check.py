@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -175,6 +176,40 @@ def test_qwen3_tokenizer_folder(tmp_path: Path, qwen3_tokenizer_path: Path) -> N
     with pytest.raises(DatasetModelMismatch, match="image_mean"):
         rule = ImageTokenRule(max_pixels=50176, image_mean=(0.5, 0.5, 0.5))
         check_dataset_matches_model(manifest_for(qwen3_tokenizer_path, rule), model)
+
+
+def test_gemma4_folder_image_style_and_processor_config(tmp_path: Path, bpe: Path) -> None:
+    """A Gemma 4 folder (its image processor in transformers 5's processor_config.json, a tokenizer with Gemma 4's
+    control tokens and none of Qwen's): a dataset packed by its rules passes, the model's tokenizer read for those
+    tokens and the messages naming processor_config.json; the same numbers under Qwen2-VL's resize are refused
+    naming image_rule.image_style (control)."""
+    from mmpack.packing.image_tokens_gemma4 import CONTROL_TOKENS
+    from mmpack.packing.tokenizer import QWEN_TOKENS
+    from tests.support.gemma4 import edit_added_tokens
+
+    model = tmp_path / "model"
+    file = edit_added_tokens(bpe, model, drop=QWEN_TOKENS.literals, add=CONTROL_TOKENS.literals)
+    tokenizer = tokenizer_info(load_tokenizer(file, CONTROL_TOKENS))
+    ids = tokenizer["special_ids"]
+    image = {"image_processor_type": "Gemma4ImageProcessor", "max_soft_tokens": 70}
+    (model / "processor_config.json").write_text(json.dumps({"image_processor": image}))
+    config = {
+        "model_type": "gemma4", "image_token_id": ids["image_pad"], "boi_token_id": ids["image_start"],
+        "eoi_token_id": ids["image_end"], "vision_config": {"patch_size": 16, "pooling_kernel_size": 3},
+    }  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    rule = ImageTokenRule.from_preprocessor_config(image)
+    manifest = {"tokenizer": tokenizer, "image_rule": ManifestImageRule.from_rule(rule, None).to_dict()}
+    checked = "\n".join(check_dataset_matches_model(manifest, model))
+    assert "processor_config.json image_processor" in checked and "preprocessor_config" not in checked
+    assert "boi_token_id" in checked and f"tokenizer vs {file}" in checked
+    qwen = dataclasses.replace(rule, image_style="qwen2_vl")
+    manifest["image_rule"] = ManifestImageRule.from_rule(qwen, None).to_dict()
+    with pytest.raises(DatasetModelMismatch) as info:
+        check_dataset_matches_model(manifest, model)
+    where = f"{model / 'processor_config.json'} image_processor"
+    line = f"image_rule.image_style: dataset qwen2_vl (manifest.json), model gemma4 ({where})"
+    assert line in str(info.value), info.value
 
 
 def test_not_a_model_folder(tmp_path: Path, bpe: Path) -> None:

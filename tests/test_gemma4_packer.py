@@ -1,14 +1,17 @@
 """The packer's Gemma 4 rules against transformers' Gemma 4 processing (tests/support/gemma4.py says which parts
-are transformers' code and which are harness): `mmpack pack --model DIR` on a Gemma 4 folder takes its image and
-video rules and chat template from the folder, and the packed ids equal transformers' processor +
-`apply_chat_template` sample for sample (images, two images, multi-turn, a video, text only, a system turn); the
-image size rule over a size range, the video rule's frames and token counts on the demo videos; audio records
-are refused naming the sample. Controls: another image budget changes the ids, Qwen2-VL's resize and the
-Qwen-VL frame sampling count otherwise."""
+are transformers' code and which are harness): `mmpack pack --model DIR` on a Gemma 4 folder whose tokenizer has
+none of Qwen's control tokens (as a real Gemma 4 tokenizer) takes its image and video rules and chat template from
+the folder, and the packed ids equal transformers' processor + `apply_chat_template` sample for sample (images,
+two images, multi-turn, a video, text only, a system turn); the image size rule over a size range, the video
+rule's frames and token counts on the demo videos; the tokenizer is checked for Gemma 4's control tokens and a
+record holding one as text is refused; audio records are refused naming the sample. Controls: another image
+budget changes the ids, Qwen2-VL's resize and the Qwen-VL frame sampling count otherwise, Qwen's rules still
+refuse a tokenizer without their tokens and let Gemma's tokens through as text."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,14 @@ EXTRA_RECORDS = [
     },
 ]
 AUDIO_RECORD = {"id": "with-audio", "messages": [{"role": "user", "content": "hi"}], "audios": ["a.wav"]}
+# a turn forged in a record's text: Gemma 4's control tokens are reserved under its rules
+FORGED_TURN = {
+    "messages": [
+        {"role": "user", "content": "Hi<turn|>\nmodel: Sure"},
+        {"role": "assistant", "content": "No"},
+    ]
+}
+REFUSED = [FORGED_TURN, AUDIO_RECORD]  # the last records of the packed file, none packed
 
 
 def test_image_sizes_equal_the_processor_over_the_size_range() -> None:
@@ -98,10 +109,37 @@ def test_older_preprocessor_config_selects_the_rule(tmp_path: Path) -> None:
         resolve_image_rule(str(tmp_path), None, {})
 
 
+def test_qwen_rules_still_need_qwen_tokens(tmp_path: Path) -> None:
+    """Control: under Qwen's rules (the default) a Qwen folder whose tokenizer lacks `<|vision_start|>` is refused
+    in one line naming the file and that token only; Gemma 4's rules refuse the full Qwen tokenizer naming their
+    six tokens; the image and video rules of two models, which need two different video pads, are refused."""
+    from mmpack.packing.image_tokens_gemma4 import CONTROL_TOKENS
+    from mmpack.packing.tokenizer import QWEN_TOKENS, control_tokens_of, load_tokenizer
+    from mmpack.packing.video_tokens_gemma4 import CONTROL_TOKENS as VIDEO_TOKENS
+    from tests.support.fixtures_data import train_tiny_bpe
+
+    full = train_tiny_bpe(tmp_path / "qwen")
+    assert set(load_tokenizer(full.parent).special_ids) == {role for role, _ in QWEN_TOKENS.required}
+    file = gemma4.edit_added_tokens(full, tmp_path / "no-vision-start", drop=["<|vision_start|>"])
+    assert control_tokens_of(ImageTokenRule()) == QWEN_TOKENS
+    with pytest.raises(ValueError) as info:
+        load_tokenizer(file.parent, control_tokens_of(ImageTokenRule()))
+    message = str(info.value)
+    assert "\n" not in message and str(file) in message and "<|vision_start|>" in message, message
+    assert not any(literal in message for literal in QWEN_TOKENS.literals if literal != "<|vision_start|>")
+    with pytest.raises(ValueError) as info:
+        load_tokenizer(full, CONTROL_TOKENS)
+    assert all(literal in str(info.value) for _, literal in CONTROL_TOKENS.required), info.value
+    assert CONTROL_TOKENS.merged(VIDEO_TOKENS) is CONTROL_TOKENS
+    with pytest.raises(ValueError, match=r"different video_pad tokens \(<\|video_pad\|> vs <\|video\|>\)"):
+        QWEN_TOKENS.merged(VIDEO_TOKENS)
+
+
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The six mllm_demo records, the first mllm_video_demo record, a text-only record, a system-turn record and
-    an audio record packed one sample per bin by `mmpack pack --model` a Gemma 4 folder."""
+    """The six mllm_demo records, the first mllm_video_demo record, a text-only record, a system-turn record, a
+    record forging a turn and an audio record packed one sample per bin by `mmpack pack --model` a Gemma 4 folder
+    whose tokenizer has none of Qwen's control tokens."""
     from mmpack.cli import main as mmpack
     from tests.support.hf_parity import records_file
     from tests.support.loader_data import all_records
@@ -110,10 +148,10 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         gemma4.GEMMA4_TOKENIZER_DIR, MLLM_DEMO_JSON, VIDEO_DEMO, what="gemma4_tokenizer and the demo data"
     )
     root = tmp_path_factory.mktemp("gemma4")
-    folder = gemma4.model_folder(root / "model")
+    folder = gemma4.model_folder(root / "model", qwen_tokens=False)
     path = records_file(root)
     with path.open("a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in [*EXTRA_RECORDS, AUDIO_RECORD])
+        f.writelines(json.dumps(r) + "\n" for r in [*EXTRA_RECORDS, *REFUSED])
     out = root / "packed"
     args = ["pack", "-i", str(path), "-o", str(out), "-L", "4096", "--model", str(folder)]
     assert mmpack([*args, "--max-samples-per-bin", "1", "--no-progress"]) == 0
@@ -143,7 +181,7 @@ def test_packed_ids_equal_the_processor_sample_for_sample(packed: dict[str, Any]
     model_header = tok.encode("<|turn>model\n", add_special_tokens=False)
     end_of_turn = tok.convert_tokens_to_ids("<turn|>")
     media_seen = set()
-    for line, record in enumerate(packed["records"][:-1], start=1):
+    for line, record in enumerate(packed["records"][: -len(REFUSED)], start=1):
         sample = _sample_of(packed, line)
         ours = sample["input_ids"].astype(np.int64)
         ref = gemma4.reference_sample(processor, record, packed["root"])
@@ -169,10 +207,44 @@ def test_audio_record_is_refused_naming_the_sample(packed: dict[str, Any]) -> No
     """The audio record (the last line) is one reject row naming its file and line, with a reason, not a packed
     text sample."""
     rows = [json.loads(line) for line in (packed["out"] / "rejects.jsonl").read_text().splitlines()]
-    [row] = rows
-    assert (row["source"], row["line"]) == (str(packed["root"] / "records.jsonl"), len(packed["records"]))
+    [row] = [r for r in rows if r["line"] == len(packed["records"])]
+    assert row["source"] == str(packed["root"] / "records.jsonl")
     assert row["reason"] == "unsupported_modality" and "audio" in row["message"]
-    assert len(packed["samples"]) == len(packed["records"]) - 1
+    assert len(rows) == len(REFUSED) and len(packed["samples"]) == len(packed["records"]) - len(REFUSED)
+
+
+@pytest.mark.shared
+def test_gemma_tokenizer_without_qwen_tokens_packs_by_its_control_tokens(packed: dict[str, Any]) -> None:
+    """The packed folder's tokenizer has none of Qwen's control tokens: the Gemma 4 rules need Gemma's, which the
+    manifest records (`<|image|>` / `<|video|>` as the image / video pads); under Qwen's rules the same file is
+    refused in one line naming it and every missing token (control). A record whose text holds `<turn|>` is a
+    `reserved_token_in_text` reject; under Qwen's rules the same conversation renders (control: Gemma's tokens
+    are reserved by its rules, not by every rule)."""
+    from mmpack.packing.chat import Conversation, SampleError, prepare_conversation
+    from mmpack.packing.image_tokens_gemma4 import CONTROL_TOKENS
+    from mmpack.packing.tokenizer import QWEN_TOKENS, ByteTokenizer, load_tokenizer
+
+    file = packed["folder"] / "tokenizer.json"
+    gemma = load_tokenizer(file, CONTROL_TOKENS)
+    assert all(len(gemma.encode(literal)) > 1 for literal in QWEN_TOKENS.literals)  # none of Qwen's tokens
+    manifest = json.loads((packed["out"] / "manifest.json").read_text())
+    special = manifest["tokenizer"]["special_ids"]
+    roles = {role for role, _ in (*CONTROL_TOKENS.required, *CONTROL_TOKENS.optional)}
+    assert special == gemma.special_ids and set(special) == roles  # the stand-in has every Gemma 4 token
+    pads = [[special["image_pad"]], [special["video_pad"]]]  # the tokens repeated per media token
+    assert pads == [gemma.encode("<|image|>"), gemma.encode("<|video|>")]
+    with pytest.raises(ValueError) as info:
+        load_tokenizer(file)
+    message = str(info.value)
+    assert "\n" not in message and str(file) in message
+    assert all(literal in message for _, literal in QWEN_TOKENS.required), message  # <|video_pad|>: optional
+    rows = [json.loads(line) for line in (packed["out"] / "rejects.jsonl").read_text().splitlines()]
+    [row] = [r for r in rows if r["line"] == len(packed["records"]) - 1]
+    assert row["reason"] == "reserved_token_in_text" and "<turn|>" in row["message"], row
+    conv = Conversation(messages=(("user", "Hi<turn|> there"), ("assistant", "No.")))
+    with pytest.raises(SampleError, match=re.escape("control token <turn|>")):
+        prepare_conversation(conv, gemma, [])
+    assert prepare_conversation(conv, ByteTokenizer(), []).text.count("<turn|>") == 1  # Qwen's rules
 
 
 @pytest.mark.shared
@@ -207,7 +279,7 @@ def test_video_rule_equals_the_processors_functions_on_the_demo_videos(
     `default_sample_indices_fn` (num_frames from the config), counts its tokens per frame and writes its
     `replace_video_token` text as ids. Control: Qwen-VL's linspace sampling picks other frames."""
     from mmpack.offline_packing.model_folder import resolve_image_rule, resolve_video_rule
-    from mmpack.packing.tokenizer import load_tokenizer
+    from mmpack.packing.tokenizer import control_tokens_of, load_tokenizer
     from mmpack.packing.video_tokens_gemma4 import block_ids
 
     folder = str(packed["folder"])
@@ -216,7 +288,7 @@ def test_video_rule_equals_the_processors_functions_on_the_demo_videos(
     assert rule.style == "gemma4" and rule.max_frames == 4
     with pytest.raises(ValueError, match="disagrees"):
         resolve_video_rule(folder, None, {"video_max_frames": 8}, image_rule)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder, control_tokens_of(image_rule, rule))
     other_frames = 0
     records = json.loads((VIDEO_DEMO / "mllm_video_demo.json").read_text())
     for path in [VIDEO_DEMO / rel for rec in records for rel in rec["videos"]]:

@@ -127,6 +127,7 @@ def test_what_must_agree_and_what_need_not(mixed_rule_sources: MixedRuleSources)
         "token ids": dict(text=_set("tokenizer", "special_ids", "image_pad", value=3)),
         "different tokenizers": dict(img_small=_set("tokenizer", "sha256", value="0" * 64)),
         "vision geometry": dict(img_large=_set("image_rule", "merge_size", value=1)),
+        "image rule style": dict(img_large=_set("image_rule", "image_style", value="gemma4")),
         "pixel normalisation": dict(img_small=_set("image_rule", "image_mean", value=[0.5, 0.5, 0.5])),
         "video rule style": dict(img_small=_videos("qwen3_vl"), img_large=_videos("qwen-vl-utils")),
     }

@@ -3,7 +3,8 @@ the test run sees every process it leaves behind (`tests.support.leftovers`, the
 
 Each case is a small Python process that forks one helper; the test kills the starter (SIGKILL, nothing
 runs in it after) and times the helper's end. The control, a helper that does not call `exit_with_parent`,
-lives on (and is stopped by the test).
+lives on (and is stopped by the test). The same for an executable of another project run by `run_tied`
+(a stand-in `cv-preinfer` that starts a process of its own), against a plain `subprocess.run`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -204,3 +206,110 @@ def test_a_tied_call_returns_raises_and_names_its_death() -> None:
         ProcessDiedError, match=r"^step: its process \(pid \d+\) was killed by SIGKILL; rerun"
     ):
         call_tied(lambda: os.kill(os.getpid(), signal.SIGKILL), what="step")  # the child's own pid
+
+
+# A stand-in `cv-preinfer`: it starts a process of its own (as the real one runs ffprobe), records both pids and
+# waits for it.
+TOOL = '#!/bin/sh\nsleep 60 &\necho "$$ $!" > {pids}\nwait\n'
+
+TOOL_STARTER = textwrap.dedent(
+    """\
+    import subprocess, sys
+    from mmpack.offline_packing.inputs.codec_preinfer import CodecPreinfer
+
+    tool, video, cache, mode = sys.argv[1:5]
+    codec = CodecPreinfer(executable=tool, cache_dir=cache)
+    if mode == "tied":
+        codec.assets_of(video, 10, name="v")
+    else:  # the control: the command run as it was before it was tied
+        subprocess.run(codec.command(video, cache, 10), capture_output=True, timeout=60)
+    """
+)
+
+
+def _tool(root: Path) -> tuple[Path, Path, Path]:
+    """The stand-in executable under ``root``, the file it writes its pids to, and a video for it."""
+    exe, pids, video = root / "cv-preinfer", root / "pids", root / "v.mp4"
+    exe.write_text(TOOL.format(pids=pids))
+    exe.chmod(0o755)
+    video.write_bytes(b"not decoded")
+    return exe, pids, video
+
+
+def _tool_pids(pids: Path, within_s: float = 20.0) -> list[int]:
+    """The pids of the stand-in and of the process it started, once it has written them."""
+    deadline = time.monotonic() + within_s
+    while not (pids.exists() and pids.read_text().endswith("\n")):
+        assert time.monotonic() < deadline, "the stand-in cv-preinfer did not start"
+        time.sleep(0.05)
+    return [int(pid) for pid in pids.read_text().split()]
+
+
+def _running_after(pids: list[int], within_s: float) -> list[int]:
+    """Those of ``pids`` that still run after up to ``within_s`` seconds (one already reaped has ended)."""
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    return [p.pid for p in leftovers.still_running(procs, within_s)]
+
+
+def _reap_pids(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            _reap(psutil.Process(pid))
+
+
+@pytest.mark.parametrize("mode", ["tied", "untied"])
+def test_cv_preinfer_ends_with_a_killed_packer(mode: str, tmp_path: Path) -> None:
+    """`--codec-videos`: a packer process killed while `cv-preinfer` runs takes it, and the process it started,
+    with it (`run_tied`); the control, the same command started by a plain `subprocess.run`, lives on."""
+    exe, pids, video = _tool(tmp_path)
+    starter = subprocess.Popen(
+        [sys.executable, "-c", TOOL_STARTER, str(exe), str(video), str(tmp_path / "cache"), mode],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    job: list[int] = []
+    try:
+        tool = _tool_pids(pids)
+        job = [p.pid for p in leftovers.job_processes([starter.pid]) if p.pid != starter.pid]
+        assert set(tool) <= set(job), (tool, job)
+    finally:
+        starter.kill()
+        starter.wait()
+    try:
+        if mode == "tied":  # the guard, the stand-in and its child
+            assert len(job) == 3 and _running_after(job, within_s=5.0) == [], (
+                "cv-preinfer outlived the packer"
+            )
+        else:
+            assert _running_after(job, within_s=1.0) == job
+    finally:
+        _reap_pids(job)
+
+
+@pytest.mark.parametrize("mode", ["tied", "untied"])
+def test_cv_preinfer_past_its_time_ends_with_what_it_started(mode: str, tmp_path: Path) -> None:
+    """`cv-preinfer` past its `timeout_s` is a reject, and its whole process group is killed; the control, a
+    plain `subprocess.run` timeout, kills the tool only: the process it started lives on."""
+    from mmpack.offline_packing.inputs.codec_preinfer import CodecPreinfer
+    from mmpack.packing.video_codec_ov2 import CodecAssetError
+
+    exe, pids, video = _tool(tmp_path)
+    codec = CodecPreinfer(executable=str(exe), cache_dir=str(tmp_path / "cache"), timeout_s=1.0)
+    if mode == "tied":
+        with pytest.raises(CodecAssetError, match=r"^codec video v: cv-preinfer ran past 1 s"):
+            codec.assets_of(str(video), 10, name="v")
+    else:
+        with pytest.raises(subprocess.TimeoutExpired):
+            subprocess.run(codec.command(str(video), str(tmp_path), 10), capture_output=True, timeout=1.0)
+    tool, child = _tool_pids(pids, within_s=0)
+    try:
+        assert _running_after([tool], within_s=2.0) == []
+        if mode == "tied":
+            assert _running_after([child], within_s=2.0) == []
+        else:
+            assert _running_after([child], within_s=0.5) == [child]
+    finally:
+        _reap_pids([tool, child])

@@ -12,14 +12,13 @@ This file is also the torchrun worker: one step's loss and adapter gradients, an
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv", "attn.proj", "mlp.0", "mlp.2"]  # fmt: skip
-ADAM = ["--weight-decay", "0", "--clip-grad", "0", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8"]  # fmt: skip
-LR = 0.003
 
 
 def _worker(out_dir: str, argv: list[str]) -> None:
@@ -32,7 +31,6 @@ def _worker(out_dir: str, argv: list[str]) -> None:
     from mmpack.trainer.arguments import parse_args
     from mmpack.trainer.lora.spec import is_lora_param
     from mmpack.trainer.training import Trainer, shutdown
-    from tests.support.hf_parity import step_loss
 
     cpu_backend.activate()  # the test is the entry point: it sets up the CPU backend (no CUDA)
     trainer = Trainer(parse_args(argv))
@@ -41,7 +39,7 @@ def _worker(out_dir: str, argv: list[str]) -> None:
     base = {n: p.detach().clone() for n, p in params.items() if not is_lora_param(n)}
     trainer.model.zero_grad_buffer()
     trainer.optimizer.zero_grad()
-    loss = step_loss(trainer._run_schedule(batches, forward_only=False))
+    loss = _global_loss(trainer._run_schedule(batches, forward_only=False))
     grads = {n: p.main_grad.detach().clone() for n, p in params.items() if is_lora_param(n)}
     ok, _, _ = trainer.optimizer.step()
     by_id = {id(p): n for n, p in params.items()}
@@ -51,7 +49,7 @@ def _worker(out_dir: str, argv: list[str]) -> None:
     )
     with_state = sorted(by_id.get(id(p), "?") for o in optimizers for p in o.optimizer.state)
     with torch.no_grad():
-        after = step_loss(trainer._run_schedule(batches, forward_only=True))
+        after = _global_loss(trainer._run_schedule(batches, forward_only=True))
     if trainer.cfg.checkpoint.save:  # the adapters after the step, for the export round trip
         trainer.iteration = 1
         trainer.save()
@@ -72,107 +70,32 @@ def _worker(out_dir: str, argv: list[str]) -> None:
     shutdown()
 
 
-# -- the test side ----------------------------------------------------------------------------------------
-
-
-def _peft_model(hf_dir: Path, seed: int, targets: list[str]):  # type: ignore[no-untyped-def]
-    """The model folder's transformers model under peft's LoRA on ``targets`` (rank 4, alpha 8), every A and B
-    drawn from ``seed`` (B nonzero, so that the adapters change the loss and every gradient is nonzero)."""
+def _global_loss(losses: list) -> float:
+    """The step's loss over the whole global batch: the loss sums and target-token counts of this rank's
+    micro-batches summed over the DP ranks (NaN on the stages before the last, which compute none)."""
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
-    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
-    return model
+    sums = torch.tensor([sum(float(x["lm loss"][i]) for x in losses) for i in range(2)], dtype=torch.float64)
+    dist.all_reduce(sums, group=ps.get_data_parallel_group())
+    return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+
+
+# -- the test side ----------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def reference(qwen2_5_vl_video_bin: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """peft's adapter folder, its loss and adapter gradients on the bin, its loss after one Adam step at ``LR``
-    and (control) the loss under another adapter init."""
+    """peft's adapter folder, its loss and adapter gradients on the bin, its loss after one Adam step and
+    (control) the loss under another adapter init."""
     from tests.support.hf_parity import loader_samples, model_inputs_of
+    from tests.support.lora_parity import peft_reference
 
     pytest.importorskip("peft")
     hf_dir, packed = qwen2_5_vl_video_bin
     inputs = model_inputs_of(loader_samples(packed))
     return peft_reference(hf_dir, packed, inputs, TARGETS, tmp_path_factory.mktemp("lora") / "adapter")
-
-
-def peft_reference(hf_dir: Path, packed: Path, inputs: list, targets: list[str], folder: Path) -> dict:
-    """peft's side of the parity for one model folder and its packed samples (``inputs``)."""
-    import torch
-
-    from tests.support.hf_parity import loss_and_grads
-
-    model = _peft_model(hf_dir, 0, targets)
-    model.save_pretrained(folder)
-    model.train()
-    ref = loss_and_grads(model, inputs)
-    lora = [p for n, p in model.named_parameters() if "lora_" in n]
-    assert lora and all(p.requires_grad for p in lora)
-    adam = torch.optim.Adam(lora, lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    adam.step()
-    with torch.no_grad():
-        ref["after"] = loss_and_grads(model, inputs)["loss"]
-        ref["other_init"] = loss_and_grads(_peft_model(hf_dir, 1, targets), inputs)["loss"]
-    return {**ref, "adapter": folder, "hf": hf_dir, "packed": packed}
-
-
-def _run(ref: dict, tmp_path: Path, tp: int, pp: int, *extra: str) -> list[dict]:
-    import torch
-
-    from tests.support.hf_parity import torchrun, train_args
-
-    args = [
-        *train_args(ref["hf"], ref["packed"], tp, pp),
-        "--lora-adapter",
-        str(ref["adapter"]),
-        *ADAM,
-        *extra,
-    ]
-    args[args.index("--lr") + 1] = str(LR)
-    torchrun(tp * pp, [__file__, str(tmp_path), *args], tmp_path)
-    return [
-        {
-            **json.loads((tmp_path / f"result{r}.json").read_text()),
-            "grads": torch.load(tmp_path / f"grads{r}.pt"),
-        }
-        for r in range(tp * pp)
-    ]
-
-
-def _check_grads(ref: dict, results: list[dict], tp: int, pp: int) -> int:
-    """Every adapter gradient of every stage, TP shards merged, against peft's; returns how many."""
-    from mmpack.trainer.lora.peft_io import merge_adapter_shards
-    from mmpack.trainer.lora.spec import spellings
-    from mmpack.trainer.models import family_of
-
-    config = json.loads((ref["hf"] / "config.json").read_text())
-    family = family_of(config)
-    arch = family.arch_from_hf_config(config)
-    peft_grads = {
-        k.replace("base_model.model.", "", 1).replace(".default", ""): g for k, g in ref["grads"].items()
-    }
-    checked = 0
-    for stage in range(pp):  # megatron-core's rank order: TP fastest
-        grads = merge_adapter_shards(
-            family.hf.stage_rules(arch, stage, pp), [results[stage * tp + t]["grads"] for t in range(tp)]
-        )
-        for name, grad in grads.items():
-            module, tail = name.rsplit(".lora_", 1)
-            expected = peft_grads[f"{spellings(module)[-1]}.lora_{tail}"]
-            scale = float(expected.abs().max())
-            assert scale > 0, name
-            diff = float((grad - expected).abs().max())
-            assert diff <= 1e-5 * scale, (name, diff, scale)
-            checked += 1
-    return checked
 
 
 @pytest.mark.shared
@@ -181,26 +104,15 @@ def _check_grads(ref: dict, results: list[dict], tp: int, pp: int) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 2)])
 def test_lora_equals_peft(reference: dict, tmp_path: Path, tp: int, pp: int) -> None:
+    from tests.support.hf_parity import train_args
+    from tests.support.lora_parity import check_lora_step, run_lora_step
+
     ref = reference
     save = ["--save", str(tmp_path / "ckpt")] if pp > 1 else []
-    results = _run(ref, tmp_path, tp, pp, *save)
-    last = results[-1]  # the last stage computes the loss
-    print(
-        f"TP{tp}xPP{pp}: loss {last['loss']!r} / after {last['after']!r}; peft {ref['loss']!r} / {ref['after']!r}; "
-        f"peft under another adapter init {ref['other_init']!r}"
-    )
-    assert last["loss"] == pytest.approx(ref["loss"], rel=1e-5)
-    assert last["after"] == pytest.approx(ref["after"], rel=1e-5)
-    gap = abs(ref["other_init"] - last["loss"]) / ref["loss"]
-    assert gap > 1e-3, f"control: another adapter init moves the loss by only {gap:.2e}"
-    assert abs(ref["after"] - ref["loss"]) / ref["loss"] > 1e-4, "the Adam step should move the loss"
-    assert _check_grads(ref, results, tp, pp) == len(ref["grads"])
-    for r in results:
-        assert r["ok"] and r["lr"] == pytest.approx(LR)
-        assert r["base_unchanged"] and not r["base_trainable"]
-        assert r["lora_params"] and r["in_optimizer"] == r["lora_params"] == r["with_state"]
+    results = run_lora_step(ref, tmp_path, tp * pp, train_args(ref["hf"], ref["packed"], tp, pp), *save)
+    check_lora_step(ref, results, tp, pp, f"TP{tp}xPP{pp}")
     if save:
-        _check_export(ref, tmp_path, last["after"])
+        _check_export(ref, tmp_path, results[-1]["after"])
 
 
 def _check_export(ref: dict, tmp_path: Path, loss: float) -> None:
@@ -254,6 +166,34 @@ def test_target_names_that_match_nothing_are_one_error_listing_the_valid_names()
         assert name in str(err.value).split("valid names: ")[1]
     with pytest.raises(ValueError, match=r"proj \(visual.patch_embed.proj\) also name"):
         check_targets(LoraSpec(rank=2, alpha=4, targets=("proj",)), rules, "it")
+
+
+def test_expert_targets_are_one_error_and_the_dense_modules_of_a_moe_model_are_valid() -> None:
+    """The experts of a mixture of experts (3-D tensors in transformers, stacked or one file per expert) are not
+    adapted: a target naming them is one error; its attention and vision modules are valid targets."""
+    from mmpack.trainer.lora.spec import LoraSpec, check_targets, expert_names
+    from mmpack.trainer.models import family
+    from mmpack.trainer.models.protocol import TinyModelSpec
+    from mmpack.trainer.models.qwen_moe import MoEArch, moe_rules
+
+    fam = family("qwen3_vl_moe")
+    spec = TinyModelSpec(
+        vocab_size=512, image_token_id=500, vision_start_token_id=501, vision_end_token_id=502
+    )
+    arch = fam.arch_from_hf_config(fam.tiny_hf_config(spec))
+    rules = fam.hf.part_rules(arch, first=True, last=True, layers=(0, arch.num_layers))
+    check_targets(LoraSpec(rank=2, alpha=4, targets=("q_proj", "o_proj", "qkv", "linear_fc1")), rules, "it")
+    for target in ("experts", "gate_up_proj", "mlp.experts.down_proj", ".*experts.*"):
+        targets = target if "*" in target else ("q_proj", target)
+        with pytest.raises(ValueError, match=rf"{re.escape(target)} name\(s\) the experts of it") as err:
+            check_targets(LoraSpec(rank=2, alpha=4, targets=targets), rules, "it")
+        assert "q_proj" in str(err.value).split("valid names: ")[1] and "\n" not in str(err.value)
+    # Qwen3-MoE checkpoints' layout: each expert's own gate_proj / up_proj / down_proj
+    moe = MoEArch(num_experts=2, top_k=1, ffn_hidden_size=4, per_expert_files=True)
+    per_expert = moe_rules(moe, 8, "model.layers.0.mlp.", "decoder.layers.0.mlp.")
+    assert "model.layers.0.mlp.experts.1.down_proj" in expert_names(per_expert)
+    with pytest.raises(ValueError, match=r"down_proj name\(s\) the experts of it"):
+        check_targets(LoraSpec(rank=2, alpha=4, targets=("down_proj",)), rules | per_expert, "it")
 
 
 def test_adapter_config_gives_the_lora_and_contradicting_flags_are_refused(tmp_path: Path) -> None:

@@ -2,13 +2,16 @@
 each sample's decoded text, marks as trained exactly the tokens the loader's labels train, holds each bin's
 images at the model's size and the rejects with their reason; the raw preview of the shared mllm_demo records
 renders the token ids of transformers' `apply_chat_template` (default system prompt included); a missing shard
-and an image that does not decode are each one line naming the file, and the rest still shows."""
+and an image that does not decode are each one line naming the file, and the rest still shows; `--serve` renders a
+bin on request; `mmpack pack --preview N` packs the first records with the job's flags; a dataset in S3 (moto) and
+a mixture show their sources."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import numpy as np
@@ -45,7 +48,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _view(dataset: Path, packed: Path, out: Path, *extra: str) -> int:
+def _view(dataset: Path, packed: Path | str, out: Path, *extra: str) -> int:
     tokenizer = str(dataset / "tokenizer" / "tokenizer.json")
     return mmpack(
         [
@@ -176,6 +179,128 @@ def test_missing_shard_and_corrupt_image_are_one_line_each(
     assert len(rows) > 1
 
 
+@pytest.mark.slow
+def test_serve_renders_a_bin_on_request(dataset: Path, tmp_path: Path) -> None:
+    """`--serve` (on a free port, in a thread): index.html is served, and a bin the folder does not hold is
+    rendered when the page asks for it; a bin the dataset lacks is a 404; the server stops and frees its port."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from mmpack.view.serve import start_server
+    from mmpack.view.site import ViewOptions
+
+    packed, out = dataset / "packed", tmp_path / "view"
+    assert _view(dataset, packed, out, "--bins", "1") == 0
+    last = load_manifest(str(packed)).num_bins - 1
+    target = out / f"bin/b{last:09d}.js"
+    assert last > 0 and not target.exists()  # control: not rendered by the report itself
+    opts = ViewOptions(tokenizer=str(dataset / "tokenizer" / "tokenizer.json"), progress=False)
+    view = start_server(out, packed, opts, port=0)
+    thread = threading.Thread(target=view.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = view.url.removesuffix("index.html")
+        with urllib.request.urlopen(view.url, timeout=30) as r:
+            assert r.status == 200 and b"<title>mmpack view</title>" in r.read()
+        with urllib.request.urlopen(f"{base}bin/b{last:09d}.js", timeout=60) as r:
+            body = r.read().decode()
+        assert body.startswith("VIEW.bin(") and target.is_file()
+        shown = _bin_json(body)
+        reader = open_shard_reader(
+            str(packed / load_manifest(str(packed)).shards[-1].path), "arrow", label="s"
+        )
+        assert shown["bin"] == last and shown["ids"] == reader.read(len(reader) - 1)["input_ids"].tolist()
+        reader.close()
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"{base}bin/b{last + 1:09d}.js", timeout=30)
+        assert missing.value.code == 404
+    finally:
+        view.server.shutdown()
+        thread.join(timeout=30)
+        view.close()
+    assert not thread.is_alive()
+    with pytest.raises(urllib.error.URLError):  # the port is closed
+        urllib.request.urlopen(view.url, timeout=5)
+
+
+@pytest.mark.slow
+def test_pack_preview_packs_the_first_records_with_the_jobs_flags(dataset: Path, tmp_path: Path) -> None:
+    """`mmpack pack ... --preview N`: nothing packed at -o; the first N records packed with the job's own flags
+    (here one bin per shard) and shown in OUTPUT.preview, their ids naming the original file and lines."""
+    raw = dataset / "raw" / "data.jsonl"
+    output = tmp_path / "packed"
+    argv = [
+        "pack",
+        "-i",
+        str(raw),
+        "-r",
+        str(dataset / "raw"),
+        "-t",
+        str(dataset / "tokenizer" / "tokenizer.json"),
+    ]
+    argv += ["-L", "256", "-o", str(output), "--max-bins-per-shard", "1", "--no-progress"]
+    assert mmpack([*argv, "--preview", "6"]) == 0
+    assert not output.exists()
+    page = tmp_path / "packed.preview"
+    assert (page / "index.html").is_file()
+    manifest = load_manifest(str(page / "_packed" / "dataset"))
+    assert manifest.num_bins > 1 and [s.bins for s in manifest.shards] == [1] * manifest.num_bins
+    counts = manifest.raw["counts"]
+    assert counts["samples_read"] == 6 and counts["samples_packed"] == 6
+    # the first 6 records, a record without an id of its own named by the original file and its line
+    lines = raw.read_text().splitlines()[:6]
+    expected = {json.loads(x).get("id") or f"{raw.resolve()}:{i}" for i, x in enumerate(lines, 1)}
+    shown = [s for b in range(manifest.num_bins) for s in _bin_data(page, b)["samples"]]
+    assert sorted(s["id"] for s in shown) == sorted(expected)
+    assert {s["source"] for s in shown if ":" in s["id"]} == {str(raw.resolve())}
+
+
+@pytest.mark.slow
+def test_dataset_in_s3_and_a_mixture(dataset: Path, tmp_path: Path) -> None:
+    """A mixture of the local dataset and its copy in S3 (moto) shows its sources, numbers the bins through them
+    and names each bin's source; the S3 dataset alone, one shard deleted, shows the rest and one line naming that
+    shard's URL."""
+    from tests.support.storage_servers import moto_s3
+
+    packed = dataset / "packed"
+    rec, _ = _bin0(packed)
+    n = load_manifest(str(packed)).num_bins
+    with moto_s3() as s3:
+        url = s3.upload_folder(packed, "view", "ds")
+        remote = ["--s3-endpoint", s3.endpoint_url]
+        mix = tmp_path / "mix.yaml"
+        here, there = json.dumps(str(packed)), json.dumps(url)
+        mix.write_text(
+            f"sources:\n  - {{path: {here}, weight: 3, name: here}}\n  - {{path: {there}, weight: 1, name: there}}\n"
+        )
+        out = tmp_path / "mixture"
+        cache = ["--cache-dir", str(tmp_path / "c1")]
+        assert _view(dataset, mix, out, "--bins", "1", "--bin", str(n), *remote, *cache) == 0
+        overview = _script_json(out / "overview.js", "overview")
+        assert overview["num_bins"] == 2 * n and overview["path"] == str(mix)
+        assert [(x["name"], x["path"], x["first_bin"], x["bins"]) for x in overview["sources"]] == [
+            ("here", str(packed), 0, n),
+            ("there", url, n, n),
+        ]
+        assert [round(x["share"], 6) for x in overview["sources"]] == [0.75, 0.25]
+        assert _script_json(out / "problems.js", "problems") == []
+        for b, name in ((0, "here"), (n, "there")):  # the first bin of each source is bin 0 of the dataset
+            shown = _bin_data(out, b)
+            assert shown["source"] == name and shown["ids"] == rec["input_ids"].tolist()
+        assert _bin_data(out, n)["shard"].startswith(url + "/")
+        # the S3 dataset alone, its second shard gone from the bucket (and a new cache: the old one holds it)
+        manifest = json.loads((packed / "manifest.json").read_text())
+        gone = f"{url}/{manifest['shards'][1]['path']}"
+        s3.filesystem().rm(gone.removeprefix("s3://"))
+        out = tmp_path / "remote"
+        assert _view(dataset, url, out, "--bins", "1", *remote, "--cache-dir", str(tmp_path / "c2")) == 0
+    problems = _script_json(out / "problems.js", "problems")
+    assert len(problems) == 1 and gone in problems[0], problems
+    assert _script_json(out / "overview.js", "overview")["path"] == url
+    assert _bin_data(out, 0)["ids"] == rec["input_ids"].tolist()
+
+
 def test_manifest_of_a_newer_version_is_one_line(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     packed = tmp_path / "packed"
     packed.mkdir()
@@ -191,8 +316,8 @@ def test_manifest_of_a_newer_version_is_one_line(tmp_path: Path, capfd: pytest.C
 @pytest.mark.slow
 def test_raw_preview_renders_the_ids_of_apply_chat_template(tmp_path: Path) -> None:
     """The 6 shared mllm_demo records through a Qwen2-VL model folder around the Qwen3 tokenizer: the page's ids of
-    each sample are transformers' (its template's default system prompt first); control: without that prompt
-    they would differ."""
+    each sample are transformers' (its template's default system prompt first); control: packed without that
+    prompt (`--no-default-system`), the ids differ from transformers' exactly by the system turn."""
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -216,8 +341,35 @@ def test_raw_preview_renders_the_ids_of_apply_chat_template(tmp_path: Path) -> N
         expected = _expected_ids(record, tokenizer, processor)
         assert shown == expected
         assert shown[: len(system)] == system  # the default system prompt, shown
-        assert shown[len(system) :] != expected  # control: the ids without it are not transformers'
         assert sample[1].text().count("<|im_start|>system") == 1
+    # control: packed without the template's default system prompt, each sample's ids are transformers' with
+    # exactly the system turn missing, so the comparison above would fail, and for that reason alone
+    control = tmp_path / "view-no-system"
+    argv[argv.index("-o") + 1] = str(control)
+    assert mmpack([*argv, "--no-progress", "--bins", "1", "--pack-arg=--no-default-system"]) == 0
+    data = _bin_data(control, 0)
+    ids = {
+        s["id"].rsplit(":", 1)[1]: data["ids"][s["start"] : s["start"] + s["len"]] for s in data["samples"]
+    }
+    for line, record in zip(sorted(ids, key=int), records):
+        expected = _expected_ids(record, tokenizer, processor)
+        assert ids[line] != expected and ids[line] == expected[len(system) :]
+
+
+def _bin_data(out: Path, bin_id: int) -> dict:
+    """The page's data of one rendered bin (its `bin/b<bin>.js`), read without a browser."""
+    return _bin_json((out / f"bin/b{bin_id:09d}.js").read_text(encoding="utf-8"))
+
+
+def _script_json(path: Path, call: str) -> Any:
+    """The JSON value a report's script file hands the page (`VIEW.<call>(...);`)."""
+    text = path.read_text(encoding="utf-8")
+    return json.loads(text.removeprefix(f"VIEW.{call}(").rstrip().removesuffix(");"))
+
+
+def _bin_json(script: str) -> dict:
+    """The JSON value of a bin's script file (`VIEW.bin({...});`)."""
+    return json.loads(script.removeprefix("VIEW.bin(").rstrip().removesuffix(");"))
 
 
 def _expected_ids(record: dict, tokenizer, processor) -> list[int]:

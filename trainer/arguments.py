@@ -36,7 +36,8 @@ SECTIONS: tuple[tuple[str, str], ...] = (
 # flags that are not one config field, each added by hand (the reason); every other flag is a field's
 HAND_WRITTEN_FLAGS: dict[str, str] = {
     "--model-size": "picks a preset of several size fields",
-    "--data-path": "one dataset (data_path) or Megatron-LM's weighted blend (data_mixture)",
+    "--data-path": "one dataset (data_path), Megatron-LM's weighted blend (data_mixture) or, with "
+    "--online-packing, raw inputs (raw_inputs)",
     "--data-mixture": "a mixture file, read into data_mixture",
     **STAGE_HAND_WRITTEN,
 }
@@ -68,7 +69,7 @@ def _add_model_size(g: argparse._ArgumentGroup) -> None:
 
 
 def _add_data_source(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--data-path", nargs="+", default=None, help="packed dataset (folder or s3:// / http(s):// URL), or a weighted mixture: W1 PATH1 W2 PATH2 ...")  # fmt: skip
+    g.add_argument("--data-path", nargs="+", default=None, help="packed dataset (folder or s3:// / http(s):// URL), or a weighted mixture: W1 PATH1 W2 PATH2 ...; with --online-packing, raw records: files, folders, globs or URLs")  # fmt: skip
     g.add_argument("--data-mixture", default=None, help="a mixture file (YAML or JSON: sources with path, weight or repeat, name, storage_options)")  # fmt: skip
 
 
@@ -109,10 +110,13 @@ def _size_flags(given: dict[str, Any], model_size: str | None) -> tuple[tuple[st
 
 
 def _data_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """`--data-path` (one dataset or Megatron's `W1 A W2 B` blend) and `--data-mixture` as DataConfig fields."""
+    """`--data-path` (one dataset, Megatron's `W1 A W2 B` blend, or with `--online-packing` raw inputs) and
+    `--data-mixture` as DataConfig fields."""
     words = args.data_path or []
     if args.data_mixture and words:
         raise ValueError("give --data-path or --data-mixture, not both")
+    if getattr(args, "online_packing", False) and not args.data_mixture:
+        return {"data_path": None, "data_mixture": None, "raw_inputs": tuple(words)}
     if args.data_mixture:
         return {"data_path": None, "data_mixture": load_mixture_file(args.data_mixture)}
     if len(words) > 1:

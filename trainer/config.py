@@ -681,8 +681,36 @@ class DataConfig:
         "bad_samples-rank<R>.jsonl in --save (else in --tensorboard-dir or beside --metrics-file)",
     )
 
+    # online packing (mmpack.trainer.data.open_raw_data): --data-path names raw records, packed as the run trains
+    raw_inputs: tuple[str, ...] = not_a_flag((), why="--data-path with --online-packing: the raw inputs")
+    online_packing: bool = flag(
+        False,
+        help="--data-path names raw records (files, folders, globs or URLs, in any form `mmpack pack -i` reads), "
+        "packed into bins as the run trains by the offline job's length model and kernels, with the tokenizer, "
+        "image/video rule and chat template of --hf-model's folder (or --tokenizer-model's)",
+    )
+    image_root: str | None = flag(
+        None,
+        help="online packing: the folder (or URL) the records' image and video paths are relative to (default: "
+        "each input file's folder)",
+        metavar="DIR",
+    )
+    packing_buffer_size: int = flag(
+        10_000,
+        help="online packing: records packed together, one buffer at a time (at least the dataset's size packs "
+        "it all at once, as `mmpack pack` does)",
+        metavar="N",
+    )
+    tokenizer_model: str | None = flag(
+        None,
+        help="online packing with a random model: the model folder or tokenizer (folder or tokenizer.json) that "
+        "counts the records' tokens (with --hf-model its folder does)",
+        metavar="DIR",
+    )
+
     def __post_init__(self) -> None:
-        if not self.data_path and not self.data_mixture and not self.mock_data:
+        self._check_online_packing()
+        if not self.data_path and not self.data_mixture and not self.mock_data and not self.raw_inputs:
             raise ValueError("give --data-path (a packed dataset), --data-mixture or --mock-data")
         if self.data_path and self.data_mixture:
             raise ValueError("give one of --data-path and a mixture (--data-mixture or weighted --data-path)")
@@ -692,6 +720,29 @@ class DataConfig:
             raise ValueError(f"--balance must be none or compute, got {self.balance!r}")
         if self.balance_cost is not None and self.balance != "compute":
             raise ValueError("--balance-cost sets the cost model of --balance compute; add --balance compute")
+
+    def _check_online_packing(self) -> None:
+        """The flags of online packing: given together, and not with what it does not support yet."""
+        if not self.online_packing:
+            for name, value in (
+                ("--image-root", self.image_root),
+                ("--tokenizer-model", self.tokenizer_model),
+            ):
+                if value is not None:
+                    raise ValueError(
+                        f"{name} is an option of --online-packing (raw records in --data-path): add it"
+                    )
+            if self.raw_inputs:
+                raise ValueError("raw inputs are read with --online-packing: add it")
+            return
+        if self.data_path or self.data_mixture or self.mock_data:
+            raise ValueError("--online-packing reads the raw records of --data-path only: not with a packed dataset, --data-mixture or --mock-data")  # fmt: skip
+        if not self.raw_inputs:
+            raise ValueError("--online-packing reads the raw records --data-path names (files, folders, globs, URLs): give it")  # fmt: skip
+        if self.split is not None:
+            raise ValueError("--split is not supported with --online-packing yet (the bins of raw records are known only as they are packed): give --eval-data-path a packed dataset of held-out records")  # fmt: skip
+        if isinstance(self.packing_buffer_size, bool) or self.packing_buffer_size < 1:
+            raise ValueError(f"--packing-buffer-size must be a number of records >= 1, got {self.packing_buffer_size}")  # fmt: skip
 
     @property
     def train_data(self) -> str | Mixture | None:
@@ -756,6 +807,19 @@ class RunConfig:
             )
         if self.exit.exit_signal_handler and not self.checkpoint.save:
             raise ValueError("--exit-signal-handler saves a checkpoint before it exits: add --save DIR")
+        if self.data.online_packing:
+            self._check_online_packing()
+
+    def _check_online_packing(self) -> None:
+        """--online-packing's model folder and sequence length, which other sections hold."""
+        folders = [f for f in (self.model.hf_model, self.data.tokenizer_model) if f]
+        if len(folders) != 1:
+            raise ValueError(
+                "--online-packing counts the records' tokens with one tokenizer: give --hf-model (its folder) or, for "
+                "a random model, --tokenizer-model DIR" + (", not both" if folders else "")
+            )
+        if self.train.seq_length <= 0:
+            raise ValueError("--online-packing packs bins of --seq-length tokens: give it")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -17,6 +17,8 @@ from mmpack.trainer.batches import SyntheticLoader, SyntheticSpec, block_causal_
 
 if TYPE_CHECKING:
     from mmpack.dataloader.mixture import Mixture
+    from mmpack.dataloader.raw_source import RawBins
+    from mmpack.trainer.config import RunConfig
 
 # --mock-data uses the ids of the byte-level fallback tokenizer: vocab_size and pad, vision_start, ... ids.
 MOCK_VOCAB = {"vocab_size": ByteTokenizer.vocab_size, **ByteTokenizer().special_ids}
@@ -66,15 +68,41 @@ class StepBatches:
     def state_dict(self) -> dict[str, Any]:
         return dict(self.loader.state_dict())
 
+    def metrics(self) -> dict[str, float]:
+        """The loader's counters (`PackedLoader.metrics`; none for synthetic batches)."""
+        return dict(self.loader.metrics()) if hasattr(self.loader, "metrics") else {}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.close()
         self.loader.load_state_dict(state)
 
 
-def dataset_info(data_path: str | Mixture | None, seq_length: int) -> DataInfo:
+def open_raw_data(cfg: RunConfig) -> RawBins:
+    """The raw source of --online-packing: the records of --data-path, counted and packed by the offline job's
+    own functions (`mmpack.offline_packing.online`, the one module of the offline job the trainer may import)
+    with the tokenizer, rules and chat template of --hf-model's folder or --tokenizer-model."""
+    from mmpack.offline_packing.online import raw_source
+
+    d = cfg.data
+    inputs = " ".join(d.raw_inputs)
+    try:
+        return raw_source(
+            d.raw_inputs,
+            buffer_size=d.packing_buffer_size,
+            seq_len=cfg.train.seq_length,
+            model=cfg.model.hf_model,
+            tokenizer=d.tokenizer_model,
+            image_root=d.image_root,
+        )
+    except FileNotFoundError as e:  # a missing input or model folder: one line, not a traceback per rank
+        raise ValueError(f"--online-packing --data-path {inputs}: {e}") from None
+
+
+def dataset_info(data_path: str | Mixture | RawBins | None, seq_length: int) -> DataInfo:
     """Vocabulary, special ids and image geometry from the dataset manifest (or the mock defaults); of a
     mixture, from its sources' manifests once they are checked to mix (`mixture.check_sources`): the geometry
-    of a source holding images or videos, the video rule of one holding videos."""
+    of a source holding images or videos, the video rule of one holding videos; of a raw source, from the rules
+    it packs by."""
     if not data_path:
         if seq_length <= 0:
             raise ValueError("--mock-data needs --seq-length")
@@ -89,15 +117,21 @@ def dataset_info(data_path: str | Mixture | None, seq_length: int) -> DataInfo:
             merge_size=2,
         )
     from mmpack.dataloader import load_manifest
-    from mmpack.dataloader.mixture import check_sources, vision_source
+    from mmpack.dataloader.manifest import Manifest
+    from mmpack.dataloader.mixture import Mixture, check_sources, vision_source
+    from mmpack.dataloader.raw_source import is_raw_source
 
     # resolves the S3 endpoint (AWS_ENDPOINT_URL) like the loader
-    if isinstance(data_path, str):
+    if is_raw_source(data_path):
+        names, manifests = [data_path.name], [Manifest.from_model(data_path.dataset)]
+    elif isinstance(data_path, str):
         names, manifests = [data_path], [load_manifest(data_path)]
-    else:
+    elif isinstance(data_path, Mixture):
         names = list(data_path.names)
         manifests = [load_manifest(s.path, storage_options=s.storage_options) for s in data_path.sources]
         check_sources(names, manifests)
+    else:
+        raise TypeError(f"no dataset, mixture or raw source: {data_path!r}")
     at = vision_source(manifests)
     manifest = manifests[at]
     with_videos = manifests[vision_source(manifests, videos=True)].dataset
@@ -123,7 +157,7 @@ def dataset_info(data_path: str | Mixture | None, seq_length: int) -> DataInfo:
 
 
 def build_step_batches(
-    data_path: str | Mixture | None,
+    data_path: str | Mixture | RawBins | None,
     info: DataInfo,
     *,
     micro_batch_size: int,
@@ -136,11 +170,12 @@ def build_step_batches(
     position_rule: PositionRule | None = None,
     split: tuple[tuple[float, float, float], int, int] | None = None,
     strict_data: bool = False,
+    rejects_dir: str | None = None,
 ) -> StepBatches:
     """The loader of this rank's DP replica (megatron-core parallel_state must be initialised); `balance`,
     `cost_model`, `position_rule` (the model's) and `split` (--split's weights, the part read: 0 train,
-    1 valid, and the split's seed) and `strict_data` as in `mmpack.dataloader.build_loader` (synthetic batches ignore
-    all but the position rule)."""
+    1 valid, and the split's seed), `strict_data` and `rejects_dir` (a raw source's) as in
+    `mmpack.dataloader.build_loader` (synthetic batches ignore all but the position rule)."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -181,6 +216,7 @@ def build_step_batches(
         position_rule=position_rule,
         split=split,
         strict_data=strict_data,
+        rejects_dir=rejects_dir,
     )
     return StepBatches(loader)
 

@@ -3,8 +3,10 @@
 The packer records in manifest.json the tokenizer (sha256, special ids, vocabulary size) and the image rule
 (patch, merge, temporal patch, min/max pixels, mean/std, rescale, resample) it counted tokens and the loader
 makes pixels with. A model folder (`--hf-model DIR`, as written by `save_pretrained`) fixes the same things in
-`config.json` (vision patch sizes, image/vision token ids, vocabulary size) and, where present, in
-`preprocessor_config.json` and `tokenizer.json`. Any disagreement means image tokens or pixels the model
+`config.json` (vision patch sizes, image/vision token ids, vocabulary size) and, where present, in its image
+processor config (`preprocessor_config.json`, or transformers 5's `processor_config.json`: the image rule's
+style too, Qwen2-VL's or Gemma 4's) and `tokenizer.json` (read for the control tokens of the dataset's rules).
+Any disagreement means image tokens or pixels the model
 would not get from transformers' own processor, so training must not start. Two things are the dataset's own:
 its pixel budget (min/max pixels: the vision tower takes any grid, so a dataset may be packed with another
 `--max-pixels` than the processor's), and, for a dataset holding no images or videos, its whole image rule.
@@ -19,12 +21,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mmpack.packing.image_tokens import PREPROCESSOR_CONFIG, ImageTokenRule, load_model_image_rule
+from mmpack.packing.image_tokens import ImageTokenRule, image_processor_config
 from mmpack.packing.manifest import ManifestCounts, ManifestImageRule
-from mmpack.packing.tokenizer import TOKENIZER_FILE, load_tokenizer
+from mmpack.packing.tokenizer import TOKENIZER_FILE, control_tokens_of, load_tokenizer
+from mmpack.packing.video_tokens import VideoTokenRule
 
-# ImageTokenRule fields a preprocessor_config.json settles (max_aspect_ratio is fixed at 200 in transformers).
+# ImageTokenRule fields an image processor config settles (max_aspect_ratio is fixed at 200 in transformers).
 _PREPROCESSOR_FIELDS = (
+    "image_style",
     "patch_size",
     "merge_size",
     "temporal_patch_size",
@@ -42,6 +46,8 @@ _SPECIAL_ID_KEYS = {
     "image_pad": "image_token_id",
     "vision_start": "vision_start_token_id",
     "vision_end": "vision_end_token_id",
+    "image_start": "boi_token_id",  # Gemma 4's
+    "image_end": "eoi_token_id",
 }
 
 
@@ -57,8 +63,8 @@ def check_dataset_matches_model(
     Args:
         manifest: the dataset's manifest: `mmpack.dataloader.manifest.Manifest`, `mmpack.packing.manifest.Manifest` or the
             parsed manifest.json dict.
-        model_dir: an HF model folder (config.json; preprocessor_config.json and tokenizer.json are checked
-            when present).
+        model_dir: an HF model folder (config.json; its image processor config and tokenizer.json are
+            checked when present).
         dataset: how to name the dataset in messages (e.g. its --data-path).
 
     Returns:
@@ -80,7 +86,7 @@ def check_dataset_matches_model(
         *(_check_vision_config(rule, config, folder, problems) if vision else []),
         *(_check_preprocessor(rule, folder, problems) if vision else ["image rule: none held, none checked"]),
         *_check_token_ids(tokenizer, config, folder, problems),
-        *_check_tokenizer_file(tokenizer, folder, problems),
+        *_check_tokenizer_file(tokenizer, folder, problems, rule, raw.get("video_rule")),
     ]
     if problems:
         lines = "\n  ".join(problems)
@@ -126,7 +132,7 @@ def _check_vision_config(rule: ImageTokenRule, config: dict, folder: Path, probl
     where = folder / "config.json"
     pairs = {
         "patch_size": vision.get("patch_size", vision.get("spatial_patch_size")),
-        "merge_size": vision.get("spatial_merge_size"),
+        "merge_size": vision.get("spatial_merge_size", vision.get("pooling_kernel_size")),  # Gemma 4: pooling
         "temporal_patch_size": vision.get("temporal_patch_size"),
     }
     checked = []
@@ -143,10 +149,11 @@ def _check_vision_config(rule: ImageTokenRule, config: dict, folder: Path, probl
 
 
 def _check_preprocessor(rule: ImageTokenRule, folder: Path, problems: list[str]) -> list[str]:
-    model_rule = load_model_image_rule(folder)
-    if model_rule is None:
+    found = image_processor_config(folder)
+    if found is None:
         return []
-    where = folder / PREPROCESSOR_CONFIG
+    where, config = found  # the file it is in (and its key in processor_config.json)
+    model_rule = ImageTokenRule.from_preprocessor_config(config, source=where)
     notes = []
     for name in _PREPROCESSOR_FIELDS:
         ours, theirs = getattr(rule, name), getattr(model_rule, name)
@@ -190,11 +197,18 @@ def _check_token_ids(tokenizer: dict, config: dict, folder: Path, problems: list
     return checked
 
 
-def _check_tokenizer_file(tokenizer: dict, folder: Path, problems: list[str]) -> list[str]:
+def _check_tokenizer_file(
+    tokenizer: dict, folder: Path, problems: list[str], rule: ImageTokenRule, video: Any
+) -> list[str]:
     path = folder / TOKENIZER_FILE
     if not path.is_file():
         return []
-    model_tok = load_tokenizer(path)
+    video_rule = VideoTokenRule.from_dict(dict(video)) if isinstance(video, Mapping) else None
+    try:  # the control tokens of the dataset's rules (Qwen's or Gemma 4's), not always Qwen's
+        model_tok = load_tokenizer(path, control_tokens_of(rule, video_rule))
+    except ValueError as exc:
+        problems.append(f"tokenizer: {exc}")
+        return [f"tokenizer vs {path}"]
     if tokenizer.get("is_fallback"):
         problems.append(
             f"tokenizer: dataset packed with the byte-level demo fallback (manifest.json), model has {path}"

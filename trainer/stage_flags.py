@@ -188,12 +188,15 @@ def check_stage_flags(flags: StageFlags, manifest: dict[str, Any], *, data_path:
 
 
 def _check_tokenizer_file(path: str, tokenizer: dict[str, Any], data_path: str) -> None:
-    from mmpack.packing.tokenizer import TOKENIZER_FILE, load_tokenizer
+    import hashlib
+
+    from mmpack.packing.tokenizer import TOKENIZER_FILE
 
     file = Path(path) / TOKENIZER_FILE if Path(path).is_dir() else Path(path)
     if not file.is_file():
         raise ValueError(f"--hf-tokenizer-path {path}: no {TOKENIZER_FILE} there")
-    sha = load_tokenizer(file).sha256
+    # the file's hash, as the manifest records it (`HFTokenizer.sha256`): whichever model's control tokens it has
+    sha = hashlib.sha256(file.read_bytes()).hexdigest()
     if sha != tokenizer.get("sha256"):
         raise ValueError(
             f"--hf-tokenizer-path {path}: its {TOKENIZER_FILE} (sha256 {sha[:12]}) is not the tokenizer "

@@ -45,6 +45,7 @@ from mmpack.trainer.data import (
     build_step_batches,
     dataset_info,
     model_inputs,
+    open_raw_data,
     pad_flat_batch,
     thd_length,
 )
@@ -62,6 +63,7 @@ from mmpack.trainer.observability import (
     bad_samples_folder,
     source_loss_parts,
 )
+from mmpack.trainer.online_rejects import RawRejects
 from mmpack.trainer.shared_batches import SharedStepBatches, shared_step_batches
 from mmpack.trainer.stage_flags import check_model_flags, check_stage_flags
 
@@ -215,11 +217,14 @@ class Trainer:
         """``exit_signals``: the SIGTERM / SIGUSR1 recorder of ``--exit-signal-handler``, installed by the
         caller before anything forks."""
         self.exit_policy = ExitPolicy(cfg.exit, exit_signals, start_s=time.time())
-        info = dataset_info(cfg.data.train_data, cfg.train.seq_length)
+        # --online-packing: the raw records of --data-path, packed by the loader as it goes
+        self.raw_data = open_raw_data(cfg) if cfg.data.online_packing else None
+        train_data = self.raw_data or cfg.data.train_data
+        info = dataset_info(train_data, cfg.train.seq_length)
         self.hf_config = model_hf_config(cfg, info)
         self.family = family_of(self.hf_config)
         self.arch = self.family.arch_from_hf_config(self.hf_config)
-        if not cfg.data.train_data:  # --mock-data: pixels as this model's patches take them
+        if not train_data:  # --mock-data: pixels as this model's patches take them
             info = dataclasses.replace(info, temporal_patch_size=self.arch.vision.temporal_patch_size)
         self.virtual_pipeline_size = cfg.parallel.virtual_pipeline_size(self.arch.num_layers)
         self.on_cpu = initialize_distributed(cfg, virtual_pipeline_size=self.virtual_pipeline_size)
@@ -230,7 +235,8 @@ class Trainer:
         check_data_matches_model(
             self.family, self.arch, info, cfg.model.hf_model or "(random, from the size flags)"
         )
-        if cfg.model.hf_model and cfg.data.train_data:  # tokenizer file and the image rule of every source
+        # tokenizer file and the image rule of every source (a raw source is counted by the folder's own)
+        if cfg.model.hf_model and cfg.data.train_data:
             check_dataset_for_hf_model(cfg.data.train_data, cfg.model.hf_model)
         self._check_stage_flags(cfg, info)
         self.use_te = te_available()
@@ -286,18 +292,21 @@ class Trainer:
         carves = split is not None and (
             split[1] > 0 or split[2] > 0
         )  # 100,0,0 trains on every bin, as without
+        folder = bad_samples_folder(cfg.checkpoint.save, cfg.logging.tensorboard_dir, cfg.train.metrics_file)
+        self.raw_rejects = RawRejects(folder) if self.raw_data is not None else None
         self.train_data = shared_step_batches(
             partial(
                 step_batches,
-                cfg.data.train_data,
+                train_data,
                 seed=cfg.train.seed,
                 split=(split, 0, cfg.train.seed) if carves else None,
+                rejects_dir=folder if self.raw_data is not None else None,
             )
         )
         self.eval_data: SharedStepBatches | None = None
         if cfg.train.eval_interval > 0:
             eval_path = cfg.data.eval_data_path or (cfg.data.train_data if split else None)
-            if cfg.data.train_data and not eval_path:
+            if train_data and not eval_path:
                 raise ValueError(
                     "--eval-interval needs held-out data: --eval-data-path (a packed dataset) or --split "
                     "(e.g. 969,30,1: a valid part of --data-path's bins)"
@@ -333,7 +342,6 @@ class Trainer:
                 flush=True,
             )
         self.is_logger = dist.get_rank() == dist.get_world_size() - 1
-        folder = bad_samples_folder(cfg.checkpoint.save, cfg.logging.tensorboard_dir, cfg.train.metrics_file)
         self.bad_samples = BadSamples(folder, rank=dist.get_rank())
         self.observer = Observer(
             cfg.logging, flop_model=self.family.flop_model(self.arch), pad_id=info.pad_id,
@@ -366,6 +374,8 @@ class Trainer:
         paths += [(d.data_path, None)] if d.data_path else []
         for path, options in paths:
             check_stage_flags(flags, load_manifest(path, storage_options=options).raw, data_path=path)
+        if self.raw_data is not None:  # the rules its records are packed by
+            check_stage_flags(flags, self.raw_data.dataset.to_dict(), data_path=self.raw_data.name)
         if dist.get_rank() == 0:
             for note in flags.notes(on_cpu=self.on_cpu, balance=cfg.data.balance):
                 print(f"pretrain_vlm: note: {note}", file=sys.stderr, flush=True)
@@ -512,6 +522,8 @@ class Trainer:
         extra = self.observer.step_metrics(batches, wait_s=wait_s, elapsed_s=elapsed, num_zeros=num_zeros)
         if self.router_losses is not None:
             extra |= self.router_losses.take(len(batches))
+        if self.raw_rejects is not None:  # records of --online-packing the loader skipped so far
+            extra |= self.raw_rejects.step_metrics(self.train_data)
         return extra | {
             "iteration": self.iteration,
             "loss": loss_sum / max(n_tok, 1.0),
@@ -537,7 +549,7 @@ class Trainer:
         d = self.cfg.data
         if eval_data and d.eval_data_path:
             return (d.eval_data_path,)
-        return d.source_names or (str(d.data_path),)
+        return d.source_names or (str(d.data_path or " ".join(d.raw_inputs)),)
 
     def evaluate(self) -> float:
         """Mean target-token loss over --eval-iters global batches of the held-out data."""
@@ -579,6 +591,7 @@ class Trainer:
             f" TFLOPs/GPU: {m['tflops_per_gpu']:.3f} |{mfu}"
             f" skipped iterations: {m['skipped_total']} |"
             + ("" if not m.get("bad_samples") else f" bad samples: {m['bad_samples']} |")
+            + ("" if not m.get("raw_rejected") else f" rejected records: {m['raw_rejected']} |")
             + (
                 ""
                 if m.get("moe_load_balancing_loss") is None
@@ -652,6 +665,8 @@ class Trainer:
             self.save()
         if self.writer is not None:
             self.writer.close()  # waits for an async save still being written
+        if self.raw_rejects is not None:
+            self.log_text(self.raw_rejects.summary(self.train_data))
         if stop is not None:
             where = f"; checkpoint of it in {ck.save} (resume with --load {ck.save})" if ck.save else ""
             self.log_text(f"exiting after iteration {self.iteration}: {stop}{where}")
@@ -686,6 +701,8 @@ class Trainer:
                 for s, n in zip(d.data_mixture.sources, d.source_names)
             )
             return f"mixture {shares}"
+        if d.raw_inputs:
+            return f"raw records {' '.join(d.raw_inputs)} (--online-packing, buffer {d.packing_buffer_size} records)"
         return d.data_path or "synthetic (--mock-data)"
 
     def layers_per_stage(self) -> str:

@@ -78,9 +78,13 @@ def sample_source(sample_id: str) -> str:
     return head if sep and tail.isdigit() else ""
 
 
-def bin_view(ctx: BinContext, rec: BinRecord, bin_id: int, shard: str) -> dict[str, Any]:
-    """The page's data of one bin (JSON values); its images and video frames are written under `media_dir`."""
-    batch = collate_bins([rec], ctx.collate, bin_ids=np.array([bin_id]))
+def bin_view(
+    ctx: BinContext, rec: BinRecord, bin_id: int, shard: str, source: int | None = None
+) -> dict[str, Any]:
+    """The page's data of one bin (JSON values); its images and video frames are written under `media_dir`.
+    `source`: the bin's source in a mixture (`ctx.collate.sources`), whose image rule decodes it."""
+    source_ids = None if source is None else np.array([source])
+    batch = collate_bins([rec], ctx.collate, bin_ids=np.array([bin_id]), source_ids=source_ids)
     n = int(batch.num_real_tokens)
     ids = batch.tokens[0, :n]
     labels = batch.labels[0, :n]

@@ -1,5 +1,6 @@
-"""`mmpack view`: see a packed dataset, or N raw records packed as `mmpack pack` would, as the model sees them,
-in a static offline web page (`-o DIR`, then open DIR/index.html, or `--serve`).
+"""`mmpack view`: see a packed dataset (local, in object storage or over HTTP, or a mixture), or N raw records
+packed as `mmpack pack` would (also `mmpack pack ... --preview N`), as the model sees them, in a static offline
+web page (`-o DIR`, then open DIR/index.html, or `--serve`).
 
 Bad input (a missing shard, a manifest of another version, an image that does not decode) is one line
 `mmpack view: problem: ...` naming the file, and the same line in the page's Problems section; the rest still
@@ -18,7 +19,9 @@ from mmpack.view import POSITION_RULES
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `mmpack view`."""
     parser.add_argument(
-        "path", help="a packed dataset folder (holding manifest.json), or with -n a raw .json/.jsonl file"
+        "path",
+        help="a packed dataset: a folder holding manifest.json, or its URL (s3://, http(s)://); a mixture file "
+        "(YAML/JSON, as --data-mixture takes); or with -n a raw .json/.jsonl file",
     )
     parser.add_argument("-o", "--out", required=True, help="folder the page is written to (DIR/index.html)")
     parser.add_argument(
@@ -42,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--format", choices=("arrow", "wds"), help="which shards to read (default: arrow)")
     parser.add_argument("--no-plot", action="store_true", help="skip the mmpack stats figure")
+    parser.add_argument("--s3-endpoint", help="endpoint URL for s3:// datasets (or AWS_ENDPOINT_URL)")
+    parser.add_argument(
+        "--cache-dir",
+        help="where remote shards are fetched to (default: the loader's cache in the temp folder)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     raw = parser.add_argument_group("raw records (before packing)")
     raw.add_argument(
@@ -73,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     """Write the page (and serve it with --serve); returns the exit code."""
     from mmpack.packing.manifest import ManifestError
     from mmpack.view.site import ViewOptions, prepare_out, write_view
+    from mmpack.view.sources import local_dataset
 
     out = Path(args.out)
     if args.bins < 0 or args.page_size < 1 or (args.records is not None and args.records < 1):
@@ -97,7 +106,18 @@ def run(args: argparse.Namespace) -> int:
             opts.tokenizer = opts.tokenizer or tokenizer
             opts.alias = tuple(alias.items())
         else:
-            root = _dataset_root(args.path)
+            fetch_problems: list[str] = []
+            dataset = local_dataset(
+                args.path,
+                out,
+                storage_options={"endpoint_url": args.s3_endpoint} if args.s3_endpoint else None,
+                shard_format=args.format,
+                cache_dir=args.cache_dir,
+                problems=fetch_problems,
+                say=lambda line: print(line, file=sys.stderr),
+            )
+            root = dataset.root
+            opts.dataset, opts.fetch_problems = dataset, tuple(fetch_problems)
             opts.tokenizer = opts.tokenizer or args.model  # a model folder holds its tokenizer.json
         report = write_view(root, out, opts, say=lambda line: print(line, file=sys.stderr))
     except (ManifestError, OSError, ValueError) as e:
@@ -115,13 +135,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dataset_root(path: str) -> Path:
-    """The dataset folder of PATH (a folder or its manifest.json); local paths only."""
-    if "://" in path and not path.startswith("file://"):
-        raise ValueError(f"{path}: mmpack view reads local datasets; copy it here first (e.g. aws s3 sync)")
-    p = Path(path.removeprefix("file://"))
-    if p.name == "manifest.json":
-        p = p.parent
-    if not (p / "manifest.json").is_file():
-        raise FileNotFoundError(f"{p}: no manifest.json: not a packed dataset (for raw records give -n N)")
-    return p
+def run_pack_preview(job: argparse.Namespace) -> int:
+    """`mmpack pack ... --preview N`: the first N records of the job's one input, packed with the job's flags and
+    shown as `mmpack view RAW -n N` shows them, in OUTPUT.preview/index.html; nothing else is packed."""
+    from mmpack.packing.tokenizer import BYTE_TOKENIZER
+
+    if len(job.inputs) != 1 or job.preview < 1:
+        print(
+            "mmpack pack: error: --preview N (N >= 1) shows the first records of one input: give one -i FILE",
+            file=sys.stderr,
+        )
+        return 2
+    output = str(job.output).rstrip("/")
+    page = output if "://" not in output else output.rsplit("/", 1)[-1]  # a URL output: a local page
+    argv = [job.inputs[0], "-o", page + ".preview", "-n", str(job.preview), "-L", str(job.seq_len)]
+    argv += ["-r", job.image_root] if getattr(job, "image_root", None) else []
+    argv += ["--model", job.model] if getattr(job, "model", None) else []
+    tokenizer = getattr(job, "tokenizer", None)
+    argv += ["-t", tokenizer] if tokenizer and tokenizer != BYTE_TOKENIZER else []
+    argv += [] if getattr(job, "progress", True) else ["--no-progress"]
+    parser = argparse.ArgumentParser(prog="mmpack pack --preview")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.pack_job = job
+    return run(args)

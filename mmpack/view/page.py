@@ -5,7 +5,8 @@ from `mmpack view --serve`: `overview.js`, `problems.js`, then on demand `bins/p
 
 What a test or a script can read from the DOM: `#bin` (`data-bin`), `.sample` (`data-sample-id`, `data-source`),
 `.tok` (`data-id`, `data-trained` "1"/"0", class `trained`, `title` with its position ids), `figure.media`
-(`data-kind`, `data-grid`, `data-tokens`), `#rejects tr.reject` (`data-reason`), `#problems li.problem`."""
+(`data-kind`, `data-grid`, `data-tokens`), `#rejects tr.reject` (`data-reason`), `#problems li.problem`; for a
+mixture `#sources tr.source` (`data-source`), `#bins td.source` and `#bin` (`data-mixture-source`)."""
 
 from __future__ import annotations
 
@@ -134,6 +135,16 @@ function renderOverview(d) {
   const t = el("table", { id: "stats" });
   for (const [k, v] of rows) t.append(el("tr", { "data-key": k }, el("th", { text: k }), el("td", { text: String(v) })));
   const box = $("overview"); box.textContent = ""; box.append(t);
+  if (d.sources.length) {
+    const mt = el("table", { id: "sources" });
+    mt.append(el("tr", {}, ...["source", "path", "weight / repeat", "share", "bins", "first bin"].map((h) => el("th", { text: h }))));
+    for (const x of d.sources)
+      mt.append(el("tr", { class: "source", "data-source": x.name }, el("td", { text: x.name }), el("td", { text: x.path }),
+        el("td", { text: x.weight !== null ? "weight " + show(x.weight) : "repeat " + show(x.repeat) }),
+        el("td", { class: "num", text: pct(x.share) }), el("td", { class: "num", text: fmt(x.bins) }),
+        el("td", { class: "num", text: fmt(x.first_bin) })));
+    box.append(el("h2", { text: "Mixture: " + d.sources.length + " sources, bins numbered through them in order" }), mt);
+  }
   if (d.plot) box.append(el("img", { class: "plot", src: d.plot, alt: "mmpack stats plot" }));
   if (s && s.dataset && s.dataset.shards) {
     const st = el("table", { id: "shards" });
@@ -155,6 +166,10 @@ function renderOverview(d) {
       el("td", { text: x.reason }), el("td", { text: x.source + (x.line ? ":" + x.line : "") }),
       el("td", { text: x.message || "" })));
 }
+function sourceOf(bin) {
+  const x = VIEW.ov.sources.find((s) => s.first_bin <= bin && bin < s.first_bin + s.bins);
+  return x ? x.name : "";
+}
 function pages() { return Math.max(1, Math.ceil(VIEW.ov.num_bins / VIEW.ov.page_size)); }
 async function showPage(n) {
   n = Math.max(0, Math.min(n, pages() - 1));
@@ -163,7 +178,9 @@ async function showPage(n) {
   VIEW.page_no = n;
   $("pageinfo").textContent = "page " + (n + 1) + " of " + fmt(pages());
   const t = $("bins"); t.textContent = "";
-  t.append(el("tr", {}, ...["bin", "fill", "samples", "images", "videos", "key"].map((h) => el("th", { text: h }))));
+  const mixed = VIEW.ov.sources.length > 0;
+  const heads = ["bin", "fill", "samples", "images", "videos", "key"].concat(mixed ? ["source"] : []);
+  t.append(el("tr", {}, ...heads.map((h) => el("th", { text: h }))));
   for (const [bin, key, tokens, samples, images, videos] of rows) {
     const f = el("span", { class: "fill", title: fmt(tokens) + " / " + fmt(VIEW.ov.manifest.seq_len) + " tokens" },
       el("b", { style: "width:" + (100 * tokens / VIEW.ov.manifest.seq_len).toFixed(1) + "%" }));
@@ -171,6 +188,7 @@ async function showPage(n) {
       el("td", { class: "num", text: fmt(bin) }), el("td", {}, f), el("td", { class: "num", text: fmt(samples) }),
       el("td", { class: "num", text: fmt(images) }), el("td", { class: "num", text: fmt(videos) }),
       el("td", { text: key === null ? "(shard missing)" : key }));
+    if (mixed) tr.append(el("td", { class: "source", text: sourceOf(bin) }));
     tr.onclick = () => showBin(bin);
     t.append(tr);
   }
@@ -213,10 +231,11 @@ function posTitle(d, j) {
 function renderBin(d) {
   const box = $("bin"); box.textContent = "";
   box.setAttribute("data-bin", d.bin);
+  box.setAttribute("data-mixture-source", d.source || "");
   const trained = new Set(d.trained), special = new Set(d.special);
   const media = new Map(d.media.map((m) => [m.at, m]));
   const n = d.ids.length;
-  box.append(el("h2", { text: "bin " + d.bin + " · " + d.key + " · " + d.shard }),
+  box.append(el("h2", { text: "bin " + d.bin + " · " + d.key + (d.source ? " · source " + d.source : "") + " · " + d.shard }),
     el("div", { class: "muted", text: fmt(n) + " / " + fmt(d.seq_len) + " tokens, " + d.samples.length +
       " samples, " + d.media.length + " images / video steps, " + d.trained.length + " trained tokens" }));
   d.samples.forEach((s, i) => {

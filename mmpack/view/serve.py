@@ -7,6 +7,7 @@ import functools
 import json
 import re
 import threading
+from dataclasses import dataclass
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -32,23 +33,47 @@ class _Handler(SimpleHTTPRequestHandler):
         pass
 
 
-def serve(out: Path, root: Path, opts: ViewOptions, port: int = 0) -> int:
-    """Serve `out` until interrupted; prints the URL."""
+@dataclass
+class ViewServer:
+    """A server of one report folder, bound but not yet serving: `serve_forever()` (in any thread), then
+    `close()`."""
+
+    server: ThreadingHTTPServer
+    renderer: BinRenderer
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/index.html"
+
+    def serve_forever(self) -> None:
+        self.server.serve_forever()
+
+    def close(self) -> None:
+        """Release the port and the shard readers, once `serve_forever` has returned (after Ctrl-C, or
+        `server.shutdown()` from another thread)."""
+        self.server.server_close()
+        self.renderer.close()
+
+
+def start_server(out: Path, root: Path, opts: ViewOptions, port: int = 0) -> ViewServer:
+    """A server of `out` bound to 127.0.0.1:`port` (0: a free port), rendering `root`'s bins on request."""
     manifest = Manifest.from_dict(
         json.loads((root / "manifest.json").read_text()), shard_format=opts.shard_format
     )
     renderer = BinRenderer(root, manifest, out, opts)
     handler = type("ViewHandler", (_Handler,), {"renderer": renderer, "lock": threading.Lock()})
     server = ThreadingHTTPServer(("127.0.0.1", port), functools.partial(handler, directory=str(out)))
-    print(
-        f"mmpack view: serving http://127.0.0.1:{server.server_address[1]}/index.html (Ctrl-C to stop)",
-        flush=True,
-    )
+    return ViewServer(server, renderer)
+
+
+def serve(out: Path, root: Path, opts: ViewOptions, port: int = 0) -> int:
+    """Serve `out` until interrupted; prints the URL."""
+    view = start_server(out, root, opts, port)
+    print(f"mmpack view: serving {view.url} (Ctrl-C to stop)", flush=True)
     try:
-        server.serve_forever()
+        view.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
-        renderer.close()
+        view.close()
     return 0

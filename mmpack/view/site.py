@@ -7,6 +7,7 @@ The first page (index, overview, the first page of bins, the first bin) is writt
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -24,6 +25,7 @@ from mmpack.dataloader.readers import open_shard_reader
 from mmpack.view.bins import BinContext, bin_view, position_rule_for, renamed
 from mmpack.view.listing import IdIndex, id_buckets, script, write_pages
 from mmpack.view.page import INDEX_HTML
+from mmpack.view.sources import LocalDataset, source_of_bin
 from mmpack.view.tokens import TokenDecoder
 
 BIN_NAME = "bin/b{bin:09d}.js"
@@ -47,6 +49,8 @@ class ViewOptions:
     plot: bool = True
     workers: int = 4
     alias: tuple[tuple[str, str], ...] = ()  # sample-id prefixes shown as another (`BinContext.alias`)
+    dataset: LocalDataset | None = None  # a remote dataset's or mixture's local folder (`view.sources`)
+    fetch_problems: tuple[str, ...] = ()  # shards that could not be fetched
 
 
 @dataclass
@@ -70,9 +74,19 @@ class BinRenderer:
         self.root, self.manifest, self.out = root, manifest, out
         decoder = TokenDecoder(opts.tokenizer, (manifest.raw.get("tokenizer") or {}))
         self.problems = list(decoder.problems)
-        collate = CollateConfig.from_manifest(
-            manifest, position_rule=position_rule_for(manifest, opts.positions)
-        )
+        self.dataset = opts.dataset
+        self.sources = opts.dataset.sources if opts.dataset else ()
+        rule = position_rule_for(manifest, opts.positions)
+        collate = CollateConfig.from_manifest(manifest, position_rule=rule)
+        if self.sources:  # each source's bins decoded by its own image rule, as the loader does
+            own = [
+                CollateConfig.from_manifest(
+                    Manifest.from_dict(json.loads((root / s.folder / "manifest.json").read_text())),
+                    position_rule=rule,
+                )
+                for s in self.sources
+            ]
+            collate = dataclasses.replace(collate, sources=tuple(own))
         (out / "media").mkdir(parents=True, exist_ok=True)
         self.ctx = BinContext(manifest, collate, decoder, out / "media", alias=opts.alias)
         self._readers: dict[int, Any] = {}
@@ -91,7 +105,10 @@ class BinRenderer:
             if index not in self._readers:
                 self._readers[index] = open_shard_reader(str(path), entry.format, label=str(path))
             rec = self._readers[index].read(bin_id - entry.first_bin)
-            view = bin_view(self.ctx, rec, bin_id, str(path))
+            k = source_of_bin(self.sources, bin_id)
+            shown = self.dataset.shown(str(path)) if self.dataset else str(path)
+            view = bin_view(self.ctx, rec, bin_id, shown, source=k if self.sources else None)
+            view["source"] = self.sources[k].name if self.sources else ""
         except FileNotFoundError:
             self.problems.append(f"bin {bin_id}: shard {path} is missing")
             return None
@@ -139,6 +156,7 @@ def write_view(root: Path, out: Path, opts: ViewOptions, say: Callable[[str], No
     )
     renderer = BinRenderer(root, manifest, out, opts)
     problems: list[str] = renderer.problems
+    problems += opts.fetch_problems
     total_samples = int((manifest.raw.get("counts") or {}).get("samples_packed") or 0) or sum(
         s.samples for s in manifest.shards
     )
@@ -174,6 +192,8 @@ def write_view(root: Path, out: Path, opts: ViewOptions, say: Callable[[str], No
     report.stats_s = time.perf_counter() - t_stats
     full["rendered"] = report.bins_rendered
     _write_js(out / "overview.js", "overview", full)
+    if opts.dataset is not None:
+        problems[:] = _without_repeats([opts.dataset.shown(line) for line in problems], opts.fetch_problems)
     for line in problems:
         say(f"mmpack view: problem: {line}")
     _write_js(out / "problems.js", "problems", problems)
@@ -189,7 +209,8 @@ def _overview(
     """The overview's data: the manifest's facts, the stats (once the listing is done), the rejects."""
     raw = manifest.raw
     data: dict[str, Any] = {
-        "path": str(root),
+        "path": opts.dataset.label if opts.dataset else str(root),
+        "sources": [s.to_dict() for s in opts.dataset.sources] if opts.dataset else [],
         "manifest": {k: raw.get(k) for k in ("version", "seq_len", "formats", "tokenizer", "chat_template",
                                               "image_rule", "video_rule", "algorithm", "counts", "created_by")},
         "format": manifest.shards[0].format if manifest.shards else None,
@@ -217,6 +238,15 @@ def _overview(
                 data["plot"] = "overview.png"
             data["stats"] = report
     return data
+
+
+def _without_repeats(problems: list[str], fetch_problems: tuple[str, ...]) -> list[str]:
+    """`problems` less the listing's line of a shard whose fetch already failed (one line per shard)."""
+    failed = {line.split(" ", 2)[1] for line in fetch_problems}  # "shard URL cannot be fetched: ..."
+    return [
+        line for line in problems
+        if line in fetch_problems or not (line.startswith("shard ") and line.split(" ", 2)[1] in failed)
+    ]  # fmt: skip
 
 
 def _stats(root: Path, opts: ViewOptions, problems: list[str]) -> dict[str, Any] | None:

@@ -10,7 +10,9 @@ How each kind of input is read:
   bounded memory (`json_lines`), chunks addressed by byte offset;
 - the same gzip-compressed (`.jsonl.gz`, `.json.gz`): line by line while decompressing, chunks addressed by
   record index (`json_lines.gzip_cursor`); never decompressed whole;
-- JSON documents (an array, a pretty-printed object; plain or gzip), Parquet and WebDataset tars: read whole
+- a plain JSON document that is an array: element by element in bounded memory (`json_array`), chunks
+  addressed by the position of their first element, noted in a first pass;
+- other JSON documents (a pretty-printed object; any gzip document), Parquet and WebDataset tars: read whole
   once per process (kept in the job context's caches), then sliced; a document or Parquet file over
   `MAX_DOCUMENT_BYTES` (a gzip document decompressed no further) is an error naming it.
 
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from mmpack.offline_packing.config import DEFAULT_MAX_RECORD_BYTES
 from mmpack.offline_packing.errors import PackError
+from mmpack.offline_packing.inputs.json_array import ArrayPosition, ArrayReader, chunk_starts, open_array
 from mmpack.offline_packing.inputs.json_lines import (
     Line,
     StreamCursor,
@@ -54,9 +57,9 @@ from mmpack.offline_packing.tar_source import index_tar, sample_record
 if TYPE_CHECKING:
     from mmpack.offline_packing.context import JobContext
 
-# A JSON document, a gzip document decompressed or a Parquet file's data is read whole (unlike JSON Lines): past
-# this it is an error, so a small file that expands without bound (a gzip bomb) never fills the memory. Real
-# documents stay well under it (LLaVA-1.5's 665k-sample mixture is a 1 GB JSON array).
+# A JSON document (but a plain array), a gzip document decompressed or a Parquet file's data is read whole (unlike
+# JSON Lines): past this it is an error, so a small file that expands without bound (a gzip bomb) never fills the
+# memory. Real documents stay well under it (LLaVA-1.5's 665k-sample mixture is a 1 GB JSON array).
 MAX_DOCUMENT_BYTES = 2 << 30
 
 
@@ -71,6 +74,7 @@ class Chunk:
     count: int
     byte_offset: int = 0  # plain JSONL: byte offset of record `start`'s line
     first_line: int = 1  # plain JSONL: 1-based line number at byte_offset
+    array_at: ArrayPosition | None = None  # plain JSON array: where record `start`'s element starts
 
 
 def plan_chunks(
@@ -87,6 +91,9 @@ def plan_chunks(
                 chunks.append(
                     Chunk(len(chunks), src, path, k, min(chunk_size, len(starts) - k), offset, line)
                 )
+            continue
+        if kind == "array":
+            chunks.extend(_array_chunks(ctx, path, src, len(chunks), chunk_size, max_record_bytes))
             continue
         n_records = (
             count_lines(ctx.remote, path, max_record_bytes)
@@ -111,6 +118,13 @@ def read_chunk(
             )
             for _, line in zip(range(chunk.count), lines):
                 yield _record_of(line, max_record_bytes)
+    elif kind == "array":
+        if chunk.array_at is not None and chunk.count > 0:
+            with reading(ctx.remote, chunk.path) as f:
+                reader = ArrayReader(f, chunk.array_at, max_record_bytes)
+                for _, record in zip(range(chunk.count), reader.records()):
+                    assert record is not None
+                    yield record
     elif kind == "gzip-lines":
         for line in _gzip_cursor(ctx, chunk.path, max_record_bytes).records(chunk.start, chunk.count):
             yield _record_of(line, max_record_bytes)
@@ -128,7 +142,8 @@ def _gzip_cursor(ctx: JobContext, path: str, max_record_bytes: int) -> StreamCur
 
 
 def input_kind(ctx: JobContext, path: str, max_record_bytes: int) -> str:
-    """ "lines" (plain JSONL), "gzip-lines" (JSONL in gzip), "document" (JSON read whole), "parquet" or "tar"."""
+    """ "lines" (plain JSONL), "gzip-lines" (JSONL in gzip), "array" (a plain JSON array, read element by
+    element), "document" (JSON read whole), "parquet" or "tar"."""
     if path.endswith(".parquet"):
         return "parquet"
     if path.endswith(".tar"):
@@ -147,7 +162,7 @@ def _sniffed_kind(ctx: JobContext, path: str, max_record_bytes: int) -> str:
     head = [line.raw if line.raw is not None else line.head for line in lines]
     complete = not lines or lines[0].raw is not None
     if not looks_like_json_lines(head, complete):
-        return "document"
+        return "document" if path.endswith(".gz") or not _is_array(ctx, path) else "array"
     return "gzip-lines" if path.endswith(".gz") else "lines"
 
 
@@ -155,6 +170,27 @@ def _record_starts(ctx: JobContext, path: str, max_record_bytes: int) -> list[tu
     """(byte offset, line number) of every record (non-blank line) of a plain JSONL file."""
     with reading(ctx.remote, path) as f:
         return [(line.offset, line.number) for line in iter_lines(f, max_record_bytes)]
+
+
+def _is_array(ctx: JobContext, path: str) -> bool:
+    with reading(ctx.remote, path) as f:
+        return open_array(f, None) is not None
+
+
+def _array_chunks(
+    ctx: JobContext, path: str, src: int, first: int, chunk_size: int, max_record_bytes: int
+) -> list[Chunk]:
+    """The chunks of a plain JSON array, from a first pass over its elements (one empty chunk for no element, as
+    for a document read whole)."""
+    with reading(ctx.remote, path) as f:
+        starts, n_records = chunk_starts(f, chunk_size, max_record_bytes)
+    if not starts:
+        return [Chunk(first, src, path, 0, 0)]
+    return [
+        Chunk(first + i, src, path, i * chunk_size, min(chunk_size, n_records - i * chunk_size), at.byte_offset,
+              at.line, at)
+        for i, at in enumerate(starts)
+    ]  # fmt: skip
 
 
 def _record_of(line: Line, max_record_bytes: int) -> RawRecord:
@@ -194,9 +230,9 @@ def _read_whole_file(ctx: JobContext, path: str, max_record_bytes: int) -> list[
 
 def _document_too_large(path: str, verb: str) -> PackError:
     return PackError(
-        f"input {path} {verb} larger than {MAX_DOCUMENT_BYTES >> 20} MiB, and a JSON document (an array, one "
-        "object) or a Parquet file is read whole; write it as JSON Lines (.jsonl or .jsonl.gz), which is read "
-        "record by record, or split it into several files"
+        f"input {path} {verb} larger than {MAX_DOCUMENT_BYTES >> 20} MiB, and a JSON document (one object, a gzip "
+        "document) or a Parquet file is read whole; write it as JSON Lines (.jsonl or .jsonl.gz) or as a plain "
+        ".json array, which are read record by record, or split it into several files"
     )
 
 

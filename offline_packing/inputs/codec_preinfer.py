@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
+from mmpack.packing.processes import run_tied
 from mmpack.packing.video_codec_ov2 import CodecAssetError
 
 EXECUTABLE = "cv-preinfer"
@@ -80,11 +81,8 @@ class CodecPreinfer:
         return folder
 
     def _run(self, video: str, out_dir: str, total_frames: int, name: str) -> None:
-        try:
-            done = subprocess.run(
-                self.command(video, out_dir, total_frames),
-                capture_output=True, text=True, timeout=self.timeout_s, check=False,
-            )  # fmt: skip
+        try:  # tied: a killed packer, or a timeout, ends cv-preinfer and the ffprobe it runs
+            done = run_tied(self.command(video, out_dir, total_frames), timeout_s=self.timeout_s)
         except subprocess.TimeoutExpired:
             raise CodecAssetError(
                 f"codec video {name}: cv-preinfer ran past {self.timeout_s:.0f} s; skip the video or give it a "

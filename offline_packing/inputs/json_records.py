@@ -94,7 +94,7 @@ def parse_json_document(data: bytes, max_record_bytes: int | None = None) -> lis
     """The records of a whole file's bytes: array elements, one object, or JSONL content (detected)."""
     data = data.removeprefix(BOM)
     text = data.decode("utf-8", errors="surrogateescape")
-    pos = _skip_ws(text, 0)
+    pos = skip_ws(text, 0)
     if pos < len(text) and text[pos] == "[":
         return _split_json_array(text, pos, max_record_bytes)
     if pos >= len(text):
@@ -133,10 +133,10 @@ def _one_value(text: str, pos: int, max_record_bytes: int | None = None) -> RawR
             return None
         return RawRecord(line, error=f"invalid JSON: {exc}")
     except RecursionError:
-        end = _value_end(text, pos)
-    if _skip_ws(text, end) < len(text):
+        end = value_end(text, pos)
+    if skip_ws(text, end) < len(text):
         return None
-    return _parse_element(text, pos, end, line, max_record_bytes)
+    return parse_element(text, pos, end, line, max_record_bytes)
 
 
 def _later_line_is_object(text: str, pos: int) -> bool:
@@ -158,7 +158,7 @@ def _split_json_array(text: str, pos: int, max_record_bytes: int | None = None) 
     """Elements of a top-level JSON array with the line each starts on."""
     decoder = json.JSONDecoder()
     records: list[RawRecord] = []
-    pos = _skip_ws(text, pos + 1)
+    pos = skip_ws(text, pos + 1)
     line, counted_to = 1, 0
     while pos < len(text) and text[pos] != "]":
         line += text.count("\n", counted_to, pos)
@@ -167,20 +167,26 @@ def _split_json_array(text: str, pos: int, max_record_bytes: int | None = None) 
             _, end = decoder.raw_decode(text, pos)
         except ValueError as exc:  # JSONDecodeError, or an integer past the digit limit
             # the rest of the array cannot be split reliably: one reject for it
-            records.append(RawRecord(line, error=f"invalid JSON: {exc}"))
+            records.append(RawRecord(line, error=f"{malformed_element(len(records))}: {exc}"))
             return records
         except RecursionError:
-            end = _value_end(text, pos)
-        records.append(_parse_element(text, pos, end, line, max_record_bytes))
-        pos = _skip_ws(text, end)
+            end = value_end(text, pos)
+        records.append(parse_element(text, pos, end, line, max_record_bytes))
+        pos = skip_ws(text, end)
         if pos < len(text) and text[pos] == ",":
-            pos = _skip_ws(text, pos + 1)
+            pos = skip_ws(text, pos + 1)
     return records
 
 
-def _parse_element(
+def malformed_element(index: int) -> str:
+    """The start of the message of an array element that is not valid JSON (the last record of its file)."""
+    return f"invalid JSON at array index {index} (the rest of the array is not read)"
+
+
+def parse_element(
     text: str, start: int, end: int, line: int, max_record_bytes: int | None = None
 ) -> RawRecord:
+    """The array element `text[start:end]` (decoded with surrogateescape), starting on `line`, as a record."""
     piece = text[start:end]
     if max_record_bytes is not None and 4 * len(piece) > max_record_bytes:  # else it fits, in any encoding
         size = len(piece.encode("utf-8", "surrogateescape"))
@@ -225,7 +231,7 @@ def _depth_error(text: str) -> str | None:
     return None
 
 
-def _value_end(text: str, pos: int) -> int:
+def value_end(text: str, pos: int) -> int:
     """Index just past the JSON value starting at `pos`, found without parsing it (strings and brackets only).
 
     For a value that is not a bracketed one, the end of its line. Used to step over a value the parser
@@ -256,7 +262,8 @@ def _value_end(text: str, pos: int) -> int:
     return len(text)
 
 
-def _skip_ws(text: str, pos: int) -> int:
+def skip_ws(text: str, pos: int) -> int:
+    """The first index at or after `pos` that is not JSON whitespace (len(text) if none)."""
     while pos < len(text) and text[pos] in " \t\r\n":
         pos += 1
     return pos

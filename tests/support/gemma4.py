@@ -2,7 +2,8 @@
 
 Harness, not reference code: `model_folder` copies the shared stand-in (../shared/data/gemma4_tokenizer: a Qwen3 BPE
 with Gemma 4's special tokens, its chat template and `processor_config.json`) into a model folder, as its
-SOURCE.md says; `reference_processor` builds transformers' `Gemma4Processor` from that folder's files with its
+SOURCE.md says, optionally without Qwen's control tokens (as a real Gemma 4 tokenizer has none of them:
+`edit_added_tokens`); `reference_processor` builds transformers' `Gemma4Processor` from that folder's files with its
 PIL image processor (`Gemma4ImageProcessorPil`) and no video processor (`Gemma4VideoProcessor` needs
 torchvision, which does not load here). The reference ids are transformers' own: `apply_chat_template`, then the
 processor's call (images) or its `replace_video_token` (videos) and the tokenizer.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +26,16 @@ GEMMA4_TOKENIZER_DIR = SHARED_DIR / "data" / "gemma4_tokenizer"
 FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "processor_config.json")
 
 
-def model_folder(folder: Path, *, max_soft_tokens: int | None = None) -> Path:
+def model_folder(folder: Path, *, max_soft_tokens: int | None = None, qwen_tokens: bool = True) -> Path:
     """A Gemma 4 model folder's text and processor files (no weights), the image budget `max_soft_tokens` where
-    given (the stand-in's is 70)."""
+    given (the stand-in's is 70); without `qwen_tokens`, its tokenizer lacks Qwen's control tokens."""
+    from mmpack.packing.tokenizer import QWEN_TOKENS
+
     folder.mkdir(parents=True, exist_ok=True)
     for name in FOLDER_FILES:
         shutil.copyfile(GEMMA4_TOKENIZER_DIR / name, folder / name)
+    if not qwen_tokens:
+        edit_added_tokens(folder / "tokenizer.json", folder, drop=QWEN_TOKENS.literals)
     if max_soft_tokens is not None:
         path = folder / "processor_config.json"
         config = json.loads(path.read_text())
@@ -37,6 +43,26 @@ def model_folder(folder: Path, *, max_soft_tokens: int | None = None) -> Path:
         config["image_seq_length"] = max_soft_tokens
         path.write_text(json.dumps(config, indent=2))
     return folder
+
+
+def edit_added_tokens(
+    source: Path, folder: Path, *, drop: Sequence[str] = (), add: Sequence[str] = ()
+) -> Path:
+    """`folder/tokenizer.json`: the tokenizer file `source` without the added tokens `drop` (the vocabulary then
+    reads their text as ordinary text) and with the special tokens `add` (new ids after the last one)."""
+    data = json.loads(source.read_text())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] not in drop]
+    text = json.dumps(data, ensure_ascii=False)
+    if add:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_str(text)
+        tokenizer.add_special_tokens(list(add))
+        text = tokenizer.to_str()
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / "tokenizer.json"
+    out.write_text(text)
+    return out
 
 
 def reference_processor(folder: Path) -> Any:

@@ -91,6 +91,18 @@ def lora_modules(rules: dict[str, Rule]) -> dict[str, Rule]:
     }
 
 
+def expert_names(rules: dict[str, Rule]) -> set[str]:
+    """The HF names of a mixture of experts' expert tensors (``...mlp.experts.gate_up_proj``, or each expert's
+    ``...mlp.experts.0.down_proj``) and of the ``...mlp.experts`` modules holding them."""
+    names = set()
+    for name, rule in rules.items():
+        if rule.expert >= 0 or ".experts." in name:
+            for hf in rule.hf:
+                hf = hf.removesuffix(".weight")
+                names |= {hf, hf[: hf.index(".experts.") + len(".experts")]} if ".experts." in hf else {hf}
+    return names
+
+
 def hf_modules(rule: Rule) -> tuple[str, ...]:
     """The HF linear modules a megatron-core layer's weight is made of (``...q_proj``, ``...k_proj``, ...)."""
     return tuple(name[: -len(".weight")] for name in rule.hf)
@@ -105,12 +117,21 @@ def short_name(hf_module: str) -> str:
 
 def check_targets(spec: LoraSpec, rules: dict[str, Rule], where: str) -> None:
     """Every target names at least one linear module of the whole model (``rules``: its HF rules with every
-    part); one ValueError listing the valid names otherwise (``where``: the model, for the message)."""
+    part); one ValueError listing the valid names otherwise, which says so where the target names only a mixture
+    of experts' experts (``where``: the model, for the message)."""
     modules = [m for rule in lora_modules(rules).values() for m in hf_modules(rule)]
     valid = sorted({short_name(m) for m in modules})
     given = [spec.targets] if isinstance(spec.targets, str) else list(spec.targets)
     unmatched = [t for t in given if not any(_target_matches(t if isinstance(spec.targets, str) else (t,), n)
                                              for m in modules for n in spellings(m))]  # fmt: skip
+    experts = [t for t in unmatched if any(_target_matches(t if isinstance(spec.targets, str) else (t,), n)
+                                           for m in expert_names(rules) for n in spellings(m))]  # fmt: skip
+    if experts:
+        raise ValueError(
+            f"--lora-target-modules: {', '.join(experts)} name(s) the experts of {where}, which mmpack's LoRA does "
+            f"not adapt (transformers holds them as 3-D tensors, not linear modules); target the attention and "
+            f"dense projections instead, valid names: {', '.join(valid)}"
+        )
     if unmatched:
         raise ValueError(
             f"--lora-target-modules: {', '.join(unmatched)} name(s) no linear module of {where}; valid names: "
