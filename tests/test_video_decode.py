@@ -211,7 +211,7 @@ def test_decode_memory_is_bounded(tmp_path: Path) -> None:
     import sys
 
     rule = VideoTokenRule(fps=0.5, max_frames=4)
-    frames = {"short": 100, "long": 300}
+    frames = {"short": 150, "long": 450}
     paths = {
         k: encode_video(tmp_path / f"{k}.mp4", n, width=640, height=480, gop=30) for k, n in frames.items()
     }
