@@ -291,7 +291,8 @@ def test_every_option_changes_a_fingerprint_or_is_run_control() -> None:
 
 def test_every_flag_sets_the_option_of_its_name_with_the_configs_default() -> None:
     """Defaults live in the configs only: no flag has its own, and each flag is an option (or one of the
-    three resolved first: --model, --chat-template, --s3-endpoint)."""
+    three resolved first: --model, --chat-template, --s3-endpoint, or --preview, which `mmpack pack` hands to
+    the view before any job)."""
     import argparse
 
     from mmpack.offline_packing.flags import add_arguments, parse_job_args
@@ -302,7 +303,7 @@ def test_every_flag_sets_the_option_of_its_name_with_the_configs_default() -> No
     actions = [a for a in p._actions if a.dest != "help"]
     assert len(actions) > 40
     assert [a.dest for a in actions if a.default is not argparse.SUPPRESS] == []
-    resolved = {"model", "chat_template_file", "s3_endpoint"}
+    resolved = {"model", "chat_template_file", "s3_endpoint", "preview"}
     assert {a.dest for a in actions} - resolved <= set(option_fields())
     plain = parse_job_args(
         ["-i", "x.jsonl", "-o", "o", "-L", "64", "-t", BYTE_TOKENIZER], prog="t", description=""
