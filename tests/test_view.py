@@ -1,10 +1,11 @@
 """`mmpack view`: the page of a packed dataset, opened in a real headless browser (chromium, `--dump-dom`), shows
 each sample's decoded text, marks as trained exactly the tokens the loader's labels train, holds each bin's
 images at the model's size and the rejects with their reason; the raw preview of the shared mllm_demo records
-renders the token ids of transformers' `apply_chat_template` (default system prompt included); a missing shard
-and an image that does not decode are each one line naming the file, and the rest still shows; `--serve` renders a
-bin on request; `mmpack pack --preview N` packs the first records with the job's flags; a dataset in S3 (moto) and
-a mixture show their sources."""
+renders the token ids of transformers' `apply_chat_template` (default system prompt included), and so do the same
+records as Parquet, a WebDataset tar (its images shown) and two JSON Lines files, each form's first records copied
+at the lines the job reads them at; a missing shard and an image that does not decode are each one line naming the
+file, and the rest still shows; `--serve` renders a bin on request; `mmpack pack --preview N` packs the first records with the job's flags; a dataset in S3 (moto) and
+a mixture show their sources, each with its own figures."""
 
 from __future__ import annotations
 
@@ -263,6 +264,7 @@ def test_dataset_in_s3_and_a_mixture(dataset: Path, tmp_path: Path) -> None:
     shard's URL."""
     from tests.support.storage_servers import moto_s3
 
+    need_chromium()
     packed = dataset / "packed"
     rec, _ = _bin0(packed)
     n = load_manifest(str(packed)).num_bins
@@ -285,6 +287,26 @@ def test_dataset_in_s3_and_a_mixture(dataset: Path, tmp_path: Path) -> None:
         ]
         assert [round(x["share"], 6) for x in overview["sources"]] == [0.75, 0.25]
         assert _script_json(out / "problems.js", "problems") == []
+        # each source's own figures in the browser, beside the summed ones (control: the sums are twice them)
+        page = _page(out, tmp_path)
+        counts = load_manifest(str(packed)).raw["counts"]
+        seq_len = load_manifest(str(packed)).seq_len
+        images = sum(len(r["images"]) for r in _all_bins(packed))
+        own = f"{counts['samples_packed']} / {counts['samples_read']}"
+        fill = f"{100 * counts['tokens'] / (n * seq_len):.2f}%"
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(counts["rejected_by_reason"].items()))
+        for row in page.by_id("sources").find_all("tr", cls="source"):
+            cells = {c.attrs["data-key"]: c.text() for c in row.find_all("td") if "data-key" in c.attrs}
+            assert (cells["samples"], cells["fill"], cells["images"], cells["rejects"]) == (
+                own,
+                fill,
+                str(images),
+                reasons,
+            ), row.attrs["data-source"]
+        summed = (
+            page.by_id("stats").find_all("tr", data_key="samples packed / read")[0].find_all("td")[0].text()
+        )
+        assert summed == f"{2 * counts['samples_packed']} / {2 * counts['samples_read']}" != own
         for b, name in ((0, "here"), (n, "there")):  # the first bin of each source is bin 0 of the dataset
             shown = _bin_data(out, b)
             assert shown["source"] == name and shown["ids"] == rec["input_ids"].tolist()
@@ -354,6 +376,202 @@ def test_raw_preview_renders_the_ids_of_apply_chat_template(tmp_path: Path) -> N
     for line, record in zip(sorted(ids, key=int), records):
         expected = _expected_ids(record, tokenizer, processor)
         assert ids[line] != expected and ids[line] == expected[len(system) :]
+
+
+def _demo_forms(root: Path, swap_first_image: bool = False) -> dict[str, list[str]]:
+    """The 6 mllm_demo records written as `mmpack pack -i` also takes them: one Parquet file, one WebDataset tar
+    (each record's images as members of its sample, the record naming them by suffix), and two JSON Lines
+    files in a folder (3 records each, the second gzip-compressed and with a blank line), named by a glob.
+    `swap_first_image`: the tar's first sample holds 2.jpg's bytes under its image's name (a control)."""
+    import gzip
+    import io
+    import tarfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = json.loads(MLLM_DEMO_JSON.read_text())
+    root.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(records), root / "demo.parquet")
+    with tarfile.open(root / "demo.tar", "w") as tar:
+        for k, record in enumerate(records):
+            names = sorted(set(record["images"]))
+            as_member = {name: f"img{j}.jpg" for j, name in enumerate(names)}
+            own = {**record, "images": [as_member[x] for x in record["images"]]}
+            members = [(f"{k:06d}.json", json.dumps(own).encode())]
+            for name in names:
+                data = (MLLM_DEMO_JSON.parent / name).read_bytes()
+                if swap_first_image and k == 0:
+                    data = (MLLM_DEMO_JSON.parent / "mllm_demo_data/2.jpg").read_bytes()
+                members.append((f"{k:06d}.{as_member[name]}", data))
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    (root / "lines").mkdir(exist_ok=True)
+    (root / "lines" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
+    text = json.dumps(records[3]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in records[4:])
+    (root / "lines" / "b.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    return {
+        "parquet": [str(root / "demo.parquet")],
+        "tar": [str(root / "demo.tar")],
+        "jsonl": [str(root / "lines" / "*.jsonl*")],
+    }
+
+
+@pytest.mark.shared
+@pytest.mark.slow
+def test_raw_preview_of_parquet_tar_and_several_files(tmp_path: Path) -> None:
+    """The shared mllm_demo records as Parquet, as a WebDataset tar (images inside it) and as two JSON Lines files
+    (one gzip, named by a glob) preview with transformers' ids, as the JSON form does, each sample named by its
+    original file and line (row, tar sample); the tar's images are shown at the model's size. Control: the tar
+    with another image's bytes under the first sample's image name: that sample's ids are no longer
+    transformers' (its image's tokens follow the tar's pixels)."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    need_shared(MLLM_DEMO_JSON, QWEN3_TOKENIZER, what="the mllm_demo records and the Qwen3 tokenizer")
+    need_chromium()
+    model = qwen2_vl_model_folder(tmp_path / "Qwen2-VL", QWEN3_TOKENIZER)
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    processor = Qwen2VLImageProcessorPil.from_pretrained(str(model))
+    records = json.loads(MLLM_DEMO_JSON.read_text())
+    expected = [_expected_ids(r, tokenizer, processor) for r in records]
+    forms = _demo_forms(tmp_path / "raw")
+    files = {  # the record each (original file, line) holds
+        "parquet": {(str(tmp_path / "raw" / "demo.parquet"), k + 1): k for k in range(6)},
+        "tar": {(str(tmp_path / "raw" / "demo.tar"), k + 1): k for k in range(6)},
+        "jsonl": {(str(tmp_path / "raw" / "lines" / "a.jsonl"), k + 1): k for k in range(3)}
+        | {(str(tmp_path / "raw" / "lines" / "b.jsonl.gz"), line): k for line, k in ((1, 3), (3, 4), (4, 5))},
+    }
+    root = ["-r", str(MLLM_DEMO_JSON.parent)]
+    for form, inputs in forms.items():
+        out = tmp_path / f"view-{form}"
+        argv = [
+            "view",
+            *inputs,
+            "-n",
+            "6",
+            "--model",
+            str(model),
+            "-o",
+            str(out),
+            "--no-plot",
+            "--no-progress",
+        ]
+        assert mmpack([*argv, *(root if form != "tar" else [])]) == 0, form
+        page = _page(out, tmp_path)
+        samples = page.by_id("bin").find_all("div", cls="sample")
+        assert len(samples) == 6, form
+        for sample in samples:
+            source, line = sample.attrs["data-sample-id"].rsplit(":", 1)
+            assert sample.attrs["data-source"] == source
+            k = files[form][(source, int(line))]
+            assert [int(t.attrs["data-id"]) for t in sample.find_all("span", cls="tok")] == expected[k], form
+        if form == "tar":  # the images inside the tar, at the size of their grid (the model's pixels)
+            figures = page.by_id("bin").find_all("figure", cls="media")
+            assert len(figures) == sum(len(r["images"]) for r in records)
+            for fig in figures:
+                (img,) = fig.find_all("img")
+                h, w = (int(x) for x in fig.attrs["data-grid"].split("x")[1:])
+                assert Image.open(out / img.attrs["src"]).size == (w * 14, h * 14)
+    # control: the first tar sample's image member holds 2.jpg: its ids are not transformers' for record 0
+    control = _demo_forms(tmp_path / "control", swap_first_image=True)["tar"]
+    out = tmp_path / "view-control"
+    argv = ["view", *control, "-n", "1", "--model", str(model), "-o", str(out), "--no-plot", "--no-progress"]
+    assert mmpack(argv) == 0
+    data = _bin_data(out, 0)
+    assert data["samples"][0]["id"] == f"{control[0]}:1"
+    assert data["ids"] != expected[0] and len(data["ids"]) != len(expected[0])
+    # the tar as a URL (S3, moto): the first 2 records, named by the URL and sample
+    from tests.support.storage_servers import moto_s3
+
+    with moto_s3() as s3:
+        url = s3.upload_folder(tmp_path / "raw", "raw", "demo") + "/demo.tar"
+        out = tmp_path / "view-s3"
+        argv = ["view", url, "-n", "2", "--model", str(model), "-o", str(out), "--no-plot", "--no-progress"]
+        assert mmpack([*argv, "--s3-endpoint", s3.endpoint_url]) == 0
+    data = _bin_data(out, 0)
+    shown = {s["id"]: data["ids"][s["start"] : s["start"] + s["len"]] for s in data["samples"]}
+    assert shown == {f"{url}:1": expected[0], f"{url}:2": expected[1]}
+
+
+def _records(path: Path | str) -> list[tuple[int, Any, str | None]]:
+    """(line, record, error) of every record of an input file, read by the offline job's own reader."""
+    from mmpack.offline_packing.context import JobContext
+    from mmpack.offline_packing.inputs.chunks import plan_chunks, read_chunk
+
+    ctx = JobContext(work_dir="")
+    return [(r.line, r.obj, r.error) for c in plan_chunks(ctx, [str(path)], 1000) for r in read_chunk(ctx, c)]
+
+
+def test_first_records_keep_each_forms_records_and_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The raw preview's copies (`view.raw.first_records`) hold, for every input form, the first N records of the
+    inputs in the job's order at the lines (rows, tar samples) the job reads them at in the originals, a cut
+    inside the second file included. Control: the same records written as plain JSON Lines (no blank lines
+    kept) sit at other lines, so the ids of records without an id of their own would differ."""
+    import gzip
+    import io
+    import tarfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mmpack.view.raw import first_records
+
+    recs = [{"id": f"r{k}", "messages": [{"role": "user", "content": f"q{k}"}]} for k in range(5)]
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    lines = "\n".join(json.dumps(r) for r in recs[:2]) + "\n\n\n" + "\n".join(json.dumps(r) for r in recs[2:])
+    (raw / "a.jsonl").write_text(lines + "\n")
+    (raw / "b.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (raw / "c.json").write_text(json.dumps(recs, indent=2))  # a pretty-printed array: elements span lines
+    (raw / "d.json.gz").write_bytes(gzip.compress(json.dumps(recs, indent=1).encode()))
+    (raw / "e.json").write_text(json.dumps(recs[0], indent=2))  # one object: one record
+    pq.write_table(pa.Table.from_pylist(recs), raw / "f.parquet")
+    with tarfile.open(raw / "g.tar", "w") as tar:
+        for k, r in enumerate(recs):
+            for name, data in ((f"{k:03d}.json", json.dumps(r).encode()), (f"{k:03d}.txt", b"x")):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    for name in ("a.jsonl", "b.jsonl.gz", "c.json", "d.json.gz", "e.json", "f.parquet", "g.tar"):
+        original = _records(raw / name)
+        copies = first_records([str(raw / name)], 3, tmp_path / "copy" / name)
+        ((copy, src),) = copies.items()
+        assert src == str(raw / name) and Path(copy).name == name
+        assert _records(copy) == original[:3], name
+    # two files, the first N = 7 records in the job's order: all 5 of a.jsonl, the first 2 of b.jsonl.gz (a glob)
+    # (the copies named by absolute path, as the job names its inputs, for a relative folder too)
+    monkeypatch.chdir(tmp_path)
+    copies = first_records([str(raw / "[ab].jsonl*")], 7, Path("two"))
+    assert list(copies) == [
+        str(tmp_path / "two" / "0" / "a.jsonl"),
+        str(tmp_path / "two" / "1" / "b.jsonl.gz"),
+    ]
+    assert list(copies.values()) == [str(raw / "a.jsonl"), str(raw / "b.jsonl.gz")]
+    assert [_records(c) for c in copies] == [_records(raw / "a.jsonl"), _records(raw / "b.jsonl.gz")[:2]]
+    # control: the first 3 records of a.jsonl as plain JSON Lines: the third is read at line 3, not 5
+    naive = tmp_path / "naive.jsonl"
+    naive.write_text("".join(json.dumps(r) + "\n" for r in recs[:3]))
+    assert (
+        [line for line, _, _ in _records(naive)]
+        == [1, 2, 3]
+        != [line for line, _, _ in _records(raw / "a.jsonl")][:3]
+    )
+
+
+def _all_bins(packed: Path) -> list[dict]:
+    """Every bin of a packed dataset as the loader reads it."""
+    manifest = load_manifest(str(packed))
+    bins = []
+    for k, shard in enumerate(manifest.shards):
+        reader = open_shard_reader(str(packed / shard.path), "arrow", label=f"shard {k}")
+        bins += [reader.read(j) for j in range(len(reader))]
+        reader.close()
+    return bins
 
 
 def _bin_data(out: Path, bin_id: int) -> dict:

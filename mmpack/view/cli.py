@@ -20,8 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `mmpack view`."""
     parser.add_argument(
         "path",
+        nargs="+",
         help="a packed dataset: a folder holding manifest.json, or its URL (s3://, http(s)://); a mixture file "
-        "(YAML/JSON, as --data-mixture takes); or with -n a raw .json/.jsonl file",
+        "(YAML/JSON, as --data-mixture takes); or with -n raw records as mmpack pack -i takes them (files, "
+        "folders, globs, URLs: .json/.jsonl(.gz), .parquet, WebDataset .tar; several)",
     )
     parser.add_argument("-o", "--out", required=True, help="folder the page is written to (DIR/index.html)")
     parser.add_argument(
@@ -56,13 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-n",
         "--records",
         type=int,
-        help="pack the first N records of PATH as mmpack pack would, and show them",
+        help="pack the first N records of PATH... as mmpack pack would (in its order), and show them",
     )
     raw.add_argument("--model", help="model folder for the raw records (mmpack pack --model)")
     raw.add_argument(
         "-L", "--seq-len", type=int, default=4096, help="bin length for the raw records (default 4096)"
     )
-    raw.add_argument("-r", "--image-root", help="folder image paths are relative to (default: PATH's folder)")
+    raw.add_argument(
+        "-r", "--image-root", help="folder image paths are relative to (default: the raw files' folder)"
+    )
     raw.add_argument(
         "--pack-arg",
         action="append",
@@ -99,16 +103,18 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         prepare_out(out)
-        if args.records is not None or (args.model and Path(args.path).is_file()):
+        if _is_raw(args):
             from mmpack.view.raw import pack_preview
 
             root, tokenizer, alias = pack_preview(args, out / "_packed")
             opts.tokenizer = opts.tokenizer or tokenizer
             opts.alias = tuple(alias.items())
         else:
+            if len(args.path) > 1:
+                raise ValueError(f"{' '.join(args.path)}: one packed dataset or mixture at a time (or -n N)")
             fetch_problems: list[str] = []
             dataset = local_dataset(
-                args.path,
+                args.path[0],
                 out,
                 storage_options={"endpoint_url": args.s3_endpoint} if args.s3_endpoint else None,
                 shard_format=args.format,
@@ -135,20 +141,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_raw(args: argparse.Namespace) -> bool:
+    """Raw records to preview: -n given, or --model with raw input files (not a dataset nor a mixture)."""
+    from mmpack.offline_packing.inputs.sources import is_input_file
+
+    if args.records is not None:
+        return True
+    return bool(args.model) and (len(args.path) > 1 or is_input_file(args.path[0]))
+
+
 def run_pack_preview(job: argparse.Namespace) -> int:
-    """`mmpack pack ... --preview N`: the first N records of the job's one input, packed with the job's flags and
-    shown as `mmpack view RAW -n N` shows them, in OUTPUT.preview/index.html; nothing else is packed."""
+    """`mmpack pack ... --preview N`: the first N records of the job's inputs (in the job's order), packed with the
+    job's flags and shown as `mmpack view RAW -n N` shows them, in OUTPUT.preview/index.html; nothing else is
+    packed."""
     from mmpack.packing.tokenizer import BYTE_TOKENIZER
 
-    if len(job.inputs) != 1 or job.preview < 1:
-        print(
-            "mmpack pack: error: --preview N (N >= 1) shows the first records of one input: give one -i FILE",
-            file=sys.stderr,
-        )
+    if job.preview < 1:
+        print("mmpack pack: error: --preview N needs N >= 1 (the number of records shown)", file=sys.stderr)
         return 2
     output = str(job.output).rstrip("/")
     page = output if "://" not in output else output.rsplit("/", 1)[-1]  # a URL output: a local page
-    argv = [job.inputs[0], "-o", page + ".preview", "-n", str(job.preview), "-L", str(job.seq_len)]
+    argv = [*job.inputs, "-o", page + ".preview", "-n", str(job.preview), "-L", str(job.seq_len)]
     argv += ["-r", job.image_root] if getattr(job, "image_root", None) else []
     argv += ["--model", job.model] if getattr(job, "model", None) else []
     tokenizer = getattr(job, "tokenizer", None)

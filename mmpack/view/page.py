@@ -137,13 +137,22 @@ function renderOverview(d) {
   const box = $("overview"); box.textContent = ""; box.append(t);
   if (d.sources.length) {
     const mt = el("table", { id: "sources" });
-    mt.append(el("tr", {}, ...["source", "path", "weight / repeat", "share", "bins", "first bin"].map((h) => el("th", { text: h }))));
-    for (const x of d.sources)
+    mt.append(el("tr", {}, ...["source", "path", "weight / repeat", "share", "bins", "first bin", "samples packed / read",
+      "images", "videos", "fill", "rejects by reason"].map((h) => el("th", { text: h }))));
+    const num = (k, v) => el("td", { class: "num", "data-key": k, text: v });
+    for (const x of d.sources) {
+      const f = x.figures || {}, has = f.samples !== undefined, reasons = Object.entries(f.rejected_by_reason || {});
       mt.append(el("tr", { class: "source", "data-source": x.name }, el("td", { text: x.name }), el("td", { text: x.path }),
         el("td", { text: x.weight !== null ? "weight " + show(x.weight) : "repeat " + show(x.repeat) }),
-        el("td", { class: "num", text: pct(x.share) }), el("td", { class: "num", text: fmt(x.bins) }),
-        el("td", { class: "num", text: fmt(x.first_bin) })));
-    box.append(el("h2", { text: "Mixture: " + d.sources.length + " sources, bins numbered through them in order" }), mt);
+        num("share", pct(x.share)), num("bins", fmt(x.bins)), num("first-bin", fmt(x.first_bin)),
+        num("samples", fmt(f.samples_packed) + " / " + fmt(f.samples_read)),
+        num("images", has ? fmt(f.images) : "-"), num("videos", has ? fmt(f.videos) : "-"),
+        num("fill", has ? pct(f.fill_efficiency) : "-"),
+        el("td", { "data-key": "rejects", text: reasons.length ? reasons.map(([k, v]) => k + " " + fmt(v)).join(", ")
+          : fmt(f.samples_rejected || 0) })));
+    }
+    box.append(el("h2", { text: "Mixture: " + d.sources.length + " sources, bins numbered through them in order "
+      + "(each source's own mmpack stats figures; the table above sums them)" }), mt);
   }
   if (d.plot) box.append(el("img", { class: "plot", src: d.plot, alt: "mmpack stats plot" }));
   if (s && s.dataset && s.dataset.shards) {

@@ -210,7 +210,7 @@ def _overview(
     raw = manifest.raw
     data: dict[str, Any] = {
         "path": opts.dataset.label if opts.dataset else str(root),
-        "sources": [s.to_dict() for s in opts.dataset.sources] if opts.dataset else [],
+        "sources": [s.to_dict() for s in opts.dataset.sources] if opts.dataset else [],  # + "figures" below
         "manifest": {k: raw.get(k) for k in ("version", "seq_len", "formats", "tokenizer", "chat_template",
                                               "image_rule", "video_rule", "algorithm", "counts", "created_by")},
         "format": manifest.shards[0].format if manifest.shards else None,
@@ -223,6 +223,8 @@ def _overview(
         "stats": None,
         "plot": None,
     }  # fmt: skip
+    for source in data["sources"]:
+        source["figures"] = _source_counts(root / source["folder"])
     if stats:
         errors: list[str] = []
         report = _stats(root, opts, errors)
@@ -232,12 +234,34 @@ def _overview(
                 problems += errors
         if report is not None:
             shards = report.get("dataset", {}).get("shards", [])
+            for source in data["sources"]:
+                source["figures"] |= _shard_figures(shards, source["folder"], manifest.seq_len)
             report.setdefault("dataset", {})["shards"] = shards[:MAX_SHARD_ROWS]
             lengths, bin_ids = report.pop("_lengths"), report.pop("_bin_ids")
             if opts.plot and _plot(out / "overview.png", lengths, bin_ids, report, str(root)):
                 data["plot"] = "overview.png"
             data["stats"] = report
     return data
+
+
+def _source_counts(folder: Path) -> dict[str, Any]:
+    """A mixture source's own counts (its manifest's): samples read and packed, tokens, rejects by reason."""
+    try:
+        counts = json.loads((folder / "manifest.json").read_text()).get("counts") or {}
+    except (OSError, ValueError):
+        return {}
+    keys = ("samples_read", "samples_packed", "samples_rejected", "tokens", "rejected_by_reason")
+    return {k: counts[k] for k in keys if k in counts}
+
+
+def _shard_figures(shards: list[dict[str, Any]], folder: str, seq_len: int) -> dict[str, Any]:
+    """A mixture source's `mmpack stats` figures: its shards' rows (`src<k>/...`) summed, fill of its bins."""
+    own = [s for s in shards if str(s.get("path", "")).startswith(folder + "/")]
+    total: dict[str, Any] = {
+        k: sum(int(s.get(k) or 0) for s in own) for k in ("bins", "samples", "tokens", "images", "videos")
+    }
+    total["fill_efficiency"] = total["tokens"] / (total["bins"] * seq_len) if total["bins"] else 0.0
+    return total
 
 
 def _without_repeats(problems: list[str], fetch_problems: tuple[str, ...]) -> list[str]:
