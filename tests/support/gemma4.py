@@ -6,7 +6,9 @@ SOURCE.md says, optionally without Qwen's control tokens (as a real Gemma 4 toke
 `edit_added_tokens`); `reference_processor` builds transformers' `Gemma4Processor` from that folder's files with its
 PIL image processor (`Gemma4ImageProcessorPil`) and no video processor (`Gemma4VideoProcessor` needs
 torchvision, which does not load here). The reference ids are transformers' own: `apply_chat_template`, then the
-processor's call (images) or its `replace_video_token` (videos) and the tokenizer.
+processor's call (images) or its `replace_video_token` (videos) and the tokenizer. For the trainer tests
+(tests/test_gemma4_trainer.py): the tiny random `Gemma4Config` (`tiny_config`), its model, transformers' per-layer
+masks of one sample (`hf_layer_masks`) and its loss of one record (`reference_inputs`, `reference_loss`).
 """
 
 from __future__ import annotations
@@ -146,3 +148,103 @@ def reference_sample(processor: Any, record: dict, root: Path) -> dict[str, np.n
         return {"input_ids": np.asarray(ids), "mm_token_type_ids": None}  # type: ignore[dict-item]
     out = processor(text=[text], images=[images], return_tensors="np")
     return {"input_ids": out["input_ids"][0], "mm_token_type_ids": out["mm_token_type_ids"][0]}
+
+
+# The tiny random Gemma 4 of the trainer tests (tests/test_gemma4_trainer.py): two sliding layers between full
+# ones, the last two sharing the earlier layers' keys and values with double-wide MLPs, full-attention layers with
+# their own head size and values equal to their keys, per-layer embeddings and bidirectional image attention.
+TINY_LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+TINY_WINDOW = 16
+
+
+def tiny_config(*, window: int = TINY_WINDOW, bidirectional: bool = True) -> Any:
+    """transformers' `Gemma4Config` of the tiny model, its token ids those of the stand-in tokenizer."""
+    from transformers import Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
+
+    ids = special_token_ids()
+    text = Gemma4TextConfig(
+        vocab_size=151_696, vocab_size_per_layer_input=151_696, hidden_size_per_layer_input=8,
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+        num_kv_shared_layers=2, use_double_wide_mlp=True, layer_types=list(TINY_LAYER_TYPES),
+        sliding_window=window, use_bidirectional_attention="vision" if bidirectional else None,
+        final_logit_softcapping=30.0, pad_token_id=ids["<pad>"], bos_token_id=ids["<bos>"],
+        eos_token_id=ids["<eos>"],
+    )  # fmt: skip
+    vision = Gemma4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=8, patch_size=16, pooling_kernel_size=3,
+    )  # fmt: skip
+    return Gemma4Config(
+        text_config=text, vision_config=vision, audio_config=None, image_token_id=ids["<|image|>"],
+        boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"], video_token_id=ids["<|video|>"],
+        audio_token_id=ids["<|audio|>"], boa_token_id=ids["<|audio>"], eoa_token_index=ids["<audio|>"],
+    )  # fmt: skip
+
+
+def special_token_ids() -> dict[str, int]:
+    """The stand-in tokenizer's Gemma 4 special tokens by their text."""
+    data = json.loads((GEMMA4_TOKENIZER_DIR / "tokenizer.json").read_text())
+    return {t["content"]: int(t["id"]) for t in data["added_tokens"]}
+
+
+def tiny_model(config: Any, seed: int = 0) -> Any:
+    """A random `Gemma4ForConditionalGeneration` of `config` (float32, eval, eager attention)."""
+    import torch
+    from transformers import Gemma4ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    return Gemma4ForConditionalGeneration(config).float().eval()
+
+
+def hf_layer_masks(config: Any, mm_token_type_ids: Any) -> dict[str, Any]:
+    """transformers' [T, T] allowed-attention matrices of one sample (a [T] `mm_token_type_ids` tensor) for the
+    'full_attention' and 'sliding_attention' layers, as `Gemma4Model.forward` builds them."""
+    import torch
+    from transformers.masking_utils import create_masks_for_generate
+    from transformers.models.gemma4.modeling_gemma4 import (
+        create_masks_for_vision_model,
+        get_block_sequence_ids_for_mask,
+    )
+
+    text = config.get_text_config()
+    text._attn_implementation = "eager"
+    n = int(mm_token_type_ids.shape[0])
+    kwargs = {
+        "config": text, "inputs_embeds": torch.zeros(1, n, 1), "attention_mask": None,
+        "past_key_values": None, "position_ids": torch.arange(n)[None],
+    }  # fmt: skip
+    if text.use_bidirectional_attention == "vision":
+        blocks = get_block_sequence_ids_for_mask(mm_token_type_ids[None], device=torch.device("cpu"))
+        masks = create_masks_for_vision_model(block_sequence_ids=blocks, **kwargs)
+    else:
+        masks = create_masks_for_generate(**kwargs)
+    return {kind: _allowed(mask) for kind, mask in masks.items()}
+
+
+def _allowed(mask: Any) -> Any:
+    """A transformers eager mask (additive float or bool, [1, 1, T, T]) as a [T, T] bool matrix."""
+    import torch
+
+    m = mask[0, 0]
+    return m if m.dtype == torch.bool else m == 0
+
+
+def reference_inputs(processor: Any, record: dict, root: Path) -> dict[str, Any]:
+    """transformers' model inputs of one image record (media paths relative to `root`): ids, `mm_token_type_ids`,
+    pixels and patch positions, as torch tensors."""
+    from PIL import Image
+
+    text = processor.apply_chat_template(hf_messages(record["messages"]), tokenize=False)
+    images = [Image.open(root / rel) for rel in record.get("images", ())]
+    out = processor(text=[text], images=[images], return_tensors="pt")
+    return {k: v for k, v in out.items() if k != "attention_mask"}
+
+
+def reference_loss(model: Any, inputs: dict[str, Any]) -> float:
+    """transformers' mean next-token cross-entropy of one sample over all its tokens."""
+    import torch
+
+    with torch.no_grad():
+        return float(model(**inputs, labels=inputs["input_ids"]).loss)
