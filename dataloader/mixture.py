@@ -197,6 +197,13 @@ def load_mixture_file(path: str) -> Mixture:
             raise ValueError(
                 f"mixture file {path}: source {i} must be a mapping of {list(SOURCE_KEYS)}, got {short_repr(entry)}"
             )
+        if entry.get("kind") == "raw":
+            raise ValueError(
+                f"mixture file {path}: source {i} is 'kind: raw': raw records are not mixed yet (a blend's shares "
+                "and epochs need each source's bin count, known for raw records only once all their buffers are "
+                "packed); pack them with `mmpack pack` and name the packed dataset, or train on them alone with "
+                "--online-packing"
+            )
         unknown = [k for k in entry if k not in SOURCE_KEYS]
         if unknown:
             raise ValueError(

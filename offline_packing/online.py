@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
+import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +59,7 @@ class PackedBuffer:
     rejects: tuple[dict, ...]
     samples_read: int
     context: JobContext = field(repr=False)
+    packed_by: int = 0  # the id of the process that counted and packed it (its plan may come from a cache)
 
     @property
     def num_bins(self) -> int:
@@ -95,15 +99,25 @@ class RawSource:
     fingerprint: str
     name: str
     context: JobContext = field(repr=False)
+    cache: str | None = None  # the packing cache folder (`packing_cache`), None: every process packs
+    claim_timeout: float = 600.0  # seconds after which a claim of a live-looking process is taken over
 
     @property
     def num_buffers(self) -> int:
         return len(self.buffers)
 
     def pack_buffer(self, buffer: int) -> PackedBuffer:
-        """Buffer `buffer` read, scanned, counted and packed (a pure function of the records and the config)."""
+        """Buffer `buffer` read, scanned, counted and packed (a pure function of the records and the config);
+        with a packing cache, packed once by the first process to claim it and read by the others."""
         if not 0 <= buffer < self.num_buffers:
             raise IndexError(f"{self.name}: buffer {buffer} of {self.num_buffers}")
+        if self.cache is None:
+            return self._pack(buffer)
+        return PackingCache(os.path.join(self.cache, self.fingerprint), self.claim_timeout).get(
+            buffer, self._pack, self.context
+        )
+
+    def _pack(self, buffer: int) -> PackedBuffer:
         cfg, ctx = self.config, self.context
         rejects: list[dict] = []
         read = [0]
@@ -133,6 +147,7 @@ class RawSource:
             rejects=tuple(rejects),
             samples_read=read[0],
             context=ctx,
+            packed_by=os.getpid(),
         )
 
     def _scanned(self, chunks: tuple[Chunk, ...], rejects: list[dict], read: list[int]) -> Iterator[dict]:
@@ -156,9 +171,98 @@ class RawSource:
         rejects.append(reject_row(src, line, exc.reason, exc.message, stage, sample_id))
 
 
-def open_raw_source(config: PackJobConfig, buffer_size: int) -> RawSource:
+class PackingCache:
+    """Packed buffers of one source fingerprint in a folder shared by the processes of a node (or of a shared
+    file system): `buffer-NNNNNN.plan`, written atomically by the process that claimed it first
+    (`buffer-NNNNNN.claim`, created with O_EXCL, holding its host, pid and time); the others wait for the plan. A
+    claim whose process is gone (same host) or older than `timeout` seconds is taken over."""
+
+    POLL = 0.05
+
+    def __init__(self, folder: str, timeout: float) -> None:
+        self.folder, self.timeout = folder, timeout
+        os.makedirs(folder, exist_ok=True)
+
+    def get(self, buffer: int, pack: Any, context: JobContext) -> PackedBuffer:
+        plan = os.path.join(self.folder, f"buffer-{buffer:06d}.plan")
+        claim = plan[: -len(".plan")] + ".claim"
+        while True:
+            if os.path.exists(plan):
+                return self._read(plan, context)
+            try:
+                fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                self._wait(plan, claim)
+                continue
+            mine = f"{socket.gethostname()} {os.getpid()} {time.time()}"
+            try:
+                os.write(fd, mine.encode())
+                os.close(fd)
+                if os.path.exists(plan):  # written between the look and the claim
+                    return self._read(plan, context)
+                packed = pack(buffer)
+                body = {
+                    f.name: getattr(packed, f.name) for f in dataclasses.fields(packed) if f.name != "context"
+                }
+                tmp = f"{plan}.{socket.gethostname()}.{os.getpid()}.tmp"
+                with open(tmp, "wb") as fh:
+                    pickle.dump(body, fh, protocol=pickle.HIGHEST_PROTOCOL)
+                os.replace(tmp, plan)
+                return packed
+            finally:
+                _release(claim, mine)
+
+    def _read(self, plan: str, context: JobContext) -> PackedBuffer:
+        with open(plan, "rb") as fh:  # written by this package into its own cache folder
+            return PackedBuffer(**pickle.load(fh), context=context)
+
+    def _wait(self, plan: str, claim: str) -> None:
+        """Until the plan is written or the claim is gone or stale (then it is moved aside, by one waiter)."""
+        while not os.path.exists(plan):
+            try:
+                with open(claim) as fh:
+                    host, pid, _ = fh.read().split()
+                age = time.time() - os.path.getmtime(claim)
+            except (FileNotFoundError, ValueError):
+                if not os.path.exists(claim):
+                    return
+                time.sleep(self.POLL)  # being written
+                continue
+            dead = host == socket.gethostname() and not _alive(int(pid))
+            if dead or age > self.timeout:
+                try:  # one waiter moves the stale claim aside; the others find it gone
+                    stale = f"{claim}.stale.{socket.gethostname()}.{os.getpid()}"
+                    os.rename(claim, stale)
+                    os.unlink(stale)
+                except FileNotFoundError:
+                    pass
+                return
+            time.sleep(self.POLL)
+
+
+def _release(claim: str, mine: str) -> None:
+    """Removes the claim if it is still this process's (one taken over as stale is another's now)."""
+    try:
+        with open(claim) as fh:
+            if fh.read() == mine:
+                os.unlink(claim)
+    except FileNotFoundError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def open_raw_source(config: PackJobConfig, buffer_size: int, packing_cache: str | None = None) -> RawSource:
     """The raw source of a job config's inputs (its output is not written), cut into buffers of at most
-    `buffer_size` records."""
+    `buffer_size` records; `packing_cache`: a folder where each buffer is packed once for all processes."""
     if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
         raise ValueError(f"packing buffer size must be a whole number of samples >= 1, got {buffer_size!r}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -201,6 +305,7 @@ def open_raw_source(config: PackJobConfig, buffer_size: int) -> RawSource:
         fingerprint=fingerprint,
         name=os.path.basename(files[0].rstrip("/")) if len(files) == 1 else f"{len(files)} raw files",
         context=ctx,
+        cache=os.path.abspath(packing_cache) if packing_cache else None,
     )
 
 
@@ -212,12 +317,15 @@ def raw_source(
     model: str | None = None,
     tokenizer: str | None = None,
     image_root: str | None = None,
+    packing_cache: str | None = None,
     **options: Any,
 ) -> RawSource:
     """Raw records (files, folders or globs, as `mmpack pack -i` takes them) packed online into bins of
     `seq_len` tokens, `buffer_size` records at a time, by the length model of the model folder `model` (its
     tokenizer, image and video rules, chat template, as `mmpack pack --model`) or of `tokenizer` alone;
-    `options`: other packing options by their `mmpack pack` names (`max_images_per_bin`, `seed`, ...)."""
+    `packing_cache`: a folder shared by the loader's processes where each buffer is packed once (kept under
+    a subfolder per source fingerprint); `options`: other packing options by their `mmpack pack` names
+    (`max_images_per_bin`, `seed`, ...)."""
     named = tokenizer if tokenizer is None or not os.path.exists(tokenizer) else os.path.abspath(tokenizer)
     model = os.path.abspath(model) if model else None
     found, image_rule = resolve_image_rule(model, named, {})
@@ -235,4 +343,4 @@ def raw_source(
         **chat,
         **options,
     )
-    return open_raw_source(config, buffer_size)
+    return open_raw_source(config, buffer_size, packing_cache)

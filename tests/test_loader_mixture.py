@@ -209,6 +209,21 @@ def test_spec_forms(local: list[str], tmp_path: Path) -> None:
     assert load_mixture_file(str(json_file)) == mix
 
 
+def test_raw_source_in_a_mixture_file_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A `kind: raw` entry names what is missing and what to do; control: the same file without it loads."""
+    spec = tmp_path / "mix.yaml"
+    entries = (
+        f"  - {{path: {tmp_path / 'packed'}, weight: 1}}\n  - {{path: {tmp_path / 'records.jsonl'}, weight: 1"
+    )
+    spec.write_text(f"sources:\n{entries}, kind: raw}}\n")
+    with pytest.raises(
+        ValueError, match=r"source 1 is 'kind: raw': raw records are not mixed yet .*mmpack pack"
+    ):
+        load_mixture_file(str(spec))
+    spec.write_text(f"sources:\n{entries}}}\n")
+    assert len(load_mixture_file(str(spec)).sources) == 2
+
+
 def _zero_bins(src: str, dst: Path) -> str:
     shutil.copytree(src, dst)
     raw = json.loads((dst / "manifest.json").read_text())

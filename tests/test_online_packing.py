@@ -4,6 +4,7 @@ buffer in the loader give the offline job's bins, its fill, an exact resume and 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -224,3 +225,99 @@ def test_stream_walk_passes_empty_buffers_and_continues_from_any_anchor() -> Non
         RawStream(4, 1, RawAnchor(position=7, epoch=1, slot=0, offset=1), counts.__getitem__)
     with pytest.raises(ValueError, match="every record"):
         RawStream(4, 1, RawAnchor(), lambda b: 0)
+
+
+def _pack_all(source: RawSource, order: list[int]) -> dict[int, tuple[int, list[tuple]]]:
+    """Each buffer's (packing process, bin contents), packed in `order` (run in a forked loader-like process)."""
+    out = {}
+    for b in order:
+        packed = source.pack_buffer(b)
+        out[b] = (packed.packed_by, _contents([packed.record(j) for j in range(packed.num_bins)]))
+    return out
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_packing_cache_packs_each_buffer_once_for_all_processes(
+    tmp_path: Path, packed_dataset: Any, cached: bool
+) -> None:
+    import dataclasses
+    import multiprocessing
+
+    packed = packed_dataset(n_samples=60, seed=8)
+    plain = _raw_of(packed, buffer_size=10, seed=8)
+    source = dataclasses.replace(plain, cache=str(tmp_path / "cache") if cached else None)
+    n = source.num_buffers
+    assert n == 6
+    orders = [list(range(n)), list(range(n))[::-1], [*range(3, n), *range(3)], [1, 0, 3, 2, 5, 4]]
+    with multiprocessing.get_context("fork").Pool(4) as pool:  # 2 DP ranks x 2 workers on one node
+        seen = pool.starmap(_pack_all, [(source, order) for order in orders])
+    expected = _pack_all(plain, list(range(n)))
+    for b in range(n):
+        packers = {s[b][0] for s in seen}
+        # with the cache one process packed each buffer, the others read its plan; without, each packed it
+        assert len(packers) == (1 if cached else 4), (b, packers)
+        assert all(s[b][1] == expected[b][1] for s in seen)  # the stream equals the uncached one
+    if cached:
+        assert len(list((tmp_path / "cache" / source.fingerprint).glob("*.plan"))) == n
+        assert not list((tmp_path / "cache").rglob("*.claim"))
+        # a source of another fingerprint (another seed) does not read these plans
+        other = dataclasses.replace(_raw_of(packed, buffer_size=10, seed=9), cache=str(tmp_path / "cache"))
+        assert other.fingerprint != source.fingerprint
+        assert _pack_all(other, [0])[0][0] == os.getpid()  # packed here, not read
+        assert _pack_all(other, [0])[0][1] == _pack_all(dataclasses.replace(other, cache=None), [0])[0][1]
+
+
+def test_packing_cache_takes_over_a_claim_left_by_a_dead_process(tmp_path: Path, packed_dataset: Any) -> None:
+    import dataclasses
+    import socket
+    import subprocess
+    import sys
+
+    source = dataclasses.replace(
+        _raw_of(packed_dataset(n_samples=60, seed=8), buffer_size=30, seed=8), cache=str(tmp_path)
+    )
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    folder = tmp_path / source.fingerprint
+    folder.mkdir()
+    (folder / "buffer-000001.claim").write_text(f"{socket.gethostname()} {dead.pid} 0")
+    assert source.pack_buffer(1).packed_by == os.getpid()  # taken over, not waited for
+    # a claim of a live process on another host is taken over after the claim timeout
+    (folder / "buffer-000000.claim").write_text(f"elsewhere {os.getpid()} 0")
+    old = os.path.getmtime(folder / "buffer-000000.claim") - 10
+    os.utime(folder / "buffer-000000.claim", (old, old))
+    assert dataclasses.replace(source, claim_timeout=5.0).pack_buffer(0).packed_by == os.getpid()
+    assert sorted(p.name for p in folder.iterdir()) == ["buffer-000000.plan", "buffer-000001.plan"]
+
+
+def test_loader_workers_of_two_ranks_pack_each_buffer_once(
+    tmp_path: Path, packed_dataset: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    counter = tmp_path / "packed.txt"
+    pack = RawSource._pack
+
+    def counted(self: RawSource, buffer: int) -> Any:  # one line per packing, by any process (workers fork)
+        with open(counter, "a") as fh:
+            fh.write(f"{self.fingerprint[:8]} {buffer}\n")
+        return pack(self, buffer)
+
+    monkeypatch.setattr(RawSource, "_pack", counted)
+    plain = _raw_of(packed_dataset(n_samples=60, seed=8), buffer_size=15, seed=8)
+    kw: dict[str, Any] = {"micro_batch_size": 1, "global_batch_size": 2, "seed": 3}
+    streams = {}
+    for cache in (None, str(tmp_path / "cache")):
+        counter.write_text("")
+        source = dataclasses.replace(plain, cache=cache)
+        for rank in range(2):  # 2 DP ranks x 2 loader workers, each rank's loader walks the whole epoch
+            loader = build_loader(source, topology=Topology(dp_rank=rank, dp_size=2), num_workers=2, **kw)
+            streams[cache, rank] = _stream(loader, 12)
+            loader.close()
+        lines = counter.read_text().splitlines()
+        if cache is None:  # control: without the cache the ranks' workers pack the buffers again and again
+            assert len(lines) > source.num_buffers
+        else:
+            assert sorted(lines) == sorted(set(lines)) and len(lines) == source.num_buffers
+    assert streams[None, 0] == streams[str(tmp_path / "cache"), 0]
+    assert streams[None, 1] == streams[str(tmp_path / "cache"), 1]

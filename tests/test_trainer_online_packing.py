@@ -1,6 +1,6 @@
-"""The trainer on raw records (`--online-packing`): its flags and refusals, the data it reads, and a DP2 run from
-raw records that logs the losses of the same run from the offline job's shards of those records, a malformed
-record on the way skipped, counted, written and totalled."""
+"""The trainer on raw records (`--online-packing`): its flags and refusals, the data it reads, and a TP2 x PP2 x
+DP2 run from raw records that logs the losses of a DP2 run from the offline job's shards of those records, a
+malformed record on the way skipped, counted, written and totalled."""
 
 from __future__ import annotations
 
@@ -76,12 +76,13 @@ def test_raw_data_reads_as_the_offline_dataset(packed_dataset: Callable[..., Pat
 def test_training_from_raw_records_logs_the_offline_losses(
     tmp_path: Path, packed_dataset: Callable[..., Path]
 ) -> None:
-    """At DP2 (the issue's TP2 x PP2 x DP2 is 8 ranks, too many for the suite: not run), a run from the raw records
-    with a buffer that holds them all logs, step for step, the loss of the run from the offline job's shards of
-    the same records (1e-6 relative): each step is one global batch of every bin (the two loaders order bins
-    differently; with one bin per micro-batch a step's loss and gradient do not depend on the order). A
-    malformed record in the middle is skipped, counted in the log line and metrics, written per rank and totalled
-    at the end. Control: a buffer of 20 records packs other bins, and the losses differ."""
+    """A TP2 x PP2 x DP2 run (8 ranks, sequence parallel, distributed optimizer) from the raw records with a
+    buffer that holds them all logs, step for step, the loss of the DP2 run from the offline job's shards of the
+    same records (1e-6 relative, as test_trainer_parallel.py compares its TP2 x PP2 x DP2 and TP2 x PP1 x DP2
+    runs): each step is one global batch of every bin (the two loaders order bins differently; with one bin per
+    micro-batch a step's loss and gradient do not depend on the order). A malformed record in the middle is
+    skipped, counted in the log line and metrics, written per DP rank and totalled at the end. Control: a DP2
+    run with a buffer of 20 records packs other bins, and the losses differ."""
     packed = packed_dataset(n_samples=40, seed=8)
     records, images, tokenizer = _raw_files(packed)
     bins = load_manifest(str(packed)).num_bins
@@ -94,8 +95,10 @@ def test_training_from_raw_records_logs_the_offline_losses(
     raw = ["--online-packing", "--data-path", str(with_bad), "--image-root", str(images),
            "--tokenizer-model", str(tokenizer), *common]  # fmt: skip
     offline = ok(train(2, ["--data-path", str(packed), *common], tmp_path / "offline"))
-    online = ok(train(2, [*raw, "--packing-buffer-size", "10000"], tmp_path / "online"))
-    assert "world 2 = TP 1 x PP 1 x DP 2" in online.stdout and "--online-packing" in online.stdout
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+              "--use-distributed-optimizer"]  # fmt: skip
+    online = ok(train(8, [*raw, *layout, "--packing-buffer-size", "10000"], tmp_path / "online"))
+    assert "world 8 = TP 2 x PP 2 x DP 2" in online.stdout and "--online-packing" in online.stdout
     assert len(online.train) == 2
     # the same bins in each step (the token checksums add up per bin) and the same losses
     assert [m["data_digest"] for m in online.train] == [m["data_digest"] for m in offline.train]
@@ -115,3 +118,22 @@ def test_training_from_raw_records_logs_the_offline_losses(
     control = ok(train(2, [*raw, "--packing-buffer-size", "20"], tmp_path / "control"))
     assert [m["data_digest"] for m in control.train] != [m["data_digest"] for m in offline.train]
     assert control.losses() != pytest.approx(offline.losses(), rel=1e-6)
+
+
+def test_default_packing_cache_is_the_runs_or_the_users(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without --packing-cache: the local --save folder's packing-cache, else the user's cache (MMPACK_CACHE,
+    else XDG_CACHE_HOME, else ~/.cache), never a folder of the system's temp dir that other users write."""
+    from mmpack.trainer.data import default_packing_cache
+
+    monkeypatch.setenv("MMPACK_CACHE", str(tmp_path / "mm"))
+    assert default_packing_cache(str(tmp_path / "run")) == str(tmp_path / "run" / "packing-cache")
+    assert default_packing_cache("s3://bucket/run") == str(tmp_path / "mm" / "packing")
+    assert default_packing_cache(None) == str(tmp_path / "mm" / "packing")
+    monkeypatch.delenv("MMPACK_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_packing_cache(None) == str(tmp_path / "xdg" / "mmpack" / "packing")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_packing_cache(None) == str(tmp_path / "home" / ".cache" / "mmpack" / "packing")

@@ -701,6 +701,14 @@ class DataConfig:
         "it all at once, as `mmpack pack` does)",
         metavar="N",
     )
+    packing_cache: str | None = flag(
+        None,
+        help="online packing: the folder where each buffer is counted and packed once for all loader workers "
+        "and ranks that see it (a subfolder per source fingerprint; default: packing-cache in a local --save "
+        "folder, else $MMPACK_CACHE/packing or ~/.cache/mmpack/packing; a folder shared by the nodes packs once "
+        "per run)",
+        metavar="DIR",
+    )
     tokenizer_model: str | None = flag(
         None,
         help="online packing with a random model: the model folder or tokenizer (folder or tokenizer.json) that "
@@ -727,6 +735,7 @@ class DataConfig:
             for name, value in (
                 ("--image-root", self.image_root),
                 ("--tokenizer-model", self.tokenizer_model),
+                ("--packing-cache", self.packing_cache),
             ):
                 if value is not None:
                     raise ValueError(

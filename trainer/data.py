@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -93,9 +94,23 @@ def open_raw_data(cfg: RunConfig) -> RawBins:
             model=cfg.model.hf_model,
             tokenizer=d.tokenizer_model,
             image_root=d.image_root,
+            packing_cache=d.packing_cache or default_packing_cache(cfg.checkpoint.save),
         )
     except FileNotFoundError as e:  # a missing input or model folder: one line, not a traceback per rank
         raise ValueError(f"--online-packing --data-path {inputs}: {e}") from None
+
+
+def default_packing_cache(save: str | None) -> str:
+    """Where --online-packing keeps each buffer's plan when --packing-cache is not given: `packing-cache` in the
+    local --save folder (one per run, shared by its nodes when the folder is), else the user's cache,
+    `$MMPACK_CACHE/packing` or `$XDG_CACHE_HOME/mmpack/packing` (`~/.cache/mmpack/packing`), where a rerun on
+    the same records finds them packed. A folder only this user writes: plans are read back as Python objects."""
+    if save and "://" not in save:
+        return os.path.join(save, "packing-cache")
+    root = os.environ.get("MMPACK_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mmpack"
+    )
+    return os.path.join(root, "packing")
 
 
 def dataset_info(data_path: str | Mixture | RawBins | None, seq_length: int) -> DataInfo:
