@@ -150,3 +150,36 @@ def test_mock_data_trains_the_temporal_patch_1_families(
     assert all(m["loss"] > 0 for m in run.train)
     if more:
         assert all(m["moe_load_balancing_loss"] > 0 for m in run.train), run.train
+
+
+# LoRA on the language model's attention (every decoder layer's MLP is experts, not adapted), the vision tower
+# and the projector
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2", "merger.mlp.0", "merger.mlp.2"]  # fmt: skip
+
+
+@pytest.mark.shared
+@pytest.mark.ranks
+def test_lora_at_ep2_equals_peft(setup: dict, tmp_path: Path) -> None:
+    """peft's LoRA (rank 4, nonzero B) on the reference (RICE-ViT + Qwen3MoeForCausalLM under the checkpoint's
+    names), saved and read by mmpack at EP2 (DP2: a bin per rank): the loss before and after one Adam step and
+    every adapter gradient equal peft's to 1e-5 (relative); control: another adapter init moves the loss
+    (tests/support/lora_parity.py)."""
+    pytest.importorskip("peft")
+    from tests.support.hf_parity import loader_samples, model_inputs_of
+    from tests.support.lora_parity import check_lora_step, peft_reference, run_lora_step
+    from tests.support.onevision1_5 import peft_class
+
+    inputs = model_inputs_of(loader_samples(setup["packed"], [(True, False)] * 6, bins=2))
+    model_class = peft_class(setup["rice"])
+    ref = peft_reference(
+        setup["hf"], setup["packed"], inputs, LORA_TARGETS, tmp_path / "adapter", model_class
+    )
+    args = [
+        "--hf-model", str(setup["hf"]), "--data-path", str(setup["packed"]), "--expert-model-parallel-size", "2",
+        "--expert-tensor-parallel-size", "1", "--micro-batch-size", "1", "--global-batch-size", "2",
+        "--log-interval", "1", "--num-workers", "0", "--seed", "5", "--train-iters", "1", "--lr", "0",
+    ]  # fmt: skip
+    results = run_lora_step(ref, tmp_path, 2, args)
+    check_lora_step(ref, results, 1, 1, "OneVision-1.5 MoE EP2")
+    assert results[0]["loss"] == results[1]["loss"]  # the whole global batch's on either DP rank
+    assert not [n for n in results[0]["lora_params"] if ".experts." in n or ".router." in n]

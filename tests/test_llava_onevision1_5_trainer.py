@@ -83,3 +83,26 @@ def test_convert_round_trip_is_bit_exact_and_the_export_gives_the_same_loss(
     check_convert_round_trip(
         setup, tmp_path, 2, 2, lambda hf, packed: reference_loss(hf, packed, setup["rice"])
     )
+
+
+# LoRA on the language model, the vision tower and the projector (every linear module of each)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2", "merger.mlp.0", "merger.mlp.2"]  # fmt: skip
+
+
+def test_lora_equals_peft_at_tp2_pp2(setup: dict, tmp_path: Path) -> None:
+    """peft's LoRA (rank 4, nonzero B) on the reference (RICE-ViT + Qwen3ForCausalLM under the checkpoint's
+    names), saved and read by mmpack at TP2 x PP2: the loss before and after one Adam step and every adapter
+    gradient equal peft's to 1e-5 (relative); control: another adapter init moves the loss
+    (tests/support/lora_parity.py)."""
+    pytest.importorskip("peft")
+    from tests.support.hf_parity import loader_samples, model_inputs_of
+    from tests.support.lora_parity import check_lora_step, peft_reference, run_lora_step
+    from tests.support.onevision1_5 import peft_class
+
+    inputs = model_inputs_of(loader_samples(setup["packed"], [(True, False)] * 6))
+    model_class = peft_class(setup["rice"])
+    ref = peft_reference(
+        setup["hf"], setup["packed"], inputs, LORA_TARGETS, tmp_path / "adapter", model_class
+    )
+    results = run_lora_step(ref, tmp_path, 4, train_args(setup["hf"], setup["packed"], 2, 2))
+    check_lora_step(ref, results, 2, 2, "OneVision-1.5 TP2xPP2")

@@ -114,3 +114,24 @@ def test_convert_round_trip_is_bit_exact_and_the_export_loads_in_the_reference(
 ) -> None:
     """HF -> megatron-core at TP2 (the experts cut over 2 ranks) -> HF: each expert's own tensors, bit for bit."""
     check_convert_round_trip(setup, tmp_path, 2, 1, lambda hf, packed: reference_loss(hf, packed, bins=2))
+
+
+# LoRA on the language model's attention (every decoder layer's MLP is experts, not adapted), the vision tower
+# and the projector
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "self_attn.qkv", "self_attn.proj", "mlp.fc1", "mlp.fc2", "merger.mlp.0", "merger.mlp.2"]  # fmt: skip
+
+
+def test_lora_at_ep2_equals_peft(setup: dict, tmp_path: Path) -> None:
+    """peft's LoRA (rank 4, nonzero B) on the reference MoE, saved and read by mmpack at EP2 (DP2: a bin per
+    rank): the loss before and after one Adam step and every adapter gradient equal peft's to 1e-5 (relative);
+    control: another adapter init moves the loss
+    (tests/support/lora_parity.py)."""
+    pytest.importorskip("peft")
+    from tests.support.lora_parity import check_lora_step, run_lora_step
+
+    ref = onevision.peft_lora_reference(setup, LORA_TARGETS, tmp_path / "adapter", bins=2)
+    args = moe_args(setup, 1, 2, "--train-iters", "1", "--lr", "0")
+    results = run_lora_step(ref, tmp_path, 2, args)
+    check_lora_step(ref, results, 1, 1, "OneVision-2 MoE EP2")
+    assert results[0]["loss"] == results[1]["loss"]  # the whole global batch's on either DP rank
+    assert not [n for n in results[0]["lora_params"] if ".experts." in n or ".router." in n]

@@ -134,3 +134,20 @@ def test_convert_round_trip_is_bit_exact_and_the_export_loads_in_the_reference(
     setup: dict, tmp_path: Path
 ) -> None:
     check_convert_round_trip(setup, tmp_path, 2, 2, onevision.reference_loss)
+
+
+# LoRA on the language model, the vision tower and the projector (every linear module of each)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "self_attn.qkv", "self_attn.proj", "mlp.fc1", "mlp.fc2", "merger.mlp.0", "merger.mlp.2"]  # fmt: skip
+
+
+@pytest.mark.ranks
+def test_lora_equals_peft_at_tp2_pp2(setup: dict, tmp_path: Path) -> None:
+    """peft's LoRA (rank 4, nonzero B) on the reference model, saved and read by mmpack at TP2 x PP2: the loss
+    before and after one Adam step and every adapter gradient equal peft's to 1e-5 (relative); control: another
+    adapter init moves the loss (tests/support/lora_parity.py)."""
+    pytest.importorskip("peft")
+    from tests.support.lora_parity import check_lora_step, run_lora_step
+
+    ref = onevision.peft_lora_reference(setup, LORA_TARGETS, tmp_path / "adapter")
+    results = run_lora_step(ref, tmp_path, 4, train_args(setup["hf"], setup["packed"], 2, 2))
+    check_lora_step(ref, results, 2, 2, "OneVision-2 TP2xPP2")

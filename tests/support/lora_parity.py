@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 WORKER = Path(__file__).resolve().parents[1] / "test_trainer_lora.py"
 ADAM = ["--weight-decay", "0", "--clip-grad", "0", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8"]  # fmt: skip
 LR = 0.003
 
 
-def peft_model(hf_dir: Path, seed: int, targets: list[str]):  # type: ignore[no-untyped-def]
-    """The model folder's transformers model under peft's LoRA on ``targets`` (rank 4, alpha 8), every A and B
-    drawn from ``seed`` (B nonzero, so that the adapters change the loss and every gradient is nonzero)."""
+def peft_model(hf_dir: Path, seed: int, targets: list[str], model_class: Any = None):  # type: ignore[no-untyped-def]
+    """The model folder's transformers model (``model_class``; None: transformers' auto class) under peft's LoRA
+    on ``targets`` (rank 4, alpha 8), every A and B drawn from ``seed`` (B nonzero, so that the adapters change
+    the loss and every gradient is nonzero)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32)
+    model = (model_class or AutoModelForImageTextToText).from_pretrained(hf_dir, dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
     _draw_adapters(model, seed)
     return model
@@ -39,15 +41,17 @@ def _draw_adapters(model, seed: int) -> None:  # type: ignore[no-untyped-def]
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
 
 
-def peft_reference(hf_dir: Path, packed: Path, inputs: list, targets: list[str], folder: Path) -> dict:
+def peft_reference(
+    hf_dir: Path, packed: Path, inputs: list, targets: list[str], folder: Path, model_class: Any = None
+) -> dict:
     """peft's side of the parity for one model folder and its packed samples (``inputs``): the adapter folder,
     the loss and adapter gradients, the loss after one Adam step at ``LR`` and (control) the loss under another
-    adapter init."""
+    adapter init (``model_class``: see :func:`peft_model`)."""
     import torch
 
     from tests.support.hf_parity import loss_and_grads
 
-    model = peft_model(hf_dir, 0, targets)
+    model = peft_model(hf_dir, 0, targets, model_class)
     model.save_pretrained(folder)
     model.train()
     ref = loss_and_grads(model, inputs)
@@ -103,7 +107,9 @@ def check_adapter_grads(ref: dict, results: list[dict], tp: int, pp: int, max_en
         )
         for name, grad in grads.items():
             module, tail = name.rsplit(".lora_", 1)
-            expected = peft_grads[f"{spellings(module)[-1]}.lora_{tail}"]
+            [expected] = [
+                peft_grads[k] for k in (f"{m}.lora_{tail}" for m in spellings(module)) if k in peft_grads
+            ]
             scale = float(expected.abs().max())
             assert scale > 0, name
             diff = float((grad - expected).abs().max())

@@ -168,6 +168,24 @@ def reference_loss(
     return {"loss": float(total / count), "tokens": count}
 
 
+def peft_lora_reference(setup: dict, targets: list[str], folder: Path, bins: int = 1) -> dict:
+    """peft's side of a LoRA parity (tests/support/lora_parity.py) on the reference classes of ``setup``'s
+    model folder, over the samples of its first ``bins`` bins (each with the reference's patch positions)."""
+    from tests.support.hf_parity import model_inputs_of
+    from tests.support.lora_parity import peft_reference
+
+    _, _, video = reference_modules()
+    config = json.loads((setup["hf"] / "config.json").read_text())
+    merge = config["vision_config"]["spatial_merge_size"]
+    inputs = model_inputs_of(image_samples(setup["packed"], bins))
+    for _, _, _, kwargs in inputs:
+        kwargs["patch_positions"] = video.build_patch_positions(
+            kwargs["image_grid_thw"], spatial_merge_size=merge
+        )
+    model_class = reference_classes(config["model_type"])[1]
+    return peft_reference(setup["hf"], setup["packed"], inputs, targets, folder, model_class)
+
+
 def need_demo_records() -> None:
     """Steps aside without the Qwen3 tokenizer, the mllm_demo records or the OneVision-2 reference."""
     need_shared(

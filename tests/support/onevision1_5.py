@@ -167,3 +167,28 @@ def reference_loss(hf_dir: Path, packed: Path, rice: ModuleType, *, edit: Any = 
             total += F.cross_entropy(logits[keep].float(), s["labels"][keep], reduction="sum").double()
             count += int(keep.sum())
     return {"loss": float(total / count), "tokens": count}
+
+
+def peft_class(rice: ModuleType) -> Any:
+    """A class whose ``from_pretrained(folder)`` is the reference of a model folder as one torch module with
+    the checkpoint's module names (``visual.*``, ``model.*``, ``lm_head``), the form peft adapts and saves
+    (tests/support/lora_parity.py); its forward takes transformers' keywords and gives the logits."""
+    import torch
+    from safetensors.torch import load_file
+
+    class PeftReference(torch.nn.Module):
+        def __init__(self, ref: Reference) -> None:
+            super().__init__()
+            self.ref = ref
+            self.visual, self.model, self.lm_head = ref.visual, ref.text.model, ref.text.lm_head
+
+        @classmethod
+        def from_pretrained(cls, folder: Path, dtype: Any = None) -> PeftReference:
+            ref = Reference(rice, json.loads((Path(folder) / "config.json").read_text()))
+            ref.load(load_file(str(Path(folder) / "model.safetensors")))
+            return cls(ref)
+
+        def forward(self, input_ids, pixel_values, image_grid_thw, **_: Any) -> SimpleNamespace:  # type: ignore[no-untyped-def]
+            return SimpleNamespace(logits=self.ref.logits(input_ids[0], pixel_values, image_grid_thw)[None])
+
+    return PeftReference
