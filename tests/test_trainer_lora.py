@@ -256,5 +256,62 @@ def test_flags_reach_the_config_and_freeze_composes() -> None:
     assert trains(freeze_vision=True) == [False, False, False, True]  # the vision tower's adapters frozen
 
 
+def _dropout_masks(out_dir: str) -> None:
+    """At TP2, seeded as the trainer seeds: whether the dropout masks of a replicated input, of a split one
+    and (control) of a split one by the default generator are equal on the two TP ranks."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel as mtp
+
+    from mmpack.trainer import cpu_backend
+    from mmpack.trainer.lora.layer import lora_dropout
+
+    cpu_backend.activate()
+    dist.init_process_group("gloo")
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    torch.manual_seed(1234)
+    mtp.model_parallel_cuda_manual_seed(1234)
+    x = torch.ones(64, 32)
+    masks = {
+        "replicated": lora_dropout(x, 0.5, split=False, tp_size=2),
+        "split": lora_dropout(x, 0.5, split=True, tp_size=2),
+        "replicated_after_split": lora_dropout(x, 0.5, split=False, tp_size=2),
+        "split_by_default_generator": F.dropout(x, 0.5),
+    }
+    equal = {}
+    for key, mask in masks.items():
+        both = [torch.empty_like(mask) for _ in range(2)]
+        dist.all_gather(both, mask)
+        equal[key] = bool(both[0].equal(both[1]))
+        equal[key + "_kept"] = float((mask != 0).float().mean())
+    if dist.get_rank() == 0:
+        (Path(out_dir) / "masks.json").write_text(json.dumps(equal))
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.mark.ranks
+def test_dropout_masks_follow_the_inputs_split_over_tp(tmp_path: Path) -> None:
+    """--lora-dropout under TP: a column-parallel layer's input is the same on both TP ranks, and so is its mask
+    (else the ranks' shards of the update come from different inputs); a row-parallel layer's input (and a
+    column-parallel one's under sequence parallelism) is a slice per rank, and the slices' masks are independent,
+    drawn from the model-parallel generator without moving the default one. Control: the default generator gives
+    the slices one same mask, the pattern the split masks must not repeat."""
+    from tests.support.ranks import checked, launch
+
+    checked(launch(2, [__file__, "--dropout-masks", str(tmp_path)], tmp_path / "logs", timeout_s=120))
+    equal = json.loads((tmp_path / "masks.json").read_text())
+    assert equal["replicated"] and equal["replicated_after_split"]
+    assert not equal["split"]
+    assert equal["split_by_default_generator"]  # control: what the split masks would be without the fork
+    for key in ("replicated", "split", "replicated_after_split"):
+        assert 0.4 < equal[key + "_kept"] < 0.6  # p = 0.5: about half kept
+
+
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2:])
+    if sys.argv[1] == "--dropout-masks":
+        _dropout_masks(sys.argv[2])
+    else:
+        _worker(sys.argv[1], sys.argv[2:])

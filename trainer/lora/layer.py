@@ -91,7 +91,8 @@ class LoraLayer(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         keys = list(self.lora_A)
         if self.dropout and self.training:
-            x = F.dropout(x, self.dropout)
+            x = lora_dropout(x, self.dropout, split=self.layout == "row" or self.sequence_parallel,
+                             tp_size=self.tp_size)  # fmt: skip
         h = F.linear(x, torch.cat([self.lora_A[k] for k in keys]))
         if self.layout == "column":
             h = (mtp.gather_from_sequence_parallel_region(h, group=self.group) if self.sequence_parallel
@@ -120,6 +121,19 @@ class LoraLayer(torch.nn.Module):
             part = deltas.get(module.rsplit(".", 1)[-1], h.new_zeros(*lead, groups * width))
             parts.append(part.reshape(*lead, groups, width))
         return torch.cat(parts, dim=-1).reshape(*lead, -1)
+
+
+def lora_dropout(x: torch.Tensor, p: float, *, split: bool, tp_size: int) -> torch.Tensor:
+    """peft's dropout of the adapter's input under tensor parallelism. A column-parallel layer's input is the
+    same on every TP rank (without sequence parallelism), so its mask must be too: the default generator, which
+    megatron-core seeds alike on the ranks of a TP group. A row-parallel layer's input is a slice of the hidden
+    size on each rank, and with sequence parallelism a column-parallel one is a slice of the tokens: their masks
+    are drawn from the model-parallel generator (seeded per TP rank), so that the slices' masks are independent,
+    as one mask over the whole input is; the same mask on every slice would repeat one pattern."""
+    if split and tp_size > 1:
+        with mtp.get_cuda_rng_tracker().fork():
+            return F.dropout(x, p)
+    return F.dropout(x, p)
 
 
 def _add_update(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
