@@ -4,8 +4,11 @@ check that no process the run started outlives it (support.leftovers)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,9 +24,29 @@ if TYPE_CHECKING:
 # Keep numba/torch from oversubscribing the 2-core CI machine when tests start subprocesses.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# --online-packing's default packing cache (trainer.data.default_packing_cache) in a folder of this run, not the
+# user's ~/.cache: removed when the run ends
+if "MMPACK_CACHE" not in os.environ:
+    os.environ["MMPACK_CACHE"] = tempfile.mkdtemp(prefix="mmpack-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["MMPACK_CACHE"], ignore_errors=True)
 _TIERS = pytest.StashKey[dict[str, tuple[str, ...]]]()  # test id -> its markers of run_summary.TIERS
 _LEFT = pytest.StashKey[list[str]]()  # processes the run left running, described
 leftovers.become_subreaper()  # orphans of the run's processes come back to this one (see pytest_sessionfinish)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def bytecode_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every interpreter the run starts (torchrun ranks, the fork server, `python -m ...` subprocesses) keeps
+    the bytecode it compiles in one cache folder outside the source trees (.pytest_cache/d/pycache). env.sh
+    installs with pip --no-compile, so with PYTHONDONTWRITEBYTECODE=1 in the environment every fresh
+    interpreter compiled torch, energon and transformers from source again (about 8 s of CPU per
+    interpreter that imports torch); with the cache only the first one does. The prefix keeps the
+    environment's wish: nothing is written into the venv or the repository's packages."""
+    cache = getattr(request.config, "cache", None)
+    folder = cache.mkdir("pycache") if cache is not None else tmp_path_factory.getbasetemp() / "pycache"
+    folder = Path(os.environ.setdefault("PYTHONPYCACHEPREFIX", str(folder)))
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    return folder
 
 
 @pytest.fixture(scope="session")
