@@ -35,12 +35,29 @@ def _worker(out_dir: str, argv: list[str]) -> None:
     cpu_backend.activate()  # the test is the entry point: it sets up the CPU backend (no CUDA)
     trainer = Trainer(parse_args(argv))
     batches, _ = trainer.train_data.next_step()
-    params = dict(trainer.model.module.named_parameters())
+    chunks = trainer.chunks  # several under the interleaved pipeline: their parameters named "<chunk>.<name>"
+    named = [dict(c.module.named_parameters()) for c in chunks]
+    params = (
+        named[0] if len(chunks) == 1 else {f"{i}.{n}": p for i, ps in enumerate(named) for n, p in ps.items()}
+    )
     base = {n: p.detach().clone() for n, p in params.items() if not is_lora_param(n)}
-    trainer.model.zero_grad_buffer()
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     loss = _global_loss(trainer._run_schedule(batches, forward_only=False))
     grads = {n: p.main_grad.detach().clone() for n, p in params.items() if is_lora_param(n)}
+    if (
+        len(chunks) > 1
+    ):  # each chunk's adapter gradients by HF name (a chunk's layers are not its stage's even share)
+        from mmpack.trainer.lora.peft_io import merge_adapter_shards
+        from mmpack.trainer.models.hf_weights import model_rules
+
+        hf_grads: dict = {}
+        for chunk, ps in zip(chunks, named, strict=True):
+            rules = model_rules(trainer.family.hf.part_rules, trainer.arch, chunk.module)
+            own = {n: p.main_grad.detach().clone() for n, p in ps.items() if is_lora_param(n)}
+            hf_grads |= merge_adapter_shards(rules, [own])
+        torch.save(hf_grads, Path(out_dir) / f"hf_grads{dist.get_rank()}.pt")
     ok, _, _ = trainer.optimizer.step()
     by_id = {id(p): n for n, p in params.items()}
     optimizers = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
@@ -113,6 +130,34 @@ def test_lora_equals_peft(reference: dict, tmp_path: Path, tp: int, pp: int) -> 
     check_lora_step(ref, results, tp, pp, f"TP{tp}xPP{pp}")
     if save:
         _check_export(ref, tmp_path, results[-1]["after"])
+
+
+@pytest.mark.shared
+@pytest.mark.ranks
+@pytest.mark.family
+@pytest.mark.slow
+def test_lora_equals_peft_under_the_interleaved_pipeline(
+    qwen2_5_vl_video_bin: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """PP2 x VP2 (a 4-layer Qwen2.5-VL, one layer per model chunk; the vision tower in stage 0's first chunk):
+    the adapters of every chunk, the loss before and after one Adam step and every adapter gradient (mapped to
+    HF names chunk by chunk) equal peft's, as at TP1 and TP2 x PP2; the same control."""
+    from tests.support import qwen2_5_vl
+    from tests.support.hf_parity import loader_samples, model_inputs_of, train_args
+    from tests.support.lora_parity import check_lora_step, peft_reference, run_lora_step
+
+    pytest.importorskip("peft")
+    _, packed = qwen2_5_vl_video_bin
+    hf_dir = qwen2_5_vl.tiny_hf_model(tmp_path / "hf4", qwen2_5_vl.qwen3_special_ids(), num_layers=4)
+    inputs = model_inputs_of(loader_samples(packed))
+    ref = peft_reference(hf_dir, packed, inputs, TARGETS, tmp_path / "adapter")
+    args = [*train_args(hf_dir, packed, 1, 2), "--num-layers-per-virtual-pipeline-stage", "1"]
+    # the interleaved schedule runs micro-batches in groups of PP: the one bin twice (epochs 0 and 1) is the
+    # same loss and gradient as once
+    args[args.index("--global-batch-size") + 1] = "2"
+    results = run_lora_step(ref, tmp_path / "run", 2, args)
+    assert all("hf_grads" in r for r in results), "the worker saw one model chunk: no interleaved pipeline"
+    check_lora_step(ref, results, 1, 2, "PP2xVP2")
 
 
 def _check_export(ref: dict, tmp_path: Path, loss: float) -> None:

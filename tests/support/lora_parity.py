@@ -81,6 +81,8 @@ def run_lora_step(ref: dict, tmp_path: Path, nproc: int, train_args: list[str], 
         {
             **json.loads((tmp_path / f"result{r}.json").read_text()),
             "grads": torch.load(tmp_path / f"grads{r}.pt"),
+            # by HF name, under the interleaved pipeline (the worker maps each model chunk's)
+            **({"hf_grads": torch.load(p)} if (p := tmp_path / f"hf_grads{r}.pt").exists() else {}),
         }
         for r in range(nproc)
     ]
@@ -102,9 +104,13 @@ def check_adapter_grads(ref: dict, results: list[dict], tp: int, pp: int, max_en
     }
     checked, worst, worst_norm = 0, (0.0, ""), 0.0
     for stage in range(pp):  # megatron-core's rank order: TP fastest
-        grads = merge_adapter_shards(
-            family.hf.stage_rules(arch, stage, pp), [results[stage * tp + t]["grads"] for t in range(tp)]
-        )
+        if "hf_grads" in results[stage * tp]:  # the interleaved pipeline (TP1): already by HF name
+            assert tp == 1
+            grads = results[stage]["hf_grads"]
+        else:
+            grads = merge_adapter_shards(
+                family.hf.stage_rules(arch, stage, pp), [results[stage * tp + t]["grads"] for t in range(tp)]
+            )
         for name, grad in grads.items():
             module, tail = name.rsplit(".lora_", 1)
             [expected] = [

@@ -26,7 +26,7 @@ def qwen3_special_ids() -> dict[str, int]:
     return {k: ids[f"<|{k}|>"] for k in ("image_pad", "vision_start", "vision_end")}
 
 
-def tiny_hf_model(path: Path, special: dict[str, int]) -> Path:
+def tiny_hf_model(path: Path, special: dict[str, int], num_layers: int = 2) -> Path:
     """A random Qwen2.5-VL written by transformers, with weights wide enough that every part matters."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -39,7 +39,7 @@ def tiny_hf_model(path: Path, special: dict[str, int]) -> Path:
         image_token_id=special["image_pad"],
         vision_start_token_id=special["vision_start"],
         vision_end_token_id=special["vision_end"],
-        num_layers=2,
+        num_layers=num_layers,
         hidden_size=64,
         num_attention_heads=4,
         num_key_value_heads=2,
