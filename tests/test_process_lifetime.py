@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -147,8 +149,14 @@ ENERGON_STARTER = textwrap.dedent(
     WebdatasetPreparator._preprocess_tar = classmethod(stuck)
     out = sys.argv[1]
     paths = [f"shards/a-{i:06d}.tar" for i in range(2)]
-    # the control: Energon's preparation called in this process, as a thread of it
-    control = lambda: WebdatasetPreparator.prepare_dataset(os.path.join(out, "control"), paths, workers=2)
+    # the control: Energon's preparation called in this process, as a thread of it. It starts once the tied
+    # process is forked: a fork while this thread holds an import lock (Energon imports lazily) would leave the
+    # child waiting on that lock for ever
+    forked = threading.Event()
+    os.register_at_fork(after_in_parent=forked.set)
+    def control():
+        forked.wait()
+        WebdatasetPreparator.prepare_dataset(os.path.join(out, "control"), paths, workers=2)
     threading.Thread(target=control, daemon=True).start()
     # what `mmpack pack --energon` runs
     write_energon_metadata(os.path.join(out, "tied"), [{"path": p, "sha256": "0" * 64} for p in paths], 2)
@@ -174,8 +182,16 @@ def test_energons_metadata_workers_end_when_the_job_is_killed(tmp_path: Path) ->
     assert starter.stdout is not None
     n = min(2, len(os.sched_getaffinity(0)))  # workers of each preparation
     workers: list[psutil.Process] = []
+    lines: queue.Queue[str] = queue.Queue()  # read beside the test, so that waiting for a line has a deadline
+    threading.Thread(target=lambda: [lines.put(x) for x in iter(starter.stdout.readline, "")] + [lines.put("")],
+                     daemon=True).start()  # fmt: skip
+    deadline = time.monotonic() + 120
     while len(workers) < 2 * n:  # Energon's own progress lines come in between
-        line = starter.stdout.readline()
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            starter.kill()
+            pytest.fail(f"{len(workers)} of {2 * n} Energon workers started within 120 s")
         assert line, (tmp_path / "stderr").read_text()  # the starter ended
         if line.startswith("worker "):
             workers.append(psutil.Process(int(line.split()[1])))
