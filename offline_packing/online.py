@@ -40,6 +40,7 @@ from mmpack.offline_packing.options import job_config
 from mmpack.offline_packing.scan import image_check_of, scan_record
 from mmpack.offline_packing.write import assemble_bin
 from mmpack.packing.manifest import Manifest, ManifestCounts
+from mmpack.packing.processes import is_running
 from mmpack.packing.tokenizer import tokenizer_files
 
 # The output of the job config: online packing writes no dataset (the config requires the field).
@@ -228,7 +229,7 @@ class PackingCache:
                     return
                 time.sleep(self.POLL)  # being written
                 continue
-            dead = host == socket.gethostname() and not _alive(int(pid))
+            dead = host == socket.gethostname() and not is_running(int(pid))
             if dead or age > self.timeout:
                 try:  # one waiter moves the stale claim aside; the others find it gone
                     stale = f"{claim}.stale.{socket.gethostname()}.{os.getpid()}"
@@ -248,16 +249,6 @@ def _release(claim: str, mine: str) -> None:
                 os.unlink(claim)
     except FileNotFoundError:
         pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def open_raw_source(config: PackJobConfig, buffer_size: int, packing_cache: str | None = None) -> RawSource:

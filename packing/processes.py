@@ -235,6 +235,11 @@ def _start_time(pid: int) -> bytes | None:
     return fields[19] if fields else None  # field 22 of proc(5)'s stat
 
 
+def is_running(pid: int) -> bool:
+    """Whether process `pid` of this host runs (a zombie, killed but not yet waited for, counts as ended)."""
+    return _alive(pid, None)
+
+
 def _alive(pid: int, born: bytes | None) -> bool:
     """True while `pid` runs and is the process first seen under that pid (a zombie counts as ended)."""
     if born is not None or os.path.isdir("/proc/self"):
