@@ -19,7 +19,15 @@ from mmpack.dataloader.manifest import DatasetNotFoundError, Manifest, load_mani
 from mmpack.dataloader.mixture import Mixture, MixtureLike, as_mixture, check_sources, vision_source
 from mmpack.dataloader.order import DEFAULT_SHARD_WINDOW, BatchPlan, BinSplit, StreamOrder
 from mmpack.dataloader.pool import run_in_process, run_workers, take_batch
-from mmpack.dataloader.raw_source import RawAnchor, RawBins, RawSpec, RawStream, is_raw_source
+from mmpack.dataloader.raw_source import (
+    RawAnchor,
+    RawBins,
+    RawSpec,
+    RawStream,
+    is_raw_source,
+    mixture_manifest,
+    raw_bin_costs,
+)
 from mmpack.dataloader.storage import ShardStore, StorageConfig
 from mmpack.dataloader.topology import Topology
 from mmpack.dataloader.worker import ProducerSpec, SourceSpec
@@ -121,7 +129,8 @@ class PackedLoader:
             split=split,
         )
         for source in self.sources:  # a cache folder that cannot be written fails here, in one line
-            ShardStore(source.storage)
+            if source.raw is None:  # a raw source stores nothing
+                ShardStore(source.storage)
         self._micro_batches_done = 0  # handed out by this rank since the stream start
         self._data_wait_s = 0.0
         self._micro_batches = 0
@@ -407,7 +416,7 @@ class OnlineLoader(PackedLoader):
             "balance": self.config.balance,
             "source_fingerprint": raw.source.fingerprint,
             "num_buffers": raw.source.num_buffers,
-            "split": None,
+            "split": None if raw.source.split is None else raw.source.split.describe(),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -431,7 +440,7 @@ class OnlineLoader(PackedLoader):
                 f"loader state is of a packed dataset, this loader reads raw source {self.root}; resume it "
                 "from a state of the same raw source"
             )
-        for key in ("version", "seed", "global_batch_size", "source_fingerprint"):
+        for key in ("version", "seed", "global_batch_size", "split", "source_fingerprint"):
             if state.get(key) != mine[key]:
                 raise ValueError(
                     f"loader state was saved with {key}={state.get(key)!r}, this loader has {mine[key]!r}; "
@@ -459,6 +468,14 @@ class OnlineLoader(PackedLoader):
         )
 
 
+def rejects_file(rejects_dir: str | None, topology: Topology) -> str | None:
+    """Where this DP rank's loader writes the rejected raw records (`rejects-dp<rank>.jsonl`), None: nowhere."""
+    if rejects_dir is None:
+        return None
+    os.makedirs(rejects_dir, exist_ok=True)
+    return os.path.join(rejects_dir, f"rejects-dp{topology.dp_rank}.jsonl")
+
+
 def build_online_loader(
     source: RawBins,
     *,
@@ -483,13 +500,9 @@ def build_online_loader(
         ),
         strict_data=strict_data,
     )
-    rejects_path = None
-    if rejects_dir is not None:
-        os.makedirs(rejects_dir, exist_ok=True)
-        rejects_path = os.path.join(rejects_dir, f"rejects-dp{topology.dp_rank}.jsonl")
     raw = RawSpec(
         source=source,
-        rejects_path=rejects_path,
+        rejects_path=rejects_file(rejects_dir, topology),
         cost_model=(cost_model or DEFAULT_COST_MODEL) if config.balance == "compute" else None,
     )
     return OnlineLoader(raw, manifest, topology, config, collate)
@@ -543,13 +556,19 @@ def build_loader(
     A sample whose media cannot be decoded is dropped from its bin (labels masked, media blank; the batch's
     `dropped` names it), or with `strict_data` stops the loader (`collate.BadSampleError`, one line).
 
+    A mixture may hold raw sources beside packed ones (`[(0.7, "/data/packed"), (0.3, raw_source(...))]`, or a
+    `MixtureSource` with `raw=`): each is packed whole in one buffer before the loader starts
+    (`raw_source.mixture_manifest`: its buffer size must hold all its records), so its bin count is known and
+    its shares, epochs and state are those of a packed source; not with `split`.
+
     `path` may also be a raw source (`mmpack.dataloader.raw_source.RawBins`, made by
     `mmpack.offline_packing.online.raw_source(inputs, model=..., image_root=..., buffer_size=..., seq_len=...)`):
     its records are packed online, buffer by buffer, by the offline job's length model and kernels, and its
     bins go through the same rank assignment, balance and collation (an `OnlineLoader`). Records the offline
     job would reject are skipped, counted in `metrics()` (`raw_samples_rejected`, `raw_rejected.<reason>`)
-    and, with `rejects_dir`, written to `<rejects_dir>/rejects-dp<rank>.jsonl`. Not with `split` or
-    `num_epochs` yet.
+    and, with `rejects_dir`, written to `<rejects_dir>/rejects-dp<rank>.jsonl`. With `split`, the records (not
+    the bins) are divided before packing, each by a seeded hash of its file and index
+    (`mmpack.offline_packing.online.record_parts`), and each part packs its own. Not with `num_epochs` yet.
     """
     config = LoaderConfig(
         micro_batch_size=micro_batch_size,
@@ -565,8 +584,8 @@ def build_loader(
         balance=balance,
     )
     if is_raw_source(path):
-        if split is not None:
-            raise ValueError(f"raw source {path.name}: --split is not supported for raw sources yet")
+        if split is not None:  # the records are divided before packing: each part packs its own
+            path = path.split_records(BinSplit(tuple(split[0]), split[1], split[2]))  # type: ignore[arg-type]
         return build_online_loader(
             path,
             topology=topology,
@@ -593,13 +612,29 @@ def build_loader(
         )
         return SourceSpec(manifest=manifest, storage=storage)
 
+    def raw_part(raw: RawBins | None, name: str) -> SourceSpec:  # packed whole, in one buffer
+        if raw is None:
+            raise ValueError(
+                f"mixture source {name!r} is raw records (kind: raw) not opened: give it as MixtureSource(raw="
+                "mmpack.offline_packing.online.raw_source(...)) (the trainer opens it with --online-packing)"
+            )
+        if split is not None:
+            raise ValueError(
+                f"mixture source {name!r} is raw records: --split is not supported in a mixture with raw sources "
+                "yet (a raw source alone divides its records; a packed mixture its bins)"
+            )
+        spec = RawSpec(source=raw, rejects_path=rejects_file(rejects_dir, topology))
+        return SourceSpec(manifest=mixture_manifest(raw), storage=StorageConfig(root=raw.name), raw=spec)
+
     sources: tuple[SourceSpec, ...]
     if mixture is None:
         assert isinstance(path, str)
         sources = (source(path, storage_options),)
     else:
         sources = tuple(
-            _load_source(source, s.path, name, s.storage_options or storage_options)
+            raw_part(s.raw, name)
+            if s.kind == "raw"
+            else _load_source(source, s.path, name, s.storage_options or storage_options)
             for s, name in zip(mixture.sources, mixture.names)
         )
         check_sources(mixture.names, [s.manifest for s in sources])
@@ -616,7 +651,12 @@ def build_loader(
         collate = dataclasses.replace(shared, sources=collates, strict_data=strict_data)
     costs = None
     if balance == "compute":
-        parts = [compute_balance(s.manifest, s.storage, cost_model).bin_costs for s in sources]
+        parts = [
+            raw_bin_costs(s.raw.source, cost_model)
+            if s.raw is not None
+            else compute_balance(s.manifest, s.storage, cost_model).bin_costs
+            for s in sources
+        ]
         costs = ComputeBalance(np.concatenate(parts))
     bin_split = None if split is None else BinSplit(tuple(split[0]), split[1], split[2])  # type: ignore[arg-type]
     if mixture is None:

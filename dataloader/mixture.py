@@ -7,6 +7,10 @@ file (`--data-mixture mix.yaml`)::
       - {path: s3://bucket/ocr, weight: 0.3, name: ocr, storage_options: {anon: true}}
       - {path: /data/captions, weight: 0.7}
 
+A source may be raw records (`{path: data/*.jsonl, kind: raw, weight: 0.2, image_root: DIR, packing_buffer_size:
+N}`), packed online in one buffer as the loader starts (`mmpack.dataloader.raw_source.mixture_manifest`) with the
+tokenizer and rules of the trainer's model folder.
+
 Either every source has a `weight` (shares of the blended stream, normalised to sum 1) or every source has a
 `repeat` (epochs of that source per epoch of the mixture: shares proportional to repeat x bins). A mixture file
 is input and bounded like any: a regular file (not a FIFO or a device) of at most `MAX_MIXTURE_FILE_BYTES`, YAML
@@ -33,19 +37,37 @@ MAX_MIXTURE_FILE_BYTES = 4 << 20
 MAX_MIXTURE_NODES = 2 * MAX_MIXTURE_FILE_BYTES
 WEIGHT_RANGE = (1e-9, 1e12)  # shares are ratios of weights: wider ranges only lose precision or overflow
 REPEAT_RANGE = (1e-6, 1e6)  # epochs of a source per epoch of the mixture
-SOURCE_KEYS = ("path", "weight", "repeat", "name", "storage_options")
+SOURCE_KEYS = (
+    "path",
+    "weight",
+    "repeat",
+    "name",
+    "storage_options",
+    "kind",
+    "image_root",
+    "packing_buffer_size",
+)
+SOURCE_KINDS = ("packed", "raw")  # a packed dataset, or raw records packed online (in one buffer)
 TOP_LEVEL_KEYS = ("sources",)
 
 
 @dataclass(kw_only=True, frozen=True)
 class MixtureSource:
-    """One packed dataset of a mixture: where it is, its weight or repeat, a name for logs and its storage."""
+    """One source of a mixture: where it is, its weight or repeat, a name for logs and its storage; a packed
+    dataset, or raw records (`kind: raw`)."""
 
     path: str
     weight: float | None = None
     repeat: float | None = None
     name: str = ""  # empty: the folder's name (its path where two sources share a folder name)
     storage_options: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    # kind "raw": `path` names raw records (files, folders, globs or URLs, as `mmpack pack -i` takes them), packed
+    # online in one buffer of `packing_buffer_size` records with media under `image_root` (the trainer's flags by
+    # default); `raw` is the opened source (`mmpack.dataloader.raw_source.RawBins`), which the loader reads
+    kind: str = "packed"
+    image_root: str | None = None
+    packing_buffer_size: int | None = None
+    raw: Any = field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -65,6 +87,15 @@ class MixtureSource:
                     f"mixture source {self.path!r}: {key} must be a positive number from {low:g} to {high:g}, got "
                     f"{short_repr(value)}{hint}"
                 )
+        if self.raw is not None and self.kind == "packed":  # an opened raw source is one
+            object.__setattr__(self, "kind", "raw")
+        if self.kind not in SOURCE_KINDS:
+            raise ValueError(f"mixture source {self.path!r}: kind must be one of {SOURCE_KINDS}, got {short_repr(self.kind)}")  # fmt: skip
+        if self.kind != "raw" and (self.image_root is not None or self.packing_buffer_size is not None):
+            raise ValueError(f"mixture source {self.path!r}: image_root and packing_buffer_size are keys of a 'kind: raw' source")  # fmt: skip
+        size = self.packing_buffer_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"mixture source {self.path!r}: packing_buffer_size must be a number of records >= 1, got {short_repr(size)}")  # fmt: skip
         if self.storage_options is not None and not (
             isinstance(self.storage_options, dict) and all(isinstance(k, str) for k in self.storage_options)
         ):
@@ -75,7 +106,12 @@ class MixtureSource:
 
     @property
     def identity(self) -> str:
-        """What two sources share when they are the same dataset: the resolved folder or the URL."""
+        """What two sources share when they are the same dataset: the resolved folder or the URL (a raw source:
+        its records and options, by fingerprint)."""
+        if self.raw is not None:
+            return f"raw records {self.raw.fingerprint}"
+        if self.kind == "raw":
+            return f"raw records {self.path}"
         if "://" in self.path:
             return self.path.rstrip("/")
         return os.path.realpath(self.path)
@@ -118,6 +154,11 @@ class Mixture:
         return tuple(names)
 
     @property
+    def raw_sources(self) -> tuple[str, ...]:
+        """The names of its `kind: raw` sources."""
+        return tuple(n for s, n in zip(self.sources, self.names) if s.kind == "raw")
+
+    @property
     def by_repeat(self) -> bool:
         return self.sources[0].repeat is not None
 
@@ -149,6 +190,9 @@ class Mixture:
 def _source_dict(s: MixtureSource) -> dict[str, Any]:
     out: dict[str, Any] = {"path": s.path, "name": s.name} if s.name else {"path": s.path}
     out |= {"weight": s.weight} if s.weight is not None else {"repeat": s.repeat}
+    if s.kind == "raw":
+        out["kind"] = "raw"
+        out |= {k: v for k in ("image_root", "packing_buffer_size") if (v := getattr(s, k)) is not None}
     return out
 
 
@@ -197,13 +241,6 @@ def load_mixture_file(path: str) -> Mixture:
             raise ValueError(
                 f"mixture file {path}: source {i} must be a mapping of {list(SOURCE_KEYS)}, got {short_repr(entry)}"
             )
-        if entry.get("kind") == "raw":
-            raise ValueError(
-                f"mixture file {path}: source {i} is 'kind: raw': raw records are not mixed yet (a blend's shares "
-                "and epochs need each source's bin count, known for raw records only once all their buffers are "
-                "packed); pack them with `mmpack pack` and name the packed dataset, or train on them alone with "
-                "--online-packing"
-            )
         unknown = [k for k in entry if k not in SOURCE_KEYS]
         if unknown:
             raise ValueError(
@@ -220,7 +257,7 @@ def load_mixture_file(path: str) -> Mixture:
         raise ValueError(f"mixture file {path}: {e}") from None
 
 
-MixtureLike = str | Sequence[tuple[float, str]] | Mixture
+MixtureLike = str | Sequence[tuple[float, Any]] | Mixture
 
 
 def as_mixture(data: MixtureLike) -> Mixture | None:
@@ -230,10 +267,18 @@ def as_mixture(data: MixtureLike) -> Mixture | None:
     if isinstance(data, str):
         return None
     pairs = list(data)
+    sources = []
     for pair in pairs:
-        if not (isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(pair[1], str)):
+        if not (isinstance(pair, tuple | list) and len(pair) == 2):
             raise ValueError(f"a mixture list holds (weight, path) pairs, got {pair!r}")
-    return Mixture(sources=tuple(MixtureSource(path=p, weight=w) for w, p in pairs))
+        weight, path = pair
+        if callable(getattr(path, "pack_buffer", None)):  # a raw source (`raw_source.RawBins`)
+            sources.append(MixtureSource(path=path.name, weight=weight, kind="raw", raw=path))
+        elif isinstance(path, str):
+            sources.append(MixtureSource(path=path, weight=weight))
+        else:
+            raise ValueError(f"a mixture list holds (weight, path or raw source) pairs, got {pair!r}")
+    return Mixture(sources=tuple(sources))
 
 
 def check_sources(names: Sequence[str], manifests: Sequence[Any]) -> None:

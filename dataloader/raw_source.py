@@ -18,6 +18,7 @@ not samples.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import os
 from collections import OrderedDict
@@ -29,11 +30,13 @@ import numpy as np
 
 from mmpack.dataloader.balance import ComputeBalance
 from mmpack.dataloader.collate import collate_bins
-from mmpack.dataloader.order import micro_batch_bins
+from mmpack.dataloader.manifest import Manifest
+from mmpack.dataloader.order import BinSplit, micro_batch_bins
 from mmpack.dataloader.readers import BinRecord
 from mmpack.packing.batch import MicroBatch
 from mmpack.packing.cost import DEFAULT_COST_MODEL, CostModel, add_video_features, bin_cost_features
 from mmpack.packing.manifest import Manifest as DatasetManifest
+from mmpack.packing.manifest import ShardEntry
 
 BIN_BITS = 32  # a raw bin id: buffer << BIN_BITS | bin index in the buffer
 KEEP_BEHIND = 1 << 16  # stream positions a walk keeps behind the furthest asked for (a worker asks in order)
@@ -81,8 +84,17 @@ class RawBins(Protocol):
     @property
     def num_buffers(self) -> int: ...
 
+    @property
+    def split(self) -> BinSplit | None:
+        """The --split part whose records it packs (None: every record)."""
+        ...
+
     def pack_buffer(self, buffer: int) -> PackedBuffer:
         """Buffer `buffer` packed (a pure function of the records and the source's options)."""
+        ...
+
+    def split_records(self, split: BinSplit) -> RawBins:
+        """The source of one --split part's records (divided record by record, before packing)."""
         ...
 
 
@@ -217,6 +229,25 @@ class RawStream:
         return RawAnchor(position=p, epoch=epoch, slot=slot, offset=p - self._starts[s])
 
 
+def note_rejects(packed: PackedBuffer, rejects_path: str | None, counters: dict[str, int]) -> dict[str, int]:
+    """`counters` with a buffer's records read and rejected (by reason) added; its rejects appended to
+    `rejects_path` (one write of whole lines: a rank's workers append to one file)."""
+    c = dict(counters)
+    c["raw_samples_read"] = c.get("raw_samples_read", 0) + packed.samples_read
+    c["raw_samples_rejected"] = c.get("raw_samples_rejected", 0) + len(packed.rejects)
+    for row in packed.rejects:
+        key = f"raw_rejected.{row['reason']}"
+        c[key] = c.get(key, 0) + 1
+    if packed.rejects and rejects_path:
+        lines = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in packed.rejects)
+        fd = os.open(rejects_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, lines.encode())
+        finally:
+            os.close(fd)
+    return c
+
+
 class RawBalance(ComputeBalance):
     """`ComputeBalance` of a raw source: each bin's cost from its packing buffer (no table of every bin)."""
 
@@ -271,20 +302,7 @@ class RawProducer:
             return
         if self._skip_visit == (epoch, slot):  # read before the state this loader resumed from was saved
             return
-        packed = self.buffer(b)
-        c = self._counters
-        c["raw_samples_read"] = c.get("raw_samples_read", 0) + packed.samples_read
-        c["raw_samples_rejected"] = c.get("raw_samples_rejected", 0) + len(packed.rejects)
-        for row in packed.rejects:
-            key = f"raw_rejected.{row['reason']}"
-            c[key] = c.get(key, 0) + 1
-        if packed.rejects and self.raw.rejects_path:
-            lines = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in packed.rejects)
-            fd = os.open(self.raw.rejects_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:  # one write of whole lines: the rank's workers append to one file
-                os.write(fd, lines.encode())
-            finally:
-                os.close(fd)
+        self._counters = note_rejects(self.buffer(b), self.raw.rejects_path, self._counters)
 
     def record(self, bin_id: int) -> BinRecord:
         return self.buffer(bin_id >> BIN_BITS).record(bin_id & ((1 << BIN_BITS) - 1))
@@ -294,9 +312,7 @@ class RawProducer:
         model = self.raw.cost_model or DEFAULT_COST_MODEL
         features = np.zeros((len(bins), 4))
         for i, b in enumerate(np.asarray(bins).tolist()):
-            lens, grids, videos = self.buffer(b >> BIN_BITS).bin_features(b & ((1 << BIN_BITS) - 1))
-            features[i] = bin_cost_features(lens, grids)
-            features[i : i + 1] = add_video_features(features[i : i + 1], videos, np.array([0, len(videos)]))
+            features[i] = cost_features(self.buffer(b >> BIN_BITS), b & ((1 << BIN_BITS) - 1))
         return np.asarray(model.cost(features), dtype=np.float64)
 
     def produce(
@@ -314,3 +330,80 @@ class RawProducer:
 
     def close(self) -> None:
         self._buffers.clear()
+
+
+def mixture_manifest(source: RawBins) -> Manifest:
+    """The loader's manifest of a raw source in a mixture: the rules it packs by, and the bins of its one packing
+    buffer as one pseudo shard. A blend's shares (by repeat) and epochs need every source's bin count, which a
+    raw source knows once all its buffers are packed: in a mixture it is packed whole, in one buffer, before the
+    loader starts (once per process, or once for all with a packing cache)."""
+    if source.num_buffers != 1:
+        raise ValueError(
+            f"mixture source {source.name!r}: a raw source in a mixture is packed in one buffer (the blend needs "
+            f"its bin count), its records fill {source.num_buffers}: give a packing buffer size of at least its "
+            "number of records, or pack it with `mmpack pack` and mix the packed dataset"
+        )
+    packed = source.pack_buffer(0)
+    if packed.num_bins == 0:
+        raise ValueError(f"mixture source {source.name!r}: every record is rejected; nothing to train on")
+    shard = ShardEntry(
+        path=f"raw-{source.fingerprint}",  # never opened: `RawPart` reads the buffer's bins
+        format="arrow",
+        first_bin=0,
+        bins=packed.num_bins,
+        samples=0,
+        tokens=0,
+        bytes=0,
+        sha256="0" * 64,
+    )
+    base = Manifest.from_model(source.dataset)
+    return dataclasses.replace(
+        base, num_bins=packed.num_bins, shards=(shard,), fingerprint=source.fingerprint
+    )
+
+
+def raw_bin_costs(source: RawBins, cost_model: CostModel | None) -> np.ndarray:
+    """The cost model's cost of every bin of a raw source packed in one buffer (`mixture_manifest`)."""
+    packed = source.pack_buffer(0)
+    features = np.stack([cost_features(packed, j) for j in range(packed.num_bins)])
+    return np.asarray((cost_model or DEFAULT_COST_MODEL).cost(features), dtype=np.float64)
+
+
+def cost_features(packed: PackedBuffer, j: int) -> np.ndarray:
+    """The cost model's features (float [4]) of bin j of a packed buffer."""
+    lens, grids, videos = packed.bin_features(j)
+    features = bin_cost_features(lens, grids)[None, :]
+    return add_video_features(features, videos, np.array([0, len(videos)]))[0]
+
+
+class RawPart:
+    """A raw source of a mixture in a loader process (a part of `worker.MixedProducer`, beside the `Producer`s
+    of packed sources): its one buffer's bins read by bin id, as a shard reader gives them. When the stream
+    starts at its beginning, worker 0 counts the buffer's records and rejects and writes the rejects."""
+
+    def __init__(self, spec: Any, raw: RawSpec, k_start: int, *, worker: tuple[int, int] = (0, 1)) -> None:
+        """`spec`: the loader's `worker.ProducerSpec` with this source's manifest and storage."""
+        self.spec, self.raw = spec, raw
+        self.readers = self  # `MixedProducer` reads a part's bins through `part.readers.read_bin`
+        self._notes_rejects = worker[0] == 0 and k_start == 0
+        self._packed: PackedBuffer | None = None
+        self._counters: dict[str, int] = {}
+
+    def _buffer(self) -> PackedBuffer:
+        if self._packed is None:
+            self._packed = self.raw.source.pack_buffer(0)
+            if self._notes_rejects:
+                self._counters = note_rejects(self._packed, self.raw.rejects_path, {})
+        return self._packed
+
+    def read_bin(self, bin_id: int) -> BinRecord:
+        return self._buffer().record(bin_id)
+
+    def advance(self, k: int) -> None:
+        """Nothing to read ahead: the bins are in the packed buffer."""
+
+    def storage_metrics(self) -> dict[str, int]:
+        return dict(self._counters)
+
+    def close(self) -> None:
+        self._packed = None

@@ -30,7 +30,7 @@ from mmpack.dataloader.blend import BlendedStream, BlendStage
 from mmpack.dataloader.collate import BadSampleError, CollateConfig, ImageTooLargeError, collate_bins
 from mmpack.dataloader.manifest import Manifest
 from mmpack.dataloader.order import BatchPlan, BinSplit, StreamOrder, micro_batch_bins
-from mmpack.dataloader.raw_source import RawProducer, RawSpec
+from mmpack.dataloader.raw_source import RawPart, RawProducer, RawSpec
 from mmpack.dataloader.readers import (
     ArrowShardReader,
     BinRecord,
@@ -68,10 +68,12 @@ class ProducerSpec:
 
 @dataclass(kw_only=True, frozen=True)
 class SourceSpec:
-    """One source of a mixture: its manifest and where its shards are."""
+    """One source of a mixture: its manifest and where its shards are (or a raw source, packed in one buffer)."""
 
     manifest: Manifest
     storage: StorageConfig
+    # a raw source: `manifest` is `raw_source.mixture_manifest`'s, nothing is stored
+    raw: RawSpec | None = None
 
 
 class ReaderPool:
@@ -246,16 +248,14 @@ class MixedProducer:
         self.stream = BlendedStream(streams, spec.weights, spec.seed, spec.stage)
         self._lock = threading.Lock()
         self._combined: OrderedDict[int, np.ndarray] = OrderedDict()
-        self.parts = [
-            Producer(
-                dataclasses.replace(spec, manifest=s.manifest, storage=s.storage, sources=(), balance=None),
-                k_start,
-                k_end,
-                worker=worker,
-                bins_of=functools.partial(self._source_bins, i),
-            )
-            for i, s in enumerate(spec.sources)
-        ]
+        self.parts: list[Producer | RawPart] = []
+        for i, s in enumerate(spec.sources):
+            own = dataclasses.replace(spec, manifest=s.manifest, storage=s.storage, sources=(), balance=None)
+            if s.raw is not None:
+                self.parts.append(RawPart(own, s.raw, k_start, worker=worker))
+                continue
+            bins_of = functools.partial(self._source_bins, i)
+            self.parts.append(Producer(own, k_start, k_end, worker=worker, bins_of=bins_of))
 
     def combined_bins(self, k: int) -> np.ndarray:
         """Combined bin ids (`BlendedStream`) of micro-batch k (a worker's threads ask for the same k)."""

@@ -16,6 +16,7 @@ the offline job, the offline job hands it its source.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import pickle
 import socket
@@ -102,10 +103,34 @@ class RawSource:
     context: JobContext = field(repr=False)
     cache: str | None = None  # the packing cache folder (`packing_cache`), None: every process packs
     claim_timeout: float = 600.0  # seconds after which a claim of a live-looking process is taken over
+    # --split's part read (`dataloader.order.BinSplit`: weights, part, seed), None: every record
+    split: Any = None
 
     @property
     def num_buffers(self) -> int:
         return len(self.buffers)
+
+    def split_records(self, split: Any) -> RawSource:
+        """This source restricted to the records of one part of --split (`split`: weights, part and seed, as
+        `mmpack.dataloader.order.BinSplit`): each record's part is `record_parts`' (a seeded hash of its file
+        and index), so the parts are disjoint and together every record; the buffers stay the same runs of
+        records, each packing only its part's. A part with no record is refused."""
+        if self.split is not None:
+            raise ValueError(f"raw source {self.name} is already split ({self.split.describe()})")
+        names = record_keys(self.files)
+        counts = np.zeros(len(split.weights), dtype=np.int64)
+        for chunk in self.chunks:
+            parts = record_parts(
+                names[chunk.source_index], chunk.start, chunk.count, split.weights, split.seed
+            )
+            counts += np.bincount(parts, minlength=len(counts))
+        if counts[split.part] == 0:
+            raise ValueError(
+                f"raw source {self.name}: --split {split.describe()} leaves no record in that part (records per "
+                f"part: {','.join(map(str, counts.tolist()))}): give it more weight or more records"
+            )
+        fingerprint = digest(self.fingerprint, "split", list(split.weights), split.part, split.seed)
+        return dataclasses.replace(self, split=split, fingerprint=fingerprint)
 
     def pack_buffer(self, buffer: int) -> PackedBuffer:
         """Buffer `buffer` read, scanned, counted and packed (a pure function of the records and the config);
@@ -153,11 +178,20 @@ class RawSource:
 
     def _scanned(self, chunks: tuple[Chunk, ...], rejects: list[dict], read: list[int]) -> Iterator[dict]:
         """The scan's rows of the chunks' records, in order (stage 1 of the offline job, record by record)."""
-        options = self.config.scan
+        options, split = self.config.scan, self.split
         check = image_check_of(options)
+        names = record_keys(self.files) if split is not None else ()
         for chunk in chunks:
             image_root = options.image_root or input_folder(chunk.path)
-            for rec in read_chunk(self.context, chunk, options.max_record_bytes):
+            mine = None
+            if split is not None:
+                parts = record_parts(
+                    names[chunk.source_index], chunk.start, chunk.count, split.weights, split.seed
+                )
+                mine = parts == split.part
+            for i, rec in enumerate(read_chunk(self.context, chunk, options.max_record_bytes)):
+                if mine is not None and not mine[i]:  # another --split part's record
+                    continue
                 read[0] += 1
                 try:
                     yield scan_record(self.context.remote, rec, chunk.path, image_root, check)
@@ -170,6 +204,33 @@ class RawSource:
         if self.config.strict:
             raise PackError(f"{src}:{line}: {exc.reason}: {exc.message}") from None
         rejects.append(reject_row(src, line, exc.reason, exc.message, stage, sample_id))
+
+
+def record_keys(files: tuple[str, ...] | list[str]) -> list[str]:
+    """Each input file's name in the --split rule: its path below the folder all the files share (so the same
+    records moved or mounted elsewhere split alike)."""
+    parts = [f.split("/") for f in files]
+    shared = 0  # leading folders every path has (a file's own name is always kept)
+    while all(len(p) > shared + 1 and p[shared] == parts[0][shared] for p in parts):
+        shared += 1
+    return ["/".join(p[shared:]) for p in parts]
+
+
+def record_parts(key: str, start: int, count: int, weights: tuple[float, ...], seed: int) -> np.ndarray:
+    """The --split part (0 train, 1 valid, 2 test) of records [start, start + count) of the input file named
+    `key`: a seeded hash of (seed, key, record index) mapped to [0, 1) and cut by the normalised weights. A
+    record's part depends on nothing else (not the buffer size, the other files or their order); the parts'
+    sizes follow the weights on average (binomially), not exactly."""
+    head = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
+    x = np.arange(start, start + count, dtype=np.uint64) ^ np.uint64(int.from_bytes(head, "little"))
+    with np.errstate(over="ignore"):  # splitmix64's finaliser: arithmetic modulo 2**64
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    u = (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    bounds = np.cumsum(np.asarray(weights, dtype=np.float64)) / float(sum(weights))
+    return np.searchsorted(bounds[:-1], u, side="right").astype(np.int64)
 
 
 class PackingCache:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -209,19 +210,44 @@ def test_spec_forms(local: list[str], tmp_path: Path) -> None:
     assert load_mixture_file(str(json_file)) == mix
 
 
-def test_raw_source_in_a_mixture_file_is_refused_in_one_line(tmp_path: Path) -> None:
-    """A `kind: raw` entry names what is missing and what to do; control: the same file without it loads."""
+def test_raw_source_in_a_mixture_file_parses_and_is_checked(tmp_path: Path) -> None:
+    """A `kind: raw` entry (raw records, packed online) parses with its own keys and round-trips; its keys on a
+    packed source, an unknown kind and a bad buffer size are each one line; the loader refuses one not opened."""
     spec = tmp_path / "mix.yaml"
-    entries = (
-        f"  - {{path: {tmp_path / 'packed'}, weight: 1}}\n  - {{path: {tmp_path / 'records.jsonl'}, weight: 1"
+    packed = f"  - {{path: {tmp_path / 'packed'}, weight: 1}}\n"
+    spec.write_text(
+        f"sources:\n{packed}  - {{path: {tmp_path / 'r.jsonl'}, weight: 1, kind: raw, name: fresh, "
+        f"image_root: {tmp_path}, packing_buffer_size: 500}}\n"
     )
-    spec.write_text(f"sources:\n{entries}, kind: raw}}\n")
-    with pytest.raises(
-        ValueError, match=r"source 1 is 'kind: raw': raw records are not mixed yet .*mmpack pack"
-    ):
-        load_mixture_file(str(spec))
-    spec.write_text(f"sources:\n{entries}}}\n")
-    assert len(load_mixture_file(str(spec)).sources) == 2
+    mix = load_mixture_file(str(spec))
+    raw = mix.sources[1]
+    assert (raw.kind, raw.image_root, raw.packing_buffer_size, mix.raw_sources) == (
+        "raw",
+        str(tmp_path),
+        500,
+        ("fresh",),
+    )
+    (tmp_path / "mix.json").write_text(json.dumps(mix.to_dict()))
+    assert load_mixture_file(str(tmp_path / "mix.json")) == mix
+    bad = {
+        "image_root and packing_buffer_size are keys of a 'kind: raw' source": "image_root: x",
+        "kind must be one of ('packed', 'raw')": "kind: shards",
+        "packing_buffer_size must be a number of records >= 1": "kind: raw, packing_buffer_size: 0",
+    }
+    for message, keys in bad.items():
+        spec.write_text(f"sources:\n{packed}  - {{path: {tmp_path / 'r.jsonl'}, weight: 1, {keys}}}\n")
+        with pytest.raises(
+            ValueError, match=re.escape(f"mixture file {spec}: source 1: ") + ".*" + re.escape(message)
+        ):
+            load_mixture_file(str(spec))
+    with pytest.raises(ValueError, match=r"mixture source 'fresh' is raw records \(kind: raw\) not opened"):
+        build_loader(
+            Mixture(sources=(raw,)),
+            topology=Topology(0, 1),
+            micro_batch_size=1,
+            global_batch_size=1,
+            num_workers=0,
+        )
 
 
 def _zero_bins(src: str, dst: Path) -> str:
@@ -308,3 +334,109 @@ def test_split_of_a_mixture_splits_every_source(local: list[str]) -> None:
     assert not parts[0] & parts[1]  # control: no bin of a source in both parts
     whole = {(s, b) for s, b in read(mixed(local, WEIGHTS, Topology(0, 1)), 40)}
     assert whole - parts[0]  # without the split the train part's complement is read too
+
+
+def _raw_records(packed: Path, buffer_size: int, records: Path | None = None) -> Any:
+    """The raw records a `packed_dataset` was packed from (or `records`), as an online source with its options."""
+    from mmpack.offline_packing.online import raw_source
+
+    return raw_source(
+        str(records or packed.parent / "raw" / "data.jsonl"),
+        buffer_size=buffer_size,
+        seq_len=256,
+        tokenizer=str(packed.parent / "tokenizer" / "tokenizer.json"),
+        image_root=str(packed.parent / "raw"),
+        seed=8,
+    )
+
+
+def _bin_contents(records: list[dict[str, Any]]) -> list[tuple[int, bytes, tuple[bytes, ...]]]:
+    """Each bin as (its sample count, token ids, images), sorted: what a bin holds, not where it is (a sample's
+    id names its input file)."""
+    return sorted(
+        (
+            len(r["sample_ids"]),
+            np.asarray(r["input_ids"], np.uint32).tobytes(),
+            tuple(map(bytes, r["images"])),
+        )
+        for r in records
+    )
+
+
+def _rows(ld: PackedLoader, micro_batches: int) -> list[tuple[int, int, bytes]]:
+    """(source, bin, token row) of every row of the next `micro_batches` micro-batches."""
+    out = []
+    for _, batch in zip(range(micro_batches), ld):
+        assert contract_problems(batch) == [] and batch.bin_ids is not None
+        rows = zip(batch.source_ids.tolist(), batch.bin_ids.tolist(), batch.tokens.numpy())
+        out += [(s, b, t.tobytes()) for s, b, t in rows]
+    ld.close()
+    return out
+
+
+def test_raw_source_mixes_with_a_packed_one(packed_dataset: Any, tmp_path: Path) -> None:
+    """A packed dataset and raw records (packed whole, in one buffer) blend by weight: deterministic, an exact
+    resume inside a step, the raw source's bins those of the offline job on the same records, its rejects
+    counted. Controls: a buffer of half the records packs other bins (and is refused in a mixture)."""
+    from tests.support.loader_data import all_records
+
+    packed, other = packed_dataset(n_samples=40, seed=8), packed_dataset(n_samples=60, seed=8)
+    lines = (other.parent / "raw" / "data.jsonl").read_text().splitlines(keepends=True)
+    with_bad = tmp_path / "with-bad.jsonl"  # the same records and a malformed one among them
+    with_bad.write_text("".join(lines[:30]) + '{"conversations": [oops\n' + "".join(lines[30:]))
+    source = _raw_records(other, 10_000, with_bad)
+    mixture = Mixture(
+        sources=(
+            MixtureSource(path=str(packed), weight=0.6, name="packed"),
+            MixtureSource(path=source.name, weight=0.4, name="fresh", raw=source),
+        )
+    )
+    kw: dict[str, Any] = {
+        "topology": Topology(0, 1),
+        "micro_batch_size": 2,
+        "global_batch_size": 4,
+        "seed": 3,
+    }
+    whole = _rows(build_loader(mixture, num_workers=0, **kw), 40)
+    assert whole == _rows(build_loader(mixture, num_workers=2, **kw), 40)  # a pure function, with workers too
+    raw_rows = [(b, t) for s, b, t in whole if s == 1]
+    assert 0.3 < len(raw_rows) / len(whole) < 0.5
+    # the raw source's bins: the offline job's bins of the same records, each row its bin's tokens
+    buffer = source.pack_buffer(0)
+    assert {b for b, _ in raw_rows} == set(range(buffer.num_bins))  # more than an epoch of it was read
+    for b, tokens in raw_rows:
+        ids = np.asarray(buffer.record(b)["input_ids"], np.int64)
+        assert np.frombuffer(tokens, np.int64)[: len(ids)].tolist() == ids.tolist()
+    offline = list(all_records(other).values())
+    online = [buffer.record(j) for j in range(buffer.num_bins)]
+    assert _bin_contents(online) == _bin_contents(offline)
+    # control: a buffer of half the records packs other bins; in a mixture it is refused in one line
+    halves = _raw_records(other, 30, with_bad)
+    assert _bin_contents(
+        [p.record(j) for p in map(halves.pack_buffer, (0, 1)) for j in range(p.num_bins)]
+    ) != (_bin_contents(offline))
+    with pytest.raises(
+        ValueError, match=r"mixture source 'with-bad\.jsonl': a raw source in a mixture is packed in"
+    ):
+        build_loader([(0.6, str(packed)), (0.4, halves)], num_workers=0, **kw)
+    # resume one micro-batch into a step (JSON state round trip) equals the uninterrupted stream
+    first = build_loader(mixture, num_workers=0, **kw)
+    head = _rows(first, 9)
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["sources"][1]["manifest_fingerprint"] == source.fingerprint
+    resumed = build_loader(mixture, num_workers=0, **kw)
+    resumed.load_state_dict(state)
+    assert head + _rows(resumed, 31) == whole
+    # the malformed record: skipped, counted once by the loader, written to its rejects file
+    rejects = tmp_path / "rejects"
+    loader = build_loader(mixture, num_workers=0, rejects_dir=str(rejects), **kw)
+    _rows(loader, 2)
+    metrics = loader.metrics()
+    assert (metrics["raw_samples_read"], metrics["raw_rejected.malformed_json"]) == (61, 1)
+    assert metrics["raw_samples_rejected"] == len(buffer.rejects)
+    rows = [json.loads(x) for x in (rejects / "rejects-dp0.jsonl").read_text().splitlines()]
+    assert [(r["reason"], r["line"]) for r in rows if r["reason"] == "malformed_json"] == [
+        ("malformed_json", 31)
+    ]
+    with pytest.raises(ValueError, match="--split is not supported in a mixture with raw sources"):
+        build_loader(mixture, num_workers=0, split=((9.0, 1.0, 0.0), 0, 3), **kw)

@@ -321,3 +321,68 @@ def test_loader_workers_of_two_ranks_pack_each_buffer_once(
             assert sorted(lines) == sorted(set(lines)) and len(lines) == source.num_buffers
     assert streams[None, 0] == streams[str(tmp_path / "cache"), 0]
     assert streams[None, 1] == streams[str(tmp_path / "cache"), 1]
+
+
+def _packed_ids(source: RawSource) -> tuple[list[str], list[tuple[str, int]], int]:
+    """(ids of the samples packed, (file, line) of the records rejected, records read) over every buffer."""
+    ids: list[str] = []
+    rejects: list[tuple[str, int]] = []
+    read = 0
+    for b in range(source.num_buffers):
+        packed = source.pack_buffer(b)
+        ids += [str(i) for j in range(packed.num_bins) for i in packed.record(j)["sample_ids"]]
+        rejects += [(Path(r["source"]).name, r["line"]) for r in packed.rejects]
+        read += packed.samples_read
+    return ids, rejects, read
+
+
+def test_split_divides_the_records_before_packing(packed_dataset: Any) -> None:
+    """--split over raw records: the parts are disjoint and together every record (packed or rejected), a
+    record's part does not depend on the buffer size, and the loader of a part streams, states and resumes as
+    an unsplit one. Control: another split seed divides the records otherwise."""
+    from mmpack.dataloader.order import BinSplit
+
+    packed = packed_dataset(n_samples=60, seed=8)
+    source = _raw_of(packed, buffer_size=15, seed=8)
+    weights = (70.0, 20.0, 10.0)
+    all_ids, all_rejects, all_read = _packed_ids(source)
+    parts = [_packed_ids(source.split_records(BinSplit(weights, k, 5))) for k in range(3)]
+    ids = [set(p[0]) for p in parts]
+    assert all(len(p[0]) == len(set(p[0])) for p in parts)
+    assert not (ids[0] & ids[1]) and not (ids[0] & ids[2]) and not (ids[1] & ids[2])  # disjoint
+    assert sorted(i for p in parts for i in p[0]) == sorted(all_ids)  # together every packed sample, once
+    assert sorted(r for p in parts for r in p[1]) == sorted(all_rejects)
+    assert sum(p[2] for p in parts) == all_read == 60
+    assert [p[2] for p in parts] == [41, 14, 5]  # about 70/20/10 of the 60 records (a hash per record)
+    # a record's part is its own: a buffer of the whole input packs the same records in the valid part
+    whole = _raw_of(packed, buffer_size=10_000, seed=8).split_records(BinSplit(weights, 1, 5))
+    assert sorted(_packed_ids(whole)[0]) == sorted(parts[1][0])
+    # control: another split seed, another division
+    assert set(_packed_ids(source.split_records(BinSplit(weights, 1, 6)))[0]) != ids[1]
+    # the loader of the valid part reads only its records and resumes exactly
+    kw: dict[str, Any] = {
+        "topology": ONE_RANK,
+        "micro_batch_size": 1,
+        "global_batch_size": 2,
+        "num_workers": 0,
+    }
+    valid = source.split_records(BinSplit(weights, 1, 5))
+    stream = _stream(build_loader(source, **kw, seed=3, split=(weights, 1, 5)), 8)
+    seen = {
+        str(i)
+        for bin_ids, _ in stream
+        for b in bin_ids
+        for i in valid.pack_buffer(b >> 32).record(b & 0xFFFFFFFF)["sample_ids"]
+    }
+    assert seen <= ids[1]
+    first = build_loader(source, **kw, seed=3, split=(weights, 1, 5))
+    assert _stream(first, 3) == stream[:3]
+    state = first.state_dict()
+    assert state["split"] == "70,20,10:valid"
+    resumed = build_loader(source, **kw, seed=3, split=(weights, 1, 5))
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert _stream(resumed, 5) == stream[3:]
+    with pytest.raises(ValueError, match="split"):  # a state of the train part does not resume the valid one
+        build_loader(source, **kw, seed=3, split=(weights, 0, 5)).load_state_dict(state)
+    with pytest.raises(ValueError, match="leaves no record in that part"):
+        build_loader(source, **kw, split=((1.0, 0.0, 0.0), 1, 5))

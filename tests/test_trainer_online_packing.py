@@ -35,19 +35,25 @@ def test_online_packing_flags_and_refusals(tmp_path: Path) -> None:
     online = ["--online-packing", "--data-path", "a.jsonl", "--seq-length", SEQ]
     mix = tmp_path / "mix.yaml"
     mix.write_text("sources:\n  - {path: /d/a, weight: 1}\n")
+    raw_mix = tmp_path / "raw-mix.yaml"
+    raw_mix.write_text(
+        "sources:\n  - {path: /d/a, weight: 1}\n  - {path: r.jsonl, kind: raw, weight: 1, name: r}\n"
+    )
+    split = parse_args([*online, "--tokenizer-model", "t", "--split", "9,1,0"])  # the records are divided
+    assert split.data.split == (9.0, 1.0, 0.0)
     refused = {
         "give --hf-model (its folder) or, for a random model, --tokenizer-model DIR": online,
         ", not both": [*online, "--hf-model", "m", "--tokenizer-model", "t"],
         "packs bins of --seq-length tokens": ["--online-packing", "--data-path", "a", "--tokenizer-model", "t"],
-        "--split is not supported with --online-packing": [*online, "--tokenizer-model", "t", "--split", "9,1,0"],
         "--packing-buffer-size must be a number of records >= 1": [
             *online, "--tokenizer-model", "t", "--packing-buffer-size", "0"
         ],
-        "not with a packed dataset, --data-mixture or --mock-data": [
+        "not with a packed dataset, a mixture of packed datasets only or --mock-data": [
             "--online-packing", "--data-mixture", str(mix), "--tokenizer-model", "t", "--seq-length", SEQ
         ],
         "reads the raw records --data-path names": ["--online-packing", "--tokenizer-model", "t", "--seq-length", SEQ],
-        "of --data-path only: not with": ["--online-packing", "--mock-data"],
+        "kind: raw sources: not with": ["--online-packing", "--mock-data"],
+        "mixture source 'r' is raw records (kind: raw): add --online-packing": ["--data-mixture", str(raw_mix)],
         "--image-root is an option of --online-packing": ["--data-path", "/d/a", "--image-root", "img"],
         "--tokenizer-model is an option of --online-packing": ["--mock-data", "--tokenizer-model", "t"],
     }  # fmt: skip
@@ -118,6 +124,67 @@ def test_training_from_raw_records_logs_the_offline_losses(
     control = ok(train(2, [*raw, "--packing-buffer-size", "20"], tmp_path / "control"))
     assert [m["data_digest"] for m in control.train] != [m["data_digest"] for m in offline.train]
     assert control.losses() != pytest.approx(offline.losses(), rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+def test_split_with_online_packing_trains_on_one_part_and_evaluates_the_other(
+    tmp_path: Path, packed_dataset: Callable[..., Path]
+) -> None:
+    """`--split 90,10,0 --online-packing`: training packs and reads the train part's records, --eval-interval
+    the valid part's (`test_online_packing.py` shows the parts disjoint and complete); the eval loss is a finite
+    number of other batches than the training steps'."""
+    packed = packed_dataset(n_samples=40, seed=8)
+    records, images, tokenizer = _raw_files(packed)
+    run = ok(
+        train(
+            1,
+            ["--online-packing", "--data-path", str(records), "--image-root", str(images), "--tokenizer-model",
+             str(tokenizer), "--seq-length", SEQ, "--micro-batch-size", "1", "--global-batch-size", "2",
+             "--train-iters", "2", "--lr", "1e-3", "--split", "90,10,0", "--eval-interval", "2", "--eval-iters",
+             "1", "--packing-buffer-size", "20"],
+            tmp_path / "run",
+        )
+    )  # fmt: skip
+    assert len(run.train) == 2 and len(run.evals) == 1
+    loss = run.evals[0]["eval_loss"]
+    assert loss == loss and 0 < loss < 100 and loss not in run.losses()
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+def test_mixture_of_raw_and_packed_sources_logs_each_sources_loss(
+    tmp_path: Path, packed_dataset: Callable[..., Path]
+) -> None:
+    """`--online-packing --data-mixture` with a packed dataset and a `kind: raw` source (packed whole, in one
+    buffer, with --tokenizer-model's tokenizer): 2 steps log each source's loss by its name, the step's tokens
+    are the sources' tokens, and the raw source's rejects (a malformed record among them) are counted and
+    totalled."""
+    packed, other = packed_dataset(n_samples=40, seed=8), packed_dataset(n_samples=60, seed=8)
+    records, images, tokenizer = _raw_files(other)
+    lines = records.read_text().splitlines(keepends=True)
+    with_bad = tmp_path / "with-bad.jsonl"
+    with_bad.write_text("".join(lines[:30]) + '{"conversations": [oops\n' + "".join(lines[30:]))
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(
+        f"sources:\n  - {{path: {packed}, weight: 0.5, name: packed}}\n"
+        f"  - {{path: {with_bad}, kind: raw, weight: 0.5, name: fresh, image_root: {images}}}\n"
+    )
+    run = ok(
+        train(
+            1,
+            ["--online-packing", "--data-mixture", str(mix), "--tokenizer-model", str(tokenizer), "--seq-length",
+             SEQ, "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3"],
+            tmp_path / "run",
+        )
+    )  # fmt: skip
+    assert len(run.train) == 2
+    for m in run.train:
+        assert set(m["source_loss"]) <= {"packed", "fresh"}
+        assert sum(m["source_tokens"].values()) == m["target_tokens"]
+    assert {n for m in run.train for n, t in m["source_tokens"].items() if t} == {"packed", "fresh"}
+    assert " fresh loss: " in run.stdout and " rejected records: 2 |" in run.stdout  # and an overlength one
+    assert "online packing: 61 records read, 2 rejected (malformed_json: 1, overlength: 1)" in run.stdout
 
 
 def test_default_packing_cache_is_the_runs_or_the_users(

@@ -666,11 +666,13 @@ class DataConfig:
         metavar="A,B,C,D",
     )
     # Megatron-LM's --split (train, valid, test weights): the bins of --data-path divided by
-    # mmpack.dataloader.order.split_bins; the valid part is the eval data of --eval-interval
+    # mmpack.dataloader.order.split_bins (raw records: by mmpack.offline_packing.online.record_parts); the
+    # valid part is the eval data of --eval-interval
     split: tuple[float, float, float] | None = flag(
         None,
         help="divide --data-path's bins by these weights (e.g. 969,30,1; a seeded permutation cut as Megatron-LM "
-        "cuts documents); training reads only the train part, --eval-interval evaluates the valid part",
+        "cuts documents; with --online-packing the records, each by a seeded hash, before packing); training "
+        "reads only the train part, --eval-interval evaluates the valid part",
         parse=split_weights,
         metavar="TRAIN,VALID,TEST",
     )
@@ -687,7 +689,8 @@ class DataConfig:
         False,
         help="--data-path names raw records (files, folders, globs or URLs, in any form `mmpack pack -i` reads), "
         "packed into bins as the run trains by the offline job's length model and kernels, with the tokenizer, "
-        "image/video rule and chat template of --hf-model's folder (or --tokenizer-model's)",
+        "image/video rule and chat template of --hf-model's folder (or --tokenizer-model's); or --data-mixture "
+        "holds 'kind: raw' sources, each packed whole in one buffer as the run starts",
     )
     image_root: str | None = flag(
         None,
@@ -743,13 +746,13 @@ class DataConfig:
                     )
             if self.raw_inputs:
                 raise ValueError("raw inputs are read with --online-packing: add it")
+            if self.data_mixture and self.data_mixture.raw_sources:
+                raise ValueError(f"mixture source {self.data_mixture.raw_sources[0]!r} is raw records (kind: raw): add --online-packing (with --hf-model or --tokenizer-model)")  # fmt: skip
             return
-        if self.data_path or self.data_mixture or self.mock_data:
-            raise ValueError("--online-packing reads the raw records of --data-path only: not with a packed dataset, --data-mixture or --mock-data")  # fmt: skip
-        if not self.raw_inputs:
+        if self.data_path or self.mock_data or (self.data_mixture and not self.data_mixture.raw_sources):
+            raise ValueError("--online-packing reads the raw records of --data-path, or a --data-mixture with kind: raw sources: not with a packed dataset, a mixture of packed datasets only or --mock-data")  # fmt: skip
+        if not self.raw_inputs and not self.data_mixture:
             raise ValueError("--online-packing reads the raw records --data-path names (files, folders, globs, URLs): give it")  # fmt: skip
-        if self.split is not None:
-            raise ValueError("--split is not supported with --online-packing yet (the bins of raw records are known only as they are packed): give --eval-data-path a packed dataset of held-out records")  # fmt: skip
         if isinstance(self.packing_buffer_size, bool) or self.packing_buffer_size < 1:
             raise ValueError(f"--packing-buffer-size must be a number of records >= 1, got {self.packing_buffer_size}")  # fmt: skip
 

@@ -78,26 +78,67 @@ class StepBatches:
         self.loader.load_state_dict(state)
 
 
-def open_raw_data(cfg: RunConfig) -> RawBins:
+def open_raw_data(cfg: RunConfig) -> RawBins | Mixture:
     """The raw source of --online-packing: the records of --data-path, counted and packed by the offline job's
     own functions (`mmpack.offline_packing.online`, the one module of the offline job the trainer may import)
-    with the tokenizer, rules and chat template of --hf-model's folder or --tokenizer-model."""
+    with the tokenizer, rules and chat template of --hf-model's folder or --tokenizer-model; with --data-mixture,
+    the mixture with each `kind: raw` source opened so (its own image_root and packing_buffer_size, else the
+    flags')."""
     from mmpack.offline_packing.online import raw_source
 
     d = cfg.data
-    inputs = " ".join(d.raw_inputs)
-    try:
-        return raw_source(
-            d.raw_inputs,
-            buffer_size=d.packing_buffer_size,
-            seq_len=cfg.train.seq_length,
-            model=cfg.model.hf_model,
-            tokenizer=d.tokenizer_model,
-            image_root=d.image_root,
-            packing_cache=d.packing_cache or default_packing_cache(cfg.checkpoint.save),
+
+    def opened(inputs: str | tuple[str, ...], buffer_size: int, image_root: str | None, what: str) -> RawBins:
+        try:
+            return raw_source(
+                inputs,
+                buffer_size=buffer_size,
+                seq_len=cfg.train.seq_length,
+                model=cfg.model.hf_model,
+                tokenizer=d.tokenizer_model,
+                image_root=image_root,
+                packing_cache=d.packing_cache or default_packing_cache(cfg.checkpoint.save),
+            )
+        except FileNotFoundError as e:  # a missing input or model folder: one line, not a traceback per rank
+            raise ValueError(f"--online-packing {what}: {e}") from None
+
+    if d.data_mixture is None:
+        return opened(
+            d.raw_inputs, d.packing_buffer_size, d.image_root, f"--data-path {' '.join(d.raw_inputs)}"
         )
-    except FileNotFoundError as e:  # a missing input or model folder: one line, not a traceback per rank
-        raise ValueError(f"--online-packing --data-path {inputs}: {e}") from None
+    sources = tuple(
+        dataclasses.replace(
+            s,
+            raw=opened(
+                s.path,
+                s.packing_buffer_size or d.packing_buffer_size,
+                s.image_root or d.image_root,
+                f"--data-mixture source {name!r}",
+            ),
+        )
+        if s.kind == "raw"
+        else s
+        for s, name in zip(d.data_mixture.sources, d.data_mixture.names)
+    )
+    return dataclasses.replace(d.data_mixture, sources=sources)
+
+
+def packed_sources(data: str | Mixture | None) -> str | Mixture | None:
+    """One packed dataset, or a mixture's packed datasets (its `kind: raw` sources left out, None where it has no
+    other; the raw ones are checked by the rules they pack by, `raw_sources`)."""
+    if data is None or isinstance(data, str) or not data.raw_sources:
+        return data
+    packed = tuple(s for s in data.sources if s.kind != "raw")
+    return dataclasses.replace(data, sources=packed) if packed else None
+
+
+def raw_sources(data: RawBins | Mixture | None) -> list[RawBins]:
+    """The raw sources of --online-packing's data (`open_raw_data`): one, or a mixture's opened `kind: raw` ones."""
+    if data is None:
+        return []
+    if isinstance(getattr(data, "sources", None), tuple):
+        return [s.raw for s in data.sources if s.raw is not None]  # type: ignore[union-attr]
+    return [data]  # type: ignore[list-item]
 
 
 def default_packing_cache(save: str | None) -> str:
@@ -142,8 +183,15 @@ def dataset_info(data_path: str | Mixture | RawBins | None, seq_length: int) -> 
     elif isinstance(data_path, str):
         names, manifests = [data_path], [load_manifest(data_path)]
     elif isinstance(data_path, Mixture):
+        from mmpack.dataloader.raw_source import mixture_manifest
+
         names = list(data_path.names)
-        manifests = [load_manifest(s.path, storage_options=s.storage_options) for s in data_path.sources]
+        manifests = [
+            mixture_manifest(s.raw)  # packed whole, in one buffer, as the loader will
+            if s.raw is not None
+            else load_manifest(s.path, storage_options=s.storage_options)
+            for s in data_path.sources
+        ]
         check_sources(names, manifests)
     else:
         raise TypeError(f"no dataset, mixture or raw source: {data_path!r}")

@@ -46,7 +46,9 @@ from mmpack.trainer.data import (
     dataset_info,
     model_inputs,
     open_raw_data,
+    packed_sources,
     pad_flat_batch,
+    raw_sources,
     thd_length,
 )
 from mmpack.trainer.exits import ExitPolicy, ExitSignals
@@ -236,8 +238,8 @@ class Trainer:
             self.family, self.arch, info, cfg.model.hf_model or "(random, from the size flags)"
         )
         # tokenizer file and the image rule of every source (a raw source is counted by the folder's own)
-        if cfg.model.hf_model and cfg.data.train_data:
-            check_dataset_for_hf_model(cfg.data.train_data, cfg.model.hf_model)
+        if cfg.model.hf_model and (packed := packed_sources(cfg.data.train_data)):
+            check_dataset_for_hf_model(packed, cfg.model.hf_model)
         self._check_stage_flags(cfg, info)
         self.use_te = te_available()
         self.pad_id = info.pad_id
@@ -305,7 +307,7 @@ class Trainer:
         )
         self.eval_data: SharedStepBatches | None = None
         if cfg.train.eval_interval > 0:
-            eval_path = cfg.data.eval_data_path or (cfg.data.train_data if split else None)
+            eval_path = cfg.data.eval_data_path or (train_data if split else None)
             if train_data and not eval_path:
                 raise ValueError(
                     "--eval-interval needs held-out data: --eval-data-path (a packed dataset) or --split "
@@ -370,12 +372,13 @@ class Trainer:
         check_model_flags(flags, self.arch, seq_length=info.seq_length, source=source)
 
         d = cfg.data  # one dataset, or every source of a mixture
-        paths = [(s.path, s.storage_options) for s in d.data_mixture.sources] if d.data_mixture else []
+        mixed = d.data_mixture.sources if d.data_mixture else ()
+        paths = [(s.path, s.storage_options) for s in mixed if s.kind != "raw"]
         paths += [(d.data_path, None)] if d.data_path else []
         for path, options in paths:
             check_stage_flags(flags, load_manifest(path, storage_options=options).raw, data_path=path)
-        if self.raw_data is not None:  # the rules its records are packed by
-            check_stage_flags(flags, self.raw_data.dataset.to_dict(), data_path=self.raw_data.name)
+        for raw in raw_sources(self.raw_data):  # the rules its records are packed by
+            check_stage_flags(flags, raw.dataset.to_dict(), data_path=raw.name)
         if dist.get_rank() == 0:
             for note in flags.notes(on_cpu=self.on_cpu, balance=cfg.data.balance):
                 print(f"pretrain_vlm: note: {note}", file=sys.stderr, flush=True)

@@ -40,6 +40,8 @@ def mixture_report(
     mixture = read_mixture(args.mixture)
     reports, manifests = [], []
     for source in mixture.sources:
+        if source.kind == "raw":
+            raise ValueError(f"mixture source {source.path!r} is raw records (kind: raw): `mmpack stats` reads packed datasets; the trainer packs raw ones as it loads them")  # fmt: skip
         one = copy.copy(args)
         one.path = source.path
         options = storage_options(source.path) | (source.storage_options or {})
