@@ -215,7 +215,8 @@ def test_target_names_that_match_nothing_are_one_error_listing_the_valid_names()
 
 def test_expert_targets_are_one_error_and_the_dense_modules_of_a_moe_model_are_valid() -> None:
     """The experts of a mixture of experts (3-D tensors in transformers, stacked or one file per expert) are not
-    adapted: a target naming them is one error; its attention and vision modules are valid targets."""
+    linear modules: a module target naming only them is one error that says how to name them (as parameters,
+    tests/test_trainer_lora_experts.py); its attention and vision modules are valid targets."""
     from mmpack.trainer.lora.spec import LoraSpec, check_targets, expert_names
     from mmpack.trainer.models import family
     from mmpack.trainer.models.protocol import TinyModelSpec
@@ -232,7 +233,8 @@ def test_expert_targets_are_one_error_and_the_dense_modules_of_a_moe_model_are_v
         targets = target if "*" in target else ("q_proj", target)
         with pytest.raises(ValueError, match=rf"{re.escape(target)} name\(s\) the experts of it") as err:
             check_targets(LoraSpec(rank=2, alpha=4, targets=targets), rules, "it")
-        assert "q_proj" in str(err.value).split("valid names: ")[1] and "\n" not in str(err.value)
+        assert "q_proj" in str(err.value).split("valid module names: ")[1] and "\n" not in str(err.value)
+        assert "(experts.gate_up_proj, experts.down_proj)" in str(err.value)
     # Qwen3-MoE checkpoints' layout: each expert's own gate_proj / up_proj / down_proj
     moe = MoEArch(num_experts=2, top_k=1, ffn_hidden_size=4, per_expert_files=True)
     per_expert = moe_rules(moe, 8, "model.layers.0.mlp.", "decoder.layers.0.mlp.")

@@ -26,11 +26,11 @@ def peft_model(hf_dir: Path, seed: int, targets: list[str], model_class: Any = N
 
     model = (model_class or AutoModelForImageTextToText).from_pretrained(hf_dir, dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
-    _draw_adapters(model, seed)
+    draw_adapters(model, seed)
     return model
 
 
-def _draw_adapters(model, seed: int) -> None:  # type: ignore[no-untyped-def]
+def draw_adapters(model, seed: int) -> None:  # type: ignore[no-untyped-def]
     """Every A and B of a peft model drawn from ``seed``."""
     import torch
 
@@ -61,7 +61,7 @@ def peft_reference(
     adam.step()
     with torch.no_grad():
         ref["after"] = loss_and_grads(model, inputs)["loss"]
-        _draw_adapters(model, 1)
+        draw_adapters(model, 1)
         ref["other_init"] = loss_and_grads(model, inputs)["loss"]
     return {**ref, "adapter": folder, "hf": hf_dir, "packed": packed}
 

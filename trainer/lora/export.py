@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mmpack.trainer.lora.peft_io import PEFT_PREFIX
+from mmpack.trainer.lora.peft_io import PEFT_PREFIX, to_peft_layout
 from mmpack.trainer.lora.spec import ADAPTER_CONFIG, LoraSpec, resolve_spec, spellings
 
 
@@ -21,7 +21,8 @@ def peft_config(spec: LoraSpec, base_model: str | None) -> dict[str, Any]:
     return {
         "peft_type": "LORA", "task_type": None, "base_model_name_or_path": base_model, "inference_mode": True,
         "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
-        "target_modules": spec.targets if isinstance(spec.targets, str) else sorted(spec.targets),
+        "target_modules": spec.targets if isinstance(spec.targets, str) else sorted(spec.targets) or None,
+        "target_parameters": list(spec.parameters) or None,
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "modules_to_save": None,
     }  # fmt: skip
@@ -45,7 +46,7 @@ def peft_tensors(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Whole adapter tensors by ``<hf module>.lora_A.weight`` -> the names peft saves (its prefix and
     transformers 5's in-memory module names)."""
     out = {}
-    for name, tensor in adapters.items():
+    for name, tensor in to_peft_layout(adapters).items():
         module, tail = name.rsplit(".lora_", 1)
         out[f"{PEFT_PREFIX}{spellings(module)[-1]}.lora_{tail}"] = tensor.contiguous()
     return out
@@ -54,16 +55,37 @@ def peft_tensors(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def merge_into(
     weights: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scale: float
 ) -> dict[str, torch.Tensor]:
-    """HF weights with every adapted module's update merged in: W + scale * B A (computed in fp32)."""
+    """HF weights with every adapted module's update merged in: W + scale * B A (computed in fp32); an experts
+    parameter's adapters (A [experts, r, in], B [experts, out, r]) into each expert's matrix."""
     merged = dict(weights)
     for name in adapters:
         if ".lora_A." not in name:
             continue
         module = name.rsplit(".lora_", 1)[0]
         a, b = adapters[name].float(), adapters[f"{module}.lora_B.weight"].float()
+        if a.dim() == 3:
+            _merge_experts(merged, module, scale * torch.bmm(b, a))
+            continue
         w = merged[f"{module}.weight"]
         merged[f"{module}.weight"] = (w.float() + scale * (b @ a)).to(w.dtype)
     return merged
+
+
+def _merge_experts(weights: dict[str, torch.Tensor], parameter: str, delta: torch.Tensor) -> None:
+    """Adds ``delta`` [experts, out, in] to a 3-D expert parameter, or to each expert's own matrices where the
+    weights hold them apart (``experts.{e}.gate_proj`` and ``up_proj``: the rows of [gate; up])."""
+    if parameter in weights:
+        w = weights[parameter]
+        if tuple(w.shape) != tuple(delta.shape):  # the files' [experts, in, out]
+            delta = delta.transpose(1, 2)
+        weights[parameter] = (w.float() + delta).to(w.dtype)
+        return
+    head, _, kind = parameter.rpartition(".")
+    for e in range(delta.shape[0]):
+        parts = ["gate_proj", "up_proj"] if kind == "gate_up_proj" else ["down_proj"]
+        for name, rows in zip(parts, delta[e].chunk(len(parts)), strict=True):
+            w = weights[f"{head}.{e}.{name}.weight"]
+            weights[f"{head}.{e}.{name}.weight"] = (w.float() + rows).to(w.dtype)
 
 
 def check_resume_base(load: str, hf_model: str | None) -> None:

@@ -15,6 +15,16 @@ B is whole. The low-rank activations cross TP ranks with megatron-core's mapping
 
 The update is added to the layer's output by a forward hook, so the layer, its parameter names and the HF rules
 stay as they are; the adapter parameters live under ``<layer>.lora.lora_A.<slot>`` / ``lora_B.<slot>``.
+
+A mixture of experts' experts (megatron-core's ``SequentialMLP``: one MLP per local expert) get one slot per
+expert layer, peft's adapter of transformers' 3-D parameter (``target_parameters``): expert e of
+``experts.gate_up_proj`` has its own A [r, hidden] and B [2 * ffn, r] (rows 0 .. r-1 of expert e in peft's A
+[r * experts, hidden], columns e, e + experts, ... of its B [2 * ffn, r * experts]), the update s * B A added to
+the expert's fused [gate; up] (``linear_fc1``), likewise ``down_proj`` on ``linear_fc2``. An EP rank holds the
+adapters of its experts; over expert-tensor-parallel ranks B (fc1) or A (fc2) is cut like the weight. The
+tokens reach an expert already where it computes (megatron-core's dispatcher, which also sums the experts'
+partial outputs and input gradients over those ranks), so the update takes no communication of its own; only
+the factor whole on every expert-TP rank has its gradient, computed from the rank's part, summed over them.
 """
 
 from __future__ import annotations
@@ -31,8 +41,15 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel as mtp
 from megatron.core.transformer.utils import make_tp_sharded_tensor_for_checkpoint
 
-from mmpack.trainer.lora.spec import LORA, LoraSpec, hf_modules, lora_modules
-from mmpack.trainer.models.hf_weights import Rule, hf_shapes, read_shard
+from mmpack.trainer.lora.spec import (
+    EXPERT_PARAMETERS,
+    LORA,
+    LoraSpec,
+    expert_layers,
+    hf_modules,
+    lora_modules,
+)
+from mmpack.trainer.models.hf_weights import ExpertSlice, Rule, hf_shapes, read_shard
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,28 @@ class Slot:
     hf_module: str
     a_rule: Rule
     b_rule: Rule
+
+
+def expert_slot(layer: str, rule: Rule, hf_parameter: str, experts: int) -> Slot:
+    """The slot of an expert's ``linear_fc1`` / ``linear_fc2`` (``rule``: its weight's; ``experts``: how many
+    matrices ``hf_parameter`` stacks), over the adapter tensors of the whole 3-D parameter in the per-expert
+    layout ``<parameter>.lora_A.weight`` [experts, r, in] / ``lora_B.weight`` [experts, out, r]."""
+    a, b = hf_parameter + ".lora_A.weight", hf_parameter + ".lora_B.weight"
+    one = dict(expert=rule.expert, experts=experts)
+    if layer.endswith("linear_fc1"):  # column-parallel: B's rows [gate; up] cut as the weight's
+        a_rule, b_rule = Rule("copy", (a,), None, **one), Rule("fused_glu", (b,), **one)
+    else:  # row-parallel
+        a_rule, b_rule = Rule("copy", (a,), 1, **one), Rule("copy", (b,), None, **one)
+    return Slot(EXPERT_PARAMETERS[layer.rsplit(".", 1)[-1]], hf_parameter, a_rule, b_rule)
+
+
+def expert_slots(rules: dict[str, Rule]) -> dict[str, Slot]:
+    """megatron-core expert layer name (experts numbered globally) -> its slot."""
+    layers = expert_layers(rules)
+    counts: dict[str, int] = {}
+    for _, param in layers.values():
+        counts[param] = counts.get(param, 0) + 1
+    return {name: expert_slot(name, rule, param, counts[param]) for name, (rule, param) in layers.items()}
 
 
 def layer_slots(rule: Rule) -> list[Slot]:
@@ -72,11 +111,11 @@ class LoraLayer(torch.nn.Module):
 
     def __init__(
         self, rule: Rule, slots: dict[str, tuple[torch.Tensor, torch.Tensor]], *, spec: LoraSpec,
-        layout: str, tp_size: int, sequence_parallel: bool, group: Any,
+        layout: str, tp_size: int, sequence_parallel: bool, group: Any, expert: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.rule, self.layout, self.tp_size, self.group = rule, layout, tp_size, group
-        self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.rule, self.layout, self.tp_size, self.group, self.expert = rule, layout, tp_size, group, expert
+        self.sequence_parallel = sequence_parallel and tp_size > 1 and not expert
         self.scale, self.dropout = spec.scale, spec.dropout
         self.lora_A = torch.nn.ParameterDict({k: torch.nn.Parameter(a) for k, (a, _) in slots.items()})
         self.lora_B = torch.nn.ParameterDict({k: torch.nn.Parameter(b) for k, (_, b) in slots.items()})
@@ -87,8 +126,12 @@ class LoraLayer(torch.nn.Module):
             elif layout == "row":
                 mtp.set_tensor_model_parallel_attributes(a, True, 1, 1)
                 b.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
+            if expert:  # reduced over the expert-data-parallel ranks, held by the expert optimizer
+                a.allreduce = b.allreduce = False  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.expert:
+            return self._expert_update(x)
         keys = list(self.lora_A)
         if self.dropout and self.training:
             x = lora_dropout(x, self.dropout, split=self.layout == "row" or self.sequence_parallel,
@@ -103,6 +146,17 @@ class LoraLayer(torch.nn.Module):
         parts = h.split([self.lora_A[k].shape[0] for k in keys], dim=-1)
         deltas = {k: F.linear(p, self.lora_B[k]) * self.scale for k, p in zip(keys, parts, strict=True)}
         return self._assemble(deltas, h)
+
+    def _expert_update(self, x: torch.Tensor) -> torch.Tensor:
+        """An expert's update s * B A x on its tokens (see the module docstring)."""
+        [key] = self.lora_A
+        a, b = self.lora_A[key], self.lora_B[key]
+        if self.tp_size > 1:  # the whole factor's gradient, from this rank's part, summed over expert TP
+            if self.layout == "column":
+                a = mtp.copy_to_tensor_model_parallel_region(a, group=self.group)
+            else:
+                b = mtp.copy_to_tensor_model_parallel_region(b, group=self.group)
+        return F.linear(F.linear(x, a), b) * self.scale
 
     def _assemble(self, deltas: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         """The slots' updates in the layer's output layout (zeros for the slots not adapted)."""
@@ -170,8 +224,11 @@ class FullTensors:
     def shape(self, name: str) -> list[int]:
         return list(self.tensors[name].shape)
 
-    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, rows: slice | None = None, cols: slice | None = None, expert: int | None = None
+    ) -> torch.Tensor:
         t = self.tensors[name]
+        t = t[expert] if expert is not None else t
         t = t[rows] if rows is not None else t
         return t[:, cols] if cols is not None else t
 
@@ -186,16 +243,99 @@ def initial_tensors(slot: Slot, shape: tuple[int, ...], rank: int, seed: int) ->
     return {slot.a_rule.hf[0]: a, slot.b_rule.hf[0]: torch.zeros(out_rows, rank)}
 
 
-def add_lora(
-    model: torch.nn.Module, rules: dict[str, Rule], spec: LoraSpec, *, tp_rank: int, tp_size: int, seed: int,
+def initial_expert_tensors(
+    slot: Slot, out_rows: int, in_cols: int, rank: int, seed: int
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """An expert parameter's whole A [experts, r, in] and B [experts, out, r] as peft initialises its
+    [r * experts, in] A (Kaiming-uniform) and B (zero), drawn from (seed, HF name) for every EP layout alike."""
+    experts = slot.a_rule.experts
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(slot.hf_module.encode()))
+    a = (torch.rand(experts * rank, in_cols, generator=gen) * 2 - 1) * in_cols**-0.5
+    return {
+        slot.a_rule.hf[0]: a.reshape(experts, rank, in_cols),
+        slot.b_rule.hf[0]: torch.zeros(experts, out_rows, rank),
+    }
+
+
+def _local_experts(model: torch.nn.Module, rules: dict[str, Rule], experts: ExpertSlice) -> dict[str, str]:
+    """Expert layer name as the rules number it (globally) -> its name in this EP rank's model, for the
+    experts the rank holds (EP rank r of n holds experts r * E / n onwards, megatron-core's order)."""
+    out = {}
+    for name in expert_layers(rules):
+        head, tail = name.split(".local_experts.", 1)
+        expert, rest = tail.split(".", 1)
+        count = len(model.get_submodule(head + ".local_experts"))  # type: ignore[arg-type]
+        e = int(expert) - experts.ep_rank * count
+        if 0 <= e < count:
+            out[name] = f"{head}.local_experts.{e}.{rest}"
+    return out
+
+
+def _expert_slice() -> ExpertSlice:
+    """This rank's experts from megatron-core's parallel state (all of them where it is not set up)."""
+    if not ps.model_parallel_is_initialized():
+        return ExpertSlice()
+    return ExpertSlice(
+        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
+    )  # fmt: skip
+
+
+def add_expert_lora(
+    model: torch.nn.Module, rules: dict[str, Rule], spec: LoraSpec, *, experts: ExpertSlice, seed: int,
     adapter: Any = None,
 ) -> int:  # fmt: skip
-    """Puts LoRA adapters on the targeted linear layers of an unwrapped stage model (``rules``: its HF rules;
-    ``adapter``: a reader of a PEFT folder's whole tensors by HF name, else peft's initialisation); returns the
-    layers adapted."""
+    """Puts LoRA adapters on the targeted expert layers this rank holds (see :func:`add_lora`); returns them."""
+    slots = {
+        name: slot for name, slot in expert_slots(rules).items() if spec.matches_parameter(slot.hf_module)
+    }
+    local = _local_experts(model, rules, experts)
+    etp_rank, etp_size = int(experts.etp_rank or 0), experts.etp_size or 1
+    count = 0
+    for name, slot in slots.items():
+        if name not in local:
+            continue
+        base: Any = model.get_submodule(local[name])
+        weight: torch.Tensor = base.weight
+        column = name.endswith("linear_fc1")
+        out_rows, in_cols = (
+            weight.shape[0] * (etp_size if column else 1),
+            weight.shape[1] * (1 if column else etp_size),
+        )
+        reader = adapter or FullTensors(initial_expert_tensors(slot, out_rows, in_cols, spec.rank, seed))
+        a, b = (read_shard(reader, r, etp_rank, etp_size) for r in (slot.a_rule, slot.b_rule))
+        tensors = {slot.key: (a.to(weight.dtype).contiguous(), b.to(weight.dtype).contiguous())}
+        # the expert-TP group also of size 1: the checkpoint cuts the adapters over it, not over TP
+        group = ps.get_expert_tensor_parallel_group() if ps.model_parallel_is_initialized() else None
+        lora = LoraLayer(rules[name + ".weight"], tensors, spec=spec, layout="column" if column else "row",
+                         tp_size=etp_size, sequence_parallel=False, group=group, expert=True)  # fmt: skip
+        _attach(base, lora.to(weight.device))
+        count += 1
+    return count
+
+
+def _attach(base: Any, lora: LoraLayer) -> None:
+    """Hangs ``lora`` on its layer: the update added by a forward hook, the adapters in its checkpoint."""
+    base.add_module(LORA, lora)
+    base.register_forward_hook(_add_update, with_kwargs=True)
+    base.sharded_state_dict = partial(_sharded_with_lora, base, base.sharded_state_dict)
+
+
+def add_lora(
+    model: torch.nn.Module, rules: dict[str, Rule], spec: LoraSpec, *, tp_rank: int, tp_size: int, seed: int,
+    adapter: Any = None, experts: ExpertSlice | None = None,
+) -> int:  # fmt: skip
+    """Puts LoRA adapters on the targeted linear layers of an unwrapped stage model and, with parameter targets,
+    on its experts (``rules``: its HF rules; ``adapter``: a reader of a PEFT folder's whole tensors by HF name,
+    else peft's initialisation; ``experts``: the rank's experts, else megatron-core's parallel state's);
+    returns the layers adapted."""
     layers = lora_modules(rules)
     modules = dict(model.named_modules())
     count = 0
+    if spec.parameters:
+        count += add_expert_lora(
+            model, rules, spec, experts=experts or _expert_slice(), seed=seed, adapter=adapter
+        )
     for name, rule in layers.items():
         base = modules.get(name)
         slots = [s for s in layer_slots(rule) if spec.matches(s.hf_module)]
@@ -220,9 +360,7 @@ def add_lora(
         lora = LoraLayer(
             rule, tensors, spec=spec, layout=layout, tp_size=tp_size, sequence_parallel=sp, group=group
         )
-        base.add_module(LORA, lora.to(weight.device))
-        base.register_forward_hook(_add_update, with_kwargs=True)
-        base.sharded_state_dict = partial(_sharded_with_lora, base, base.sharded_state_dict)
+        _attach(base, lora.to(weight.device))
         count += 1
     return count
 
