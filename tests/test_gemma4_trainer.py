@@ -1,5 +1,6 @@
-"""Gemma 4 family, first stage: the architecture read from a tiny random ``Gemma4Config``, the attention of a
-packed bin and the rotary angles, against transformers' Gemma 4 (the megatron-core model is not built yet).
+"""Gemma 4 family, its parts: the architecture read from a tiny random ``Gemma4Config``, the attention of a
+packed bin and the rotary angles, against transformers' Gemma 4 (the whole model's parity through the trainer is
+tests/test_gemma4_family.py).
 
 The tiny config (tests/support/gemma4.py) has per-layer embeddings, KV sharing, ``attention_k_eq_v``, double-wide
 MLPs, a sliding window of 16 and bidirectional image attention.

@@ -237,7 +237,8 @@ def _mcore_to_hf_rank(
             return  # the PEFT folder is written
         if tensors is None:
             fam, arch, model, hf_config = load_tp1_model(ckpt, verify=verify)
-            params = {name: p.detach() for name, p in model.named_parameters()}
+            # parameters, and buffers a family's rules also write (Gemma 4's layer scalars)
+            params = {name: t.detach() for name, t in [*model.named_buffers(), *model.named_parameters()]}
             tensors = fam.hf.hf_state_dict(arch, {(0, 0): params}, 1, 1)
         root = Path(out)
         written = root / "model.safetensors.tmp"

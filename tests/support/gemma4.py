@@ -157,16 +157,18 @@ TINY_LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", 
 TINY_WINDOW = 16
 
 
-def tiny_config(*, window: int = TINY_WINDOW, bidirectional: bool = True) -> Any:
-    """transformers' `Gemma4Config` of the tiny model, its token ids those of the stand-in tokenizer."""
+def tiny_config(*, window: int = TINY_WINDOW, bidirectional: bool = True, layers: int = 4) -> Any:
+    """transformers' `Gemma4Config` of the tiny model, its token ids those of the stand-in tokenizer; `layers`
+    (even): sliding and full layers alternating, the last two sharing KV."""
     from transformers import Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
 
     ids = special_token_ids()
+    layer_types = TINY_LAYER_TYPES[:2] * (layers // 2)
     text = Gemma4TextConfig(
         vocab_size=151_696, vocab_size_per_layer_input=151_696, hidden_size_per_layer_input=8,
-        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
-        num_kv_shared_layers=2, use_double_wide_mlp=True, layer_types=list(TINY_LAYER_TYPES),
+        num_kv_shared_layers=2, use_double_wide_mlp=True, layer_types=layer_types,
         sliding_window=window, use_bidirectional_attention="vision" if bidirectional else None,
         final_logit_softcapping=30.0, pad_token_id=ids["<pad>"], bos_token_id=ids["<bos>"],
         eos_token_id=ids["<eos>"],
@@ -248,3 +250,124 @@ def reference_loss(model: Any, inputs: dict[str, Any]) -> float:
 
     with torch.no_grad():
         return float(model(**inputs, labels=inputs["input_ids"]).loss)
+
+
+# -- the vision tower (tests/test_gemma4_vision.py) ------------------------------------------------------------
+
+VISION_KV_HEADS = 2  # grouped-query attention in the tower (the tiny config's has as many KV heads as heads)
+
+
+def vision_model_folder(folder: Path, seed: int = 0) -> tuple[Path, Any]:
+    """A tiny Gemma 4 folder (processor files and `save_pretrained` weights) whose vision tower has grouped KV
+    heads and every vision and projector tensor random (transformers initialises norms and the position table
+    to constants, under which swapped positions or norms would go unnoticed); returns (folder, model)."""
+    import torch
+
+    config = tiny_config()
+    config.vision_config.num_key_value_heads = VISION_KV_HEADS
+    model = tiny_model(config, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "vision" in name:
+                noise = torch.randn(param.shape, generator=gen)
+                param.copy_(1.0 + 0.2 * noise if "norm" in name else 0.2 * noise)
+    model_folder(folder)
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def loader_image_inputs(folder: Path, paths: Sequence[Path]) -> tuple[Any, Any]:
+    """(pixel_values [P, 3*p*p], image_grid_thw [n, 3]) of the images as the loader lays them out: the folder's
+    Gemma 4 image rule (`resolve_image_rule`) and `image_to_patches`."""
+    import torch
+    from PIL import Image
+
+    from mmpack.offline_packing.model_folder import resolve_image_rule
+    from mmpack.packing.image_tokens import image_to_patches
+
+    _, rule = resolve_image_rule(str(folder), None, {})
+    pixels, grids = [], []
+    for path in paths:
+        with Image.open(path) as img:
+            pixels.append(image_to_patches(img, rule))
+            grids.append(rule.grid_thw(img.size[1], img.size[0]))
+    return torch.from_numpy(np.concatenate(pixels)), torch.tensor(grids)
+
+
+def reference_image_features(model: Any, folder: Path, paths: Sequence[Path]) -> Any:
+    """transformers' soft tokens of the images ([tokens, text hidden], images in order): its PIL image processor
+    of the folder's settings (as `reference_processor` builds it), then `get_image_features` (vision tower +
+    `embed_vision`)."""
+    import torch
+    from PIL import Image
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    settings = json.loads((folder / "processor_config.json").read_text())["image_processor"]
+    settings.pop("image_processor_type")
+    processor = Gemma4ImageProcessorPil(**settings)
+    images = [Image.open(p) for p in paths]
+    out = processor(images, return_tensors="pt")
+    with torch.no_grad():
+        features = model.model.get_image_features(out["pixel_values"], out["image_position_ids"])
+    return torch.cat(list(features.pooler_output))
+
+
+def load_vision_tower(folder: Path, *, tp_rank: int, tp_size: int) -> Any:
+    """The family's vision tower (its megatron-core parallel state set up by the caller) with this rank's slices
+    of the folder's weights, read through `vision_rules` by `hf_weights.read_shard`."""
+    import torch
+
+    from mmpack.trainer.models.gemma4.config import arch_from_hf_config
+    from mmpack.trainer.models.gemma4.vision import Gemma4VisionTower, vision_rules, vision_tower_config
+    from mmpack.trainer.models.hf_weights import open_hf_weights, read_shard
+
+    arch = arch_from_hf_config(json.loads((folder / "config.json").read_text()))
+    common = {
+        "tensor_model_parallel_size": tp_size,
+        "params_dtype": torch.float32,
+        "use_cpu_initialization": True,
+    }
+    tower = Gemma4VisionTower(vision_tower_config(arch, common), arch)
+    rules = vision_rules(arch)
+    params = {f"vision.{n}": p for n, p in tower.named_parameters()}
+    assert set(params) == set(rules), sorted(set(params) ^ set(rules))
+    with open_hf_weights(folder) as reader, torch.no_grad():
+        for name, param in params.items():
+            param.copy_(read_shard(reader, rules[name], tp_rank, tp_size))
+    return tower.eval()
+
+
+def _vision_rank_main(folder: Path, inputs: Path, out: Path) -> None:
+    """One rank of the TP tower test: the tower at TP = WORLD_SIZE on the saved inputs; rank r writes
+    `out/rank{r}.pt` (its soft tokens and the gradient of one layer's query-norm weight), and the ranks save the
+    tower's megatron-core checkpoint shards to `out/checkpoint` (`dist_checkpointing`)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, tensor_parallel
+    from megatron.core import parallel_state as ps
+
+    from mmpack.trainer import cpu_backend
+
+    cpu_backend.activate()
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    ps.initialize_model_parallel(size, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    tower = load_vision_tower(folder, tp_rank=rank, tp_size=size)
+    saved = torch.load(inputs)
+    soft = tower(saved["pixel_values"], saved["image_grid_thw"])
+    soft.pow(2).sum().backward()
+    grad = tower.layers[0].self_attention.q_norm.weight.grad
+    torch.save({"soft": soft.detach(), "q_norm_grad": grad}, out / f"rank{rank}.pt")
+    (out / "checkpoint").mkdir(exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(tower.sharded_state_dict(prefix="vision."), str(out / "checkpoint"))
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # a rank of `ranks.launch(N, ["-m", "tests.support.gemma4", FOLDER, INPUTS, OUT])`
+    import sys
+
+    _vision_rank_main(*(Path(a) for a in sys.argv[1:4]))

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from mmpack.trainer.models.protocol import ModelArch, ModelFamily
 
 FAMILIES: dict[str, str] = {
+    "gemma4": "mmpack.trainer.models.gemma4",
     "llavaonevision1_5": "mmpack.trainer.models.llava_onevision1_5",
     "llavaonevision1_5_moe": "mmpack.trainer.models.llava_onevision1_5:MOE_FAMILY",
     "llava_onevision2": "mmpack.trainer.models.llava_onevision2",

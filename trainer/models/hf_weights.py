@@ -31,7 +31,8 @@ class Rule:
 
     kind: ``copy`` (one tensor, cut along ``split`` or replicated when None), ``qkv`` (separate q/k/v),
     ``fused_qkv`` (one [q; k; v] tensor, the vision towers'), ``glu`` (gate and up projections),
-    ``fused_glu`` (one [gate; up] tensor).
+    ``fused_glu`` (one [gate; up] tensor), ``kv_heads`` (the rows of ``groups`` key or value heads of
+    ``head_dim``: cut by whole heads where TP divides ``groups``, else whole on every rank).
 
     An expert's parameter (``expert`` >= 0) is matrix ``expert`` of a 3-D HF tensor [experts, a, b]
     (transformers' ``gate_up_proj`` / ``down_proj``) of ``experts`` matrices whose rows number ``rows`` in
@@ -288,6 +289,8 @@ def hf_shapes(rule: Rule, param_shape: tuple[int, ...], tp_size: int) -> dict[st
         return {rule.hf[0]: tuple(full)}
     if rule.kind == "glu":
         return {name: (param_shape[0] // 2 * tp_size, *rest) for name in rule.hf}
+    if rule.kind == "kv_heads":
+        return {rule.hf[0]: (rule.groups * rule.head_dim, *rest)}
     q_rows, kv_rows = rule.heads * rule.head_dim, rule.groups * rule.head_dim
     if rule.kind == "qkv":
         return dict(zip(rule.hf, ((q_rows, *rest), (kv_rows, *rest), (kv_rows, *rest)), strict=True))
@@ -362,6 +365,11 @@ def read_shard(reader: Any, rule: Rule, tp_rank: int, tp_size: int) -> torch.Ten
     if rule.kind == "glu":
         n = reader.shape(rule.hf[0])[0]
         return torch.cat([reader.read(name, rows=_part(n, tp_rank, tp_size)) for name in rule.hf])
+    if rule.kind == "kv_heads":
+        if rule.groups % tp_size:
+            return reader.read(rule.hf[0])
+        heads = _part(rule.groups, tp_rank, tp_size)
+        return reader.read(rule.hf[0], rows=slice(heads.start * rule.head_dim, heads.stop * rule.head_dim))
     groups = _part(rule.groups, tp_rank, tp_size)
     per_group = rule.heads // rule.groups * rule.head_dim
     q_rows = slice(groups.start * per_group, groups.stop * per_group)
@@ -383,6 +391,8 @@ def merge_tp_shards(rule: Rule, shards: list[torch.Tensor]) -> dict[str, torch.T
     """The HF tensors of one megatron-core parameter from its TP shards (inverse of :func:`read_shard`)."""
     if rule.kind == "copy":
         return {rule.hf[0]: shards[0] if rule.split is None else torch.cat(shards, dim=rule.split)}
+    if rule.kind == "kv_heads":
+        return {rule.hf[0]: torch.cat(shards) if rule.groups % len(shards) == 0 else shards[0]}
     if rule.kind in ("glu", "fused_glu"):
         halves = [s.chunk(2, dim=0) for s in shards]
         parts = [torch.cat([h[i] for h in halves]) for i in range(2)]

@@ -1,5 +1,8 @@
-"""The Gemma 4 family (``model_type`` ``gemma4``), first stage: its architecture read from ``config.json``
-(:mod:`.config`) and the attention masks of a packed bin (:mod:`.masks`). The megatron-core language model, the
-vision tower and the HF weight rules are not built yet, so the family is not in the registry
-(:data:`mmpack.trainer.models.FAMILIES`); docs/families.md says what is done and what is not.
-"""
+"""The Gemma 4 family (``model_type`` ``gemma4``): its architecture read from ``config.json`` (:mod:`.config`),
+the attention masks of a packed bin (:mod:`.masks`), per-layer-type RoPE (:mod:`.rope`), the language model's
+layers on megatron-core (:mod:`.language`), one pipeline stage (:mod:`.stage`), the vision tower (:mod:`.vision`),
+the HF weight rules (:mod:`.hf_io`) and the family (:mod:`.family`)."""
+
+from mmpack.trainer.models.gemma4.family import FAMILY
+
+__all__ = ["FAMILY"]

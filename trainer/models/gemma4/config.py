@@ -84,6 +84,7 @@ class Gemma4TextArch:
     bidirectional_vision: bool
     tie_word_embeddings: bool
     rope: dict[str, RopeArch]  # by layer type
+    pad_token_id: int = 0  # the id media soft tokens are embedded as before their features replace them
 
     def layer_rope(self, layer: int) -> RopeArch:
         return self.rope[self.layer_types[layer]]
@@ -141,9 +142,21 @@ class Gemma4VisionArch:
     rms_norm_eps: float
     standardize: bool
 
+    # the trainer's view of a tower (`mmpack.trainer.models.protocol.TowerArch`): pooling is the merge
+    @property
+    def spatial_merge_size(self) -> int:
+        return self.pooling_kernel_size
+
+    @property
+    def temporal_patch_size(self) -> int:
+        return 1
+
 
 @dataclass(frozen=True, kw_only=True)
 class Gemma4Arch:
+    """The whole model; the properties are the trainer's view of it (`mmpack.trainer.models.protocol.ModelArch`),
+    read from the text model."""
+
     text: Gemma4TextArch
     vision: Gemma4VisionArch
     image_token_id: int
@@ -151,6 +164,39 @@ class Gemma4Arch:
     eoi_token_id: int
     video_token_id: int
     source: dict[str, Any]
+    moe: None = None  # the MoE variant is not read yet (refused in `text_arch`)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.text.intermediate_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.text.num_layers
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.text.num_attention_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.text.num_key_value_heads
+
+    @property
+    def rms_norm_eps(self) -> float:
+        return self.text.rms_norm_eps
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.text.tie_word_embeddings
 
 
 def _per_layer_attention(
@@ -218,6 +264,7 @@ def text_arch(tc: dict[str, Any]) -> Gemma4TextArch:
         bidirectional_vision=bidir == "vision",
         tie_word_embeddings=bool(tc.get("tie_word_embeddings", True)),
         rope=_rope(tc, layer_types),
+        pad_token_id=int(tc.get("pad_token_id") or 0),
     )
     for layer in range(arch.first_kv_shared_layer, layers):
         arch.kv_source(layer)
