@@ -37,7 +37,7 @@ from tests.support.hf_parity import (
     torchrun,
     train_args,
 )
-from tests.support.shared import MLLM_DEMO_JSON, need_shared
+from tests.support.shared import MLLM_DEMO_JSON, VIDEO_DEMO, need_shared
 
 pytestmark = [pytest.mark.family, pytest.mark.shared, pytest.mark.slow]
 
@@ -200,6 +200,33 @@ def test_tp2_pp2_loss_gradients_and_controls(setup: dict, tmp_path: Path) -> Non
         # transformers' own gradients move by up to 1.6e-5 of the largest entry (7e-6 in norm) with SDPA in place
         # of eager attention and the samples in reverse order: fp32's floor on this model, so 5e-5 here
         assert scale > 0 and diff <= 5e-5 * scale, (hf_name, diff, scale)
+
+
+@pytest.mark.ranks
+def test_video_record_packs_with_the_rules_tokens_and_trains_a_step(setup: dict, tmp_path: Path) -> None:
+    """A real video packed by the model folder's Gemma 4 video rule holds the rule's soft tokens (transformers'
+    frame sampling and size rule, tests/support/gemma4.py), and the trainer takes one step on it at TP1 (each frame
+    through the tower)."""
+    import math
+
+    from mmpack.cli import main as mmpack
+
+    need_shared(VIDEO_DEMO, what="mllm_video_demo")
+    record = json.loads((VIDEO_DEMO / "mllm_video_demo.json").read_text())[0]
+    (tmp_path / "video.jsonl").write_text(json.dumps(record) + "\n")
+    packed = tmp_path / "packed"
+    args = ["pack", "-i", str(tmp_path / "video.jsonl"), "--image-root", str(VIDEO_DEMO), "-o", str(packed)]
+    assert mmpack([*args, "-L", "4096", "--model", str(setup["hf"]), "--no-progress"]) == 0
+    counts = json.loads((packed / "manifest.json").read_text())["counts"]
+    processor = gemma4.reference_processor(setup["hf"])
+    _, frames, per_frame = gemma4.reference_video_text(processor, VIDEO_DEMO / record["videos"][0])
+    print(f"video: {len(frames)} frames x {per_frame} soft tokens; packed {counts['video_tokens']}")
+    assert counts["videos"] == 1 and counts["video_tokens"] == len(frames) * per_frame
+    metrics = tmp_path / "metrics.jsonl"
+    train = [*train_args(setup["hf"], packed, 1, 1), "--metrics-file", str(metrics)]
+    torchrun(1, ["-m", "mmpack.trainer.pretrain_vlm", *train], tmp_path)
+    step = json.loads(metrics.read_text().splitlines()[0])
+    assert step["target_tokens"] > 0 and math.isfinite(step["loss"])
 
 
 @pytest.mark.ranks

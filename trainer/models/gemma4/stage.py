@@ -109,6 +109,10 @@ class Gemma4Stage(MegatronModule):
             return None
         if pixels is None or grids is None or self.vision is None:
             raise ValueError(f"the batch has {count} {what} soft tokens but no pixels or grids for them")
+        if what == "video":  # each frame is an image to the tower ([t, h, w] grids: frame-major patch rows)
+            grids = torch.repeat_interleave(
+                torch.cat([torch.ones_like(grids[:, :1]), grids[:, 1:]], dim=1), grids[:, 0], dim=0
+            )
         features = self.vision(pixels, grids)
         if features.shape[0] != count:
             raise ValueError(f"{features.shape[0]} {what} features for {count} {what} soft tokens")
