@@ -48,7 +48,16 @@ GRAD_PARAMS = {
     "language_model.decoder.layers.0.self_attention.linear_q.weight": (
         "model.language_model.layers.0.self_attn.q_proj.weight"
     ),
+    # full-attention layer 1 has one KV head: its K projection and norm are whole on both TP ranks
+    "language_model.decoder.layers.1.self_attention.linear_k.weight": (
+        "model.language_model.layers.1.self_attn.k_proj.weight"
+    ),
+    "language_model.decoder.layers.1.self_attention.k_layernorm.weight": (
+        "model.language_model.layers.1.self_attn.k_norm.weight"
+    ),
     "vision.patch_embedder.input_proj.weight": "model.vision_tower.patch_embedder.input_proj.weight",
+    # shared by the heads TP cuts: the ranks' gradients summed
+    "vision.layers.0.self_attention.q_norm.weight": "model.vision_tower.encoder.layers.0.self_attn.q_norm.weight",
 }
 
 
@@ -245,7 +254,13 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_tp1(setup: dict, tmp_path: Path)
         "--global-batch-size", "1", "--train-iters", "3", "--lr", "3e-3", "--seed", "5", "--num-workers", "0",
     ]  # fmt: skip
     ckpt = tmp_path / "ckpt"
-    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
+    layout = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+    ]
     first = ["--decoder-first-pipeline-num-layers", str(FIRST_STAGE_LAYERS)]
     saving = ["--save", str(ckpt), "--save-interval", "1"]
     full = ok(train(4, [*common, *layout, *first, *saving], tmp_path / "full", tiny=False))
