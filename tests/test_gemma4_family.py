@@ -25,6 +25,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,7 +34,6 @@ from tests.support.hf_parity import (
     check_convert_round_trip,
     loss_and_grads,
     records_file,
-    step_loss,
     torchrun,
     train_args,
 )
@@ -60,6 +60,23 @@ GRAD_PARAMS = {
     "vision.layers.0.self_attention.q_norm.weight": "model.vision_tower.encoder.layers.0.self_attn.q_norm.weight",
 }
 
+EXPERTS_OF_LAYER_0 = "language_model.decoder.layers.0.mlp.experts.local_experts."
+
+
+def _global_loss(losses: list) -> float:
+    """A step's loss over every data-parallel rank (``step_loss`` is this rank's micro-batches'); NaN off the last
+    pipeline stage."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    total = torch.tensor(
+        [sum(float(x["lm loss"][0]) for x in losses), sum(float(x["lm loss"][1]) for x in losses)],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    return float(total[0] / total[1]) if total[1] else float("nan")
+
 
 def _worker(out_dir: str, argv: list[str]) -> None:
     """One step's loss and gradients (before the optimizer), then the loss under the controls."""
@@ -75,26 +92,34 @@ def _worker(out_dir: str, argv: list[str]) -> None:
     trainer = Trainer(parse_args(argv))
     batches, _ = trainer.train_data.next_step()
     trainer.model.zero_grad_buffer()
-    loss = step_loss(trainer._run_schedule(batches, forward_only=False))
+    loss = _global_loss(trainer._run_schedule(batches, forward_only=False))
     tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     stage = trainer.model.module
     grads = {n: p.main_grad.detach().clone() for n, p in stage.named_parameters() if n in GRAD_PARAMS}
     torch.save(grads, Path(out_dir) / f"grads_tp{tp}_pp{pp}.pt")
+    experts = {
+        n: p.main_grad.detach().clone()
+        for n, p in stage.named_parameters()
+        if n.startswith(EXPERTS_OF_LAYER_0)
+    }
+    if experts:  # the MoE variant: this rank's experts of layer 0, cut over expert TP
+        etp, ep = ps.get_expert_tensor_parallel_rank(), ps.get_expert_model_parallel_rank()
+        torch.save(experts, Path(out_dir) / f"experts_etp{etp}_ep{ep}.pt")
     attention = [layer.self_attention for layer in stage.language_model.decoder.layers]
     controls = {}
     with torch.no_grad():
         for a in attention:
             a.window = None if a.window is None else a.window + 8
-        controls["window_24"] = step_loss(trainer._run_schedule(batches, forward_only=True))
+        controls["window_24"] = _global_loss(trainer._run_schedule(batches, forward_only=True))
         for a in attention:
             a.window = None if a.window is None else a.window - 8
             a.bidirectional, a.was_bidirectional = False, a.bidirectional
-        controls["causal_images"] = step_loss(trainer._run_schedule(batches, forward_only=True))
+        controls["causal_images"] = _global_loss(trainer._run_schedule(batches, forward_only=True))
         for a in attention:
             a.bidirectional = a.was_bidirectional
         if stage.vision is not None:
             stage.vision.register_forward_hook(lambda m, args, out: torch.zeros_like(out))
-        controls["zeroed_images"] = step_loss(trainer._run_schedule(batches, forward_only=True))
+        controls["zeroed_images"] = _global_loss(trainer._run_schedule(batches, forward_only=True))
     if trainer.is_logger:
         (Path(out_dir) / "losses.json").write_text(json.dumps({"loss": loss, **controls}))
     dist.barrier()
@@ -105,20 +130,24 @@ def _worker(out_dir: str, argv: list[str]) -> None:
 # -- the test side ----------------------------------------------------------------------------------------
 
 
-def _reference(hf_dir: Path, packed: Path, root: Path) -> dict:
+def _reference(hf_dir: Path, packed: Path, root: Path, edit: Any = None, bins: int = 1) -> dict:
     """transformers' loss and gradients over the packed samples one by one, each from its record by transformers'
-    processor (the record is found by its ids)."""
+    processor (the record is found by its ids); ``edit``: a change to transformers' model first (a control)."""
+    from transformers import Gemma4Config
+
     from tests.support.hf_parity import loader_samples
 
     processor = gemma4.reference_processor(hf_dir)
-    model = gemma4.tiny_model(gemma4.tiny_config(layers=LAYERS))
+    model = gemma4.tiny_model(Gemma4Config.from_pretrained(hf_dir))
     model.load_state_dict(_hf_weights(hf_dir), strict=False)
+    if edit is not None:
+        edit(model)
     records = [json.loads(line) for line in (root / "records.jsonl").read_text().splitlines()]
     by_ids = {}
     for record in records:
         inputs = gemma4.reference_inputs(processor, record, root)
         by_ids[tuple(inputs["input_ids"][0].tolist())] = inputs
-    samples = loader_samples(packed, layout=[(True, False)] * len(records))
+    samples = loader_samples(packed, layout=[(True, False)] * len(records), bins=bins)
     ref_inputs = []
     for s in samples:
         inputs = dict(by_ids[tuple(s["tokens"].tolist())])  # KeyError: the packed ids are not the processor's
@@ -137,29 +166,47 @@ def _hf_weights(hf_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The tiny model folder, the packed records and transformers' loss and gradients on them."""
+    return _packed_model(tmp_path_factory.mktemp("gemma4"), gemma4.tiny_config(layers=LAYERS))
+
+
+def _packed_model(root: Path, config: Any, seq_len: int = 2048) -> dict:
     import torch
 
     from mmpack.cli import main as mmpack
 
     need_shared(gemma4.GEMMA4_TOKENIZER_DIR, MLLM_DEMO_JSON, what="gemma4_tokenizer and mllm_demo")
-    root = tmp_path_factory.mktemp("gemma4")
     hf = gemma4.model_folder(root / "hf")
-    model = gemma4.tiny_model(gemma4.tiny_config(layers=LAYERS))
-    with torch.no_grad():  # layer scalars and norms away from their defaults, so that their rules count
+    model = gemma4.tiny_model(config)
+    with (
+        torch.no_grad()
+    ):  # layer scalars, norms and router scales away from their defaults, so that rules count
         for i, layer in enumerate(model.model.language_model.layers):
             layer.layer_scalar.fill_(0.75 + 0.125 * i)
         gen = torch.Generator().manual_seed(5)
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or "scale" in name:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.1)
     model.save_pretrained(hf)
     records = records_file(root, with_video=False)
     packed = root / "packed"
-    args = ["pack", "-i", str(records), "-o", str(packed), "-L", "2048", "--model", str(hf), "--no-progress"]
+    args = [
+        "pack",
+        "-i",
+        str(records),
+        "-o",
+        str(packed),
+        "-L",
+        str(seq_len),
+        "--model",
+        str(hf),
+        "--no-progress",
+    ]
     assert mmpack(args) == 0
-    manifest = json.loads((packed / "manifest.json").read_text())
-    assert manifest["counts"]["bins"] == 1 and manifest["counts"]["samples_packed"] == 6
-    return {"root": root, "hf": hf, "packed": packed, "ref": _reference(hf, packed, root)}
+    counts = json.loads((packed / "manifest.json").read_text())["counts"]
+    assert counts["samples_packed"] == 6 and (seq_len < 2048 or counts["bins"] == 1)
+    bins = counts["bins"]
+    ref = _reference(hf, packed, root, bins=bins)
+    return {"root": root, "hf": hf, "packed": packed, "bins": bins, "ref": ref}
 
 
 @pytest.mark.ranks
@@ -288,3 +335,78 @@ def test_convert_round_trip_is_bit_exact(setup: dict, tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2:])
+
+
+# -- the MoE variant --------------------------------------------------------------------------------------
+
+EXPERTS = 4
+
+
+@pytest.fixture(scope="module")
+def moe_setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A tiny MoE Gemma 4 (4 layers, 4 experts beside each dense MLP, 2 per token, PLE and KV sharing as above)."""
+    # two bins: EP2 x TP2 on 4 ranks is DP 2 for the dense parameters
+    return _packed_model(
+        tmp_path_factory.mktemp("gemma4-moe"), gemma4.tiny_config(experts=EXPERTS), seq_len=512
+    )
+
+
+@pytest.mark.ranks
+def test_moe_at_ep2_tp2_equals_transformers_with_expert_gradients(moe_setup: dict, tmp_path: Path) -> None:
+    """EP2 x TP2 (sequence parallel, expert TP 2): transformers' loss, and the gradient of every expert of layer 0
+    (its two EP ranks' experts, cut over expert TP) within 5e-5 of the largest entry; control: transformers' model
+    with two experts' weights swapped gives another loss."""
+    import torch
+
+    from mmpack.trainer.models import family_of, read_hf_config
+    from mmpack.trainer.models.hf_weights import merge_tp_shards
+
+    assert moe_setup["bins"] == 2
+    args = [
+        *train_args(moe_setup["hf"], moe_setup["packed"], 2, 1), "--sequence-parallel",
+        "--expert-model-parallel-size", "2", "--global-batch-size", "2",
+    ]  # fmt: skip
+    torchrun(4, [str(Path(__file__).resolve()), str(tmp_path), *args], tmp_path)
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    ref = moe_setup["ref"]
+
+    def swap(model: Any) -> None:
+        experts = model.model.language_model.layers[0].experts
+        with torch.no_grad():
+            for p in (experts.gate_up_proj, experts.down_proj):
+                p[[0, 1]] = p[[1, 0]].clone()
+
+    swapped = _reference(moe_setup["hf"], moe_setup["packed"], moe_setup["root"], edit=swap, bins=2)["loss"]
+    print(f"MoE EP2xTP2: loss {losses['loss']!r}, transformers {ref['loss']!r}, swapped experts {swapped!r}")
+    assert losses["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert abs(swapped - ref["loss"]) / ref["loss"] > 1e-5
+    config = read_hf_config(moe_setup["hf"])
+    fam = family_of(config)
+    assert fam.model_type == "gemma4_moe"
+    rules = fam.hf.part_rules(fam.arch_from_hf_config(config), first=True, last=True, layers=(0, 4))
+    expected_all = ref["grads"]["model.language_model.layers.0.experts.gate_up_proj"]
+    per_rank = EXPERTS // 2
+    for ep in range(2):
+        shards = [torch.load(tmp_path / f"experts_etp{t}_ep{ep}.pt") for t in range(2)]
+        for local in range(per_rank):
+            expert = ep * per_rank + local
+            ours = f"{EXPERTS_OF_LAYER_0}{local}.linear_fc1.weight"
+            rule = rules[f"{EXPERTS_OF_LAYER_0}{expert}.linear_fc1.weight"]
+            [(_, grad)] = merge_tp_shards(rule, [s[ours] for s in shards]).items()
+            expected = expected_all[expert]
+            scale, diff = float(expected.abs().max()), float((grad - expected).abs().max())
+            print(f"expert {expert} gate_up gradient: max |diff| {diff:.3e}, max |grad| {scale:.3e}")
+            assert scale > 0 and diff <= 5e-5 * scale, (expert, diff, scale)
+
+
+@pytest.mark.ranks
+def test_moe_convert_round_trip_is_bit_exact(moe_setup: dict, tmp_path: Path) -> None:
+    """``mmpack convert`` of the MoE variant, HF -> megatron-core (TP2 x PP2: experts cut over TP) -> HF, gives back
+    every tensor bit for bit (router scales, stacked experts), and the export gives transformers' loss again."""
+
+    def reference(export: Path, packed: Path) -> dict:
+        for name in gemma4.FOLDER_FILES:
+            shutil.copy(moe_setup["hf"] / name, export / name)
+        return _reference(export, packed, moe_setup["root"], bins=moe_setup["bins"])
+
+    check_convert_round_trip(moe_setup, tmp_path, 2, 2, reference)

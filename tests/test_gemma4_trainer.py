@@ -76,8 +76,15 @@ def test_unsupported_config_is_refused(config: Any) -> None:
     from mmpack.trainer.models.gemma4.config import arch_from_hf_config
 
     cfg = config.to_dict()
-    cfg["text_config"]["enable_moe_block"] = True
-    with pytest.raises(ValueError, match="MoE variant is not supported"):
+    cfg["text_config"] |= {
+        "enable_moe_block": True,
+        "num_experts": None,
+    }  # the MoE variant without its experts
+    with pytest.raises(ValueError, match=r"text_config\.num_experts"):
+        arch_from_hf_config(cfg)
+    cfg = config.to_dict()
+    cfg["text_config"]["use_bidirectional_attention"] = "all"
+    with pytest.raises(ValueError, match="use_bidirectional_attention 'all' is not supported"):
         arch_from_hf_config(cfg)
     cfg = config.to_dict()
     del cfg["text_config"]["sliding_window"]

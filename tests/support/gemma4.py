@@ -157,9 +157,12 @@ TINY_LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", 
 TINY_WINDOW = 16
 
 
-def tiny_config(*, window: int = TINY_WINDOW, bidirectional: bool = True, layers: int = 4) -> Any:
+def tiny_config(
+    *, window: int = TINY_WINDOW, bidirectional: bool = True, layers: int = 4, experts: int = 0
+) -> Any:
     """transformers' `Gemma4Config` of the tiny model, its token ids those of the stand-in tokenizer; `layers`
-    (even): sliding and full layers alternating, the last two sharing KV."""
+    (even): sliding and full layers alternating, the last two sharing KV; `experts`: the MoE variant with that many
+    experts (2 per token) beside each layer's dense MLP."""
     from transformers import Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
 
     ids = special_token_ids()
@@ -172,6 +175,8 @@ def tiny_config(*, window: int = TINY_WINDOW, bidirectional: bool = True, layers
         sliding_window=window, use_bidirectional_attention="vision" if bidirectional else None,
         final_logit_softcapping=30.0, pad_token_id=ids["<pad>"], bos_token_id=ids["<bos>"],
         eos_token_id=ids["<eos>"],
+        **({"enable_moe_block": True, "num_experts": experts, "top_k_experts": 2, "moe_intermediate_size": 32}
+           if experts else {}),
     )  # fmt: skip
     vision = Gemma4VisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,

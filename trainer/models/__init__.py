@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 FAMILIES: dict[str, str] = {
     "gemma4": "mmpack.trainer.models.gemma4",
+    "gemma4_moe": "mmpack.trainer.models.gemma4:MOE_FAMILY",
     "llavaonevision1_5": "mmpack.trainer.models.llava_onevision1_5",
     "llavaonevision1_5_moe": "mmpack.trainer.models.llava_onevision1_5:MOE_FAMILY",
     "llava_onevision2": "mmpack.trainer.models.llava_onevision2",

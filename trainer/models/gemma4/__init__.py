@@ -3,6 +3,6 @@ the attention masks of a packed bin (:mod:`.masks`), per-layer-type RoPE (:mod:`
 layers on megatron-core (:mod:`.language`), one pipeline stage (:mod:`.stage`), the vision tower (:mod:`.vision`),
 the HF weight rules (:mod:`.hf_io`) and the family (:mod:`.family`)."""
 
-from mmpack.trainer.models.gemma4.family import FAMILY
+from mmpack.trainer.models.gemma4.family import FAMILY, MOE_FAMILY
 
-__all__ = ["FAMILY"]
+__all__ = ["FAMILY", "MOE_FAMILY"]

@@ -6,19 +6,24 @@ layers may have their own head size (``global_head_dim``) and KV-head count (``n
 layers compute no keys and values: each reuses those of the last earlier layer of its own type. Per-layer
 embeddings (PLE) feed every layer a ``hidden_size_per_layer_input`` slice; ``use_double_wide_mlp`` doubles the MLP
 width of the KV-sharing layers. Images attend bidirectionally inside each image on sliding layers only
-(``use_bidirectional_attention`` ``"vision"``); full-attention layers stay causal.
+(``use_bidirectional_attention`` ``"vision"``); full-attention layers stay causal. The MoE variant
+(``enable_moe_block``) has ``num_experts`` experts of ``moe_intermediate_size``, ``top_k_experts`` per token, beside
+every layer's dense MLP.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mmpack.trainer.models.qwen_moe import MoEArch
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def _need(cfg: dict[str, Any], key: str, where: str) -> Any:
-    if key not in cfg:
+    if cfg.get(key) is None:
         raise ValueError(
             f"Gemma 4 config.json has no {where}{key}: give the config.json save_pretrained writes"
         )
@@ -85,6 +90,8 @@ class Gemma4TextArch:
     tie_word_embeddings: bool
     rope: dict[str, RopeArch]  # by layer type
     pad_token_id: int = 0  # the id media soft tokens are embedded as before their features replace them
+    # the MoE variant: experts beside the dense MLP of every layer (`enable_moe_block`); None: dense
+    moe: MoEArch | None = None
 
     def layer_rope(self, layer: int) -> RopeArch:
         return self.rope[self.layer_types[layer]]
@@ -164,7 +171,10 @@ class Gemma4Arch:
     eoi_token_id: int
     video_token_id: int
     source: dict[str, Any]
-    moe: None = None  # the MoE variant is not read yet (refused in `text_arch`)
+
+    @property
+    def moe(self) -> MoEArch | None:
+        return self.text.moe
 
     @property
     def vocab_size(self) -> int:
@@ -229,10 +239,14 @@ def text_arch(tc: dict[str, Any]) -> Gemma4TextArch:
             f"Gemma 4 config.json text_config.layer_types must list {layers} of {', '.join(LAYER_TYPES)} "
             f"(got {len(layer_types)} entries{', unknown ' + ', '.join(bad) if bad else ''})"
         )
+    moe = None
     if tc.get("enable_moe_block"):
-        raise ValueError(
-            "Gemma 4 config.json enables the MoE block: the Gemma 4 MoE variant is not supported yet"
-        )
+        from mmpack.trainer.models.qwen_moe import MoEArch
+
+        moe = MoEArch(
+            num_experts=int(_need(tc, "num_experts", where)), top_k=int(_need(tc, "top_k_experts", where)),
+            ffn_hidden_size=int(_need(tc, "moe_intermediate_size", where)),
+        )  # fmt: skip
     bidir = tc.get("use_bidirectional_attention")
     if bidir not in (None, "vision"):
         raise ValueError(
@@ -265,6 +279,7 @@ def text_arch(tc: dict[str, Any]) -> Gemma4TextArch:
         tie_word_embeddings=bool(tc.get("tie_word_embeddings", True)),
         rope=_rope(tc, layer_types),
         pad_token_id=int(tc.get("pad_token_id") or 0),
+        moe=moe,
     )
     for layer in range(arch.first_kv_shared_layer, layers):
         arch.kv_source(layer)

@@ -4,10 +4,12 @@ language model is not Qwen's (see :mod:`mmpack.trainer.models.gemma4.language`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
 from mmpack.packing.cost import LanguageFlopShape, ModelFlopShape, VisionFlopShape
@@ -15,6 +17,7 @@ from mmpack.trainer.models.gemma4 import config as gconfig
 from mmpack.trainer.models.gemma4.hf_io import Gemma4Weights
 from mmpack.trainer.models.gemma4.stage import Gemma4Stage
 from mmpack.trainer.models.protocol import ModelFamily, TinyModelSpec
+from mmpack.trainer.models.qwen_moe import mark_expert_parameters, moe_config_fields
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,15 @@ def megatron_configs(
             "Gemma 4 does not run under context parallelism yet (its sliding-window and image masks are made "
             "per sample on one rank): give --context-parallel-size 1"
         )
-    if extra.get("expert_model_parallel_size", 1) > 1:
-        raise ValueError("Gemma 4 (dense) has no experts: give --expert-model-parallel-size 1")
+    moe_fields: dict[str, Any] = {}
+    if t.moe is not None:
+        dispatcher = extra.get("moe_token_dispatcher_type") or "allgather"
+        moe_fields = moe_config_fields(t.moe, dispatcher) | {
+            "activation_func": partial(F.gelu, approximate="tanh"),
+            "moe_router_load_balancing_type": "none",
+            "expert_model_parallel_size": extra.get("expert_model_parallel_size", 1),
+            "expert_tensor_parallel_size": extra.get("expert_tensor_parallel_size"),
+        }
     if extra.get("virtual_pipeline_model_parallel_size"):
         raise ValueError(
             "Gemma 4 does not run under the interleaved pipeline yet: drop --num-layers-per-virtual-stage"
@@ -88,6 +98,7 @@ def megatron_configs(
         t.rms_norm_eps,
         **common,
         **keep,
+        **moe_fields,
     )
     from mmpack.trainer.models.gemma4.vision import vision_tower_config
 
@@ -136,6 +147,7 @@ class Gemma4Family(ModelFamily[gconfig.Gemma4Arch]):
     video_rule = "gemma4"
     hf = Gemma4Weights()
     adapter_prefixes = ("vision.embedder.",)
+    experts = False  # the MoE variant (`Gemma4MoEFamily`) claims the configs with `enable_moe_block`
 
     arch_from_hf_config = staticmethod(gconfig.arch_from_hf_config)
     tiny_hf_config = staticmethod(tiny_hf_config)
@@ -150,7 +162,7 @@ class Gemma4Family(ModelFamily[gconfig.Gemma4Arch]):
             from mmpack.trainer.models.gemma4.vision import Gemma4VisionTower
 
             vision = Gemma4VisionTower(configs.vision, arch)
-        return Gemma4Stage(
+        stage = Gemma4Stage(
             arch,
             configs.language,
             vision,
@@ -158,6 +170,7 @@ class Gemma4Family(ModelFamily[gconfig.Gemma4Arch]):
             post_process=post_process,
             vp_stage=vp_stage,
         )
+        return mark_expert_parameters(stage) if arch.moe is not None else stage
 
     def position_rule(self, arch: gconfig.Gemma4Arch) -> SamplePositions:
         return SamplePositions()
@@ -179,10 +192,15 @@ class Gemma4Family(ModelFamily[gconfig.Gemma4Arch]):
             ),
         )  # fmt: skip
 
+    def claims(self, hf_config: dict[str, Any]) -> bool:
+        moe = bool((hf_config.get("text_config") or {}).get("enable_moe_block"))
+        return hf_config.get("model_type") in self.hf_model_types and moe == self.experts
+
     def size_flags_of(self, arch: gconfig.Gemma4Arch) -> dict[str, float]:
-        v = arch.vision
+        v, moe = arch.vision, arch.moe
         return {
-            "num_experts": 0, "moe_router_topk": 0, "moe_aux_loss_coeff": 0.0,
+            "num_experts": moe.num_experts if moe else 0, "moe_router_topk": moe.top_k if moe else 0,
+            "moe_aux_loss_coeff": 0.0,
             "num_layers": arch.num_layers, "hidden_size": arch.hidden_size,
             "num_attention_heads": arch.num_attention_heads, "num_query_groups": arch.num_key_value_heads,
             "ffn_hidden_size": arch.intermediate_size, "vision_num_layers": v.depth,
@@ -190,4 +208,22 @@ class Gemma4Family(ModelFamily[gconfig.Gemma4Arch]):
         }  # fmt: skip
 
 
+class Gemma4MoEFamily(Gemma4Family):
+    """Gemma 4's MoE variant (``enable_moe_block``, the 26B-A4B layout): experts beside every layer's dense MLP,
+    on megatron-core's MoE layer with Gemma 4's router (:class:`mmpack.trainer.models.gemma4.language.Gemma4MoE`)."""
+
+    model_type = "gemma4_moe"
+    experts = True
+
+    @staticmethod
+    def tiny_hf_config(spec: TinyModelSpec) -> dict[str, Any]:
+        config = tiny_hf_config(spec)
+        config["text_config"] |= {
+            "enable_moe_block": True, "num_experts": spec.num_experts or 4, "top_k_experts": spec.moe_router_topk or 2,
+            "moe_intermediate_size": (spec.ffn_hidden_size or 4 * spec.hidden_size) // 2,
+        }  # fmt: skip
+        return config
+
+
 FAMILY = Gemma4Family()
+MOE_FAMILY = Gemma4MoEFamily()

@@ -18,6 +18,7 @@ from mmpack.trainer.models import hf_weights
 from mmpack.trainer.models.gemma4.config import Gemma4Arch
 from mmpack.trainer.models.hf_weights import ExpertSlice, Rule, output_rules, strip_wrappers, unwrapped
 from mmpack.trainer.models.protocol import HFAdapter
+from mmpack.trainer.models.qwen_moe import moe_rules
 
 LM = "model.language_model."
 
@@ -46,11 +47,14 @@ def layer_rules(arch: Gemma4Arch, first: int, count: int) -> dict[str, Rule]:
             attn + "linear_q.weight": Rule("copy", (hf + "self_attn.q_proj.weight",), 0),
             attn + "q_layernorm.weight": Rule("copy", (hf + "self_attn.q_norm.weight",), None),
             attn + "linear_proj.weight": Rule("copy", (hf + "self_attn.o_proj.weight",), 1),
-            mc + "mlp.linear_fc1.weight": Rule(
-                "glu", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
-            ),
-            mc + "mlp.linear_fc2.weight": Rule("copy", (hf + "mlp.down_proj.weight",), 1),
         }
+        dense = mc + ("mlp.dense." if t.moe is not None else "mlp.")
+        rules[dense + "linear_fc1.weight"] = Rule(
+            "glu", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
+        )
+        rules[dense + "linear_fc2.weight"] = Rule("copy", (hf + "mlp.down_proj.weight",), 1)
+        if t.moe is not None:
+            rules |= _moe_rules(arch, hf, mc + "mlp.")
         if t.kv_source(i) == i:
             heads = dict(groups=t.layer_kv_heads(i), head_dim=t.layer_head_dim(i))
             rules[attn + "k_layernorm.weight"] = Rule("copy", (hf + "self_attn.k_norm.weight",), None)
@@ -64,6 +68,40 @@ def layer_rules(arch: Gemma4Arch, first: int, count: int) -> dict[str, Rule]:
                 mc + "ple_layernorm.weight": Rule("copy", (hf + "post_per_layer_input_norm.weight",), None),
             }
     return rules
+
+
+def _moe_rules(arch: Gemma4Arch, hf: str, mc: str) -> dict[str, Rule]:
+    """A MoE layer's router, experts (transformers' stacked ``experts.gate_up_proj`` / ``down_proj``, megatron-core's
+    local experts numbered globally) and the norms around them."""
+    moe = arch.text.moe
+    assert moe is not None
+    rules = {
+        k: v for k, v in moe_rules(moe, arch.hidden_size, hf, mc).items() if not k.endswith("router.weight")
+    }
+    norms = {
+        "post_dense_layernorm": "post_feedforward_layernorm_1", "pre_experts_layernorm": "pre_feedforward_layernorm_2",
+        "post_experts_layernorm": "post_feedforward_layernorm_2",
+    }  # fmt: skip
+    for ours, theirs in norms.items():
+        rules[f"{mc}{ours}.weight"] = Rule("copy", (f"{hf}{theirs}.weight",), None)
+    for ours, theirs in (
+        ("proj.weight", "proj.weight"),
+        ("scale", "scale"),
+        ("per_expert_scale", "per_expert_scale"),
+    ):
+        rules[f"{mc}router.{ours}"] = Rule("copy", (f"{hf}router.{theirs}",), None)
+    return rules
+
+
+def _moe_shapes(arch: Gemma4Arch, p: str) -> dict[str, tuple[int, ...]]:
+    moe, h = arch.text.moe, arch.hidden_size
+    assert moe is not None
+    e, i = moe.num_experts, moe.ffn_hidden_size
+    norms = ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")
+    return {p + n + ".weight": (h,) for n in norms} | {
+        p + "router.proj.weight": (e, h), p + "router.scale": (h,), p + "router.per_expert_scale": (e,),
+        p + "experts.gate_up_proj": (e, 2 * i, h), p + "experts.down_proj": (e, h, i),
+    }  # fmt: skip
 
 
 def _embedding_rules(arch: Gemma4Arch) -> dict[str, Rule]:
@@ -134,6 +172,8 @@ class Gemma4Weights(HFAdapter[Gemma4Arch]):
                 p + "mlp.up_proj.weight": (ffn, h),
                 p + "mlp.down_proj.weight": (h, ffn),
             }
+            if t.moe is not None:
+                shapes |= _moe_shapes(arch, p)
             if t.kv_source(i) == i:
                 shapes |= {p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_norm.weight": (d,)}
                 if t.has_value_projection(i):

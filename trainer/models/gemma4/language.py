@@ -237,6 +237,79 @@ class Gemma4MLP(MegatronModule):
         return out
 
 
+class Gemma4Router(MegatronModule):
+    """Gemma 4's router, in megatron-core's ``MoELayer`` as its router (``(probs, routing_map)`` per token): the
+    layer's input before the experts' norm (handed over in ``raw``, since megatron-core gives the router the experts'
+    input), RMSNorm without weight, times ``scale`` / sqrt(hidden), projected (``proj``), softmax, top-k renormalised,
+    times each chosen expert's ``per_expert_scale``."""
+
+    def __init__(self, config: TransformerConfig, pg_collection: Any = None) -> None:
+        super().__init__(config)
+        h, experts = config.hidden_size, int(config.num_moe_experts or 0)
+        self.top_k, self.num_experts = int(config.moe_router_topk), experts
+        self.norm = ScaleFreeRMSNorm(config.layernorm_epsilon)
+        self.proj = torch.nn.Linear(h, experts, bias=False)
+        self.scale = torch.nn.Parameter(torch.ones(h))
+        self.per_expert_scale = torch.nn.Parameter(torch.ones(experts))
+        _mark_sequence_parallel(self, config)  # per token, on this rank's tokens under SP
+        self.raw: torch.Tensor | None = None
+
+    def set_layer_number(self, layer_number: int) -> None:  # megatron-core's MoELayer numbers its router
+        self.layer_number = layer_number
+
+    def forward(self, hidden: torch.Tensor, padding_mask: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.raw is not None, "the MoE block hands the router its input"
+        x = self.raw.reshape(-1, self.raw.shape[-1])
+        x = self.norm(x) * self.scale * x.shape[-1] ** -0.5
+        probs = torch.softmax(self.proj(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, k=self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale[chosen]
+        dense = torch.zeros_like(probs).scatter(1, chosen, weights)
+        routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter(1, chosen, True)
+        return dense, routing_map
+
+
+def _moe_layer_class() -> type:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return MoELayer
+
+
+class Gemma4MoE(_moe_layer_class()):  # type: ignore[misc]
+    """The MLP of a layer of the MoE variant: the dense MLP (``dense``, then ``post_dense_layernorm``) beside
+    megatron-core's experts (``experts``, ``router``: :class:`Gemma4Router`) on the experts' own norm
+    (``pre_experts_layernorm``, then ``post_experts_layernorm``), summed. Under TP megatron-core's MoE needs sequence
+    parallelism."""
+
+    def __init__(self, config: TransformerConfig, arch: Gemma4TextArch, layer: int) -> None:
+        import dataclasses
+
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+        h, eps = arch.hidden_size, arch.rms_norm_eps
+        moe_config = dataclasses.replace(
+            config, hidden_size=h
+        )  # the true width (the pipeline's may be wider)
+        spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+        submodules = MoESubmodules(experts=spec.submodules.experts, router=Gemma4Router)
+        super().__init__(moe_config, submodules=submodules, layer_number=layer + 1)
+        self.dense = Gemma4MLP(config, h, arch.layer_intermediate_size(layer))
+        self.post_dense_layernorm = RMSNorm(config, h, eps=eps)
+        self.pre_experts_layernorm = RMSNorm(config, h, eps=eps)
+        self.post_experts_layernorm = RMSNorm(config, h, eps=eps)
+
+    def both(self, normed: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The dense MLP on ``normed`` (the layer's pre-MLP norm of ``residual``) plus the experts on ``residual``."""
+        dense = self.post_dense_layernorm(self.dense(normed))
+        self.router.raw = residual
+        try:
+            experts, _ = super().forward(self.pre_experts_layernorm(residual))
+        finally:
+            self.router.raw = None
+        return dense + self.post_experts_layernorm(experts)
+
+
 class Gemma4Layer(MegatronModule):
     """One decoder layer (``layer``: 0-based, global); ``layer_number`` counts from 1 as megatron-core's."""
 
@@ -249,7 +322,12 @@ class Gemma4Layer(MegatronModule):
         self.self_attention = Gemma4Attention(config, arch, layer)
         self.post_attention_layernorm = RMSNorm(config, h, eps=eps)
         self.pre_mlp_layernorm = RMSNorm(config, h, eps=eps)
-        self.mlp = Gemma4MLP(config, h, arch.layer_intermediate_size(layer))
+        self.moe = arch.moe is not None
+        self.mlp: torch.nn.Module = (
+            Gemma4MoE(config, arch, layer)
+            if self.moe
+            else Gemma4MLP(config, h, arch.layer_intermediate_size(layer))
+        )
         self.post_mlp_layernorm = RMSNorm(config, h, eps=eps)
         self.ple = arch.hidden_size_per_layer_input
         if self.ple:
@@ -267,7 +345,9 @@ class Gemma4Layer(MegatronModule):
         attn = self.self_attention(self.input_layernorm(hidden), ctx)
         hidden = residual + self.post_attention_layernorm(attn)
         residual = hidden
-        hidden = residual + self.post_mlp_layernorm(self.mlp(self.pre_mlp_layernorm(hidden)))
+        normed = self.pre_mlp_layernorm(hidden)
+        mlp = self.mlp.both(normed, residual) if self.moe else self.mlp(normed)  # type: ignore[operator]
+        hidden = residual + self.post_mlp_layernorm(mlp)
         if self.ple:
             assert ple_input is not None
             gated = F.gelu(self.ple_gate(hidden), approximate="tanh") * ple_input
