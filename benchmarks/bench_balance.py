@@ -87,10 +87,15 @@ def pack_bins(lengths: np.ndarray, patches: list[np.ndarray], seq_len: int) -> n
     return features_from_offsets(lengths[order], seq_offsets, grid, image_offsets)
 
 
-def step_times(costs: np.ndarray, dp: int, steps: int, rng: np.random.Generator) -> dict[str, float]:
-    """Per-step max and mean rank cost over a shuffled stream, plain split vs balanced."""
+def step_times(
+    costs: np.ndarray, dp: int, steps: int, rng: np.random.Generator, order: np.ndarray | None = None
+) -> dict[str, float]:
+    """Per-step max and mean rank cost over a shuffled stream (``order``: the stream's bins, else a permutation of
+    all of them), plain split vs balanced."""
     g = dp * MICRO_BATCHES
-    stream = rng.permutation(len(costs))[: steps * g].reshape(steps, g)
+    if order is None:
+        order = rng.permutation(len(costs))
+    stream = order[: steps * g].reshape(steps, g)
     plain, balanced, mean = [], [], []
     balance_s = 0.0
     for batch in stream:
@@ -127,6 +132,54 @@ def packed_features(name: str, seq_len: int, need_bins: int) -> np.ndarray:
         if len(features) >= need_bins:
             return features
         n = int(n * 1.5 * need_bins / max(len(features), 1)) + 64
+
+
+def buffered_features(name: str, seq_len: int, need_bins: int, buffers: int) -> list[np.ndarray]:
+    """Online packing's bins: the samples of mixture `name` packed in `buffers` consecutive buffers, each alone
+    (features per buffer), at least `need_bins` bins in all."""
+    n = need_bins * 4
+    while True:
+        lengths, patches = mixture(name, n, seq_len, np.random.default_rng(0))
+        chunks = np.array_split(np.arange(len(lengths)), buffers)
+        per = [pack_bins(lengths[c], [patches[i] for i in c], seq_len) for c in chunks]
+        total = sum(len(f) for f in per)
+        if total >= need_bins:
+            return per
+        n = int(n * 1.5 * need_bins / max(total, 1)) + 64
+
+
+def buffered_order(sizes: list[int], rng: np.random.Generator) -> np.ndarray:
+    """The online stream's bins: buffers in a shuffled order, each buffer's bins shuffled, one after the other."""
+    offsets = np.concatenate(([0], np.cumsum(sizes)))
+    return np.concatenate([offsets[b] + rng.permutation(sizes[b]) for b in rng.permutation(len(sizes))])
+
+
+def run_online(args: argparse.Namespace, rows: list[dict]) -> None:
+    """As :func:`run_simulated`, the bins packed in `--online-buffers` buffers and streamed buffer by buffer."""
+    for seq_len in args.seq_lens:
+        for name in args.mixtures:
+            need = args.steps * max(args.dps) * MICRO_BATCHES
+            per = buffered_features(name, seq_len, need, args.online_buffers)
+            features = np.concatenate(per)
+            for model_name, model in COST_MODELS.items():
+                costs = model.cost(features)
+                for dp in args.dps:
+                    rng = np.random.default_rng(1)
+                    order = buffered_order([len(f) for f in per], rng)
+                    row = {
+                        "packing": f"online, {args.online_buffers} buffers",
+                        "mixture": name,
+                        "seq_len": seq_len,
+                    }
+                    row |= {"model": model_name, "dp": dp, "bins": len(costs)}
+                    row |= step_times(costs, dp, args.steps, rng, order)
+                    rows.append(row)
+                    print(
+                        f"{name:<12} {seq_len:>7} {model_name:>5} {dp:>4} {row['plain_max_over_mean']:>10.3f} "
+                        f"{row['balanced_max_over_mean']:>10.3f} {row['speedup']:>8.3f}x "
+                        f"{row['balance_ms_per_step']:>8.2f}  (online)",
+                        flush=True,
+                    )
 
 
 def run_simulated(args: argparse.Namespace, rows: list[dict]) -> None:
@@ -338,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainer-rounds", type=int, default=2, help="runs of each, in ABBA order")
     parser.add_argument("--trainer-port", type=int, default=29741)
     parser.add_argument("--simulated", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--online-buffers", type=int, default=0,
+        help="also simulate online packing: the samples packed in this many buffers, streamed buffer by buffer",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     print(
@@ -348,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     if args.simulated:
         run_simulated(args, rows)
+    if args.online_buffers:
+        run_online(args, rows)
     measured = run_measured(args) if args.measure else None
     trainer = run_trainer(args) if args.trainer else None
     report = {
