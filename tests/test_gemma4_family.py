@@ -410,3 +410,60 @@ def test_moe_convert_round_trip_is_bit_exact(moe_setup: dict, tmp_path: Path) ->
         return _reference(export, packed, moe_setup["root"], bins=moe_setup["bins"])
 
     check_convert_round_trip(moe_setup, tmp_path, 2, 2, reference)
+
+
+def test_moe_at_tp1_and_thd_micro_batches_in_process(moe_setup: dict) -> None:
+    """One rank, in process: a micro-batch of the MoE model's two bins gives transformers' loss (the MoE variant at
+    TP1), and the same micro-batch flattened to one THD row (padded to a multiple of 3, as with Transformer Engine
+    under SP) gives the same per-token losses. Control: the same THD row with the second bin's first sample
+    counting on from the first bin's last one (one sample across the bins) gives other losses."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from mmpack.dataloader import Topology, build_loader
+    from mmpack.trainer import cpu_backend
+    from mmpack.trainer.config import RunConfig, build_megatron_configs
+    from mmpack.trainer.data import model_inputs, pad_flat_batch
+    from mmpack.trainer.export_check import one_rank_group
+    from mmpack.trainer.models import family_of, read_hf_config
+
+    hf, packed = moe_setup["hf"], moe_setup["packed"]
+    config = read_hf_config(hf)
+    fam = family_of(config)
+    arch = fam.arch_from_hf_config(config)
+    loader = build_loader(
+        str(packed), topology=Topology(dp_rank=0, dp_size=1), micro_batch_size=2, global_batch_size=2,
+        num_workers=0, num_epochs=1, position_rule=fam.position_rule(arch),
+    )  # fmt: skip
+    batch = next(iter(loader))
+    loader.close()
+    assert batch is not None and batch.tokens.shape[0] == 2
+    flat = pad_flat_batch(batch, 3, arch.text.pad_token_id)
+    assert flat.tokens.numel() > batch.tokens.numel()  # a padding segment was added
+    cpu_backend.activate()
+    with one_rank_group():
+        ps.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        stage = fam.build_stage(
+            arch, build_megatron_configs(RunConfig(), arch).model, pre_process=True, post_process=True
+        )
+        fam.hf.load_stage_weights(stage, hf, arch, tp_rank=0, tp_size=1)
+        stage.eval()
+        with torch.no_grad():
+            dense = stage(**model_inputs(batch, use_thd=False))
+            inputs = model_inputs(flat, use_thd=True)
+            thd = stage(**inputs)
+            row = batch.tokens.shape[1]
+            positions = inputs["position_ids"].clone()
+            first = positions[0, 0, row:]
+            end = row + int(torch.nonzero(first[1:] == 0)[0]) + 1  # the second bin's first sample
+            positions[:, :, row:end] += positions[0, 0, row - 1] + 1
+            merged = stage(**(inputs | {"position_ids": positions}))
+    mask = batch.loss_mask.float()
+    loss = float((dense * mask).sum() / mask.sum())
+    print(f"MoE TP1 in process: loss {loss!r}, transformers {moe_setup['ref']['loss']!r}")
+    assert loss == pytest.approx(moe_setup["ref"]["loss"], rel=1e-5)
+    n = batch.tokens.numel()
+    assert torch.allclose(thd.reshape(-1)[:n], dense.reshape(-1), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(merged.reshape(-1)[:n], dense.reshape(-1), rtol=1e-6, atol=1e-6)

@@ -174,12 +174,9 @@ class Gemma4Stage(MegatronModule):
         video_grid_thw: torch.Tensor | None = None,
         **_: Any,
     ) -> torch.Tensor:
-        """See the class docstring; ``attention_mask`` is not read (samples and images come from the positions
-        and the tokens)."""
-        if packed_seq_params is not None:
-            raise ValueError(
-                "Gemma 4 attends through its own per-sample masks: the THD path is not supported yet"
-            )
+        """See the class docstring; ``attention_mask`` and ``packed_seq_params`` are not read: samples and images
+        come from the positions and the tokens, so a THD micro-batch (one flattened row, as the trainer gives it with
+        Transformer Engine) runs through the same per-sample attention (torch SDPA, on GPU too)."""
         h = self.arch.text.hidden_size
         if self.pre_process:
             hidden, ple = self.embed(
