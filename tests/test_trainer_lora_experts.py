@@ -21,27 +21,13 @@ import pytest
 
 from tests.support import qwen3_vl
 from tests.support.hf_parity import loader_samples, model_inputs_of, records_file
-from tests.support.lora_parity import draw_adapters
+from tests.support.lora_parity import draw_adapters, peft_reference
 from tests.support.shared import MLLM_DEMO_JSON, QWEN3_TOKENIZER, need_import, need_shared
 
 MODULES = ["q_proj", "v_proj"]
 PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 RANK, ALPHA = 4, 8
 SAMPLES = 4  # image samples of mllm_demo, packed in two bins (one per DP rank)
-
-
-def _peft_model(hf_dir: Path, seed: int):  # type: ignore[no-untyped-def]
-    """The model folder's transformers model under peft's LoRA on ``MODULES`` and the experts, every A and B
-    drawn from ``seed``."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32)
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=MODULES, target_parameters=PARAMETERS)
-    model = get_peft_model(model, config)
-    draw_adapters(model, seed)
-    return model
 
 
 def _tiny_config():  # type: ignore[no-untyped-def]
@@ -162,24 +148,9 @@ def moe_setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def _peft_reference(hf_dir: Path, packed: Path, folder: Path) -> dict:
     """peft's adapter folder, loss and adapter gradients, its loss after one Adam step and (control) under
-    another adapter init."""
-    import torch
-
-    from tests.support.hf_parity import loss_and_grads
-    from tests.support.lora_parity import LR
-
+    another adapter init, with adapters on ``MODULES`` and the experts."""
     inputs = model_inputs_of(loader_samples(packed, [(True, False)] * SAMPLES, bins=2), seconds=False)
-    model = _peft_model(hf_dir, 0)
-    model.save_pretrained(folder)
-    model.train()
-    ref = loss_and_grads(model, inputs)
-    adam = torch.optim.Adam([p for n, p in model.named_parameters() if "lora_" in n], lr=LR, betas=(0.9, 0.95), eps=1e-8)  # fmt: skip
-    adam.step()
-    with torch.no_grad():
-        ref["after"] = loss_and_grads(model, inputs)["loss"]
-        draw_adapters(model, 1)
-        ref["other_init"] = loss_and_grads(model, inputs)["loss"]
-    return {**ref, "adapter": folder, "hf": hf_dir, "packed": packed}
+    return peft_reference(hf_dir, packed, inputs, MODULES, folder, parameters=PARAMETERS)
 
 
 def _expert_grads(results: list[dict], etp: int) -> dict[tuple, object]:

@@ -16,16 +16,21 @@ ADAM = ["--weight-decay", "0", "--clip-grad", "0", "--adam-beta1", "0.9", "--ada
 LR = 0.003
 
 
-def peft_model(hf_dir: Path, seed: int, targets: list[str], model_class: Any = None):  # type: ignore[no-untyped-def]
+def peft_model(  # type: ignore[no-untyped-def]
+    hf_dir: Path, seed: int, targets: list[str], model_class: Any = None, parameters: list[str] | None = None
+):
     """The model folder's transformers model (``model_class``; None: transformers' auto class) under peft's LoRA
-    on ``targets`` (rank 4, alpha 8), every A and B drawn from ``seed`` (B nonzero, so that the adapters change
-    the loss and every gradient is nonzero)."""
+    on ``targets`` and (``parameters``) peft's ``target_parameters`` (rank 4, alpha 8), every A and B drawn from
+    ``seed`` (B nonzero, so that the adapters change the loss and every gradient is nonzero)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
     model = (model_class or AutoModelForImageTextToText).from_pretrained(hf_dir, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    config = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, target_parameters=parameters
+    )
+    model = get_peft_model(model, config)
     draw_adapters(model, seed)
     return model
 
@@ -42,16 +47,17 @@ def draw_adapters(model, seed: int) -> None:  # type: ignore[no-untyped-def]
 
 
 def peft_reference(
-    hf_dir: Path, packed: Path, inputs: list, targets: list[str], folder: Path, model_class: Any = None
-) -> dict:
+    hf_dir: Path, packed: Path, inputs: list, targets: list[str], folder: Path, model_class: Any = None,
+    parameters: list[str] | None = None,
+) -> dict:  # fmt: skip
     """peft's side of the parity for one model folder and its packed samples (``inputs``): the adapter folder,
     the loss and adapter gradients, the loss after one Adam step at ``LR`` and (control) the loss under another
-    adapter init (``model_class``: see :func:`peft_model`)."""
+    adapter init (``model_class``, ``parameters``: see :func:`peft_model`)."""
     import torch
 
     from tests.support.hf_parity import loss_and_grads
 
-    model = peft_model(hf_dir, 0, targets, model_class)
+    model = peft_model(hf_dir, 0, targets, model_class, parameters)
     model.save_pretrained(folder)
     model.train()
     ref = loss_and_grads(model, inputs)

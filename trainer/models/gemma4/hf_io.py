@@ -193,12 +193,11 @@ class Gemma4Weights(HFAdapter[Gemma4Arch]):
         read = super().load_stage_weights(
             model, model_dir, arch, tp_rank=tp_rank, tp_size=tp_size, experts=experts
         )
-        buffers = dict(unwrapped(model).named_buffers())
-        with hf_weights.open_hf_weights(model_dir) as reader:
-            for ours, hf in _scalar_names(model).items():
-                with torch.no_grad():
-                    buffers[ours].copy_(reader.read(hf).to(buffers[ours].dtype))
-        return read + len(_scalar_names(model))
+        buffers, scalars = dict(unwrapped(model).named_buffers()), _scalar_names(model)
+        with hf_weights.open_hf_weights(model_dir) as reader, torch.no_grad():
+            for ours, hf in scalars.items():
+                buffers[ours].copy_(reader.read(hf).to(buffers[ours].dtype))
+        return read + len(scalars)
 
     def stage_state_dict(
         self,
